@@ -1,0 +1,184 @@
+"""Benchmark: the collective matmuls, every implementation, DESIGN.md §4 protocol.
+
+    python benchmarks/collective_matmul.py --json out.json [--plot out.png]
+
+For each op and per-device shape (m_shard x K x n_shard) it times, in one
+process: impl "cuda", "xla", "decomposed", the same dot alone ("gemm") and the
+collective alone ("comm"); XLA's windowed einsum ("xla_windowed") runs in a
+child process because its flags are read once at start-up. Every
+implementation's result is checked against "xla" before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+
+SHAPES = [(1024, 4096, 4096), (2048, 8192, 7168), (2048, 8192, 14336),
+          (4096, 8192, 4096), (8192, 8192, 14336), (128, 8192, 8192)]
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
+                  "--xla_gpu_multi_streamed_windowed_einsum=true")
+
+
+def _operands(op, n, m, k, cols):
+    """Per-device operand shapes and the comm-only and gemm-only equivalents."""
+    if op == "all_gather_matmul":
+        return ((m, k), (k, cols)), ("all_gather", (m, k)), ((n * m, k), (k, cols))
+    if op == "matmul_reduce_scatter":
+        return ((n * m, k), (k, cols)), ("psum_scatter", (n * m, cols)), ((n * m, k), (k, cols))
+    return ((m, k), (k, cols)), ("psum", (m, cols)), ((m, k), (k, cols))
+
+
+def run(ops, shapes, impls, reps, check=True):
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_flashoverlap as jfo
+    from jax_flashoverlap.benchmarking import time_per_op
+
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
+    rng = np.random.default_rng(0)
+
+    def put(shape):
+        data = rng.standard_normal((n * shape[0], *shape[1:]), dtype=np.float32)
+        return jax.device_put(jnp.asarray(data, jnp.bfloat16), NamedSharding(mesh, P("tp")))
+
+    def timed(fn, args, expected_us):
+        k2 = int(min(50, max(6, 30_000 / max(expected_us, 1))))
+        spec = (P("tp"),) * len(args)
+        return time_per_op(fn, args, mesh=mesh, in_specs=spec, k1=2, k2=k2, reps=reps)
+
+    rows = []
+    for (m, k, cols) in shapes:
+        gemm_us = 2 * n * m * k * cols / 700e12 * 1e6  # a guess, only sizes the loops
+        for op in ops:
+            shapes_op, (comm_name, comm_shape), gemm_shapes = _operands(op, n, m, k, cols)
+            args = [put(s) for s in shapes_op]
+            reference = None
+            for impl in impls:
+                fn = functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
+                if check:
+                    run_once = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * 2,
+                                                     out_specs=P("tp"), check_vma=False))
+                    try:
+                        out = np.asarray(run_once(*args).astype(jnp.float32))
+                    except NotImplementedError as e:
+                        print(f"skip {op} {impl}: {e}", flush=True)
+                        continue
+                    reference = out if reference is None else reference
+                    err = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+                    if not err < 2e-2:
+                        raise SystemExit(f"{op} {impl} {m}x{k}x{cols}: rel err {err:.3g}")
+                t = timed(fn, args, gemm_us)
+                rows.append(dict(op=op, shape=[m, k, cols], impl=impl, us=t.median_us,
+                                 min_us=t.min_s * 1e6, max_us=t.max_s * 1e6))
+                print(f"{op:22s} {m}x{k}x{cols:<6d} {impl:13s} {t.median_us:9.1f} us",
+                      flush=True)
+            if "xla" not in impls:
+                continue
+            g = [put(s) for s in gemm_shapes]
+            gemm = timed(lambda x, w: jnp.dot(x, w), g, gemm_us)
+            collective = {"all_gather": lambda a: lax.all_gather(a, "tp", tiled=True),
+                          "psum_scatter": lambda a: lax.psum_scatter(a, "tp", tiled=True),
+                          "psum": lambda a: lax.psum(a, "tp")}[comm_name]
+            comm = timed(collective, [put(comm_shape)], gemm_us / 4)
+            for name, t in (("gemm", gemm), ("comm", comm)):
+                rows.append(dict(op=op, shape=[m, k, cols], impl=name, us=t.median_us,
+                                 min_us=t.min_s * 1e6, max_us=t.max_s * 1e6))
+                print(f"{op:22s} {m}x{k}x{cols:<6d} {name:13s} {t.median_us:9.1f} us",
+                      flush=True)
+    return rows
+
+
+def _windowed(args) -> list[dict]:
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED_FLAGS}")
+    out = subprocess.run([sys.executable, __file__, "--child-windowed", "--reps", str(args.reps),
+                          "--ops", *args.ops, "--shapes", *args.shapes],
+                         env=env, check=True, capture_output=True, text=True)
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    for r in rows:
+        r["impl"] = "xla_windowed"
+    return rows
+
+
+def table(rows) -> str:
+    by = {}
+    for r in rows:
+        by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
+    cols = ["cuda", "xla", "xla_windowed", "decomposed", "gemm", "comm"]
+    lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
+             "|---|---|" + "---|" * (len(cols) + 2)]
+    for (op, shape), t in by.items():
+        fmt = lambda v: f"{v:.1f}" if v is not None else "–"  # noqa: E731
+        ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if a in t and b in t else "–"  # noqa: E731
+        lines.append(f"| {op} | {'×'.join(map(str, shape))} | "
+                     + " | ".join(fmt(t.get(c)) for c in cols)
+                     + f" | {ratio('cuda', 'gemm')} | {ratio('xla', 'cuda')} |")
+    return "\n".join(lines)
+
+
+def plot(rows, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(OPS), figsize=(6 * len(OPS), 4.5))
+    for ax, op in zip(axes, OPS):
+        shapes = [tuple(r["shape"]) for r in rows if r["op"] == op and r["impl"] == "xla"]
+        for i, impl in enumerate(["cuda", "xla", "xla_windowed", "decomposed", "gemm"]):
+            vals = [next((r["us"] for r in rows if r["op"] == op and tuple(r["shape"]) == s
+                          and r["impl"] == impl), 0) for s in shapes]
+            ax.bar([j + 0.16 * i for j in range(len(shapes))], vals, 0.16, label=impl)
+        ax.set_xticks([j + 0.32 for j in range(len(shapes))],
+                      ["×".join(map(str, s)) for s in shapes], rotation=30, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_ylabel("µs per op (lower is better)")
+        ax.set_title(op)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", nargs="+", default=list(OPS))
+    parser.add_argument("--shapes", nargs="+", default=["x".join(map(str, s)) for s in SHAPES])
+    parser.add_argument("--impls", nargs="+", default=["cuda", "xla", "decomposed"])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-windowed", action="store_true")
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    parser.add_argument("--child-windowed", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    if args.child_windowed:
+        rows = run(args.ops, shapes, ["xla"], args.reps, check=False)
+        print(json.dumps([r for r in rows if r["impl"] == "xla"]))
+        return
+    rows = run(args.ops, shapes, args.impls, args.reps)
+    if not args.no_windowed:
+        rows += _windowed(args)
+    import jax
+    meta = dict(devices=len(jax.devices()), device_kind=jax.devices()[0].device_kind,
+                jax=jax.__version__, dtype="bfloat16", protocol="DESIGN.md §4")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if args.plot:
+        plot(rows, args.plot)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

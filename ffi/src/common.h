@@ -1,0 +1,67 @@
+// Aliases and helpers shared by every handler (the TransformerEngine pattern):
+// one error macro, one place that maps XLA dtypes to CUDA ones.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <library_types.h>
+
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jfo {
+
+namespace ffi = xla::ffi;
+
+using Buffer_Type = ffi::AnyBuffer;
+using Result_Type = ffi::Result<ffi::AnyBuffer>;
+using Error_Type = ffi::Error;
+using FFI_Stream_Type = ffi::PlatformStream<cudaStream_t>;
+using I32Span = ffi::Span<const int32_t>;
+
+// Returns an ffi::Error naming the failing call and its location, so a
+// failure on one of several GPUs can be traced without a debugger.
+#define JFO_CUDA_RETURN_IF_ERROR(expr)                                       \
+  do {                                                                       \
+    cudaError_t jfo_err_ = (expr);                                           \
+    if (jfo_err_ != cudaSuccess) {                                           \
+      return ::xla::ffi::Error::Internal(                                    \
+          std::string("jax_flashoverlap: ") + #expr + " failed at " +        \
+          __FILE__ + ":" + std::to_string(__LINE__) + ": " +                 \
+          cudaGetErrorString(jfo_err_));                                     \
+    }                                                                        \
+  } while (0)
+
+// Propagates a failed ffi::Error (or the error of an ErrorOr) to the caller.
+#define JFO_RETURN_IF_ERROR(expr)                  \
+  do {                                             \
+    ::xla::ffi::Error jfo_status_ = (expr);        \
+    if (jfo_status_.failure()) return jfo_status_; \
+  } while (0)
+
+inline bool IsSupportedFloat(ffi::DataType t) {
+  return t == ffi::DataType::BF16 || t == ffi::DataType::F16 ||
+         t == ffi::DataType::F32;
+}
+
+inline cudaDataType_t ToCudaDataType(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::BF16: return CUDA_R_16BF;
+    case ffi::DataType::F16: return CUDA_R_16F;
+    default: return CUDA_R_32F;
+  }
+}
+
+inline size_t DataTypeBytes(ffi::DataType t) { return ffi::ByteWidth(t); }
+
+inline std::string DimsToString(const Buffer_Type& b) {
+  std::string s = "[";
+  auto dims = b.dimensions();
+  for (size_t i = 0; i < dims.size(); ++i) {
+    s += (i ? ", " : "") + std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+}  // namespace jfo

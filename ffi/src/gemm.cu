@@ -1,0 +1,196 @@
+#include "gemm.h"
+
+#include <cublasLt.h>
+#include <dlfcn.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace jfo {
+namespace {
+
+// The cuBLASLt entry points we use, resolved with dlsym.
+struct LtApi {
+  decltype(&cublasLtCreate) Create;
+  decltype(&cublasLtMatmulDescCreate) MatmulDescCreate;
+  decltype(&cublasLtMatmulDescSetAttribute) MatmulDescSetAttribute;
+  decltype(&cublasLtMatrixLayoutCreate) MatrixLayoutCreate;
+  decltype(&cublasLtMatmulPreferenceCreate) PreferenceCreate;
+  decltype(&cublasLtMatmulPreferenceSetAttribute) PreferenceSetAttribute;
+  decltype(&cublasLtMatmulAlgoGetHeuristic) AlgoGetHeuristic;
+  decltype(&cublasLtMatmul) Matmul;
+  decltype(&cublasLtGetStatusString) GetStatusString;
+};
+
+// Everything cuBLASLt needs for one problem, built once and reused.
+struct Plan {
+  cublasLtMatmulDesc_t desc;
+  cublasLtMatrixLayout_t a, b, c, d;
+  cublasLtMatmulAlgo_t algo;
+};
+
+// (ordinal, dtype, m, n, k, ldx, ldw, ldc, ldd, has_c, alignment)
+using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int64_t,
+                           int64_t, int64_t, int64_t, bool, int>;
+
+std::mutex g_mu;
+std::string g_path = "libcublasLt.so.13";
+LtApi* g_api = nullptr;
+std::map<int, cublasLtHandle_t> g_handles;
+std::map<PlanKey, Plan> g_plans;
+
+ffi::Error LtError(const char* what, cublasStatus_t s) {
+  return ffi::Error::Internal(std::string("jax_flashoverlap: ") + what +
+                              " failed: " + g_api->GetStatusString(s));
+}
+
+#define JFO_LT_RETURN_IF_ERROR(expr)                                \
+  do {                                                              \
+    cublasStatus_t jfo_s_ = (expr);                                 \
+    if (jfo_s_ != CUBLAS_STATUS_SUCCESS) return LtError(#expr, jfo_s_); \
+  } while (0)
+
+// Called under g_mu. jax's CUDA plugin has normally loaded cuBLASLt already,
+// so RTLD_NOW finds the same copy.
+ffi::Error LoadApi() {
+  if (g_api) return ffi::Error::Success();
+  void* lib = dlopen(g_path.c_str(), RTLD_NOW | RTLD_GLOBAL);
+  if (!lib) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap: cannot load cuBLASLt (" + g_path + "): " +
+        dlerror() + "; install nvidia-cublas or call "
+        "jax_flashoverlap._ffi.set_cublaslt_path(path)");
+  }
+  static LtApi api;
+  void** slots[] = {
+      reinterpret_cast<void**>(&api.Create),
+      reinterpret_cast<void**>(&api.MatmulDescCreate),
+      reinterpret_cast<void**>(&api.MatmulDescSetAttribute),
+      reinterpret_cast<void**>(&api.MatrixLayoutCreate),
+      reinterpret_cast<void**>(&api.PreferenceCreate),
+      reinterpret_cast<void**>(&api.PreferenceSetAttribute),
+      reinterpret_cast<void**>(&api.AlgoGetHeuristic),
+      reinterpret_cast<void**>(&api.Matmul),
+      reinterpret_cast<void**>(&api.GetStatusString)};
+  const char* names[] = {
+      "cublasLtCreate", "cublasLtMatmulDescCreate",
+      "cublasLtMatmulDescSetAttribute", "cublasLtMatrixLayoutCreate",
+      "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceSetAttribute",
+      "cublasLtMatmulAlgoGetHeuristic", "cublasLtMatmul",
+      "cublasLtGetStatusString"};
+  for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); ++i) {
+    *slots[i] = dlsym(lib, names[i]);
+    if (!*slots[i]) {
+      return ffi::Error::Internal(std::string("jax_flashoverlap: ") + g_path +
+                                  " has no symbol " + names[i]);
+    }
+  }
+  g_api = &api;
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<cublasLtHandle_t> Handle(int ordinal) {
+  JFO_RETURN_IF_ERROR(LoadApi());
+  auto it = g_handles.find(ordinal);
+  if (it != g_handles.end()) return it->second;
+  cublasLtHandle_t h;
+  JFO_LT_RETURN_IF_ERROR(g_api->Create(&h));
+  g_handles[ordinal] = h;
+  return h;
+}
+
+// Largest power of two (<= 256) dividing every pointer: the heuristic must
+// not pick a kernel that assumes more alignment than row-block offsets have.
+int Alignment(const GemmArgs& g) {
+  uintptr_t bits = reinterpret_cast<uintptr_t>(g.x) |
+                   reinterpret_cast<uintptr_t>(g.w) |
+                   reinterpret_cast<uintptr_t>(g.d) |
+                   reinterpret_cast<uintptr_t>(g.c) | 256;
+  return static_cast<int>(bits & (~bits + 1));
+}
+
+// Row-major D = X W is column-major D^T = W^T X^T: A = W (N x K, ld = ldw),
+// B = X (K x M, ld = ldx), no transposes.
+ffi::ErrorOr<Plan> MakePlan(cublasLtHandle_t handle, const GemmArgs& g,
+                             int align) {
+  const cudaDataType_t t = ToCudaDataType(g.dtype);
+  const cudaDataType_t scale_t = CUDA_R_32F;
+  Plan p;
+  JFO_LT_RETURN_IF_ERROR(
+      g_api->MatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, scale_t));
+  JFO_LT_RETURN_IF_ERROR(g_api->MatrixLayoutCreate(&p.a, t, g.n, g.k, g.ldw));
+  JFO_LT_RETURN_IF_ERROR(g_api->MatrixLayoutCreate(&p.b, t, g.k, g.m, g.ldx));
+  JFO_LT_RETURN_IF_ERROR(g_api->MatrixLayoutCreate(
+      &p.c, t, g.n, g.m, g.c ? g.ldc : g.ldd));
+  JFO_LT_RETURN_IF_ERROR(g_api->MatrixLayoutCreate(&p.d, t, g.n, g.m, g.ldd));
+  cublasLtMatmulPreference_t pref;
+  JFO_LT_RETURN_IF_ERROR(g_api->PreferenceCreate(&pref));
+  uint64_t ws = 32u << 20;
+  uint32_t a32 = static_cast<uint32_t>(align);
+  JFO_LT_RETURN_IF_ERROR(g_api->PreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
+  for (auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                    CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES}) {
+    JFO_LT_RETURN_IF_ERROR(
+        g_api->PreferenceSetAttribute(pref, attr, &a32, sizeof(a32)));
+  }
+  cublasLtMatmulHeuristicResult_t result;
+  int found = 0;
+  JFO_LT_RETURN_IF_ERROR(g_api->AlgoGetHeuristic(
+      handle, p.desc, p.a, p.b, p.c, p.d, pref, 1, &result, &found));
+  if (found == 0) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap: cuBLASLt has no algorithm for M=" +
+        std::to_string(g.m) + " N=" + std::to_string(g.n) +
+        " K=" + std::to_string(g.k));
+  }
+  p.algo = result.algo;
+  return p;
+}
+
+}  // namespace
+
+void SetCublasLtPath(const std::string& path) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_path = path;
+}
+
+ffi::Error GemmInit(int ordinal) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto h = Handle(ordinal);
+  return h.has_error() ? h.error() : ffi::Error::Success();
+}
+
+ffi::Error Gemm(int ordinal, const GemmArgs& g, void* workspace,
+                size_t workspace_bytes, cudaStream_t stream) {
+  if (g.m == 0 || g.n == 0) return ffi::Error::Success();
+  const int align = Alignment(g);
+  cublasLtHandle_t handle;
+  Plan plan;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    auto h = Handle(ordinal);
+    if (h.has_error()) return h.error();
+    handle = *h;
+    PlanKey key{ordinal, static_cast<int>(g.dtype), g.m, g.n, g.k, g.ldx,
+                g.ldw, g.c ? g.ldc : 0, g.ldd, g.c != nullptr, align};
+    auto it = g_plans.find(key);
+    if (it == g_plans.end()) {
+      auto made = MakePlan(handle, g, align);
+      if (made.has_error()) return made.error();
+      it = g_plans.emplace(key, *made).first;
+    }
+    plan = it->second;
+  }
+  const float alpha = 1.0f, beta = g.c ? 1.0f : 0.0f;
+  JFO_LT_RETURN_IF_ERROR(g_api->Matmul(
+      handle, plan.desc, &alpha, g.w, plan.a, g.x, plan.b, &beta,
+      g.c ? g.c : g.d, plan.c, g.d, plan.d, &plan.algo, workspace,
+      workspace_bytes, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace jfo

@@ -1,0 +1,19 @@
+// The XLA FFI handler symbols the Python module registers.
+#pragma once
+
+#include "common.h"
+
+namespace jfo {
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoScale);
+
+#ifdef JFO_WITH_CUBLASLT
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllGatherMatmulInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllGatherMatmul);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulReduceScatterInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulAllReduceInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulAllReduce);
+#endif
+
+}  // namespace jfo

@@ -1,0 +1,110 @@
+// The Python extension `_ffi`: handler capsules for jax.ffi plus build
+// facts and error reporting. Builds without CUDA too (no handlers then), so
+// the package imports on CPU-only machines.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+
+#include <optional>
+#include <string>
+
+#ifdef JFO_WITH_CUDA
+#include "handlers.h"
+#endif
+#ifdef JFO_WITH_CUBLASLT
+#include "gemm.h"
+#include "transport/transport.h"
+#endif
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+// Fused ops set up peers and workspaces in the initialize stage, so they are
+// registered as a dict of stage handlers (accepted by register_ffi_target).
+template <typename T>
+nb::dict Stages(T* initialize, T* execute) {
+  nb::dict d;
+  d["initialize"] = Capsule(initialize);
+  d["execute"] = Capsule(execute);
+  return d;
+}
+
+nb::dict Registrations() {
+  nb::dict d;
+#ifdef JFO_WITH_CUDA
+  d["jfo_scale"] = Capsule(jfo::JfoScale);
+#endif
+#ifdef JFO_WITH_CUBLASLT
+  d["jfo_all_gather_matmul"] =
+      Stages(jfo::JfoAllGatherMatmulInitialize, jfo::JfoAllGatherMatmul);
+  d["jfo_matmul_reduce_scatter"] =
+      Stages(jfo::JfoMatmulReduceScatterInitialize, jfo::JfoMatmulReduceScatter);
+  d["jfo_matmul_all_reduce"] =
+      Stages(jfo::JfoMatmulAllReduceInitialize, jfo::JfoMatmulAllReduce);
+#endif
+  return d;
+}
+
+nb::dict BuildInfo() {
+  nb::dict d;
+  nb::list archs;
+#ifdef JFO_WITH_CUDA
+  d["cuda"] = true;
+  d["cuda_version"] = JFO_CUDA_VERSION;
+  std::string list = JFO_CUDA_ARCHITECTURES;  // CMake list: "90;100"
+  for (size_t pos = 0; pos <= list.size();) {
+    size_t end = list.find(';', pos);
+    if (end == std::string::npos) end = list.size();
+    if (end > pos) archs.append(list.substr(pos, end - pos));
+    pos = end + 1;
+  }
+#else
+  d["cuda"] = false;
+  d["cuda_version"] = "";
+#endif
+  d["architectures"] = archs;
+#ifdef JFO_WITH_CUBLASLT
+  d["cublaslt"] = true;
+#else
+  d["cublaslt"] = false;
+#endif
+  return d;
+}
+
+std::optional<std::string> PendingError() {
+#ifdef JFO_WITH_CUBLASLT
+  std::string msg = jfo::TakePendingError();
+  if (!msg.empty()) return msg;
+#endif
+  return std::nullopt;
+}
+
+void SetCublasLtPath(const std::string& path) {
+#ifdef JFO_WITH_CUBLASLT
+  jfo::SetCublasLtPath(path);
+#else
+  (void)path;
+#endif
+}
+
+}  // namespace
+
+NB_MODULE(_ffi, m) {
+  m.doc() = "jax_flashoverlap CUDA kernels exposed through the XLA FFI";
+  m.def("registrations", &Registrations,
+        "Target name -> PyCapsule (or dict of stage capsules) for "
+        "jax.ffi.register_ffi_target(..., platform='CUDA').");
+  m.def("build_info", &BuildInfo,
+        "Dict: cuda (bool), cuda_version (str), architectures (list of str), "
+        "cublaslt (bool).");
+  m.def("pending_error", &PendingError,
+        "Returns and clears a recorded wait timeout of any device, or None.");
+  m.def("set_cublaslt_path", &SetCublasLtPath, nb::arg("path"),
+        "dlopen cuBLASLt from this path if it is not loaded yet.");
+}

@@ -1,0 +1,135 @@
+#include "ops_common.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <vector>
+
+namespace jfo {
+namespace {
+
+constexpr int kMaxAddSources = 8;
+
+struct AddSources {
+  const void* p[kMaxAddSources];
+  int count;
+};
+
+template <typename T>
+__global__ void AddIntoKernel(T* d, AddSources srcs, size_t elements) {
+  size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < elements;
+       i += stride) {
+    float acc = static_cast<float>(d[i]);
+    for (int j = 0; j < srcs.count; ++j) {
+      acc += static_cast<float>(static_cast<const T*>(srcs.p[j])[i]);
+    }
+    d[i] = static_cast<T>(acc);
+  }
+}
+
+std::string Where(OpId op) {
+  return std::string("jax_flashoverlap ") + OpName(op) + ": ";
+}
+
+}  // namespace
+
+ffi::Error CheckDtypes(OpId op, std::initializer_list<ffi::DataType> types) {
+  ffi::DataType first = *types.begin();
+  for (ffi::DataType t : types) {
+    if (t != first || !IsSupportedFloat(t)) {
+      return ffi::Error::InvalidArgument(
+          Where(op) + "operands and results must share one dtype among "
+          "bfloat16, float16, float32 (got XLA dtypes " +
+          std::to_string(static_cast<int>(first)) + " and " +
+          std::to_string(static_cast<int>(t)) + ")");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckShape(OpId op, const char* name, const Buffer_Type& b,
+                      int64_t rows, int64_t cols) {
+  auto dims = b.dimensions();
+  if (dims.size() == 2 && dims[0] == rows && dims[1] == cols) {
+    return ffi::Error::Success();
+  }
+  return ffi::Error::InvalidArgument(
+      Where(op) + name + " has shape " + DimsToString(b) + ", expected [" +
+      std::to_string(rows) + ", " + std::to_string(cols) + "]");
+}
+
+ffi::Error CheckOrder(OpId op, I32Span order, int n, bool own_first) {
+  if (static_cast<int64_t>(order.size()) != static_cast<int64_t>(n) * n) {
+    return ffi::Error::InvalidArgument(
+        Where(op) + "order has " + std::to_string(order.size()) +
+        " entries, expected n*n = " + std::to_string(n * n));
+  }
+  for (int r = 0; r < n; ++r) {
+    std::vector<bool> seen(n, false);
+    for (int i = 0; i < n; ++i) {
+      int v = order[r * n + i];
+      if (v < 0 || v >= n || seen[v]) {
+        return ffi::Error::InvalidArgument(
+            Where(op) + "order row " + std::to_string(r) +
+            " is not a permutation of 0.." + std::to_string(n - 1));
+      }
+      seen[v] = true;
+    }
+    if (order[r * n + (own_first ? 0 : n - 1)] != r) {
+      return ffi::Error::InvalidArgument(
+          Where(op) + "order row " + std::to_string(r) + " must " +
+          (own_first ? "start" : "end") + " with " + std::to_string(r));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckCommon(OpId op, int32_t timeout_ms, int32_t chunks) {
+  if (timeout_ms <= 0 || chunks < 1 || chunks > 64) {
+    return ffi::Error::InvalidArgument(
+        Where(op) + "need timeout_ms > 0 and 1 <= chunks <= 64, got " +
+        std::to_string(timeout_ms) + " and " + std::to_string(chunks));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error RowGemm(Channel& ch, ffi::DataType dtype, int64_t rows, int64_t n,
+                   int64_t k, const void* x, const void* w, const void* c,
+                   void* d) {
+  size_t ws_bytes = 0;
+  void* ws = ch.GemmWorkspace(&ws_bytes);
+  GemmArgs g{dtype, rows, n, k, x, k, w, n, c, n, d, n};
+  return Gemm(ch.ordinal(), g, ws, ws_bytes, ch.stream());
+}
+
+ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
+                   const std::vector<const void*>& srcs, size_t elements) {
+  for (size_t first = 0; first < srcs.size(); first += kMaxAddSources) {
+    AddSources s{};
+    s.count = static_cast<int>(
+        std::min<size_t>(kMaxAddSources, srcs.size() - first));
+    for (int j = 0; j < s.count; ++j) s.p[j] = srcs[first + j];
+    const int blocks = static_cast<int>(
+        std::min<size_t>((elements + 255) / 256, 1024));
+    if (blocks == 0) return ffi::Error::Success();
+    switch (dtype) {
+      case ffi::DataType::BF16:
+        AddIntoKernel<<<blocks, 256, 0, ch.stream()>>>(
+            static_cast<__nv_bfloat16*>(d), s, elements);
+        break;
+      case ffi::DataType::F16:
+        AddIntoKernel<<<blocks, 256, 0, ch.stream()>>>(
+            static_cast<__half*>(d), s, elements);
+        break;
+      default:
+        AddIntoKernel<<<blocks, 256, 0, ch.stream()>>>(
+            static_cast<float*>(d), s, elements);
+    }
+    JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace jfo
+

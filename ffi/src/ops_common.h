@@ -1,0 +1,60 @@
+// Pieces shared by the three fused GEMM+collective handlers: the initialize
+// stage, attribute validation, the row split of chunked schedules, and the
+// GEMM / add calls on the channel's workspace.
+#pragma once
+
+#include <initializer_list>
+
+#include "gemm.h"
+#include "transport/transport.h"
+
+namespace jfo {
+
+// Initialize stage of every fused op: per-device workspace, peer access,
+// group rendezvous and the cuBLASLt handle, all outside the execute stage.
+template <OpId op>
+ffi::Error FusedOpInitialize(int ordinal, ffi::Dictionary attrs) {
+  auto ordinals = attrs.get<I32Span>("group_ordinals");
+  auto n = attrs.get<int32_t>("n");
+  auto timeout_ms = attrs.get<int32_t>("timeout_ms");
+  if (ordinals.has_error()) return ordinals.error();
+  if (n.has_error()) return n.error();
+  if (timeout_ms.has_error()) return timeout_ms.error();
+  auto group = FindGroup(op, *ordinals, *n, ordinal);
+  if (group.has_error()) return group.error();
+  JFO_RETURN_IF_ERROR(EnsureGroupReady(op, *group, *timeout_ms));
+  return GemmInit(ordinal);
+}
+
+#define JFO_DEFINE_INITIALIZE(symbol, op)                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                 \
+      symbol, FusedOpInitialize<op>,                             \
+      ffi::Ffi::BindInitialize()                                 \
+          .Ctx<ffi::DeviceOrdinal>() /* ordinal */               \
+          .Attrs() /* group_ordinals, n, timeout_ms, ... */)
+
+// Same floating dtype for every operand, one of bf16/f16/f32.
+ffi::Error CheckDtypes(OpId op, std::initializer_list<ffi::DataType> types);
+// Shape check with the offending shapes in the message.
+ffi::Error CheckShape(OpId op, const char* name, const Buffer_Type& b,
+                      int64_t rows, int64_t cols);
+// `order` is [n*n]; row r is a permutation of 0..n-1 with r first
+// (own_first) or last.
+ffi::Error CheckOrder(OpId op, I32Span order, int n, bool own_first);
+ffi::Error CheckCommon(OpId op, int32_t timeout_ms, int32_t chunks);
+
+// Start of part `i` of `parts` near-equal parts of `total` rows.
+inline int64_t SplitStart(int64_t total, int64_t parts, int64_t i) {
+  return total * i / parts;
+}
+
+// Row-major GEMM of `rows` rows: D = X W (+ C) with leading dims of the
+// full matrices; the channel supplies the cuBLASLt workspace.
+ffi::Error RowGemm(Channel& ch, ffi::DataType dtype, int64_t rows, int64_t n,
+                   int64_t k, const void* x, const void* w, const void* c,
+                   void* d);
+// d[i] += sum_j srcs[j][i] for i < elements, on the channel's XLA stream.
+ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
+                   const std::vector<const void*>& srcs, size_t elements);
+
+}  // namespace jfo

@@ -1,0 +1,509 @@
+// Peer transport: several GPUs driven by one process (jax.shard_map on local
+// devices). Data moves on copy engines (cudaMemcpyAsync into a peer pointer),
+// signals are stream memory ops (cuStreamWriteValue32) into the receiver's
+// flag, waits are one-thread kernels with a timeout.
+//
+// Flow control. Every ordered pair (sender s, receiver d) has one flag word in
+// d's workspace. Each message raises it to the next epoch; epochs only grow
+// (a flag is never reset), so a waiter checks `flag >= epoch` and a late or
+// repeated signal cannot satisfy a future wait early. Both sides count epochs
+// on the host: the handlers run their host code every call (they are not
+// command-buffer compatible), and every op sends the same number of messages
+// in both directions of a pair.
+//
+// Slot reuse. The receive slot of a pair is double-buffered by call parity,
+// and a call's sends are ordered after that call's start on the sender's XLA
+// stream. The sender can write the slot of call k again only at call k+2;
+// call k+2 starts after its call k+1 finished, which needed the receiver's
+// call k+1 messages, which the receiver sends only after starting call k+1,
+// i.e. after it finished reading (End joins all readers) the slot of call k.
+#include <cuda.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <set>
+
+#include "transport.h"
+
+namespace jfo {
+namespace {
+
+constexpr size_t kGemmWorkspaceBytes = 32u << 20;
+constexpr size_t kControlBytes = 64u << 10;
+constexpr size_t kFailWordOffset = 32u << 10;  // flags use the bytes below
+constexpr int kEventsPerCall = 1024;
+
+// Filled by a wait kernel that timed out, read by the host on the next call.
+struct TimeoutRecord {
+  volatile int32_t set;
+  int32_t op, rank, ordinal, peer_rank, peer_ordinal, timeout_ms;
+  uint32_t expected, seen;
+};
+
+using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
+                                    unsigned int);
+
+}  // namespace
+
+struct DeviceState {
+  int ordinal = 0;
+  int num_devices = 1;
+  char* workspace = nullptr;
+  uint32_t* flags = nullptr;      // flags[sender ordinal], in device memory
+  uint32_t* fail_call = nullptr;  // id of the last call whose wait timed out
+  char* staging = nullptr;
+  size_t staging_bytes = 0;
+  char* recv = nullptr;
+  size_t slot_bytes = 0;
+  TimeoutRecord* record = nullptr;  // host-mapped pinned memory
+  std::vector<cudaStream_t> send_streams, wait_streams;  // per peer ordinal
+  cudaStream_t copy_stream = nullptr;
+  std::vector<cudaEvent_t> events;
+  std::vector<uint32_t> sent_epoch, recv_epoch;  // per peer ordinal
+  std::vector<uint64_t> pair_calls;              // per peer ordinal
+  uint32_t call_id = 0;
+  std::mutex mu;
+
+  // Slots are indexed by the sender's global ordinal, so devices that belong
+  // to several groups never share a slot between two senders.
+  char* Slot(int sender, int parity) const {
+    int idx = sender < ordinal ? sender : sender - 1;
+    return recv + (static_cast<size_t>(idx) * 2 + parity) * slot_bytes;
+  }
+};
+
+namespace {
+
+std::mutex g_mu;
+std::condition_variable g_cv;
+std::map<int, std::unique_ptr<DeviceState>> g_devices;
+std::map<std::vector<int>, std::set<int>> g_registered;  // group -> members
+WriteValue32Fn g_write_value32 = nullptr;
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
+               : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// One thread: a spinning CTA must not starve the GEMM (or NCCL) of SMs.
+__global__ void WaitFlagKernel(const uint32_t* flag, uint32_t expected,
+                               uint64_t timeout_ns, uint32_t* fail_call,
+                               uint32_t call_id, TimeoutRecord* record,
+                               TimeoutRecord info) {
+  const uint64_t start = GlobalTimerNs();
+  uint32_t seen;
+  for (;;) {
+    seen = LoadAcquire(flag);
+    if (static_cast<int32_t>(seen - expected) >= 0) return;
+    // Another wait of this call already timed out: stop, outputs are NaN.
+    if (*reinterpret_cast<volatile uint32_t*>(fail_call) == call_id) return;
+    if (GlobalTimerNs() - start > timeout_ns) break;
+  }
+  if (atomicExch(fail_call, call_id) == call_id) return;
+  record->op = info.op;
+  record->rank = info.rank;
+  record->ordinal = info.ordinal;
+  record->peer_rank = info.peer_rank;
+  record->peer_ordinal = info.peer_ordinal;
+  record->timeout_ms = info.timeout_ms;
+  record->expected = expected;
+  record->seen = seen;
+  __threadfence_system();
+  record->set = 1;
+}
+
+template <typename T>
+__global__ void FillIfFailedKernel(T* a, size_t na, T* b, size_t nb, T value,
+                                   const uint32_t* fail_call,
+                                   uint32_t call_id) {
+  if (*fail_call != call_id) return;
+  size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < na + nb;
+       i += stride) {
+    (i < na ? a[i] : b[i - na]) = value;
+  }
+}
+
+// Sets the current device for a scope (XLA's threads may expect theirs back).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    cudaGetDevice(&saved_);
+    cudaSetDevice(ordinal);
+  }
+  ~DeviceGuard() { cudaSetDevice(saved_); }
+
+ private:
+  int saved_ = 0;
+};
+
+size_t WorkspaceBytesFromEnv() {
+  const char* env = std::getenv("JAX_FLASHOVERLAP_WORKSPACE_MB");
+  size_t mb = env ? std::strtoull(env, nullptr, 10) : 1024;
+  return std::max<size_t>(mb, 64) << 20;
+}
+
+ffi::Error LoadDriverEntryPoints() {
+  if (g_write_value32) return ffi::Error::Success();
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query;
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
+      "cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &query));
+  if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap: the CUDA driver has no cuStreamWriteValue32");
+  }
+  g_write_value32 = reinterpret_cast<WriteValue32Fn>(fn);
+  return ffi::Error::Success();
+}
+
+// Allocates everything a device needs once; called under g_mu.
+ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
+  auto it = g_devices.find(ordinal);
+  if (it != g_devices.end()) return it->second.get();
+  auto st = std::make_unique<DeviceState>();
+  st->ordinal = ordinal;
+  DeviceGuard guard(ordinal);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&st->num_devices));
+  const size_t bytes = WorkspaceBytesFromEnv();
+  JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&st->workspace, bytes));
+  char* control = st->workspace + kGemmWorkspaceBytes;
+  st->flags = reinterpret_cast<uint32_t*>(control);
+  st->fail_call = reinterpret_cast<uint32_t*>(control + kFailWordOffset);
+  const size_t data = bytes - kGemmWorkspaceBytes - kControlBytes;
+  // A peer needs one staged message per peer and receives two (parities):
+  // staging one third, receive slots two thirds.
+  st->staging = control + kControlBytes;
+  st->staging_bytes = data / 3 / 256 * 256;
+  st->recv = st->staging + st->staging_bytes;
+  const int peers = std::max(st->num_devices - 1, 1);
+  st->slot_bytes = (data - st->staging_bytes) / (2 * peers) / 256 * 256;
+  JFO_CUDA_RETURN_IF_ERROR(cudaHostAlloc(
+      &st->record, sizeof(TimeoutRecord),
+      cudaHostAllocMapped | cudaHostAllocPortable));
+  st->record->set = 0;
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaStreamCreateWithFlags(&st->copy_stream, cudaStreamNonBlocking));
+  st->send_streams.resize(st->num_devices);
+  st->wait_streams.resize(st->num_devices);
+  for (int d = 0; d < st->num_devices; ++d) {
+    JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(
+        &st->send_streams[d], cudaStreamNonBlocking));
+    JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(
+        &st->wait_streams[d], cudaStreamNonBlocking));
+  }
+  st->events.resize(kEventsPerCall);
+  for (auto& e : st->events) {
+    JFO_CUDA_RETURN_IF_ERROR(
+        cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  }
+  st->sent_epoch.assign(st->num_devices, 0);
+  st->recv_epoch.assign(st->num_devices, 0);
+  st->pair_calls.assign(st->num_devices, 0);
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st->copy_stream));
+  DeviceState* raw = st.get();
+  g_devices[ordinal] = std::move(st);
+  return raw;
+}
+
+ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
+  DeviceGuard guard(ordinal);
+  for (int p : peers) {
+    if (p == ordinal) continue;
+    int can = 0;
+    JFO_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, ordinal, p));
+    if (!can) {
+      return ffi::Error::Internal(
+          "jax_flashoverlap: CUDA device " + std::to_string(ordinal) +
+          " cannot access device " + std::to_string(p) +
+          " (no peer access); use the pure-JAX implementation");
+    }
+    cudaError_t err = cudaDeviceEnablePeerAccess(p, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // XLA or NCCL enabled it first: fine
+    } else {
+      JFO_CUDA_RETURN_IF_ERROR(err);
+    }
+  }
+  return ffi::Error::Success();
+}
+
+DeviceState* LookupDevice(int ordinal) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_devices.find(ordinal);
+  return it == g_devices.end() ? nullptr : it->second.get();
+}
+
+std::string FormatTimeout(const TimeoutRecord& r) {
+  return std::string("jax_flashoverlap ") + OpName(static_cast<OpId>(r.op)) +
+         ": rank " + std::to_string(r.rank) + " (CUDA device " +
+         std::to_string(r.ordinal) + ") timed out after " +
+         std::to_string(r.timeout_ms) + " ms waiting for rank " +
+         std::to_string(r.peer_rank) + " (CUDA device " +
+         std::to_string(r.peer_ordinal) + "), epoch " +
+         std::to_string(r.expected) + " (flag holds " +
+         std::to_string(r.seen) + ")";
+}
+
+// Returns the formatted record of `st` and clears it, or "".
+std::string TakeRecord(DeviceState* st) {
+  if (!__atomic_exchange_n(&st->record->set, 0, __ATOMIC_ACQ_REL)) return "";
+  return FormatTimeout(*st->record);
+}
+
+}  // namespace
+
+const char* OpName(OpId op) {
+  switch (op) {
+    case OpId::kAllGatherMatmul: return "all_gather_matmul";
+    case OpId::kMatmulReduceScatter: return "matmul_reduce_scatter";
+    case OpId::kMatmulAllReduce: return "matmul_all_reduce";
+  }
+  return "?";
+}
+
+ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
+                                  int ordinal) {
+  const std::string where = std::string("jax_flashoverlap ") + OpName(op);
+  if (n < 1 || group_ordinals.size() % n != 0 || group_ordinals.size() == 0) {
+    return ffi::Error::InvalidArgument(
+        where + ": group_ordinals has " +
+        std::to_string(group_ordinals.size()) +
+        " entries, expected a positive multiple of n = " + std::to_string(n));
+  }
+  for (size_t g = 0; g < group_ordinals.size(); g += n) {
+    for (int r = 0; r < n; ++r) {
+      if (group_ordinals[g + r] != ordinal) continue;
+      GroupSpec spec;
+      spec.ordinals.assign(group_ordinals.begin() + g,
+                           group_ordinals.begin() + g + n);
+      spec.rank = r;
+      spec.n = n;
+      std::set<int> unique(spec.ordinals.begin(), spec.ordinals.end());
+      if (static_cast<int>(unique.size()) != n) {
+        return ffi::Error::InvalidArgument(
+            where + ": a group lists a CUDA ordinal twice");
+      }
+      return spec;
+    }
+  }
+  return ffi::Error::InvalidArgument(
+      where + ": CUDA device " + std::to_string(ordinal) +
+      " is in no group of group_ordinals");
+}
+
+ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
+  const int self = group.ordinals[group.rank];
+  std::unique_lock<std::mutex> lock(g_mu);
+  auto& members = g_registered[group.ordinals];
+  if (static_cast<int>(members.size()) == group.n) return ffi::Error::Success();
+  JFO_RETURN_IF_ERROR(LoadDriverEntryPoints());
+  auto st = GetOrCreateDevice(self);
+  if (st.has_error()) return st.error();
+  JFO_RETURN_IF_ERROR(EnablePeerAccess(self, group.ordinals));
+  members.insert(self);
+  g_cv.notify_all();
+  // No device may use a peer pointer before every member has allocated.
+  const bool ok = g_cv.wait_for(lock, std::chrono::milliseconds(timeout_ms),
+                                [&] { return members.size() == group.ordinals.size(); });
+  if (ok) return ffi::Error::Success();
+  std::string missing;
+  for (int o : group.ordinals) {
+    if (!members.count(o)) missing += (missing.empty() ? "" : ", ") + std::to_string(o);
+  }
+  return ffi::Error::Internal(
+      std::string("jax_flashoverlap ") + OpName(op) + ": CUDA device " +
+      std::to_string(self) + " waited " + std::to_string(timeout_ms) +
+      " ms for CUDA devices {" + missing +
+      "} of its group to initialize; every device of the group must run the op");
+}
+
+std::string TakePendingError() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (auto& [ordinal, st] : g_devices) {
+    std::string msg = TakeRecord(st.get());
+    if (!msg.empty()) return msg;
+  }
+  return "";
+}
+
+ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
+                          cudaStream_t stream) {
+  JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
+  dev_ = LookupDevice(group.ordinals[group.rank]);
+  lock_ = std::unique_lock<std::mutex>(dev_->mu);
+  std::string pending = TakeRecord(dev_);
+  if (!pending.empty()) return ffi::Error::Internal(pending);
+  group_ = &group;
+  op_ = op;
+  stream_ = stream;
+  timeout_ns_ = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  call_id_ = ++dev_->call_id;
+  events_used_ = 0;
+  sent_.assign(group.n, 0);
+  parity_.assign(group.n, 0);
+  for (int r = 0; r < group.n; ++r) {
+    parity_[r] = static_cast<int>(dev_->pair_calls[group.ordinals[r]] & 1);
+  }
+  auto start = NextEvent();
+  if (start.has_error()) return start.error();
+  start_ = *start;
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_, stream_));
+  return ffi::Error::Success();
+}
+
+ffi::Error Channel::CheckCapacity(size_t slot_bytes,
+                                  size_t staging_bytes) const {
+  if (slot_bytes <= dev_->slot_bytes && staging_bytes <= dev_->staging_bytes) {
+    return ffi::Error::Success();
+  }
+  return ffi::Error::InvalidArgument(
+      std::string("jax_flashoverlap ") + OpName(op_) + ": needs " +
+      std::to_string(slot_bytes >> 20) + " MiB per receive slot and " +
+      std::to_string(staging_bytes >> 20) + " MiB of staging, the workspace has " +
+      std::to_string(dev_->slot_bytes >> 20) + " and " +
+      std::to_string(dev_->staging_bytes >> 20) +
+      " MiB; raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first call)");
+}
+
+char* Channel::RecvSlot(int peer_rank) const {
+  return dev_->Slot(group_->ordinals[peer_rank], parity_[peer_rank]);
+}
+
+char* Channel::Staging() const { return dev_->staging; }
+
+void* Channel::GemmWorkspace(size_t* bytes) const {
+  *bytes = kGemmWorkspaceBytes;
+  return dev_->workspace;
+}
+
+ffi::ErrorOr<cudaEvent_t> Channel::NextEvent() {
+  if (events_used_ == kEventsPerCall) {
+    return ffi::Error::InvalidArgument(
+        std::string("jax_flashoverlap ") + OpName(op_) +
+        ": schedule needs more than " + std::to_string(kEventsPerCall) +
+        " events per call; use fewer chunks");
+  }
+  return dev_->events[events_used_++];
+}
+
+ffi::ErrorOr<cudaEvent_t> Channel::Mark() {
+  auto ev = NextEvent();
+  if (ev.has_error()) return ev;
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, stream_));
+  return ev;
+}
+
+ffi::Error Channel::WaitOn(cudaEvent_t event) {
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, event, 0));
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
+                                size_t bytes, cudaEvent_t after) {
+  const int peer = group_->ordinals[peer_rank];
+  const int self = group_->ordinals[group_->rank];
+  DeviceState* dst = LookupDevice(peer);
+  cudaStream_t s = dev_->send_streams[peer];
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
+  if (bytes > 0) {
+    char* remote = dst->Slot(self, parity_[peer_rank]) + offset;
+    JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(remote, src, bytes,
+                                             cudaMemcpyDeviceToDevice, s));
+  }
+  // The default flags order the write after the copy's data is visible.
+  const uint32_t epoch = ++dev_->sent_epoch[peer];
+  CUresult res = g_write_value32(
+      reinterpret_cast<CUstream>(s),
+      reinterpret_cast<CUdeviceptr>(dst->flags + self), epoch, 0);
+  if (res != CUDA_SUCCESS) {
+    return ffi::Error::Internal("jax_flashoverlap: cuStreamWriteValue32 failed "
+                                "with CUresult " + std::to_string(res));
+  }
+  return sent_[peer_rank]++;
+}
+
+ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
+  const int peer = group_->ordinals[peer_rank];
+  cudaStream_t s = dev_->wait_streams[peer];
+  // A wait starts its clock with the call, not while the stream runs ahead.
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, start_, 0));
+  TimeoutRecord info{};
+  info.op = static_cast<int32_t>(op_);
+  info.rank = group_->rank;
+  info.ordinal = group_->ordinals[group_->rank];
+  info.peer_rank = peer_rank;
+  info.peer_ordinal = peer;
+  info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
+  const uint32_t expected = dev_->recv_epoch[peer] + index + 1;
+  WaitFlagKernel<<<1, 1, 0, s>>>(dev_->flags + peer, expected, timeout_ns_,
+                                 dev_->fail_call, call_id_, dev_->record, info);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  auto ev = NextEvent();
+  if (ev.has_error()) return ev;
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, s));
+  return ev;
+}
+
+ffi::Error Channel::CopyLocal(void* dst, const void* src, size_t bytes,
+                              cudaEvent_t after) {
+  cudaStream_t s = dev_->copy_stream;
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+  return ffi::Error::Success();
+}
+
+ffi::Error Channel::End(const std::vector<Output>& outputs) {
+  std::vector<cudaStream_t> side = {dev_->copy_stream};
+  for (int r = 0; r < group_->n; ++r) {
+    if (r == group_->rank) continue;
+    const int peer = group_->ordinals[r];
+    side.push_back(dev_->send_streams[peer]);
+    side.push_back(dev_->wait_streams[peer]);
+    // Symmetric schedules: the peer sent us as many messages as we sent it.
+    dev_->recv_epoch[peer] += sent_[r];
+    dev_->pair_calls[peer] += 1;
+  }
+  for (cudaStream_t s : side) {
+    auto ev = NextEvent();
+    if (ev.has_error()) return ev.error();
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, s));
+    JFO_RETURN_IF_ERROR(WaitOn(*ev));
+  }
+  if (group_->n == 1 || outputs.empty()) return ffi::Error::Success();
+  // Wrong results must be visible: NaN everywhere after a timed-out wait.
+  const Output& a = outputs[0];
+  const Output b = outputs.size() > 1 ? outputs[1] : Output{nullptr, 0, a.dtype};
+  const size_t bytes = DataTypeBytes(a.dtype);
+  if (bytes == 4) {
+    FillIfFailedKernel<uint32_t><<<264, 256, 0, stream_>>>(
+        static_cast<uint32_t*>(a.data), a.elements,
+        static_cast<uint32_t*>(b.data), b.elements, 0x7FC00000u,
+        dev_->fail_call, call_id_);
+  } else {
+    const uint16_t nan = a.dtype == ffi::DataType::BF16 ? 0x7FC0 : 0x7E00;
+    FillIfFailedKernel<uint16_t><<<264, 256, 0, stream_>>>(
+        static_cast<uint16_t*>(a.data), a.elements,
+        static_cast<uint16_t*>(b.data), b.elements, nan, dev_->fail_call,
+        call_id_);
+  }
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
+}  // namespace jfo

@@ -1,0 +1,106 @@
+// The interface the fused ops use to move bytes between the ranks of a group.
+// Ops say *what* goes where (a row block to a peer's receive slot, "wait for
+// peer p's i-th message"); the transport decides *how* (today: CUDA peer
+// access between GPUs of one process, copy engines + stream memory ops, see
+// peer.cu). A multi-process NVSHMEM transport would implement the same calls.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../common.h"
+
+namespace jfo {
+
+enum class OpId : int32_t {
+  kAllGatherMatmul = 1,
+  kMatmulReduceScatter = 2,
+  kMatmulAllReduce = 3,
+};
+const char* OpName(OpId op);
+
+// The group (from the flat `group_ordinals` attribute) containing this device.
+struct GroupSpec {
+  std::vector<int> ordinals;  // CUDA ordinals, indexed by rank
+  int rank = 0;               // position of this device inside `ordinals`
+  int n = 1;
+};
+ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
+                                  int ordinal);
+
+// Initialize-stage setup: allocates this device's persistent workspace,
+// enables peer access and waits (bounded) until every member of the group has
+// done the same. Idempotent and cheap after the first call.
+ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms);
+
+// Returns (and clears) a recorded wait timeout of any device, or "".
+std::string TakePendingError();
+
+struct DeviceState;
+
+// One call of one op on one device. Usage: Begin, then Send/Arrival/
+// CopyLocal/Mark in schedule order, then End. Every member of the group must
+// issue the same number of messages to every peer in a call.
+class Channel {
+ public:
+  // Reports a timeout recorded by an earlier call, records the call start on
+  // `stream` (every copy into an output or a peer is ordered after it).
+  ffi::Error Begin(OpId op, const GroupSpec& group, int timeout_ms,
+                   cudaStream_t stream);
+  // Fails, naming the fix, when one message or the local scratch exceed the
+  // workspace (JAX_FLASHOVERLAP_WORKSPACE_MB).
+  ffi::Error CheckCapacity(size_t slot_bytes, size_t staging_bytes) const;
+
+  int rank() const { return group_->rank; }
+  int n() const { return group_->n; }
+  int ordinal() const { return group_->ordinals[group_->rank]; }
+  cudaStream_t stream() const { return stream_; }
+  char* RecvSlot(int peer_rank) const;  // where peer_rank's bytes land here
+  char* Staging() const;                // local scratch for outgoing data
+  void* GemmWorkspace(size_t* bytes) const;
+
+  // Copies `bytes` from local `src` to byte `offset` of this rank's receive
+  // slot on `peer_rank` once `after` completed (nullptr: the call start),
+  // then raises the peer's flag. Returns the message index (0, 1, ... per
+  // peer and call) that the peer passes to Arrival.
+  ffi::ErrorOr<int> Send(int peer_rank, size_t offset, const void* src,
+                         size_t bytes, cudaEvent_t after);
+  // An event that completes when message `index` from `peer_rank` landed.
+  ffi::ErrorOr<cudaEvent_t> Arrival(int peer_rank, int index);
+  // Device-local copy on a copy engine, ordered after `after` (nullptr: the
+  // call start); joined into the XLA stream by End.
+  ffi::Error CopyLocal(void* dst, const void* src, size_t bytes,
+                       cudaEvent_t after);
+  // Records an event on the XLA stream (e.g. "this GEMM is done").
+  ffi::ErrorOr<cudaEvent_t> Mark();
+  // Makes the XLA stream wait for `event`.
+  ffi::Error WaitOn(cudaEvent_t event);
+  // Joins the side streams into the XLA stream, advances the epochs, and
+  // overwrites `outputs` with NaN if a wait of this call timed out.
+  struct Output {
+    void* data;
+    size_t elements;
+    ffi::DataType dtype;
+  };
+  ffi::Error End(const std::vector<Output>& outputs);
+
+ private:
+  ffi::ErrorOr<cudaEvent_t> NextEvent();
+
+  DeviceState* dev_ = nullptr;
+  const GroupSpec* group_ = nullptr;
+  OpId op_{};
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t start_ = nullptr;
+  uint64_t timeout_ns_ = 0;
+  int events_used_ = 0;
+  uint32_t call_id_ = 0;
+  std::vector<int> sent_;    // messages sent to each rank in this call
+  std::vector<int> parity_;  // receive-slot parity per rank in this call
+  std::unique_lock<std::mutex> lock_;  // one call at a time per device
+};
+
+}  // namespace jfo

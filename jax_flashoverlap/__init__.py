@@ -1,0 +1,26 @@
+"""jax_flashoverlap: communication/computation overlap for JAX.
+
+Collective matmuls whose communication hides behind the GEMM (FlashOverlap)
+and a low-latency all-reduce (NVRAR), as ops usable inside ``jax.shard_map``
+and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
+"""
+
+from . import schedule, sharded
+from ._extension import build_info, check_device_errors
+from .all_gather_matmul import all_gather_matmul
+from .all_reduce import all_reduce
+from .matmul_all_reduce import matmul_all_reduce
+from .matmul_reduce_scatter import matmul_reduce_scatter
+
+__all__ = [
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "matmul_all_reduce",
+    "all_reduce",
+    "build_info",
+    "check_device_errors",
+    "schedule",
+    "sharded",
+]
+
+__version__ = "0.1.0"

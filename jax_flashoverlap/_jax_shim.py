@@ -1,0 +1,42 @@
+"""The few places where JAX offers no public way, kept in one small shim.
+
+* Manual-axis typing (``check_vma``): a primitive's abstract evaluation must
+  say over which mesh axes its result varies. The all-reduce ops return a
+  value that is identical on every rank, exactly like ``lax.psum``, and must be
+  typed so (otherwise ``out_specs=P()`` after them is rejected and gradients
+  pick the wrong transpose). JAX exposes no public constructor for that type.
+* The device mesh at lowering time: the CUDA kernels need the CUDA ordinals of
+  each group of the mesh axis; XLA's own collectives read them from the
+  lowering context's axis context, which is not public either.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+__all__ = ["varying_axes", "with_varying_axes", "lowering_mesh"]
+
+
+def varying_axes(aval: Any) -> frozenset:
+    """Mesh axes over which values of ``aval`` differ between devices."""
+    mat = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or ())
+
+
+def with_varying_axes(aval: Any, shape: tuple[int, ...], varying: frozenset) -> Any:
+    """``aval`` with a new shape and the given set of varying manual axes."""
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is None or getattr(aval.sharding, "mesh", None) is None or not (
+            varying or mat.varying):
+        return jax.core.ShapedArray(shape, aval.dtype)
+    new_mat = type(mat)(varying=varying, unreduced=mat.unreduced, reduced=mat.reduced,
+                        unreduced_kind=mat.unreduced_kind)
+    return aval.update(shape=shape, manual_axis_type=new_mat)
+
+
+def lowering_mesh(ctx: Any) -> Any | None:
+    """The concrete ``jax.sharding.Mesh`` a lowering runs under, if known."""
+    mesh = getattr(getattr(ctx.module_context, "axis_context", None), "mesh", None)
+    return mesh if isinstance(mesh, jax.sharding.Mesh) else None

@@ -1,0 +1,194 @@
+"""One JAX primitive per op, lowered per implementation and platform.
+
+A primitive (rather than a plain function) gives each op three things: its
+result is typed like the XLA collective it replaces (the all-reduces are
+invariant over the axis, like ``psum``), ``impl="auto"`` is resolved at
+lowering time for the platform the program is compiled for, and the CUDA
+lowering can read the device mesh to tell each GPU who its peers are.
+
+All primitives take 2-D operands; the public ops reshape around them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from . import _extension, _jax_shim, decomposed, dispatch, schedule, xla_baseline
+
+__all__ = ["OpDef", "bind", "OPS"]
+
+DEFAULT_TIMEOUT_MS = 10_000
+
+
+@dataclasses.dataclass(frozen=True)
+class OpDef:
+    """How one op is typed and lowered.
+
+    Attributes:
+      name: public name, also the primitive's name.
+      ffi_target: name of the CUDA handler.
+      out_shapes: ``(x_shape, w_shape, n) -> result shapes``.
+      reduces: the result is identical on every rank (typed invariant).
+      xla: the ``impl="xla"`` function ``(*args, axis_name, **opts) -> results``.
+      decomposed: the ``impl="decomposed"`` function, same signature.
+      cuda_attrs: ``(n, opts) -> FFI attributes`` other than the groups.
+    """
+
+    name: str
+    ffi_target: str
+    out_shapes: Callable[..., tuple[tuple[int, ...], ...]]
+    reduces: bool
+    xla: Callable[..., Any]
+    decomposed: Callable[..., Any]
+    cuda_attrs: Callable[[int, dict], dict]
+
+
+def _as_tuple(fn):
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return wrapped
+
+
+def _ag_attrs(n, opts):
+    sched = schedule.all_gather_schedule(n, opts.get("topology", "direct"), opts.get("chunks", 1))
+    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks)}
+
+
+def _rs_attrs(n, opts):
+    sched = schedule.reduce_scatter_schedule(n, opts.get("topology", "direct"),
+                                             opts.get("chunks", 1))
+    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks)}
+
+
+def _ar_attrs(n, opts):
+    return {"chunk_rows": np.asarray(opts["chunk_rows"], np.int32)}
+
+
+def _decomposed_with(fn, *keys):
+    """Passes only the options ``fn`` understands."""
+    def call(*args, axis_name, **opts):
+        return fn(*args, axis_name, **{k: opts[k] for k in keys if k in opts})
+    return call
+
+
+def _baseline(fn):
+    def call(*args, axis_name, **opts):
+        del opts  # XLA's collectives have no schedule options.
+        return fn(*args, axis_name)
+    return call
+
+
+OPS: dict[str, OpDef] = {
+    "all_gather_matmul": OpDef(
+        "all_gather_matmul", "jfo_all_gather_matmul",
+        lambda xs, ws, n: ((n * xs[0], ws[1]), (n * xs[0], xs[1])), False,
+        _as_tuple(_baseline(xla_baseline.all_gather_matmul)),
+        _as_tuple(_decomposed_with(decomposed.all_gather_matmul, "topology")), _ag_attrs),
+    "matmul_reduce_scatter": OpDef(
+        "matmul_reduce_scatter", "jfo_matmul_reduce_scatter",
+        lambda xs, ws, n: ((xs[0] // n, ws[1]),), False,
+        _as_tuple(_baseline(xla_baseline.matmul_reduce_scatter)),
+        _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs),
+    "matmul_all_reduce": OpDef(
+        "matmul_all_reduce", "jfo_matmul_all_reduce",
+        lambda xs, ws, n: ((xs[0], ws[1]),), True,
+        _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
+        _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _ar_attrs),
+    "all_reduce": OpDef(
+        "all_reduce", "jfo_all_reduce",
+        lambda xs, n: (xs,), True,
+        _as_tuple(_baseline(xla_baseline.all_reduce)),
+        _as_tuple(_decomposed_with(decomposed.all_reduce)), lambda n, opts: {}),
+}
+
+
+def _make_primitive(op: OpDef) -> Primitive:
+    prim = Primitive(f"jax_flashoverlap_{op.name}")
+    prim.multiple_results = True
+
+    def abstract_eval(*avals, axis_name, n, impl, opts):
+        del impl, opts
+        varying = frozenset().union(*(_jax_shim.varying_axes(a) for a in avals))
+        varying = varying - {axis_name} if op.reduces else varying | {axis_name}
+        shapes = op.out_shapes(*(a.shape for a in avals), n)
+        return [_jax_shim.with_varying_axes(avals[0], s, varying) for s in shapes]
+
+    def lower_portable(ctx, *args, axis_name, n, impl, opts):
+        """Every platform but CUDA: the pure-JAX implementations."""
+        if impl == "cuda":
+            raise ValueError(
+                f"{op.name}(impl='cuda') runs only on NVIDIA GPUs, but this computation "
+                f"is being compiled for {ctx.module_context.platforms}; use impl='auto'.")
+        fn = op.decomposed if impl == "decomposed" else op.xla
+        return mlir.lower_fun(functools.partial(fn, axis_name=axis_name, **dict(opts)),
+                              multiple_results=True)(ctx, *args)
+
+    def lower_cuda(ctx, *args, axis_name, n, impl, opts):
+        if impl == "auto":
+            impl = dispatch.choose_impl(op.name, op.ffi_target, [a.shape for a in ctx.avals_in],
+                                        ctx.avals_in[0].dtype, n)
+        if impl != "cuda":
+            return lower_portable(ctx, *args, axis_name=axis_name, n=n, impl=impl, opts=opts)
+        _extension.require_cuda_ops(op.name, op.ffi_target)
+        opts = dict(opts)
+        attrs = {
+            "group_ordinals": _group_ordinals(ctx, op.name, axis_name, n),
+            "n": np.int32(n),
+            "timeout_ms": np.int32(opts.pop("timeout_ms", DEFAULT_TIMEOUT_MS)),
+            **op.cuda_attrs(n, opts),
+        }
+        return jax.ffi.ffi_lowering(op.ffi_target)(ctx, *args, **attrs)
+
+    prim.def_abstract_eval(abstract_eval)
+    mlir.register_lowering(prim, lower_portable)
+    mlir.register_lowering(prim, lower_cuda, platform="cuda")
+    return prim
+
+
+def _group_ordinals(ctx, op_name: str, axis_name: str, n: int) -> np.ndarray:
+    """CUDA ordinals of every group along ``axis_name``, each ordered by rank.
+
+    Returns:
+      int32 [groups * n]: the kernels find the row holding their own ordinal;
+      the position within it is their rank. Only groups of this process's
+      devices are listed.
+    """
+    mesh = _jax_shim.lowering_mesh(ctx)
+    if mesh is None:
+        raise ValueError(
+            f"{op_name}(impl='cuda') needs a concrete device mesh: use jax.shard_map with "
+            f"mesh=jax.sharding.Mesh(...) (not an AbstractMesh), or impl='auto'.")
+    axis = mesh.axis_names.index(axis_name)
+    devices = np.moveaxis(mesh.devices, axis, -1).reshape(-1, n)
+    local = {d.id for d in mesh.local_devices}
+    rows = [[d.local_hardware_id for d in row] for row in devices
+            if all(d.id in local for d in row)]
+    if not rows:
+        raise ValueError(f"{op_name}(impl='cuda'): no group along {axis_name!r} has all its "
+                         f"devices in this process; multi-process groups need the NVSHMEM "
+                         f"transport, use impl='xla' for them.")
+    return np.asarray(rows, np.int32).reshape(-1)
+
+
+_PRIMITIVES = {name: _make_primitive(op) for name, op in OPS.items()}
+
+
+def bind(name: str, *args: jax.Array, axis_name: str, n: int, impl: str,
+         **opts: Any) -> tuple[jax.Array, ...]:
+    """Applies op ``name`` to 2-D operands; returns its results as a tuple."""
+    if impl == "cuda":
+        _extension.require_cuda_ops(name, OPS[name].ffi_target)
+    frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
+    with jax.named_scope(f"jax_flashoverlap.{name}"):
+        return tuple(_PRIMITIVES[name].bind(*args, axis_name=axis_name, n=n, impl=impl,
+                                            opts=frozen))

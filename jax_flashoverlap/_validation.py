@@ -1,0 +1,68 @@
+"""Input checks shared by every op; each error names the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+IMPLS = ("auto", "xla", "decomposed", "cuda")
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def axis_size(op: str, axis_name: Any) -> int:
+    """Size of the mesh axis ``axis_name``; a clear error when it is not bound."""
+    if not isinstance(axis_name, str):
+        raise TypeError(f"{op}: axis_name must be the name (str) of one mesh axis, "
+                        f"got {axis_name!r}")
+    try:
+        return int(lax.axis_size(axis_name))
+    except NameError as e:
+        raise ValueError(
+            f"{op}: axis name {axis_name!r} is not bound. Call {op} inside "
+            f"jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...) over a mesh that "
+            f"has an axis {axis_name!r}, or use jax_flashoverlap.sharded.{op} on "
+            f"global arrays under jax.jit.") from e
+
+
+def check_impl(op: str, impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+
+
+def check_dtypes(op: str, **arrays: jax.Array) -> None:
+    """All operands share one supported floating dtype."""
+    dtypes = {name: jnp.dtype(a.dtype) for name, a in arrays.items()}
+    for name, dtype in dtypes.items():
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{op}: {name} has dtype {dtype}; supported are "
+                f"{[str(d) for d in SUPPORTED_DTYPES]}. Cast it, e.g. "
+                f"{name}.astype(jnp.bfloat16).")
+    if len(set(dtypes.values())) > 1:
+        raise TypeError(f"{op}: operands must share one dtype, got {dtypes}; cast them "
+                        f"to a common dtype first.")
+
+
+def check_matmul_operands(op: str, x: jax.Array, w: jax.Array) -> None:
+    """x [..., k] (at least 2-D) and w [k, n_out] with matching k."""
+    if x.ndim < 2:
+        raise ValueError(f"{op}: x must have at least 2 dims ([rows, ..., k]), got shape "
+                         f"{x.shape}")
+    if w.ndim != 2:
+        raise ValueError(f"{op}: w must be 2-D [k, n_out], got shape {w.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{op}: contraction dims differ: x {x.shape} has k={x.shape[-1]} "
+                         f"but w {w.shape} has k={w.shape[0]}; x's last dim must equal "
+                         f"w's first.")
+    check_dtypes(op, x=x, w=w)
+
+
+def normalize_axis(op: str, name: str, axis: int, ndim: int) -> int:
+    """A non-negative dim index of the ``ndim-1`` row dims (the last is k)."""
+    if not -(ndim - 1) <= axis < ndim - 1:
+        raise ValueError(f"{op}: {name}={axis} is out of range for x with {ndim} dims "
+                         f"(the last dim is the contraction dim)")
+    return axis % (ndim - 1) if axis < 0 else axis

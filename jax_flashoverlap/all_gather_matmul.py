@@ -1,0 +1,83 @@
+"""AllGather→GEMM: ``all_gather(x) @ w`` with the gather hidden behind the GEMM."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _layout, _primitives, _validation
+from .schedule import Topology
+
+__all__ = ["all_gather_matmul"]
+
+_OP = "all_gather_matmul"
+
+
+def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
+                      gather_axis: int = 0, impl: str = "auto",
+                      topology: Topology = "ring", chunks: int = 1) -> jax.Array:
+    """Returns ``all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w``.
+
+    The column-parallel linear layer of sequence parallelism: activations
+    arrive sharded along the sequence, weights are sharded along their output
+    columns. Must be called inside ``jax.shard_map`` with ``axis_name`` bound
+    (or use :func:`jax_flashoverlap.sharded.all_gather_matmul` on global
+    arrays).
+
+    Args:
+      x: [..., m_local, ..., k], this rank's shard along ``gather_axis``; any
+        other leading dims are batch dims.
+      w: [k, n_out], this rank's weight columns.
+      axis_name: mesh axis of ``n`` ranks that ``x`` is sharded over.
+      gather_axis: the dim of ``x`` that is sharded (not the last). Dim 0
+        (e.g. [seq, batch, hidden]) needs no transposes.
+      impl: "xla" (all_gather then dot), "decomposed" (pure-JAX ppermute
+        schedule, local shard first), "cuda" (fused FFI kernel), or "auto".
+      topology: schedule of the "decomposed" path ("ring" or
+        "bidirectional"); the CUDA kernel always sends straight to each peer.
+      chunks: row chunks per shard in the CUDA kernel.
+
+    Returns:
+      [..., n * m_local, ..., n_out]: x's shape with ``gather_axis`` grown n
+      times and the last dim ``n_out``. Its gradient runs
+      :func:`~jax_flashoverlap.matmul_reduce_scatter` with the same ``impl``.
+    """
+    _validation.check_impl(_OP, impl)
+    n = _validation.axis_size(_OP, axis_name)
+    _validation.check_matmul_operands(_OP, x, w)
+    gather_axis = _validation.normalize_axis(_OP, "gather_axis", gather_axis, x.ndim)
+    varying = (_layout.is_varying(x, axis_name), _layout.is_varying(w, axis_name))
+    static = (axis_name, n, impl, gather_axis, (("topology", topology), ("chunks", chunks)),
+              varying)
+    return _all_gather_matmul(x, w, static)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _all_gather_matmul(x, w, static):
+    return _forward(x, w, static)[0]
+
+
+def _forward(x, w, static):
+    axis_name, n, impl, gather_axis, opts, _ = static
+    y2, xg2 = _primitives.bind(_OP, _layout.rows_first(x, gather_axis), w,
+                               axis_name=axis_name, n=n, impl=impl, **dict(opts))
+    y = _layout.rows_restore(y2, x.shape, gather_axis, n * x.shape[gather_axis])
+    return y, (xg2, w)
+
+
+def _backward(static, residuals, dy):
+    axis_name, n, impl, gather_axis, opts, (x_varying, w_varying) = static
+    xg2, w = residuals
+    dy2 = _layout.rows_first(dy, gather_axis)
+    # d(all_gather(x)) is the reduce-scatter of dy @ w.T: the mirrored op.
+    (dx2,) = _primitives.bind("matmul_reduce_scatter", dy2, w.T, axis_name=axis_name,
+                              n=n, impl=impl, **dict(opts))
+    dx = _layout.rows_restore(dx2, dy.shape, gather_axis, dy.shape[gather_axis] // n)
+    dw = jnp.dot(xg2.T, dy2, preferred_element_type=w.dtype)
+    return (_layout.match_varying(dx, x_varying, axis_name),
+            _layout.match_varying(dw, w_varying, axis_name))
+
+
+_all_gather_matmul.defvjp(_forward, _backward)

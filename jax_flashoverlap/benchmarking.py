@@ -1,0 +1,89 @@
+"""The project's timing protocol, for benchmarks and the demo.
+
+Per-op time = (T(k2) - T(k1)) / (k2 - k1), where T(k) is the wall time of a
+jitted shard_map running k dependent iterations of the op in a
+``lax.fori_loop``: dispatch and launch overheads cancel. Each iteration passes
+its operands through an ``optimization_barrier`` together with the loop carry
+and materialises the whole result, so XLA can neither hoist the op out of the
+loop nor shrink it to the few elements read afterwards (custom calls get no
+such shortcuts, so without the barriers the comparison flatters XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["Timing", "time_per_op"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Per-op seconds: the median of ``reps`` paired estimates and their range."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    reps: int
+
+    @property
+    def median_us(self) -> float:
+        return self.median_s * 1e6
+
+    def spread(self) -> float:
+        """(max - min) / median of the per-op estimates."""
+        return (self.max_s - self.min_s) / self.median_s if self.median_s > 0 else float("inf")
+
+
+def _looped(op: Callable[..., jax.Array], mesh, in_specs, k: int):
+    def body(_, carry):
+        args, acc = lax.optimization_barrier(carry)
+        y = lax.optimization_barrier(op(*args))
+        return args, acc + y.reshape(-1)[0].astype(jnp.float32)
+
+    def per_device(*args):
+        _, acc = lax.fori_loop(0, k, body, (args, jnp.zeros((), jnp.float32)))
+        return acc
+
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(),
+                                 check_vma=False))
+
+
+def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh,
+                in_specs, k1: int = 2, k2: int = 12, reps: int = 7,
+                warmup: int = 2) -> Timing:
+    """Times ``op`` (a per-device function, run inside shard_map) per call.
+
+    Args:
+      op: ``op(*per_device_args) -> array``; its result is fully materialised.
+      args: global arrays, sharded as ``in_specs`` says.
+      mesh: the device mesh.
+      in_specs: shard_map in_specs of ``args``.
+      k1, k2: the two loop lengths whose difference is timed.
+      reps: paired repetitions; the median is reported.
+      warmup: untimed runs of each loop first (compilation, autotuning).
+
+    Returns:
+      A :class:`Timing`.
+    """
+    if not 0 < k1 < k2:
+        raise ValueError(f"need 0 < k1 < k2, got k1={k1}, k2={k2}")
+    loops = {k: _looped(op, mesh, in_specs, k) for k in (k1, k2)}
+    for fn in loops.values():
+        for _ in range(warmup):
+            fn(*args).block_until_ready()
+
+    def wall(k):
+        start = time.perf_counter()
+        loops[k](*args).block_until_ready()
+        return time.perf_counter() - start
+
+    estimates = sorted((wall(k2) - wall(k1)) / (k2 - k1) for _ in range(reps))
+    return Timing(statistics.median(estimates), estimates[0], estimates[-1], reps)

@@ -1,0 +1,72 @@
+"""GEMM→AllReduce: ``psum(x @ w)`` with all but a small tail hidden behind the GEMM."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _layout, _primitives, _validation, schedule
+
+__all__ = ["matmul_all_reduce"]
+
+_OP = "matmul_all_reduce"
+
+
+def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
+                      impl: str = "auto", chunks: int = 4) -> jax.Array:
+    """Returns ``psum(x @ w, axis_name)``.
+
+    The row-parallel linear layer without sequence parallelism. The rows are
+    processed in ``chunks`` chunks of shrinking size so that the all-reduce of
+    one chunk runs under the GEMM of the next and only the smallest, last one
+    is exposed. Must be called inside ``jax.shard_map`` with ``axis_name``
+    bound (or use :func:`jax_flashoverlap.sharded.matmul_all_reduce`).
+
+    Args:
+      x: [..., k], this rank's slice of the contraction; leading dims are rows.
+      w: [k, n_out].
+      axis_name: mesh axis of ``n`` ranks to sum over.
+      impl: "xla" (dot then psum), "decomposed" (pure-JAX chunked ring
+        all-reduce), "cuda" (fused FFI kernel), or "auto".
+      chunks: number of row chunks (see
+        :func:`jax_flashoverlap.schedule.all_reduce_chunk_rows`).
+
+    Returns:
+      [..., n_out], identical on every rank and typed as such (like
+      ``lax.psum``): its gradient is ``dy @ w.T``, with no communication.
+    """
+    _validation.check_impl(_OP, impl)
+    n = _validation.axis_size(_OP, axis_name)
+    _validation.check_matmul_operands(_OP, x, w)
+    rows = x.size // x.shape[-1]
+    chunk_rows = schedule.all_reduce_chunk_rows(rows, chunks) if rows else (0,)
+    varying = (_layout.is_varying(x, axis_name), _layout.is_varying(w, axis_name))
+    return _matmul_all_reduce(x, w, (axis_name, n, impl, chunk_rows, varying))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_all_reduce(x, w, static):
+    return _forward(x, w, static)[0]
+
+
+def _forward(x, w, static):
+    axis_name, n, impl, chunk_rows, _ = static
+    x2 = x.reshape(-1, x.shape[-1])
+    (y2,) = _primitives.bind(_OP, x2, w, axis_name=axis_name, n=n, impl=impl,
+                             chunk_rows=chunk_rows)
+    return y2.reshape(*x.shape[:-1], w.shape[1]), (x2, w)
+
+
+def _backward(static, residuals, dy):
+    axis_name, _, _, _, (x_varying, w_varying) = static
+    x2, w = residuals
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = jnp.dot(dy2, w.T, preferred_element_type=x2.dtype).reshape(*dy.shape[:-1], -1)
+    dw = jnp.dot(x2.T, dy2, preferred_element_type=w.dtype)
+    return (_layout.match_varying(dx, x_varying, axis_name),
+            _layout.match_varying(dw, w_varying, axis_name))
+
+
+_matmul_all_reduce.defvjp(_forward, _backward)

@@ -1,0 +1,87 @@
+"""GEMM→ReduceScatter: ``psum_scatter(x @ w)`` with the scatter hidden behind the GEMM."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import _layout, _primitives, _validation
+from .schedule import Topology
+
+__all__ = ["matmul_reduce_scatter"]
+
+_OP = "matmul_reduce_scatter"
+
+
+def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
+                          scatter_dimension: int = 0, impl: str = "auto",
+                          topology: Topology = "ring", chunks: int = 1) -> jax.Array:
+    """Returns ``psum_scatter(x @ w, axis_name, scatter_dimension, tiled=True)``.
+
+    The row-parallel linear layer of sequence parallelism: each rank holds a
+    slice of the contraction (``k``), and the summed output leaves sharded
+    along the sequence. Must be called inside ``jax.shard_map`` with
+    ``axis_name`` bound (or use
+    :func:`jax_flashoverlap.sharded.matmul_reduce_scatter`).
+
+    Args:
+      x: [..., n * m, ..., k]; ``scatter_dimension`` must divide by the axis
+        size ``n``. Other leading dims are batch dims.
+      w: [k, n_out].
+      axis_name: mesh axis of ``n`` ranks to sum over.
+      scatter_dimension: the dim of the result that is scattered (not the
+        last). Dim 0 (e.g. [seq, batch, hidden]) needs no transposes.
+      impl: "xla" (dot then psum_scatter), "decomposed" (pure-JAX ppermute
+        schedule, own block last), "cuda" (fused FFI kernel), or "auto".
+      topology: schedule of the "decomposed" path ("ring" or
+        "bidirectional"); the CUDA kernel always sends straight to the owner.
+      chunks: row chunks per block in the CUDA kernel.
+
+    Returns:
+      [..., m, ..., n_out]: this rank's block of the sum. Its gradient runs
+      :func:`~jax_flashoverlap.all_gather_matmul` with the same ``impl``.
+    """
+    _validation.check_impl(_OP, impl)
+    n = _validation.axis_size(_OP, axis_name)
+    _validation.check_matmul_operands(_OP, x, w)
+    scatter_dimension = _validation.normalize_axis(_OP, "scatter_dimension",
+                                                   scatter_dimension, x.ndim)
+    if x.shape[scatter_dimension] % n:
+        raise ValueError(
+            f"{_OP}: x {x.shape} has {x.shape[scatter_dimension]} rows along "
+            f"scatter_dimension={scatter_dimension}, not divisible by the {n} ranks of "
+            f"{axis_name!r}; pad that dim to a multiple of {n}.")
+    varying = (_layout.is_varying(x, axis_name), _layout.is_varying(w, axis_name))
+    static = (axis_name, n, impl, scatter_dimension,
+              (("topology", topology), ("chunks", chunks)), varying)
+    return _matmul_reduce_scatter(x, w, static)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _matmul_reduce_scatter(x, w, static):
+    return _forward(x, w, static)[0]
+
+
+def _forward(x, w, static):
+    axis_name, n, impl, dim, opts, _ = static
+    x2 = _layout.rows_first(x, dim)
+    (y2,) = _primitives.bind(_OP, x2, w, axis_name=axis_name, n=n, impl=impl, **dict(opts))
+    return _layout.rows_restore(y2, x.shape, dim, x.shape[dim] // n), (x2, w)
+
+
+def _backward(static, residuals, dy):
+    axis_name, n, impl, dim, opts, (x_varying, w_varying) = static
+    x2, w = residuals
+    # The transpose of reduce-scatter is all-gather: dx = all_gather(dy) @ w.T,
+    # and the gathered dy it produces on the way is what dw needs.
+    dx2, dyg2 = _primitives.bind("all_gather_matmul", _layout.rows_first(dy, dim), w.T,
+                                 axis_name=axis_name, n=n, impl=impl, **dict(opts))
+    dx = _layout.rows_restore(dx2, dy.shape, dim, n * dy.shape[dim])
+    dw = jnp.dot(x2.T, dyg2, preferred_element_type=w.dtype)
+    return (_layout.match_varying(dx, x_varying, axis_name),
+            _layout.match_varying(dw, w_varying, axis_name))
+
+
+_matmul_reduce_scatter.defvjp(_forward, _backward)

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
+#
+#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm all
+#
+# Logs and JSON go under $OUT (the device tool brings that folder back); the
+# last thing printed is the summary table. The NVLink-multicast switches stay
+# off: a program using multicast can take the host's GPUs out of service.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/jfo_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(all)
+want() { [[ " ${stages[*]} " == *" $1 "* || " ${stages[*]} " == *" all "* ]]; }
+status=0
+step() {  # step NAME CMD...: runs CMD, logs it, remembers failures
+  local name=$1; shift
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  [ "$rc" -eq 0 ] || status=1
+  return "$rc"
+}
+
+if want info; then
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version,clocks.sm --format=csv
+  nvidia-smi topo -m
+  $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
+fi
+if want build; then
+  step build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q . \
+    || exit 1
+  $PY -c "import jax_flashoverlap as j; print('build_info:', j.build_info())"
+fi
+if want smoke && [ -f scripts/ffi_smoke.py ]; then
+  step smoke $PY scripts/ffi_smoke.py
+fi
+if want test; then
+  step test $PY -m pytest -q -m gpu -p no:cacheprovider tests -x
+fi
+if want demo; then
+  step demo $PY -m jax_flashoverlap.demo --json "$OUT/demo.json"
+fi
+if want cm; then
+  step cm $PY benchmarks/collective_matmul.py --json "$OUT/collective_matmul.json" \
+    --plot "$OUT/collective_matmul.png"
+fi
+exit $status

@@ -1,0 +1,43 @@
+"""Test setup: 8 CPU devices, the ``gpu`` marker, a fresh random generator."""
+
+import os
+
+# Must precede the first jax import: gives the CPU backend 8 devices.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+import zlib  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import jax_flashoverlap as jfo  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _gpu_count() -> int:
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+GPU_COUNT = _gpu_count()
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU_COUNT and jfo.build_info()["cuda"]:
+        return
+    reason = ("no CUDA GPU" if not GPU_COUNT
+              else "jax_flashoverlap built without CUDA (see build_info())")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture
+def rng(request):
+    # Different data in every test, reproducible from the test's id.
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

@@ -1,0 +1,113 @@
+"""Helpers shared by the tests: meshes, random data, float64 references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
+
+
+def cpu_mesh(tp: int, dp: int = 1, names=("data", "tensor")) -> jax.sharding.Mesh:
+    """A (data, tensor) mesh of CPU devices."""
+    devices = np.asarray(jax.devices("cpu")[: dp * tp]).reshape(dp, tp)
+    return jax.sharding.Mesh(devices, names)
+
+
+def put(mesh, array, spec):
+    return jax.device_put(array, NamedSharding(mesh, spec))
+
+
+def random(rng, shape, dtype):
+    """Standard-normal data in ``dtype`` (never zeros)."""
+    return jnp.asarray(rng.standard_normal(shape, dtype=np.float32), dtype=dtype)
+
+
+def assert_close(actual, expected_f64, dtype):
+    """Relative-norm and elementwise comparison with a tolerance set by dtype."""
+    actual = np.asarray(actual, dtype=np.float64)
+    assert actual.shape == expected_f64.shape, (actual.shape, expected_f64.shape)
+    assert np.all(np.isfinite(actual)), "non-finite values in the result"
+    rel = TOLERANCE[jnp.dtype(dtype).name]
+    err = np.linalg.norm(actual - expected_f64) / max(np.linalg.norm(expected_f64), 1e-30)
+    assert err <= rel, f"relative error {err:.3g} > {rel:g} for {jnp.dtype(dtype)}"
+    scale = np.abs(expected_f64).max()
+    np.testing.assert_allclose(actual, expected_f64, rtol=0, atol=8 * rel * scale)
+
+
+def f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+# Per op: how the global operands are laid out and what the answer is.
+# Shapes are deliberately uneven (3 rows per rank, batch 5, k 12, 7 columns).
+M_LOCAL, BATCH, K_LOCAL, N_LOCAL = 3, 5, 12, 7
+
+
+def case(op: str, n: int, rng, dtype, *, batch: bool = True):
+    """Global inputs, shard_map specs and float64 reference for ``op`` on n ranks.
+
+    Returns:
+      (args, in_specs, out_specs, expected): ``args`` are global arrays.
+    """
+    from jax.sharding import PartitionSpec as P
+
+    b = (BATCH,) if batch else ()
+    nb = (None,) * len(b)
+    if op == "all_gather_matmul":
+        x = random(rng, (n * M_LOCAL, *b, K_LOCAL), dtype)
+        w = random(rng, (K_LOCAL, n * N_LOCAL), dtype)
+        return ((x, w), (P("tensor"), P(None, "tensor")), P(None, *nb, "tensor"),
+                f64(x) @ f64(w))
+    if op in ("matmul_reduce_scatter", "matmul_all_reduce"):
+        x = random(rng, (n * M_LOCAL, *b, n * K_LOCAL), dtype)
+        w = random(rng, (n * K_LOCAL, N_LOCAL), dtype)
+        out = P("tensor") if op == "matmul_reduce_scatter" else P()
+        return ((x, w), (P(None, *nb, "tensor"), P("tensor")), out, f64(x) @ f64(w))
+    if op == "all_reduce":
+        x = random(rng, (n, M_LOCAL, *b, N_LOCAL), dtype)
+        return (x,), (P("tensor"),), P(), f64(x).sum(0)
+    raise ValueError(op)
+
+
+def run_case(op: str, n: int, args, in_specs, out_specs, *, dp: int = 1, **kwargs):
+    """Runs ``op`` under jit(shard_map) on a (dp, n) CPU mesh."""
+    import functools
+
+    import jax_flashoverlap as jfo
+
+    mesh = cpu_mesh(n, dp)
+    fn = functools.partial(getattr(jfo, op), axis_name="tensor", **kwargs)
+    if op == "all_reduce":
+        fn = (lambda f: lambda x: f(x[0]))(fn)
+    sharded = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return sharded(*(put(mesh, a, s) for a, s in zip(args, in_specs)))
+
+
+def check_gradients(op: str, n: int, impl: str, rng) -> None:
+    """Gradients of ``op`` under shard_map: numerically right and equal to "xla"'s."""
+    import functools
+
+    import jax.test_util
+
+    import jax_flashoverlap as jfo
+
+    args, in_specs, out_specs, expected = case(op, n, rng, "float32")
+    mesh = cpu_mesh(n)
+    probe = random(rng, expected.shape, "float32")
+
+    def loss(impl_, *xs):
+        fn = functools.partial(getattr(jfo, op), axis_name="tensor", impl=impl_)
+        if op == "all_reduce":
+            fn = (lambda f: lambda x: f(x[0]))(fn)
+        y = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*xs)
+        return jnp.sum(y * probe)
+
+    sharded = [put(mesh, a, s) for a, s in zip(args, in_specs)]
+    jax.test_util.check_grads(functools.partial(loss, impl), sharded, order=1,
+                              modes=["rev"], atol=1e-2, rtol=1e-2)
+    argnums = tuple(range(len(args)))
+    got = jax.jit(jax.grad(functools.partial(loss, impl), argnums=argnums))(*sharded)
+    want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=argnums))(*sharded)
+    for g, ref in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,132 @@
+"""impl="cuda" on the GPUs: equal to float64 references and to impl="xla".
+
+Runs only where CUDA GPUs and the CUDA build exist (marker ``gpu``).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import assert_close, f64
+
+import jax_flashoverlap as jfo
+
+pytestmark = pytest.mark.gpu
+
+MATMUL_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+SPECS = {  # (in_specs, out_specs) on global [rows, k] / [k, cols] operands
+    "all_gather_matmul": ((P("tp"), P(None, "tp")), P(None, "tp")),
+    "matmul_reduce_scatter": ((P(None, "tp"), P("tp")), P("tp")),
+    "matmul_all_reduce": ((P(None, "tp"), P("tp")), P()),
+}
+
+
+def _mesh():
+    devices = jax.devices("gpu")
+    return jax.sharding.Mesh(np.asarray(devices), ("tp",)), len(devices)
+
+
+def _global_shapes(op, n, m, k, cols):
+    if op == "all_gather_matmul":
+        return (n * m, k), (k, n * cols)
+    return (n * m, n * k), (n * k, cols)
+
+
+def _poison_allocator(nbytes):
+    """Leaves NaN in the memory the next allocation of this size will likely get.
+
+    XLA's allocator hands a freed block to the next request that fits, so an
+    output the kernel fails to write shows up as NaN instead of stale data.
+    """
+    jnp.full((nbytes // 4,), jnp.nan, jnp.float32).block_until_ready()
+
+
+def _call(op, impl, args, **kwargs):
+    mesh, _ = _mesh()
+    in_specs, out_specs = SPECS[op]
+    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl=impl, **kwargs)
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
+    return f(*placed)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("shape", [(256, 512, 384), (100, 72, 40), (8, 16, 8)])
+@pytest.mark.parametrize("op", MATMUL_OPS)
+def test_cuda_matches_float64(op, shape, dtype, rng):
+    _, n = _mesh()
+    xs, ws = _global_shapes(op, n, *shape)
+    x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), dtype)
+    w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), dtype)
+    _poison_allocator(4 * int(np.prod(xs)) * 4)
+    y = _call(op, "cuda", (x, w))
+    jfo.check_device_errors()
+    assert_close(y, f64(x) @ f64(w), dtype)
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_cuda_chunked(op, chunks, rng):
+    _, n = _mesh()
+    xs, ws = _global_shapes(op, n, 96, 128, 64)
+    x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+    assert_close(_call(op, "cuda", (x, w), chunks=chunks), f64(x) @ f64(w), "bfloat16")
+
+
+@pytest.mark.parametrize("op", MATMUL_OPS)
+def test_cuda_gradients_match_xla(op, rng):
+    mesh, n = _mesh()
+    xs, ws = _global_shapes(op, n, 64, 96, 32)
+    x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32))
+    in_specs, out_specs = SPECS[op]
+    probe = jnp.asarray(rng.standard_normal((f64(x) @ f64(w)).shape, dtype=np.float32))
+
+    def loss(impl, x, w):
+        fn = functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
+        y = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, w)
+        return jnp.sum(y * probe)
+
+    got = jax.jit(jax.grad(functools.partial(loss, "cuda"), argnums=(0, 1)))(x, w)
+    want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1)))(x, w)
+    for g, ref in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=2e-4, atol=2e-3)
+
+
+def test_back_to_back_random_calls_equal_xla():
+    """1,000 calls of randomly chosen ops and shapes, fresh data each time."""
+    mesh, n = _mesh()
+    shapes = [(64, 128, 96), (200, 64, 48), (512, 256, 128), (16, 512, 64)]
+    runners = {}
+    for op in MATMUL_OPS:
+        in_specs, out_specs = SPECS[op]
+        for shape in shapes:
+            xs, ws = _global_shapes(op, n, *shape)
+
+            def both(key, op=op, xs=xs, ws=ws, in_specs=in_specs, out_specs=out_specs):
+                kx, kw = jax.random.split(key)
+                x = jax.random.normal(kx, xs, jnp.bfloat16)
+                w = jax.random.normal(kw, ws, jnp.bfloat16)
+                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, in_specs[0]))
+                w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, in_specs[1]))
+                outs = [jax.shard_map(functools.partial(getattr(jfo, op), axis_name="tp",
+                                                        impl=impl),
+                                      mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, w)
+                        for impl in ("cuda", "xla")]
+                return outs[0].astype(jnp.float32), outs[1].astype(jnp.float32)
+
+            runners[(op, shape)] = jax.jit(both)
+    keys = list(runners)
+    rng = np.random.default_rng(1234)
+    for i in range(1000):
+        op_shape = keys[rng.integers(len(keys))]
+        got, want = runners[op_shape](jax.random.key(i))
+        got, want = np.asarray(got), np.asarray(want)
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert np.all(np.isfinite(got)) and err < 1e-2, (i, op_shape, err)
+    jfo.check_device_errors()

@@ -1,0 +1,46 @@
+import functools
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+from support import assert_close, case, check_gradients, cpu_mesh, f64, put, random, run_case
+
+import jax_flashoverlap as jfo
+
+OP = "matmul_reduce_scatter"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+@pytest.mark.parametrize("impl", ["xla", "decomposed", "auto"])
+def test_matches_float64_reference(impl, n, dtype, rng):
+    args, in_specs, out_specs, expected = case(OP, n, rng, dtype)
+    assert_close(run_case(OP, n, args, in_specs, out_specs, impl=impl), expected, dtype)
+
+
+@pytest.mark.parametrize("topology", ["ring", "bidirectional", "direct"])
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_decomposed_topologies(topology, n, rng):
+    args, in_specs, out_specs, expected = case(OP, n, rng, "float32", batch=False)
+    y = run_case(OP, n, args, in_specs, out_specs, impl="decomposed", topology=topology)
+    assert_close(y, expected, "float32")
+
+
+def test_scatter_dimension_one_and_data_axis(rng):
+    """[batch, seq, hidden] scattered along seq, on a (data=2, tensor=4) mesh."""
+    n, dp = 4, 2
+    x = random(rng, (2 * dp, n * 3, n * 6), "float32")
+    w = random(rng, (n * 6, 5), "float32")
+    mesh = cpu_mesh(n, dp)
+    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tensor",
+                           scatter_dimension=1, impl="decomposed", topology="bidirectional")
+    specs = (P("data", None, "tensor"), P("tensor"))
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P("data", "tensor")))
+    y = f(put(mesh, x, specs[0]), put(mesh, w, specs[1]))
+    assert_close(y, f64(x) @ f64(w), "float32")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("impl", ["decomposed", "xla"])
+def test_gradients(impl, n, rng):
+    check_gradients(OP, n, impl, rng)
