@@ -119,12 +119,16 @@ def table(rows) -> str:
     cols = ["cuda", "xla", "xla_windowed", "decomposed", "gemm", "comm"]
     lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
              "|---|---|" + "---|" * (len(cols) + 2)]
+    def fmt(v):
+        return f"{v:.1f}" if v is not None else "–"
+
+    def ratio(t, a, b):
+        return f"{t[a] / t[b]:.2f}" if a in t and b in t else "–"
+
     for (op, shape), t in by.items():
-        fmt = lambda v: f"{v:.1f}" if v is not None else "–"  # noqa: E731
-        ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if a in t and b in t else "–"  # noqa: E731
         lines.append(f"| {op} | {'×'.join(map(str, shape))} | "
                      + " | ".join(fmt(t.get(c)) for c in cols)
-                     + f" | {ratio('cuda', 'gemm')} | {ratio('xla', 'cuda')} |")
+                     + f" | {ratio(t, 'cuda', 'gemm')} | {ratio(t, 'xla', 'cuda')} |")
     return "\n".join(lines)
 
 

@@ -111,3 +111,9 @@ def check_gradients(op: str, n: int, impl: str, rng) -> None:
     want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=argnums))(*sharded)
     for g, ref in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-5, atol=1e-5)
+
+
+def check_against_reference(op: str, n: int, dtype, rng, *, batch: bool = True, **kwargs):
+    """Runs ``op`` on fresh data and compares it with the float64 answer."""
+    args, in_specs, out_specs, expected = case(op, n, rng, dtype, batch=batch)
+    assert_close(run_case(op, n, args, in_specs, out_specs, **kwargs), expected, dtype)

@@ -2,7 +2,13 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
-from support import assert_close, case, check_gradients, cpu_mesh, put, run_case
+from support import (
+    case,
+    check_against_reference,
+    check_gradients,
+    cpu_mesh,
+    put,
+)
 
 import jax_flashoverlap as jfo
 
@@ -13,8 +19,7 @@ OP = "all_reduce"
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("impl", ["xla", "decomposed", "auto"])
 def test_matches_float64_reference(impl, n, dtype, rng):
-    args, in_specs, out_specs, expected = case(OP, n, rng, dtype)
-    assert_close(run_case(OP, n, args, in_specs, out_specs, impl=impl), expected, dtype)
+    check_against_reference(OP, n, dtype, rng, impl=impl)
 
 
 def test_decomposed_is_identical_on_every_rank(rng):

@@ -3,7 +3,15 @@ import functools
 import jax
 import pytest
 from jax.sharding import PartitionSpec as P
-from support import assert_close, case, check_gradients, cpu_mesh, f64, put, random, run_case
+from support import (
+    assert_close,
+    check_against_reference,
+    check_gradients,
+    cpu_mesh,
+    f64,
+    put,
+    random,
+)
 
 import jax_flashoverlap as jfo
 
@@ -14,16 +22,14 @@ OP = "matmul_reduce_scatter"
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 @pytest.mark.parametrize("impl", ["xla", "decomposed", "auto"])
 def test_matches_float64_reference(impl, n, dtype, rng):
-    args, in_specs, out_specs, expected = case(OP, n, rng, dtype)
-    assert_close(run_case(OP, n, args, in_specs, out_specs, impl=impl), expected, dtype)
+    check_against_reference(OP, n, dtype, rng, impl=impl)
 
 
 @pytest.mark.parametrize("topology", ["ring", "bidirectional", "direct"])
 @pytest.mark.parametrize("n", [3, 4, 8])
 def test_decomposed_topologies(topology, n, rng):
-    args, in_specs, out_specs, expected = case(OP, n, rng, "float32", batch=False)
-    y = run_case(OP, n, args, in_specs, out_specs, impl="decomposed", topology=topology)
-    assert_close(y, expected, "float32")
+    check_against_reference(OP, n, "float32", rng, batch=False, impl="decomposed",
+                            topology=topology)
 
 
 def test_scatter_dimension_one_and_data_axis(rng):
