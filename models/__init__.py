@@ -1,0 +1,1 @@
+"""Flax NNX models built on the overlap ops (shipped as jax_flashoverlap.models)."""
