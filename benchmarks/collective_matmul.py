@@ -116,7 +116,7 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
-    cols = ["cuda", "xla", "xla_windowed", "decomposed", "gemm", "comm"]
+    cols = ["cuda", "auto", "xla", "xla_windowed", "decomposed", "gemm", "comm"]
     lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
              "|---|---|" + "---|" * (len(cols) + 2)]
     def fmt(v):
@@ -133,22 +133,27 @@ def table(rows) -> str:
 
 
 def plot(rows, path):
+    """Bars of each implementation's time over the GEMM alone (1.0 = no overhead)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(OPS), figsize=(6 * len(OPS), 4.5))
+    impls = ["cuda", "xla", "xla_windowed", "decomposed"]
+    fig, axes = plt.subplots(1, len(OPS), figsize=(6 * len(OPS), 4.5), sharey=True)
     for ax, op in zip(axes, OPS):
-        shapes = [tuple(r["shape"]) for r in rows if r["op"] == op and r["impl"] == "xla"]
-        for i, impl in enumerate(["cuda", "xla", "xla_windowed", "decomposed", "gemm"]):
-            vals = [next((r["us"] for r in rows if r["op"] == op and tuple(r["shape"]) == s
-                          and r["impl"] == impl), 0) for s in shapes]
-            ax.bar([j + 0.16 * i for j in range(len(shapes))], vals, 0.16, label=impl)
-        ax.set_xticks([j + 0.32 for j in range(len(shapes))],
+        times = {}
+        for r in rows:
+            if r["op"] == op:
+                times.setdefault(tuple(r["shape"]), {})[r["impl"]] = r["us"]
+        shapes = [s for s, t in times.items() if "gemm" in t]
+        for i, impl in enumerate(impls):
+            vals = [times[s].get(impl, 0) / times[s]["gemm"] for s in shapes]
+            ax.bar([j + 0.2 * i for j in range(len(shapes))], vals, 0.2, label=impl)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([j + 0.3 for j in range(len(shapes))],
                       ["×".join(map(str, s)) for s in shapes], rotation=30, fontsize=7)
-        ax.set_yscale("log")
-        ax.set_ylabel("µs per op (lower is better)")
         ax.set_title(op)
+    axes[0].set_ylabel("time / GEMM alone (lower is better)")
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -158,7 +163,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", nargs="+", default=list(OPS))
     parser.add_argument("--shapes", nargs="+", default=["x".join(map(str, s)) for s in SHAPES])
-    parser.add_argument("--impls", nargs="+", default=["cuda", "xla", "decomposed"])
+    parser.add_argument("--impls", nargs="+", default=["cuda", "xla", "auto", "decomposed"])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-windowed", action="store_true")
     parser.add_argument("--json")

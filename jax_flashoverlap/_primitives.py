@@ -35,7 +35,7 @@ class OpDef:
     Attributes:
       name: public name, also the primitive's name.
       ffi_target: name of the CUDA handler.
-      out_shapes: ``(x_shape, w_shape, n) -> result shapes``.
+      out_shapes: ``(*operand_shapes, n, opts) -> result shapes``.
       reduces: the result is identical on every rank (typed invariant).
       xla: the ``impl="xla"`` function ``(*args, axis_name, **opts) -> results``.
       decomposed: the ``impl="decomposed"`` function, same signature.
@@ -59,14 +59,15 @@ def _as_tuple(fn):
     return wrapped
 
 
+# The CUDA kernels send straight to every peer over NVLink: they always run
+# the "direct" schedule, whatever topology the pure-JAX path was given.
 def _ag_attrs(n, opts):
-    sched = schedule.all_gather_schedule(n, opts.get("topology", "direct"), opts.get("chunks", 1))
+    sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks)}
 
 
 def _rs_attrs(n, opts):
-    sched = schedule.reduce_scatter_schedule(n, opts.get("topology", "direct"),
-                                             opts.get("chunks", 1))
+    sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks)}
 
 
@@ -91,22 +92,24 @@ def _baseline(fn):
 OPS: dict[str, OpDef] = {
     "all_gather_matmul": OpDef(
         "all_gather_matmul", "jfo_all_gather_matmul",
-        lambda xs, ws, n: ((n * xs[0], ws[1]), (n * xs[0], xs[1])), False,
+        # x_gathered (the backward residual) is [0, k] unless asked for.
+        lambda xs, ws, n, opts: ((n * xs[0], ws[1]),
+                                 (n * xs[0] if opts.get("gathered") else 0, xs[1])), False,
         _as_tuple(_baseline(xla_baseline.all_gather_matmul)),
         _as_tuple(_decomposed_with(decomposed.all_gather_matmul, "topology")), _ag_attrs),
     "matmul_reduce_scatter": OpDef(
         "matmul_reduce_scatter", "jfo_matmul_reduce_scatter",
-        lambda xs, ws, n: ((xs[0] // n, ws[1]),), False,
+        lambda xs, ws, n, opts: ((xs[0] // n, ws[1]),), False,
         _as_tuple(_baseline(xla_baseline.matmul_reduce_scatter)),
         _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs),
     "matmul_all_reduce": OpDef(
         "matmul_all_reduce", "jfo_matmul_all_reduce",
-        lambda xs, ws, n: ((xs[0], ws[1]),), True,
+        lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
         _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
         _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _ar_attrs),
     "all_reduce": OpDef(
         "all_reduce", "jfo_all_reduce",
-        lambda xs, n: (xs,), True,
+        lambda xs, n, opts: (xs,), True,
         _as_tuple(_baseline(xla_baseline.all_reduce)),
         _as_tuple(_decomposed_with(decomposed.all_reduce)), lambda n, opts: {}),
 }
@@ -117,10 +120,10 @@ def _make_primitive(op: OpDef) -> Primitive:
     prim.multiple_results = True
 
     def abstract_eval(*avals, axis_name, n, impl, opts):
-        del impl, opts
+        del impl
         varying = frozenset().union(*(_jax_shim.varying_axes(a) for a in avals))
         varying = varying - {axis_name} if op.reduces else varying | {axis_name}
-        shapes = op.out_shapes(*(a.shape for a in avals), n)
+        shapes = op.out_shapes(*(a.shape for a in avals), n, dict(opts))
         return [_jax_shim.with_varying_axes(avals[0], s, varying) for s in shapes]
 
     def lower_portable(ctx, *args, axis_name, n, impl, opts):
@@ -129,9 +132,16 @@ def _make_primitive(op: OpDef) -> Primitive:
             raise ValueError(
                 f"{op.name}(impl='cuda') runs only on NVIDIA GPUs, but this computation "
                 f"is being compiled for {ctx.module_context.platforms}; use impl='auto'.")
-        fn = op.decomposed if impl == "decomposed" else op.xla
-        return mlir.lower_fun(functools.partial(fn, axis_name=axis_name, **dict(opts)),
-                              multiple_results=True)(ctx, *args)
+        fn = functools.partial(op.decomposed if impl == "decomposed" else op.xla,
+                               axis_name=axis_name, **dict(opts))
+
+        def sliced_to_declared_shapes(*xs):
+            # Results asked for empty (e.g. an unneeded x_gathered) are cut,
+            # and XLA drops the work that produced them.
+            return [r[tuple(slice(0, d) for d in aval.shape)]
+                    for r, aval in zip(fn(*xs), ctx.avals_out)]
+
+        return mlir.lower_fun(sliced_to_declared_shapes, multiple_results=True)(ctx, *args)
 
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
         if impl == "auto":

@@ -48,7 +48,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     gather_axis = _validation.normalize_axis(_OP, "gather_axis", gather_axis, x.ndim)
-    varying = (_layout.is_varying(x, axis_name), _layout.is_varying(w, axis_name))
+    varying = (_layout.varying(x), _layout.varying(w))
     static = (axis_name, n, impl, gather_axis, (("topology", topology), ("chunks", chunks)),
               varying)
     return _all_gather_matmul(x, w, static)
@@ -56,14 +56,20 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _all_gather_matmul(x, w, static):
-    return _forward(x, w, static)[0]
+    return _apply(x, w, static, gathered=False)[0]
+
+
+def _apply(x, w, static, *, gathered):
+    """Runs the op; ``gathered``: also return all_gather(x) [n*m*batch, k]."""
+    axis_name, n, impl, gather_axis, opts, _ = static
+    y2, xg2 = _primitives.bind(_OP, _layout.rows_first(x, gather_axis), w,
+                               axis_name=axis_name, n=n, impl=impl, gathered=gathered,
+                               **dict(opts))
+    return _layout.rows_restore(y2, x.shape, gather_axis, n * x.shape[gather_axis]), xg2
 
 
 def _forward(x, w, static):
-    axis_name, n, impl, gather_axis, opts, _ = static
-    y2, xg2 = _primitives.bind(_OP, _layout.rows_first(x, gather_axis), w,
-                               axis_name=axis_name, n=n, impl=impl, **dict(opts))
-    y = _layout.rows_restore(y2, x.shape, gather_axis, n * x.shape[gather_axis])
+    y, xg2 = _apply(x, w, static, gathered=True)
     return y, (xg2, w)
 
 
@@ -76,8 +82,7 @@ def _backward(static, residuals, dy):
                               n=n, impl=impl, **dict(opts))
     dx = _layout.rows_restore(dx2, dy.shape, gather_axis, dy.shape[gather_axis] // n)
     dw = jnp.dot(xg2.T, dy2, preferred_element_type=w.dtype)
-    return (_layout.match_varying(dx, x_varying, axis_name),
-            _layout.match_varying(dw, w_varying, axis_name))
+    return _layout.match_varying(dx, x_varying), _layout.match_varying(dw, w_varying)
 
 
 _all_gather_matmul.defvjp(_forward, _backward)

@@ -15,7 +15,7 @@ _OP = "matmul_all_reduce"
 
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
-                      impl: str = "auto", chunks: int = 4) -> jax.Array:
+                      impl: str = "auto", chunks: int = 2) -> jax.Array:
     """Returns ``psum(x @ w, axis_name)``.
 
     The row-parallel linear layer without sequence parallelism. The rows are
@@ -42,7 +42,7 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
     _validation.check_matmul_operands(_OP, x, w)
     rows = x.size // x.shape[-1]
     chunk_rows = schedule.all_reduce_chunk_rows(rows, chunks) if rows else (0,)
-    varying = (_layout.is_varying(x, axis_name), _layout.is_varying(w, axis_name))
+    varying = (_layout.varying(x), _layout.varying(w))
     return _matmul_all_reduce(x, w, (axis_name, n, impl, chunk_rows, varying))
 
 
@@ -65,8 +65,7 @@ def _backward(static, residuals, dy):
     dy2 = dy.reshape(-1, dy.shape[-1])
     dx = jnp.dot(dy2, w.T, preferred_element_type=x2.dtype).reshape(*dy.shape[:-1], -1)
     dw = jnp.dot(x2.T, dy2, preferred_element_type=w.dtype)
-    return (_layout.match_varying(dx, x_varying, axis_name),
-            _layout.match_varying(dw, w_varying, axis_name))
+    return _layout.match_varying(dx, x_varying), _layout.match_varying(dw, w_varying)
 
 
 _matmul_all_reduce.defvjp(_forward, _backward)

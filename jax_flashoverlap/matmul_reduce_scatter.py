@@ -53,7 +53,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
             f"{_OP}: x {x.shape} has {x.shape[scatter_dimension]} rows along "
             f"scatter_dimension={scatter_dimension}, not divisible by the {n} ranks of "
             f"{axis_name!r}; pad that dim to a multiple of {n}.")
-    varying = (_layout.is_varying(x, axis_name), _layout.is_varying(w, axis_name))
+    varying = (_layout.varying(x), _layout.varying(w))
     static = (axis_name, n, impl, scatter_dimension,
               (("topology", topology), ("chunks", chunks)), varying)
     return _matmul_reduce_scatter(x, w, static)
@@ -77,11 +77,11 @@ def _backward(static, residuals, dy):
     # The transpose of reduce-scatter is all-gather: dx = all_gather(dy) @ w.T,
     # and the gathered dy it produces on the way is what dw needs.
     dx2, dyg2 = _primitives.bind("all_gather_matmul", _layout.rows_first(dy, dim), w.T,
-                                 axis_name=axis_name, n=n, impl=impl, **dict(opts))
+                                 axis_name=axis_name, n=n, impl=impl, gathered=True,
+                                 **dict(opts))
     dx = _layout.rows_restore(dx2, dy.shape, dim, n * dy.shape[dim])
     dw = jnp.dot(x2.T, dyg2, preferred_element_type=w.dtype)
-    return (_layout.match_varying(dx, x_varying, axis_name),
-            _layout.match_varying(dw, w_varying, axis_name))
+    return _layout.match_varying(dx, x_varying), _layout.match_varying(dw, w_varying)
 
 
 _matmul_reduce_scatter.defvjp(_forward, _backward)

@@ -41,10 +41,10 @@ if want smoke && [ -f scripts/ffi_smoke.py ]; then
   step smoke $PY scripts/ffi_smoke.py
 fi
 if want test; then
-  step test $PY -m pytest -q -m gpu -p no:cacheprovider tests -x
+  step test $PY -P -m pytest -q -m gpu -p no:cacheprovider -x ${JFO_GPU_TESTS:-tests}
 fi
 if want demo; then
-  step demo $PY -m jax_flashoverlap.demo --json "$OUT/demo.json"
+  step demo $PY -P -m jax_flashoverlap.demo --json "$OUT/demo.json"
 fi
 if want cm; then
   step cm $PY benchmarks/collective_matmul.py --json "$OUT/collective_matmul.json" \

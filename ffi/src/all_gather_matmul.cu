@@ -32,7 +32,11 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
   }
   const int64_t m = xd[0], k = xd[1], cols = wd[1];
   JFO_RETURN_IF_ERROR(CheckShape(kOp, "y", *y, n * m, cols));
-  JFO_RETURN_IF_ERROR(CheckShape(kOp, "x_gathered", *x_gathered, n * m, k));
+  // x_gathered is the backward pass's residual; a forward-only call asks for
+  // none ([0, K]) and saves the copy-engine traffic of assembling it.
+  const bool gather = x_gathered->element_count() > 0;
+  JFO_RETURN_IF_ERROR(
+      CheckShape(kOp, "x_gathered", *x_gathered, gather ? n * m : 0, k));
 
   Channel ch;
   JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
@@ -41,40 +45,51 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
   JFO_RETURN_IF_ERROR(ch.CheckCapacity(m * row_x, 0));
   const int r = ch.rank();
   const char* xp = static_cast<const char*>(x.untyped_data());
+  const void* wp = w.untyped_data();
   char* yp = static_cast<char*>(y->untyped_data());
   char* gp = static_cast<char*>(x_gathered->untyped_data());
   const int* row = order.begin() + r * n;
 
-  // Push this shard to every peer, chunk by chunk, in schedule order.
-  for (int i = 1; i < n; ++i) {
-    for (int c = 0; c < chunks; ++c) {
-      const int64_t r0 = SplitStart(m, chunks, c), r1 = SplitStart(m, chunks, c + 1);
-      auto sent = ch.Send(row[i], r0 * row_x, xp + r0 * row_x,
-                          (r1 - r0) * row_x, nullptr);
-      if (sent.has_error()) return sent.error();
+  JFO_RETURN_IF_ERROR(ch.Run([&]() -> ffi::Error {
+    // Push this shard to every peer, chunk by chunk, in schedule order.
+    for (int i = 1; i < n; ++i) {
+      for (int c = 0; c < chunks; ++c) {
+        const Rows p = SplitRows(0, m, chunks, c);
+        auto sent = ch.Send(row[i], p.begin * row_x, xp + p.begin * row_x,
+                            p.size() * row_x, nullptr);
+        if (sent.has_error()) return sent.error();
+      }
     }
-  }
-  JFO_RETURN_IF_ERROR(ch.CopyLocal(gp + r * m * row_x, xp, m * row_x, nullptr));
-  JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, m, cols, k, xp, w.untyped_data(),
-                              nullptr, yp + r * m * row_y));
-  for (int i = 1; i < n; ++i) {
-    const int q = row[i];
-    const char* slot = ch.RecvSlot(q);
-    for (int c = 0; c < chunks; ++c) {
-      const int64_t r0 = SplitStart(m, chunks, c), r1 = SplitStart(m, chunks, c + 1);
-      auto landed = ch.Arrival(q, c);
-      if (landed.has_error()) return landed.error();
-      JFO_RETURN_IF_ERROR(ch.WaitOn(*landed));
-      JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, r1 - r0, cols, k,
-                                  slot + r0 * row_x, w.untyped_data(), nullptr,
-                                  yp + (q * m + r0) * row_y));
-      JFO_RETURN_IF_ERROR(ch.CopyLocal(gp + (q * m + r0) * row_x,
-                                       slot + r0 * row_x, (r1 - r0) * row_x,
-                                       *landed));
+    if (gather) {
+      JFO_RETURN_IF_ERROR(
+          ch.CopyLocal(gp + r * m * row_x, xp, m * row_x, nullptr));
     }
-  }
-  return ch.End({{y->untyped_data(), y->element_count(), dtype},
-                 {x_gathered->untyped_data(), x_gathered->element_count(), dtype}});
+    JFO_RETURN_IF_ERROR(
+        RowGemm(ch, dtype, m, cols, k, xp, wp, nullptr, yp + r * m * row_y));
+    for (int i = 1; i < n; ++i) {
+      const int q = row[i];
+      const char* slot = ch.RecvSlot(q);
+      for (int c = 0; c < chunks; ++c) {
+        const Rows p = SplitRows(0, m, chunks, c);
+        auto landed = ch.Arrival(q, c);
+        if (landed.has_error()) return landed.error();
+        JFO_RETURN_IF_ERROR(ch.WaitOn(*landed));
+        JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, p.size(), cols, k,
+                                    slot + p.begin * row_x, wp, nullptr,
+                                    yp + (q * m + p.begin) * row_y));
+        if (gather) {
+          JFO_RETURN_IF_ERROR(ch.CopyLocal(gp + (q * m + p.begin) * row_x,
+                                           slot + p.begin * row_x,
+                                           p.size() * row_x, *landed));
+        }
+      }
+    }
+    return ffi::Error::Success();
+  }));
+  const Channel::Output outs[] = {
+      {y->untyped_data(), y->element_count(), dtype},
+      {x_gathered->untyped_data(), x_gathered->element_count(), dtype}};
+  return ch.End({outs[0], outs[1]});
 }
 
 }  // namespace
@@ -89,7 +104,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<Buffer_Type>()             // x [m, K]: this rank's rows
         .Arg<Buffer_Type>()             // w [K, N]
         .Ret<Buffer_Type>()             // y [n*m, N]
-        .Ret<Buffer_Type>()             // x_gathered [n*m, K]
+        .Ret<Buffer_Type>()             // x_gathered [n*m, K], or [0, K]
         .Attr<I32Span>("group_ordinals")  // [G*n] CUDA ordinals by rank
         .Attr<int32_t>("n")             // ranks per group
         .Attr<int32_t>("timeout_ms")    // bound of every wait

@@ -40,6 +40,19 @@ using I32Span = ffi::Span<const int32_t>;
     if (jfo_status_.failure()) return jfo_status_; \
   } while (0)
 
+// Sets the current device for a scope (XLA's threads may expect theirs back).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int ordinal) {
+    cudaGetDevice(&saved_);
+    cudaSetDevice(ordinal);
+  }
+  ~DeviceGuard() { cudaSetDevice(saved_); }
+
+ private:
+  int saved_ = 0;
+};
+
 inline bool IsSupportedFloat(ffi::DataType t) {
   return t == ffi::DataType::BF16 || t == ffi::DataType::F16 ||
          t == ffi::DataType::F32;

@@ -21,8 +21,11 @@ struct GemmArgs {
 
 // Creates this device's handle (call outside the execute stage).
 ffi::Error GemmInit(int ordinal);
+// With `only_if_new`, launches only if this problem has no plan yet (see
+// Channel::Run: first launches must precede a call's waits).
 ffi::Error Gemm(int ordinal, const GemmArgs& args, void* workspace,
-                size_t workspace_bytes, cudaStream_t stream);
+                size_t workspace_bytes, cudaStream_t stream,
+                bool only_if_new = false);
 // Where to dlopen cuBLASLt from if the default soname is not loaded.
 void SetCublasLtPath(const std::string& path);
 

@@ -15,10 +15,6 @@ namespace {
 
 constexpr OpId kOp = OpId::kMatmulAllReduce;
 
-struct Rows {
-  int64_t begin, end;
-};
-
 class AllReduceSchedule {
  public:
   AllReduceSchedule(Channel& ch, ffi::DataType dtype, const char* x,
@@ -42,9 +38,8 @@ class AllReduceSchedule {
 
  private:
   Rows Part(int chunk, int q) const {
-    const int64_t len = start_[chunk + 1] - start_[chunk];
-    return {start_[chunk] + SplitStart(len, ch_.n(), q),
-            start_[chunk] + SplitStart(len, ch_.n(), q + 1)};
+    return SplitRows(start_[chunk], start_[chunk + 1] - start_[chunk], ch_.n(),
+                     q);
   }
   int Peer(int j) const { return (ch_.rank() + j) % ch_.n(); }
   size_t RowX() const { return k_ * es_; }
@@ -56,12 +51,12 @@ class AllReduceSchedule {
       const int q = Peer(j);
       const Rows p = Part(chunk, q);
       char* out = staging + p.begin * RowY();
-      JFO_RETURN_IF_ERROR(RowGemm(ch_, dtype_, p.end - p.begin, cols_, k_,
+      JFO_RETURN_IF_ERROR(RowGemm(ch_, dtype_, p.size(), cols_, k_,
                                   x_ + p.begin * RowX(), w_, nullptr, out));
       auto done = ch_.Mark();
       if (done.has_error()) return done.error();
       auto index = ch_.Send(q, p.begin * RowY(), out,
-                            (p.end - p.begin) * RowY(), *done);
+                            p.size() * RowY(), *done);
       if (index.has_error()) return index.error();
       rs_index_[chunk] = *index;
     }
@@ -70,31 +65,17 @@ class AllReduceSchedule {
 
   ffi::Error ReduceOwnPart(int chunk) {
     const Rows p = Part(chunk, ch_.rank());
-    const void* fused = nullptr;
-    std::vector<const void*> rest;
-    for (int j = 1; j < ch_.n(); ++j) {
-      auto landed = ch_.Arrival(Peer(j), rs_index_[chunk]);
-      if (landed.has_error()) return landed.error();
-      JFO_RETURN_IF_ERROR(ch_.WaitOn(*landed));
-      const char* partial = ch_.RecvSlot(Peer(j)) + p.begin * RowY();
-      if (fused == nullptr) {
-        fused = partial;
-      } else {
-        rest.push_back(partial);
-      }
-    }
+    std::vector<int> peers;
+    for (int j = 1; j < ch_.n(); ++j) peers.push_back(Peer(j));
     char* out = y_ + p.begin * RowY();
-    const int64_t rows = p.end - p.begin;
-    JFO_RETURN_IF_ERROR(RowGemm(ch_, dtype_, rows, cols_, k_,
-                                x_ + p.begin * RowX(), w_, fused, out));
-    if (!rest.empty()) {
-      JFO_RETURN_IF_ERROR(AddInto(ch_, dtype_, out, rest, rows * cols_));
-    }
+    JFO_RETURN_IF_ERROR(GemmPlusPartials(ch_, dtype_, p.size(), cols_, k_,
+                                         x_ + p.begin * RowX(), w_, out, peers,
+                                         rs_index_[chunk], p.begin * RowY()));
     auto done = ch_.Mark();
     if (done.has_error()) return done.error();
     for (int j = 1; j < ch_.n(); ++j) {
-      auto index = ch_.Send(Peer(j), p.begin * RowY(), out, rows * RowY(),
-                            *done);
+      auto index =
+          ch_.Send(Peer(j), p.begin * RowY(), out, p.size() * RowY(), *done);
       if (index.has_error()) return index.error();
       ag_index_[chunk] = *index;
     }
@@ -109,7 +90,7 @@ class AllReduceSchedule {
       if (landed.has_error()) return landed.error();
       JFO_RETURN_IF_ERROR(ch_.CopyLocal(y_ + p.begin * RowY(),
                                         ch_.RecvSlot(q) + p.begin * RowY(),
-                                        (p.end - p.begin) * RowY(), *landed));
+                                        p.size() * RowY(), *landed));
     }
     return ffi::Error::Success();
   }
@@ -162,10 +143,10 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
   JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
   const size_t bytes = m * cols * DataTypeBytes(dtype);
   JFO_RETURN_IF_ERROR(ch.CheckCapacity(bytes, bytes));
-  AllReduceSchedule schedule(ch, dtype, static_cast<const char*>(x.untyped_data()),
-                             w.untyped_data(), static_cast<char*>(y->untyped_data()),
-                             k, cols, std::move(start));
-  JFO_RETURN_IF_ERROR(schedule.Run());
+  AllReduceSchedule schedule(
+      ch, dtype, static_cast<const char*>(x.untyped_data()), w.untyped_data(),
+      static_cast<char*>(y->untyped_data()), k, cols, std::move(start));
+  JFO_RETURN_IF_ERROR(ch.Run([&] { return schedule.Run(); }));
   return ch.End({{y->untyped_data(), y->element_count(), dtype}});
 }
 

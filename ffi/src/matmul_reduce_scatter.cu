@@ -47,44 +47,32 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
   char* staging = ch.Staging();
   const int* row = order.begin() + r * n;
 
-  for (int i = 0; i + 1 < n; ++i) {
-    const int b = row[i];
-    for (int c = 0; c < chunks; ++c) {
-      const int64_t r0 = SplitStart(m, chunks, c), r1 = SplitStart(m, chunks, c + 1);
-      char* part = staging + (i * m + r0) * row_y;
-      JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, r1 - r0, cols, k,
-                                  xp + (b * m + r0) * row_x, wp, nullptr, part));
-      auto done = ch.Mark();
-      if (done.has_error()) return done.error();
-      auto sent = ch.Send(b, r0 * row_y, part, (r1 - r0) * row_y, *done);
-      if (sent.has_error()) return sent.error();
-    }
-  }
-  // Own block: y_c = x_c w + partial of the first peer (C input), then the
-  // partials of any further peers.
-  for (int c = 0; c < chunks; ++c) {
-    const int64_t r0 = SplitStart(m, chunks, c), r1 = SplitStart(m, chunks, c + 1);
-    std::vector<const void*> rest;
-    const void* fused = nullptr;
+  JFO_RETURN_IF_ERROR(ch.Run([&]() -> ffi::Error {
     for (int i = 0; i + 1 < n; ++i) {
-      auto landed = ch.Arrival(row[i], c);
-      if (landed.has_error()) return landed.error();
-      JFO_RETURN_IF_ERROR(ch.WaitOn(*landed));
-      const char* partial = ch.RecvSlot(row[i]) + r0 * row_y;
-      if (fused == nullptr) {
-        fused = partial;
-      } else {
-        rest.push_back(partial);
+      const int b = row[i];
+      for (int c = 0; c < chunks; ++c) {
+        const Rows p = SplitRows(0, m, chunks, c);
+        char* part = staging + (i * m + p.begin) * row_y;
+        JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, p.size(), cols, k,
+                                    xp + (b * m + p.begin) * row_x, wp,
+                                    nullptr, part));
+        auto done = ch.Mark();
+        if (done.has_error()) return done.error();
+        auto sent =
+            ch.Send(b, p.begin * row_y, part, p.size() * row_y, *done);
+        if (sent.has_error()) return sent.error();
       }
     }
-    JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, r1 - r0, cols, k,
-                                xp + (r * m + r0) * row_x, wp, fused,
-                                yp + r0 * row_y));
-    if (!rest.empty()) {
-      JFO_RETURN_IF_ERROR(AddInto(ch, dtype, yp + r0 * row_y, rest,
-                                  (r1 - r0) * cols));
+    // Own block last, each chunk summed with the peers' partials.
+    const std::vector<int> peers(row, row + n - 1);
+    for (int c = 0; c < chunks; ++c) {
+      const Rows p = SplitRows(0, m, chunks, c);
+      JFO_RETURN_IF_ERROR(GemmPlusPartials(
+          ch, dtype, p.size(), cols, k, xp + (r * m + p.begin) * row_x, wp,
+          yp + p.begin * row_y, peers, c, p.begin * row_y));
     }
-  }
+    return ffi::Error::Success();
+  }));
   return ch.End({{y->untyped_data(), y->element_count(), dtype}});
 }
 
@@ -97,7 +85,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     ffi::Ffi::Bind()
         .Ctx<FFI_Stream_Type>()         // XLA's stream for this device
         .Ctx<ffi::DeviceOrdinal>()      // local CUDA ordinal
-        .Arg<Buffer_Type>()             // x [n*m, K]: row block b goes to rank b
+        .Arg<Buffer_Type>()             // x [n*m, K]: block b for rank b
         .Arg<Buffer_Type>()             // w [K, N]
         .Ret<Buffer_Type>()             // y [m, N]: this rank's summed block
         .Attr<I32Span>("group_ordinals")  // [G*n] CUDA ordinals by rank

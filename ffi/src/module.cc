@@ -44,7 +44,8 @@ nb::dict Registrations() {
   d["jfo_all_gather_matmul"] =
       Stages(jfo::JfoAllGatherMatmulInitialize, jfo::JfoAllGatherMatmul);
   d["jfo_matmul_reduce_scatter"] =
-      Stages(jfo::JfoMatmulReduceScatterInitialize, jfo::JfoMatmulReduceScatter);
+      Stages(jfo::JfoMatmulReduceScatterInitialize,
+             jfo::JfoMatmulReduceScatter);
   d["jfo_matmul_all_reduce"] =
       Stages(jfo::JfoMatmulAllReduceInitialize, jfo::JfoMatmulAllReduce);
 #endif

@@ -10,6 +10,9 @@
 
 namespace jfo {
 
+// Loads the op kernels up front (see Channel::Run on lazy loading).
+ffi::Error PreloadOpKernels(int ordinal);
+
 // Initialize stage of every fused op: per-device workspace, peer access,
 // group rendezvous and the cuBLASLt handle, all outside the execute stage.
 template <OpId op>
@@ -23,6 +26,7 @@ ffi::Error FusedOpInitialize(int ordinal, ffi::Dictionary attrs) {
   auto group = FindGroup(op, *ordinals, *n, ordinal);
   if (group.has_error()) return group.error();
   JFO_RETURN_IF_ERROR(EnsureGroupReady(op, *group, *timeout_ms));
+  JFO_RETURN_IF_ERROR(PreloadOpKernels(ordinal));
   return GemmInit(ordinal);
 }
 
@@ -43,9 +47,15 @@ ffi::Error CheckShape(OpId op, const char* name, const Buffer_Type& b,
 ffi::Error CheckOrder(OpId op, I32Span order, int n, bool own_first);
 ffi::Error CheckCommon(OpId op, int32_t timeout_ms, int32_t chunks);
 
-// Start of part `i` of `parts` near-equal parts of `total` rows.
-inline int64_t SplitStart(int64_t total, int64_t parts, int64_t i) {
-  return total * i / parts;
+// Rows [begin, end) of a row-major matrix.
+struct Rows {
+  int64_t begin, end;
+  int64_t size() const { return end - begin; }
+};
+
+// Part `i` of `parts` near-equal parts of rows [first, first + total).
+inline Rows SplitRows(int64_t first, int64_t total, int64_t parts, int64_t i) {
+  return {first + total * i / parts, first + total * (i + 1) / parts};
 }
 
 // Row-major GEMM of `rows` rows: D = X W (+ C) with leading dims of the
@@ -53,6 +63,13 @@ inline int64_t SplitStart(int64_t total, int64_t parts, int64_t i) {
 ffi::Error RowGemm(Channel& ch, ffi::DataType dtype, int64_t rows, int64_t n,
                    int64_t k, const void* x, const void* w, const void* c,
                    void* d);
+// out = x w + sum over `peers` of their message `index`, read at byte
+// `offset` of their receive slots. The first partial is cuBLASLt's C input
+// (beta = 1, no extra pass); further ones (n > 2) are added after.
+ffi::Error GemmPlusPartials(Channel& ch, ffi::DataType dtype, int64_t rows,
+                            int64_t n, int64_t k, const void* x, const void* w,
+                            void* out, const std::vector<int>& peers,
+                            int index, size_t offset);
 // d[i] += sum_j srcs[j][i] for i < elements, on the channel's XLA stream.
 ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
                    const std::vector<const void*>& srcs, size_t elements);

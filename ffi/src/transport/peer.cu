@@ -27,6 +27,7 @@
 #include <memory>
 #include <set>
 
+#include "peer_kernels.cuh"
 #include "transport.h"
 
 namespace jfo {
@@ -37,12 +38,9 @@ constexpr size_t kControlBytes = 64u << 10;
 constexpr size_t kFailWordOffset = 32u << 10;  // flags use the bytes below
 constexpr int kEventsPerCall = 1024;
 
-// Filled by a wait kernel that timed out, read by the host on the next call.
-struct TimeoutRecord {
-  volatile int32_t set;
-  int32_t op, rank, ordinal, peer_rank, peer_ordinal, timeout_ms;
-  uint32_t expected, seen;
-};
+using internal::FillIfFailedKernel;
+using internal::TimeoutRecord;
+using internal::WaitFlagKernel;
 
 using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
                                     unsigned int);
@@ -83,71 +81,6 @@ std::condition_variable g_cv;
 std::map<int, std::unique_ptr<DeviceState>> g_devices;
 std::map<std::vector<int>, std::set<int>> g_registered;  // group -> members
 WriteValue32Fn g_write_value32 = nullptr;
-
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
-               : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// One thread: a spinning CTA must not starve the GEMM (or NCCL) of SMs.
-__global__ void WaitFlagKernel(const uint32_t* flag, uint32_t expected,
-                               uint64_t timeout_ns, uint32_t* fail_call,
-                               uint32_t call_id, TimeoutRecord* record,
-                               TimeoutRecord info) {
-  const uint64_t start = GlobalTimerNs();
-  uint32_t seen;
-  for (;;) {
-    seen = LoadAcquire(flag);
-    if (static_cast<int32_t>(seen - expected) >= 0) return;
-    // Another wait of this call already timed out: stop, outputs are NaN.
-    if (*reinterpret_cast<volatile uint32_t*>(fail_call) == call_id) return;
-    if (GlobalTimerNs() - start > timeout_ns) break;
-  }
-  if (atomicExch(fail_call, call_id) == call_id) return;
-  record->op = info.op;
-  record->rank = info.rank;
-  record->ordinal = info.ordinal;
-  record->peer_rank = info.peer_rank;
-  record->peer_ordinal = info.peer_ordinal;
-  record->timeout_ms = info.timeout_ms;
-  record->expected = expected;
-  record->seen = seen;
-  __threadfence_system();
-  record->set = 1;
-}
-
-template <typename T>
-__global__ void FillIfFailedKernel(T* a, size_t na, T* b, size_t nb, T value,
-                                   const uint32_t* fail_call,
-                                   uint32_t call_id) {
-  if (*fail_call != call_id) return;
-  size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
-  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < na + nb;
-       i += stride) {
-    (i < na ? a[i] : b[i - na]) = value;
-  }
-}
-
-// Sets the current device for a scope (XLA's threads may expect theirs back).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int ordinal) {
-    cudaGetDevice(&saved_);
-    cudaSetDevice(ordinal);
-  }
-  ~DeviceGuard() { cudaSetDevice(saved_); }
-
- private:
-  int saved_ = 0;
-};
 
 size_t WorkspaceBytesFromEnv() {
   const char* env = std::getenv("JAX_FLASHOVERLAP_WORKSPACE_MB");
@@ -212,6 +145,14 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   st->sent_epoch.assign(st->num_devices, 0);
   st->recv_epoch.assign(st->num_devices, 0);
   st->pair_calls.assign(st->num_devices, 0);
+  // Load our kernels now: with CUDA lazy loading, a first launch while a
+  // wait kernel spins can block until that wait times out.
+  cudaFuncAttributes attrs;
+  JFO_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, WaitFlagKernel));
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint16_t>));
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint32_t>));
   JFO_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st->copy_stream));
@@ -318,18 +259,21 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
   members.insert(self);
   g_cv.notify_all();
   // No device may use a peer pointer before every member has allocated.
-  const bool ok = g_cv.wait_for(lock, std::chrono::milliseconds(timeout_ms),
-                                [&] { return members.size() == group.ordinals.size(); });
+  const bool ok = g_cv.wait_for(
+      lock, std::chrono::milliseconds(timeout_ms),
+      [&] { return static_cast<int>(members.size()) == group.n; });
   if (ok) return ffi::Error::Success();
   std::string missing;
   for (int o : group.ordinals) {
-    if (!members.count(o)) missing += (missing.empty() ? "" : ", ") + std::to_string(o);
+    if (members.count(o)) continue;
+    missing += (missing.empty() ? "" : ", ") + std::to_string(o);
   }
   return ffi::Error::Internal(
       std::string("jax_flashoverlap ") + OpName(op) + ": CUDA device " +
       std::to_string(self) + " waited " + std::to_string(timeout_ms) +
       " ms for CUDA devices {" + missing +
-      "} of its group to initialize; every device of the group must run the op");
+      "} of its group to initialize; every device of the group must run "
+      "the op");
 }
 
 std::string TakePendingError() {
@@ -366,6 +310,14 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
   return ffi::Error::Success();
 }
 
+ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
+  rehearsal_ = true;
+  ffi::Error rehearsed = schedule();
+  rehearsal_ = false;
+  if (rehearsed.failure()) return rehearsed;
+  return schedule();
+}
+
 ffi::Error Channel::CheckCapacity(size_t slot_bytes,
                                   size_t staging_bytes) const {
   if (slot_bytes <= dev_->slot_bytes && staging_bytes <= dev_->staging_bytes) {
@@ -374,7 +326,8 @@ ffi::Error Channel::CheckCapacity(size_t slot_bytes,
   return ffi::Error::InvalidArgument(
       std::string("jax_flashoverlap ") + OpName(op_) + ": needs " +
       std::to_string(slot_bytes >> 20) + " MiB per receive slot and " +
-      std::to_string(staging_bytes >> 20) + " MiB of staging, the workspace has " +
+      std::to_string(staging_bytes >> 20) +
+      " MiB of staging, the workspace has " +
       std::to_string(dev_->slot_bytes >> 20) + " and " +
       std::to_string(dev_->staging_bytes >> 20) +
       " MiB; raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first call)");
@@ -402,6 +355,7 @@ ffi::ErrorOr<cudaEvent_t> Channel::NextEvent() {
 }
 
 ffi::ErrorOr<cudaEvent_t> Channel::Mark() {
+  if (rehearsal_) return start_;
   auto ev = NextEvent();
   if (ev.has_error()) return ev;
   JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, stream_));
@@ -409,12 +363,14 @@ ffi::ErrorOr<cudaEvent_t> Channel::Mark() {
 }
 
 ffi::Error Channel::WaitOn(cudaEvent_t event) {
+  if (rehearsal_) return ffi::Error::Success();
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, event, 0));
   return ffi::Error::Success();
 }
 
 ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
                                 size_t bytes, cudaEvent_t after) {
+  if (rehearsal_) return 0;
   const int peer = group_->ordinals[peer_rank];
   const int self = group_->ordinals[group_->rank];
   DeviceState* dst = LookupDevice(peer);
@@ -438,6 +394,7 @@ ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
 }
 
 ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
+  if (rehearsal_) return start_;
   const int peer = group_->ordinals[peer_rank];
   cudaStream_t s = dev_->wait_streams[peer];
   // A wait starts its clock with the call, not while the stream runs ahead.
@@ -461,6 +418,7 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
 
 ffi::Error Channel::CopyLocal(void* dst, const void* src, size_t bytes,
                               cudaEvent_t after) {
+  if (rehearsal_) return ffi::Error::Success();
   cudaStream_t s = dev_->copy_stream;
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
   JFO_CUDA_RETURN_IF_ERROR(
@@ -488,7 +446,8 @@ ffi::Error Channel::End(const std::vector<Output>& outputs) {
   if (group_->n == 1 || outputs.empty()) return ffi::Error::Success();
   // Wrong results must be visible: NaN everywhere after a timed-out wait.
   const Output& a = outputs[0];
-  const Output b = outputs.size() > 1 ? outputs[1] : Output{nullptr, 0, a.dtype};
+  const Output b =
+      outputs.size() > 1 ? outputs[1] : Output{nullptr, 0, a.dtype};
   const size_t bytes = DataTypeBytes(a.dtype);
   if (bytes == 4) {
     FillIfFailedKernel<uint32_t><<<264, 256, 0, stream_>>>(

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -50,6 +51,16 @@ class Channel {
   // `stream` (every copy into an output or a peer is ordered after it).
   ffi::Error Begin(OpId op, const GroupSpec& group, int timeout_ms,
                    cudaStream_t stream);
+  // Runs the op's `schedule` (the calls below) twice. The first pass is a
+  // rehearsal: nothing moves, only GEMMs with a new cuBLASLt plan run (into
+  // the call's own outputs/staging, overwritten later). CUDA lazy loading
+  // loads a kernel at its first launch and that can block until the device
+  // is idle; if that happened after this call's first wait, two GPUs each
+  // blocked in a launch, waiting for the other's unsent data, would stall
+  // until the timeout. The rehearsal moves every first launch before the
+  // call's waits, whose peers' sends are then already enqueued.
+  ffi::Error Run(const std::function<ffi::Error()>& schedule);
+  bool rehearsal() const { return rehearsal_; }
   // Fails, naming the fix, when one message or the local scratch exceed the
   // workspace (JAX_FLASHOVERLAP_WORKSPACE_MB).
   ffi::Error CheckCapacity(size_t slot_bytes, size_t staging_bytes) const;
@@ -98,6 +109,7 @@ class Channel {
   uint64_t timeout_ns_ = 0;
   int events_used_ = 0;
   uint32_t call_id_ = 0;
+  bool rehearsal_ = false;
   std::vector<int> sent_;    // messages sent to each rank in this call
   std::vector<int> parity_;  // receive-slot parity per rank in this call
   std::unique_lock<std::mutex> lock_;  // one call at a time per device
