@@ -35,21 +35,25 @@ def rows_restore(a2d: jax.Array, like_shape: tuple[int, ...], axis: int,
     return jnp.moveaxis(a2d.reshape(moved), 0, axis)
 
 
-def is_varying(a: jax.Array, axis_name: str) -> bool:
-    """Whether ``a`` is typed as differing across ``axis_name`` (check_vma)."""
-    return axis_name in _jax_shim.varying_axes(jax.typeof(a))
+def varying(a: jax.Array) -> frozenset:
+    """The manual mesh axes over which ``a`` is typed as differing (check_vma)."""
+    return _jax_shim.varying_axes(jax.typeof(a))
 
 
-def match_varying(ct: jax.Array, primal_varying: bool, axis_name: str) -> jax.Array:
+def match_varying(ct: jax.Array, primal_axes: frozenset) -> jax.Array:
     """Gives a cotangent the manual-axis type of its primal.
 
-    A primal that is the same on every rank (invariant) was implicitly
-    broadcast into rank-varying arithmetic; the transpose of that broadcast
-    is a sum over ranks. The reverse case only needs the type cast.
+    Over an axis where the primal is the same on every rank (invariant) but
+    the cotangent varies, the primal was implicitly broadcast into
+    rank-varying arithmetic, and the transpose of that broadcast is a sum over
+    the axis (e.g. the data-parallel gradient sum of a weight). The reverse
+    case only needs the type cast.
     """
-    ct_varying = is_varying(ct, axis_name)
-    if primal_varying and not ct_varying:
-        return lax.pcast(ct, axis_name, to="varying")
-    if ct_varying and not primal_varying:
-        return lax.psum(ct, axis_name)
+    ct_axes = varying(ct)
+    extra = tuple(sorted(ct_axes - primal_axes, key=str))
+    missing = tuple(sorted(primal_axes - ct_axes, key=str))
+    if extra:
+        ct = lax.psum(ct, extra)
+    if missing:
+        ct = lax.pcast(ct, missing, to="varying")
     return ct

@@ -32,7 +32,7 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto") -> jax.Array
     _validation.check_impl(_OP, impl)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_dtypes(_OP, x=x)
-    return _all_reduce(x, (axis_name, n, impl, _layout.is_varying(x, axis_name)))
+    return _all_reduce(x, (axis_name, n, impl, _layout.varying(x)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -48,8 +48,8 @@ def _forward(x, static):
 def _backward(static, _, dy):
     axis_name, n, _, x_varying = static
     # Invariant x: every rank added the same value, psum(x) == n * x.
-    ct = dy if x_varying else dy * n
-    return (_layout.match_varying(ct, x_varying, axis_name),)
+    ct = dy if axis_name in x_varying else dy * n
+    return (_layout.match_varying(ct, x_varying),)
 
 
 _all_reduce.defvjp(_forward, _backward)

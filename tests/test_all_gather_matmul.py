@@ -69,3 +69,33 @@ def test_replicated_weight_gradient_is_summed(rng):
     # Each rank computes all of x @ w, so the stacked output holds it n times.
     expected = n * 2 * f64(x).T @ (f64(x) @ f64(w))
     assert_close(gw, expected, "float32")
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce"])
+def test_gradients_with_a_second_manual_axis(op, rng):
+    """shard_map manual over (data, tensor), w replicated over data: dw sums over data."""
+    n, dp = 2, 4
+    mesh = cpu_mesh(n, dp)
+    if op == "all_gather_matmul":
+        x = random(rng, (dp * 2, n * 3, 8), "float32")
+        w = random(rng, (8, n * 5), "float32")
+        specs, out = (P("data", "tensor"), P(None, "tensor")), P("data", None, "tensor")
+        kwargs = dict(gather_axis=1)
+    else:
+        x = random(rng, (dp * 2, n * 3, n * 4), "float32")
+        w = random(rng, (n * 4, 5), "float32")
+        specs = (P("data", None, "tensor"), P("tensor"))
+        out = P("data", "tensor") if op == "matmul_reduce_scatter" else P("data")
+        kwargs = dict(scatter_dimension=1) if op == "matmul_reduce_scatter" else {}
+
+    def loss(impl, x, w):
+        fn = functools.partial(getattr(jfo, op), axis_name="tensor", impl=impl, **kwargs)
+        y = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=out)(x, w)
+        return jnp.sum(jnp.sin(y))
+
+    args = [put(mesh, a, s) for a, s in zip((x, w), specs)]
+    got = jax.jit(jax.grad(functools.partial(loss, "decomposed"), argnums=(0, 1)))(*args)
+    want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1)))(*args)
+    for g, ref in zip(got, want):
+        assert_close(g, f64(ref), "float32")
