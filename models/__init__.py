@@ -1,1 +1,25 @@
-"""Flax NNX models built on the overlap ops (shipped as jax_flashoverlap.models)."""
+"""Language models on the overlap ops: a Llama-style Transformer and Mamba-2.
+
+Both are Flax NNX modules with tensor parallelism (heads / MLP width / SSM
+groups split over a ``tensor`` mesh axis), sequence parallelism of the
+residual stream, and data parallelism over a ``data`` axis. Installed as
+``jax_flashoverlap.models``::
+
+    from jax_flashoverlap.models import Transformer, TransformerConfig
+
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))
+    with jax.set_mesh(mesh):
+        model = Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0))
+        logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # tokens [b, s]
+"""
+
+from .config import IMPLS, SIZES, MambaConfig, ShardingConfig, TransformerConfig
+from .layers import CausalLM, RMSNorm
+from .mamba import Mamba2
+from .transformer import Transformer
+
+__all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
+           "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS"]
+
+# --model name -> (config class, model class).
+MODELS = {"transformer": (TransformerConfig, Transformer), "mamba": (MambaConfig, Mamba2)}

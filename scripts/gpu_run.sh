@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm all
+#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm train all
+#
+# JFO_GPU_TESTS picks test files, JFO_TRAIN_ARGS extra train_step.py flags.
 #
 # Logs and JSON go under $OUT (the device tool brings that folder back); the
 # last thing printed is the summary table. The NVLink-multicast switches stay
@@ -49,5 +51,9 @@ fi
 if want cm; then
   step cm $PY benchmarks/collective_matmul.py --json "$OUT/collective_matmul.json" \
     --plot "$OUT/collective_matmul.png"
+fi
+if want train; then
+  # shellcheck disable=SC2086
+  step train $PY -P benchmarks/train_step.py --json "$OUT/train_step.json" ${JFO_TRAIN_ARGS:-}
 fi
 exit $status

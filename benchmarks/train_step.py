@@ -1,0 +1,123 @@
+"""Benchmark: training-step time, tokens/s and MFU of both models, per impl.
+
+    python benchmarks/train_step.py --json out.json        # 1B models, TP=2 + SP, seq 8192
+
+For each model and ``impl`` it builds the training step of
+``jax_flashoverlap.train`` (AdamW, bf16 compute, float32 parameters) on a
+``--mesh`` (default 1x2: tensor parallelism over two GPUs with sequence
+parallelism), runs ``--warmup`` steps (compilation, autotuning), then times
+``--reps`` runs of ``--steps`` back-to-back steps, each run blocked at its end
+(so dispatch overlaps the device as in training); a step's time is the median
+over the runs. Every loss must be finite. An impl that raises
+``NotImplementedError`` (no CUDA kernel for an op) is skipped with a message.
+Results go to ``--json`` after each row; a markdown table is printed last.
+MFU is against the H200's 989 TFLOP/s dense bf16 datasheet peak per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+
+from jax_flashoverlap import demo, models, train
+
+
+def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
+    import jax
+
+    targs = train.parse_args([
+        "--model", model, "--size", args.size, "--mesh", args.mesh, "--batch", str(args.batch),
+        "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
+        *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else [])])
+    trainer = train.build(targs)
+    corpus = train.load_corpus(None, targs.seq_len)
+    batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
+    losses = []
+
+    def run(count: int) -> float:
+        start = time.perf_counter()
+        for i in range(count):
+            trainer.state, loss, _ = trainer.step(trainer.state, batches[i % len(batches)])
+            losses.append(loss)
+        jax.block_until_ready((trainer.state, losses[-1]))
+        return time.perf_counter() - start
+
+    with jax.set_mesh(trainer.mesh):
+        warmup_s = run(args.warmup)  # Mostly compilation.
+        per_step = sorted(run(args.steps) / args.steps for _ in range(args.reps))
+    losses = [float(v) for v in losses]
+    if not all(math.isfinite(v) for v in losses):
+        raise FloatingPointError(f"{model} impl={impl}: non-finite loss {losses}")
+    step_s = statistics.median(per_step)
+    return {
+        "model": model, "size": args.size, "params": trainer.num_params, "impl": impl,
+        "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
+        "dtype": trainer.config.dtype, "device": jax.devices()[0].device_kind,
+        "step_ms": step_s * 1e3, "step_ms_min": per_step[0] * 1e3,
+        "step_ms_max": per_step[-1] * 1e3, "reps": args.reps, "steps_per_rep": args.steps,
+        "tokens_per_s": args.batch * args.seq_len / step_s,
+        "mfu": trainer.flops_per_step / step_s / trainer.peak_flops
+        if trainer.peak_flops else None,
+        "loss_first": losses[0], "loss_last": losses[-1], "warmup_s": warmup_s,
+    }
+
+
+def _table(rows: list[dict]) -> str:
+    xla = {r["model"]: r["step_ms"] for r in rows if r["impl"] == "xla"}
+    lines = ["| model | params | impl | step (ms), median [min, max] | tokens/s | MFU | "
+             "speed-up vs xla |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
+        speedup = f"{xla[r['model']] / r['step_ms']:.3f}x" if r["model"] in xla else "–"
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['impl']} | "
+                     f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
+                     f"{r['tokens_per_s']:,.0f} | {mfu} | {speedup} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the rows here (after each one)")
+    parser.add_argument("--models", nargs="+", default=["transformer", "mamba"])
+    parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda"])
+    parser.add_argument("--size", default="1b", choices=tuple(models.SIZES))
+    parser.add_argument("--mesh", default="1x2", help="DATAxTENSOR")
+    parser.add_argument("--batch", type=int, default=1, help="global batch (sequences)")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU")
+    parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs")
+    args = parser.parse_args(argv)
+    demo._ensure_cpu_devices(train.CPU_DEVICES)  # CPU smoke runs; GPUs are unaffected.
+
+    rows = []
+    for model in args.models:
+        for impl in args.impls:
+            print(f"--- {model}/{args.size} impl={impl}", flush=True)
+            try:
+                row = _measure(model, impl, args)
+            except NotImplementedError as e:
+                print(f"skip {model} impl={impl}: {e}", flush=True)
+                continue
+            finally:
+                gc.collect()  # Drop the last model's buffers before the next one.
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+    print(f"\nTraining step, mesh {args.mesh} (data x tensor), batch {args.batch}, "
+          f"seq {args.seq_len}; MFU vs 989 TFLOP/s per GPU\n")
+    print(_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

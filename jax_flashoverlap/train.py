@@ -1,0 +1,386 @@
+"""Trains the Transformer or Mamba-2 on a (data x tensor) mesh with optax.
+
+    python -m jax_flashoverlap.train --model transformer --size tiny --steps 200
+    jax-flashoverlap-train --model mamba --size 1b --mesh 1x2 --seq-len 8192 --batch 1
+
+Byte-level tokens from ``--data FILE``, or from a text corpus that ships with
+Python (so it runs offline). AdamW with linear warm-up, cosine decay and
+gradient clipping; ``--checkpoint-dir``/``--restore`` save and resume with
+orbax-checkpoint; ``--profile DIR`` writes a ``jax.profiler`` trace of a few
+steps, where the overlap ops appear as ``jax_flashoverlap.<op>``. Without a
+GPU it runs on 8 CPU devices, and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .demo import _ensure_cpu_devices
+from .models import IMPLS, MODELS, SIZES, ShardingConfig
+
+__all__ = ["main", "train", "parse_args", "build", "Trainer", "TrainResult", "loss_fn",
+           "default_corpus", "load_corpus", "batch_at"]
+
+CPU_DEVICES = 8
+# Dense bf16 datasheet peak of one H200, the GPU the targets are set on.
+PEAK_FLOPS_PER_GPU = 989e12
+PROFILE_STEPS = 3
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="jax-flashoverlap-train",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    parser.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DATAxTENSOR",
+                        help="mesh shape, e.g. 4x2 (default: tensor 2, data the rest)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=100,
+                        help="total steps (the schedule's length; --restore continues)")
+    parser.add_argument("--impl", choices=IMPLS, default="auto")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype (default bfloat16 on GPU, float32 on CPU); "
+                             "parameters and optimizer state stay float32")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel",
+                        action="store_false",
+                        help="replicate the residual stream over the tensor axis "
+                             "(row-parallel layers all-reduce instead of reduce-scatter)")
+    parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
+    parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up steps (default 5%% of --steps)")
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a file of training text (default: Python's pydoc topics)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=None,
+                        help="save the final state here (orbax-checkpoint)")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="also save every N steps (0: only at the end)")
+    parser.add_argument("--restore", action="store_true",
+                        help="resume from the latest checkpoint in --checkpoint-dir")
+    parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
+                        help=f"write a jax.profiler trace of {PROFILE_STEPS} steps here")
+    parser.add_argument("--no-progress", dest="progress", action="store_false",
+                        help="no progress bar (the summary still prints)")
+    args = parser.parse_args(argv)
+    if args.restore and args.checkpoint_dir is None:
+        parser.error("--restore needs --checkpoint-dir")
+    return args
+
+
+def _mesh_shape(text: str) -> tuple[int, int]:
+    try:
+        data, tensor = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--mesh {text!r}: expected DATAxTENSOR, e.g. 4x2") from None
+    if data < 1 or tensor < 1:
+        raise argparse.ArgumentTypeError(f"--mesh {text!r}: sizes must be positive")
+    return data, tensor
+
+
+def default_corpus() -> Path:
+    """Python's own documentation text (``pydoc_data/topics.py``, ~800 KB)."""
+    spec = importlib.util.find_spec("pydoc_data.topics")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError("this Python ships no pydoc_data.topics; pass --data FILE")
+    return Path(spec.origin)
+
+
+def load_corpus(path: Path | None, seq_len: int) -> np.ndarray:
+    """The training bytes, uint8 (byte-level tokens: vocabulary 256)."""
+    path = path or default_corpus()
+    corpus = np.frombuffer(path.read_bytes(), np.uint8)
+    if corpus.size <= seq_len + 1:
+        raise ValueError(f"--data {path}: {corpus.size} bytes, need more than "
+                         f"--seq-len + 1 = {seq_len + 1}")
+    return corpus
+
+
+def batch_at(corpus: np.ndarray, step: int, *, batch: int, seq_len: int,
+             seed: int) -> np.ndarray:
+    """Step ``step``'s batch: random windows [batch, seq_len + 1], int32.
+
+    A function of the step alone, so that a restored run sees the same data.
+    """
+    starts = np.random.default_rng((seed, step)).integers(0, corpus.size - seq_len - 1, batch)
+    return np.stack([corpus[s:s + seq_len + 1] for s in starts]).astype(np.int32)
+
+
+def loss_fn(model: nnx.Module, tokens: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy; tokens: [b, s + 1] int."""
+    log_probs = jax.nn.log_softmax(model(tokens[:, :-1]).astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(log_probs, tokens[:, 1:, None], axis=-1))
+
+
+def _optimizer(args: argparse.Namespace) -> optax.GradientTransformation:
+    warmup = args.warmup if args.warmup is not None else max(1, args.steps // 20)
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.lr, warmup_steps=min(warmup, args.steps),
+        decay_steps=max(args.steps, warmup + 1), end_value=args.lr / 10)
+    # No weight decay on vectors (norm weights, per-head SSM parameters).
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim > 1, params)  # noqa: E731
+    return optax.chain(optax.clip_by_global_norm(args.clip),
+                       optax.adamw(schedule, b1=0.9, b2=0.95,
+                                   weight_decay=args.weight_decay, mask=decay_mask))
+
+
+@dataclasses.dataclass
+class Trainer:
+    """A model and its optimizer on a mesh, and the jitted training step.
+
+    Attributes:
+      args: the parsed flags.
+      mesh: the (data, tensor) mesh.
+      config: the model config.
+      num_params: parameters of the model.
+      state: the current ``(model, optimizer)`` state, sharded as the
+        parameters' metadata says.
+      step: ``step(state, tokens [b, s+1]) -> (state, loss, grad_norm)``; donates state.
+      flops_per_step: model FLOPs of one step (for MFU).
+      peak_flops: the mesh's peak FLOP/s on GPUs (H200 bf16 datasheet), else None.
+      platform: where it runs, in words.
+    """
+
+    args: argparse.Namespace
+    mesh: jax.sharding.Mesh
+    config: Any
+    num_params: int
+    state: Any
+    step: Any
+    flops_per_step: float
+    peak_flops: float | None
+    platform: str
+
+    def tokens(self, corpus: np.ndarray, step: int) -> jax.Array:
+        """Step ``step``'s batch on the mesh, split over the data axis."""
+        batch = batch_at(corpus, step, batch=self.args.batch, seq_len=self.args.seq_len,
+                         seed=self.args.seed)
+        return jax.device_put(batch, NamedSharding(self.mesh,
+                                                   P(self.config.sharding.data, None)))
+
+
+def build(args: argparse.Namespace) -> Trainer:
+    """Mesh, model, optimizer and training step for ``args`` (see :func:`parse_args`)."""
+    on_gpu = jax.default_backend() == "gpu"
+    devices = jax.devices()
+    data, tensor = args.mesh or (max(1, len(devices) // 2), min(2, len(devices)))
+    if data * tensor > len(devices):
+        raise ValueError(f"--mesh {data}x{tensor} needs {data * tensor} devices; "
+                         f"there are {len(devices)}")
+    sharding = ShardingConfig(sequence_parallel=args.sequence_parallel)
+    mesh = jax.sharding.Mesh(np.asarray(devices[:data * tensor]).reshape(data, tensor),
+                             (sharding.data, sharding.tensor))
+    config_cls, model_cls = MODELS[args.model]
+    config = config_cls.preset(
+        args.size, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"),
+        impl=args.impl, remat=args.remat, sharding=sharding)
+    # Before compiling anything: a clear error for a shape the mesh cannot split.
+    config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
+
+    tx = _optimizer(args)
+    with jax.set_mesh(mesh):
+        # Created inside jit so that every variable is placed by its sharding
+        # metadata as it is made (no full copy on one device first).
+        @nnx.jit
+        def create():
+            model = model_cls(config, rngs=nnx.Rngs(args.seed))
+            return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+        graphdef, state = nnx.split(create())
+    shardings = nnx.get_named_sharding(state, mesh)
+
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=(shardings, None, None))
+    def step(state, tokens):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss, optax.tree.norm(grads)
+
+    platform = (f"{len(devices)} GPU(s)" if on_gpu
+                else f"{len(devices)} CPU devices (no GPU found)")
+    num_params = sum(x.size for x in jax.tree.leaves(state[0]))
+    return Trainer(args, mesh, config, num_params, state, step,
+                   flops_per_step=config.flops_per_token(args.seq_len) * args.batch
+                   * args.seq_len,
+                   peak_flops=PEAK_FLOPS_PER_GPU * data * tensor if on_gpu else None,
+                   platform=platform)
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a run did.
+
+    Attributes:
+      losses: the loss of each step this run took.
+      step_times: seconds per step (the first includes compilation).
+      start_step: the step it started at (> 0 after ``--restore``).
+      state: the final ``(model, optimizer)`` state.
+      summary: the numbers of the final summary.
+    """
+
+    losses: list[float]
+    step_times: list[float]
+    start_step: int
+    state: Any
+    summary: dict[str, Any]
+
+
+def train(args: argparse.Namespace) -> TrainResult:
+    """Runs the training that ``args`` (from :func:`parse_args`) describes."""
+    trainer = build(args)
+    corpus = load_corpus(args.data, args.seq_len)
+    data, tensor = trainer.mesh.devices.shape
+    print(f"{args.model}/{args.size} ({trainer.num_params / 1e6:,.1f}M parameters) on mesh "
+          f"{data}x{tensor} (data x tensor) of {trainer.platform}; impl {args.impl}, dtype "
+          f"{trainer.config.dtype}, {'with' if args.sequence_parallel else 'without'} "
+          f"sequence parallelism", flush=True)
+    manager = None
+    if args.checkpoint_dir:
+        manager = ocp.CheckpointManager(
+            args.checkpoint_dir.absolute(),
+            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    start = 0
+    if args.restore:
+        start = manager.latest_step()
+        if start is None:
+            raise FileNotFoundError(f"--restore: no checkpoint in {args.checkpoint_dir}")
+        # The freshly built state gives the restored one its shapes and shardings.
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            trainer.state)
+        trainer.state = None  # Frees it before the restored copy arrives.
+        trainer.state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        print(f"restored step {start} from {args.checkpoint_dir}", flush=True)
+
+    # Trace steady-state steps: from this run's second step, if it has one.
+    first = start + 1 if args.steps - start > 1 else start
+    profiling = range(first, min(first + PROFILE_STEPS, args.steps)) if args.profile else range(0)
+    progress = _Progress(trainer, start)
+    with jax.set_mesh(trainer.mesh):
+        pending = None
+        for i in range(start, args.steps):
+            if i == profiling.start:
+                jax.profiler.start_trace(str(args.profile))
+            trainer.state, loss, grad_norm = trainer.step(trainer.state,
+                                                          trainer.tokens(corpus, i))
+            # Read the previous step's loss only now, with this one queued
+            # behind it: the device never waits for the host.
+            if pending is not None:
+                progress.finished(*pending)
+            pending = (loss, grad_norm)
+            if i + 1 == profiling.stop:
+                jax.block_until_ready(trainer.state)
+                jax.profiler.stop_trace()
+            if manager and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
+                manager.save(i + 1, args=ocp.args.StandardSave(trainer.state))
+        if pending is not None:
+            progress.finished(*pending)
+    progress.close()
+    if manager is not None:
+        if manager.latest_step() != args.steps:
+            manager.save(args.steps, args=ocp.args.StandardSave(trainer.state), force=True)
+        manager.wait_until_finished()
+        manager.close()
+    summary = progress.summary()
+    print(_format_summary(trainer, summary), flush=True)
+    return TrainResult(progress.losses, progress.times, start, trainer.state, summary)
+
+
+class _Progress:
+    """Per-step loss and timing, the tqdm bar, and the final numbers."""
+
+    def __init__(self, trainer: Trainer, start: int):
+        self.trainer = trainer
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.t_last = time.perf_counter()
+        args = trainer.args
+        self.bar = None
+        if args.progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=args.steps, initial=start, desc="train", unit="step",
+                            file=sys.stderr)
+
+    def finished(self, loss: jax.Array, grad_norm: jax.Array) -> None:
+        """Waits for a step's results; the time since the last one is its step time."""
+        loss, grad_norm = float(loss), float(grad_norm)
+        now = time.perf_counter()
+        self.losses.append(loss)
+        self.times.append(now - self.t_last)
+        self.t_last = now
+        if self.bar is not None:
+            step_s = self.times[-1]
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}",
+                                 tok_s=f"{self._tokens_per_s(step_s):,.0f}",
+                                 step_ms=f"{step_s * 1e3:.0f}", mfu=self._mfu(step_s),
+                                 refresh=False)
+
+    def _tokens_per_s(self, step_s: float) -> float:
+        return self.trainer.args.batch * self.trainer.args.seq_len / step_s
+
+    def _mfu(self, step_s: float) -> str:
+        peak = self.trainer.peak_flops
+        return f"{self.trainer.flops_per_step / step_s / peak:.1%}" if peak else "n/a"
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def summary(self) -> dict[str, Any]:
+        args, trainer = self.trainer.args, self.trainer
+        steady = self.times[1:] or self.times  # The first step compiles.
+        step_s = statistics.median(steady) if steady else float("nan")
+        return {
+            "model": args.model, "size": args.size, "params": trainer.num_params,
+            "impl": args.impl, "steps": len(self.losses),
+            "first_loss": self.losses[0] if self.losses else None,
+            "final_loss": self.losses[-1] if self.losses else None,
+            "step_time_s": step_s, "tokens_per_s": self._tokens_per_s(step_s),
+            "mfu": trainer.flops_per_step / step_s / trainer.peak_flops
+            if trainer.peak_flops else None,
+        }
+
+
+def _format_summary(trainer: Trainer, s: dict[str, Any]) -> str:
+    if not s["steps"]:
+        return f"nothing to do: already at step {trainer.args.steps}"
+    mfu = (f"{s['mfu']:.1%} of {PEAK_FLOPS_PER_GPU / 1e12:.0f} TFLOP/s per GPU"
+           if s["mfu"] is not None else "n/a (no GPU)")
+    return (f"done: {s['steps']} steps of {s['model']}/{s['size']}, impl {s['impl']}: "
+            f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}\n"
+            f"  step time {s['step_time_s'] * 1e3:.1f} ms (median after the first), "
+            f"{s['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    _ensure_cpu_devices(CPU_DEVICES)  # Before JAX starts its backends.
+    train(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

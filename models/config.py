@@ -1,0 +1,269 @@
+"""Frozen configurations of the models, with presets, and their sharding.
+
+Dimension letters in names: b batch, s sequence, d model width, v vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jax.sharding import PartitionSpec as P
+
+from jax_flashoverlap._validation import IMPLS
+
+__all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES"]
+
+# Preset name -> the config classmethod that makes it.
+SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """How a model maps onto a (data, tensor) mesh.
+
+    Weights are split over ``tensor`` by the parallel layers themselves
+    (column-parallel kernels ``P(None, tensor)``, row-parallel ``P(tensor,
+    None)``, per-head vectors ``P(tensor)``); everything else is replicated.
+    The batch is split over ``data``. With ``sequence_parallel`` the residual
+    stream between the tensor-parallel layers is split along the sequence
+    over ``tensor`` too; without it, it is replicated over ``tensor``.
+
+    Attributes:
+      data: name of the data-parallel mesh axis.
+      tensor: name of the tensor-parallel mesh axis.
+      sequence_parallel: shard the residual stream along the sequence.
+    """
+
+    data: str = "data"
+    tensor: str = "tensor"
+    sequence_parallel: bool = True
+
+    @property
+    def tokens_sb(self) -> P:
+        """Token ids, targets and per-token values, [seq, batch]."""
+        return P(self.tensor if self.sequence_parallel else None, self.data)
+
+    @property
+    def act_sbd(self) -> P:
+        """The residual stream (and logits), [seq, batch, d]."""
+        return P(*self.tokens_sb, None)
+
+    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int,
+              model: str) -> None:
+        """Clear errors for a mesh or a batch shape that cannot be split."""
+        missing = [a for a in (self.data, self.tensor) if a not in mesh_shape]
+        if missing:
+            raise ValueError(f"{model}: the mesh has axes {tuple(mesh_shape)} but the "
+                             f"sharding config needs {missing}; build it as "
+                             f"jax.make_mesh((data, tensor), ({self.data!r}, {self.tensor!r}))")
+        tp, dp = mesh_shape[self.tensor], mesh_shape[self.data]
+        if batch % dp:
+            raise ValueError(f"{model}: batch {batch} does not divide by the {dp} ranks of "
+                             f"the data axis {self.data!r}; use a multiple of {dp}.")
+        if self.sequence_parallel and seq_len % tp:
+            raise ValueError(f"{model}: sequence length {seq_len} does not divide by the {tp} "
+                             f"ranks of the tensor axis {self.tensor!r} (sequence "
+                             f"parallelism splits it); use a multiple of {tp}.")
+
+
+class _Presets:
+    """``Config.preset(name, **overrides)`` for the names in :data:`SIZES`."""
+
+    @classmethod
+    def preset(cls, name: str, **overrides):
+        if name not in SIZES:
+            raise ValueError(f"{cls.__name__}: unknown size {name!r}; choose from "
+                             f"{list(SIZES)}")
+        return dataclasses.replace(getattr(cls, SIZES[name])(), **overrides)
+
+
+def _check_impl(model: str, impl: str) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"{model}: impl must be one of {IMPLS}, got {impl!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig(_Presets):
+    """A Llama-style decoder.
+
+    Attributes:
+      vocab_size: v (256 for byte-level tokens).
+      num_layers: decoder blocks.
+      embed_dim: d.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (grouped-query attention); divides
+        ``num_heads``, and must divide by the tensor-parallel size.
+      head_dim: h.
+      mlp_dim: f, the SwiGLU width; must divide by the tensor-parallel size.
+      rope_theta: rotary embedding base.
+      norm_eps: RMSNorm epsilon.
+      dtype: compute dtype ("float32", "bfloat16"); parameters stay float32.
+      impl: implementation of the overlap ops.
+      remat: recompute each block in the backward pass (saves memory).
+      sharding: how it maps onto the mesh.
+    """
+
+    vocab_size: int = 256
+    num_layers: int = 2
+    embed_dim: int = 64
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 16
+    mlp_dim: int = 128
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+    dtype: str = "float32"
+    impl: str = "auto"
+    remat: bool = False
+    sharding: ShardingConfig = ShardingConfig()
+
+    def __post_init__(self):
+        _check_impl("TransformerConfig", self.impl)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"TransformerConfig: num_heads={self.num_heads} must be a "
+                             f"multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"TransformerConfig: head_dim={self.head_dim} must be even "
+                             f"(rotary embeddings rotate pairs of channels)")
+
+    @classmethod
+    def tiny(cls) -> TransformerConfig:
+        return cls()
+
+    @classmethod
+    def small(cls) -> TransformerConfig:
+        return cls(num_layers=8, embed_dim=512, num_heads=8, num_kv_heads=4, head_dim=64,
+                   mlp_dim=1536)
+
+    @classmethod
+    def b1(cls) -> TransformerConfig:
+        """~1.0B parameters: Llama-3.2-1B's width and depth, 128-wide heads."""
+        return cls(num_layers=16, embed_dim=2048, num_heads=16, num_kv_heads=8,
+                   head_dim=128, mlp_dim=8192, rope_theta=500_000.0, dtype="bfloat16")
+
+    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int) -> None:
+        """Clear errors for a mesh or batch shape this model cannot be split over."""
+        self.sharding.check(mesh_shape, batch=batch, seq_len=seq_len, model="Transformer")
+        tp = mesh_shape[self.sharding.tensor]
+        for name in ("num_kv_heads", "mlp_dim"):
+            if getattr(self, name) % tp:
+                raise ValueError(
+                    f"Transformer: {name}={getattr(self, name)} does not divide by the "
+                    f"tensor-parallel size {tp} (heads and MLP width are split over "
+                    f"{self.sharding.tensor!r}); use a tensor axis size that divides it.")
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of one training token (forward + backward, no recompute).
+
+        6 per weight of every matmul, plus causal attention: per head, QK^T
+        and AV cost 2·2·h FLOPs per (query, key) pair, over s/2 keys on average.
+        """
+        d, h = self.embed_dim, self.head_dim
+        qkv_o = d * (self.num_heads + 2 * self.num_kv_heads) * h + self.num_heads * h * d
+        matmul_weights = self.num_layers * (qkv_o + 3 * d * self.mlp_dim) + d * self.vocab_size
+        attention = self.num_layers * self.num_heads * 2 * 2 * h * seq_len / 2
+        return 6 * matmul_weights + 3 * attention
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaConfig(_Presets):
+    """A Mamba-2 language model (SSD mixer blocks, no MLP).
+
+    Attributes:
+      vocab_size: v.
+      num_layers: mixer blocks.
+      embed_dim: d.
+      state_dim: N, the SSM state size per head.
+      head_dim: P, channels per SSM head; heads = expand·d / P.
+      num_groups: G, groups sharing B and C (like key/value heads); must
+        divide by the tensor-parallel size, and divide the heads.
+      expand: inner width = expand·d.
+      conv_width: the causal depthwise convolution's kernel size.
+      chunk_size: SSD chunk length; must divide the sequence length.
+      dt_min, dt_max: range of the initial time steps.
+      norm_eps: RMSNorm epsilon.
+      dtype: compute dtype; parameters stay float32.
+      impl: implementation of the overlap ops.
+      remat: recompute each block in the backward pass.
+      sharding: how it maps onto the mesh.
+    """
+
+    vocab_size: int = 256
+    num_layers: int = 2
+    embed_dim: int = 64
+    state_dim: int = 16
+    head_dim: int = 16
+    num_groups: int = 4
+    expand: int = 2
+    conv_width: int = 4
+    chunk_size: int = 16
+    dt_min: float = 1e-3
+    dt_max: float = 1e-1
+    norm_eps: float = 1e-5
+    dtype: str = "float32"
+    impl: str = "auto"
+    remat: bool = False
+    sharding: ShardingConfig = ShardingConfig()
+
+    def __post_init__(self):
+        _check_impl("MambaConfig", self.impl)
+        if self.inner_dim % self.head_dim:
+            raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
+                             f"must be a multiple of head_dim={self.head_dim}")
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"MambaConfig: num_heads={self.num_heads} must be a multiple "
+                             f"of num_groups={self.num_groups}")
+
+    @property
+    def inner_dim(self) -> int:
+        return self.expand * self.embed_dim
+
+    @property
+    def num_heads(self) -> int:
+        return self.inner_dim // self.head_dim
+
+    @classmethod
+    def tiny(cls) -> MambaConfig:
+        return cls()
+
+    @classmethod
+    def small(cls) -> MambaConfig:
+        return cls(num_layers=8, embed_dim=512, state_dim=64, head_dim=64, num_groups=4,
+                   chunk_size=128)
+
+    @classmethod
+    def b1(cls) -> MambaConfig:
+        """~1.4B parameters: mamba2-1.3b's width and depth, 8 groups (as Megatron) for TP."""
+        return cls(num_layers=48, embed_dim=2048, state_dim=128, head_dim=64, num_groups=8,
+                   chunk_size=256, dtype="bfloat16")
+
+    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int) -> None:
+        """Clear errors for a mesh or batch shape this model cannot be split over."""
+        self.sharding.check(mesh_shape, batch=batch, seq_len=seq_len, model="Mamba2")
+        tp = mesh_shape[self.sharding.tensor]
+        if self.num_groups % tp:
+            raise ValueError(
+                f"Mamba2: num_groups={self.num_groups} (of num_heads={self.num_heads}) does "
+                f"not divide by the tensor-parallel size {tp}: heads and their B/C groups "
+                f"are split over {self.sharding.tensor!r}; use a tensor axis size that "
+                f"divides {self.num_groups}, or more groups.")
+        if seq_len % self.chunk_size:
+            raise ValueError(f"Mamba2: sequence length {seq_len} is not a multiple of "
+                             f"chunk_size={self.chunk_size} (the SSD scan works in chunks).")
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of one training token (forward + backward, no recompute).
+
+        6 per weight of the projections, plus the SSD scan of each head: the
+        intra-chunk products C·B^T (per group) and (L∘CB)·x (per head) over
+        l/2 earlier positions on average (2·l/2·N and 2·l/2·P), the chunk
+        state (2·N·P per head) and its read-out (2·N·P per head). The
+        convolution and elementwise work are left out.
+        """
+        del seq_len  # The SSD cost per token depends on the chunk, not the sequence.
+        d, n, p, chunk = self.embed_dim, self.state_dim, self.head_dim, self.chunk_size
+        in_proj = d * (2 * self.inner_dim + 2 * self.num_groups * n + self.num_heads)
+        weights = self.num_layers * (in_proj + self.inner_dim * d) + d * self.vocab_size
+        heads, groups = self.num_heads, self.num_groups
+        ssd = self.num_layers * (groups * chunk * n + heads * (chunk * p + 4 * n * p))
+        return 6 * weights + 3 * ssd

@@ -1,0 +1,103 @@
+"""What both language models share: RMSNorm and the causal-LM skeleton."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_flashoverlap.nn import shard_map_apply
+
+__all__ = ["RMSNorm", "CausalLM", "linear_options"]
+
+
+def linear_options(config, rngs: nnx.Rngs) -> dict:
+    """Keyword arguments of :mod:`jax_flashoverlap.nn`'s parallel layers for ``config``."""
+    sharding = config.sharding
+    return dict(axis_name=sharding.tensor, sequence_parallel=sharding.sequence_parallel,
+                impl=config.impl, dtype=jnp.dtype(config.dtype), rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """``weight · x / rms(x)``, over the last dim or over groups of it.
+
+    Args:
+      dim: width of the last dim (global).
+      eps: added to the mean square.
+      group_size: normalise each run of ``group_size`` channels on its own
+        (Mamba-2's grouped norm, which keeps the norm local to a
+        tensor-parallel rank); default the whole dim.
+      sharding: ``out_sharding`` of the weight, e.g. ``("tensor",)`` when the
+        channels are split over the tensor axis.
+    """
+
+    def __init__(self, dim: int, *, eps: float, group_size: int | None = None,
+                 sharding: tuple = (None,)):
+        self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=sharding)
+        self.eps = eps
+        self.group_size = group_size
+
+    def __call__(self, x: jax.Array, gate: jax.Array | None = None) -> jax.Array:
+        """x: [..., dim]; gate: like x, applied as ``x · silu(gate)`` before the norm."""
+        y = x.astype(jnp.float32)
+        if gate is not None:
+            y = y * jax.nn.silu(gate.astype(jnp.float32))
+        groups = y.reshape(*y.shape[:-1], -1, self.group_size or y.shape[-1])
+        groups = groups * jax.lax.rsqrt(jnp.mean(groups * groups, -1, keepdims=True) + self.eps)
+        return (groups.reshape(y.shape) * self.weight[...]).astype(x.dtype)
+
+
+class CausalLM(nnx.Module):
+    """Token embedding, a stack of residual blocks, RMSNorm and the LM head.
+
+    Called on global arrays under ``jax.set_mesh(mesh)``: the forward runs
+    per device in one ``jax.shard_map`` over the (data, tensor) mesh, on the
+    [seq, batch, d] layout. The embedding and the head (small for byte-level
+    vocabularies) are replicated and applied to this rank's sequence shard.
+
+    Args:
+      config: a model config (``vocab_size``, ``embed_dim``, ``num_layers``,
+        ``norm_eps``, ``dtype``, ``remat``, ``sharding`` and ``check``).
+      block: ``block(rngs=...) -> module`` mapping [s/tp, b, d] to the same
+        (per device), one per layer.
+      rngs: supplies the ``params`` keys.
+    """
+
+    def __init__(self, config, block: Callable[..., nnx.Module], *, rngs: nnx.Rngs):
+        d, v = config.embed_dim, config.vocab_size
+        self.config = config
+        self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (v, d)),
+                                   out_sharding=(None, None))
+        self.blocks = nnx.List([block(rngs=rngs) for _ in range(config.num_layers)])
+        self.final_norm = RMSNorm(d, eps=config.norm_eps)
+        self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, v)),
+                              out_sharding=(None, None))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens: [b, s] int, global. Returns logits [b, s, v] in the compute dtype."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(f"{type(self).__name__}: call it under `with jax.set_mesh(mesh):` "
+                             f"with a (data, tensor) mesh.")
+        batch, seq_len = tokens.shape
+        self.config.check(dict(mesh.shape), batch=batch, seq_len=seq_len)
+        sharding = self.config.sharding
+        logits = shard_map_apply(type(self).forward, self, tokens.T,
+                                 in_specs=(sharding.tokens_sb,), out_specs=sharding.act_sbd)
+        return logits.transpose(1, 0, 2)
+
+    def forward(self, tokens: jax.Array) -> jax.Array:
+        """Per device: tokens [s_local, b_local] -> logits [s_local, b_local, v].
+
+        ``s_local`` is s/tp under sequence parallelism, else s.
+        """
+        dtype = jnp.dtype(self.config.dtype)
+        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
+        apply = lambda block, x: block(x)  # noqa: E731
+        if self.config.remat:
+            apply = nnx.remat(apply)
+        for block in self.blocks:
+            x = apply(block, x)
+        return jnp.dot(self.final_norm(x), self.head[...].astype(dtype))

@@ -1,0 +1,114 @@
+"""A Llama-style decoder with tensor and sequence parallelism on the overlap ops.
+
+RMSNorm, rotary embeddings, grouped-query attention and a SwiGLU MLP. Each
+block has two column-parallel GEMMs (fused QKV, fused gate/up) and two
+row-parallel ones (attention output, MLP down): with sequence parallelism,
+two all-gather→GEMMs and two GEMM→reduce-scatters per block, in the forward
+and (mirrored) in the backward pass. Heads and MLP width are split over the
+tensor axis; attention runs on each rank's heads over the whole sequence.
+
+Fused kernels keep their columns grouped so that a contiguous column shard is
+a whole unit at any tensor-parallel size (the parameters do not depend on
+it): QKV by key/value head ([q heads of the group, k, v] per kv head), gate/up
+interleaved per hidden unit.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
+
+from .config import TransformerConfig
+from .layers import CausalLM, RMSNorm, linear_options
+
+__all__ = ["Transformer", "Block", "Attention", "MLP", "rope"]
+
+
+def rope(x: jax.Array, theta: float) -> jax.Array:
+    """Rotary embeddings ("rotate half" layout), positions 0..s-1.
+
+    Args:
+      x: [s, b, heads, h], the whole sequence.
+      theta: base of the frequencies.
+
+    Returns:
+      x rotated by position, same shape and dtype.
+    """
+    h = x.shape[-1]
+    freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)     # [h/2]
+    angle = jnp.arange(x.shape[0], dtype=jnp.float32)[:, None] * freq  # [s, h/2]
+    cos, sin = (f(angle)[:, None, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal grouped-query self-attention over this rank's heads."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        d, h, kv = config.embed_dim, config.head_dim, config.num_kv_heads
+        self.q_per_kv = config.num_heads // kv
+        self.head_dim = h
+        self.rope_theta = config.rope_theta
+        self.qkv = ColumnParallelLinear(d, kv * (self.q_per_kv + 2) * h,
+                                        **linear_options(config, rngs))
+        self.out = RowParallelLinear(config.num_heads * h, d, **linear_options(config, rngs))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [s/tp, b, d] (or [s, b, d] without SP) -> the same."""
+        qkv = self.qkv(x)                                   # [s, b, kv/tp * (q_per_kv+2) * h]
+        s, b = qkv.shape[:2]
+        qkv = qkv.reshape(s, b, -1, self.q_per_kv + 2, self.head_dim)
+        # Query head g*q_per_kv + j uses kv head g: the order GQA in
+        # dot_product_attention expects.
+        q = rope(qkv[:, :, :, :-2].reshape(s, b, -1, self.head_dim), self.rope_theta)
+        k = rope(qkv[:, :, :, -2], self.rope_theta)
+        v = qkv[:, :, :, -1]
+        # dot_product_attention takes [b, s, heads, h]; with b = 1 per device
+        # the swap is free.
+        out = jax.nn.dot_product_attention(*(t.swapaxes(0, 1) for t in (q, k, v)),
+                                           is_causal=True)
+        return self.out(out.swapaxes(0, 1).reshape(s, b, -1))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: ``down(silu(gate(x)) · up(x))`` over this rank's hidden units."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        d, f = config.embed_dim, config.mlp_dim
+        self.gate_up = ColumnParallelLinear(d, 2 * f, **linear_options(config, rngs))
+        self.down = RowParallelLinear(f, d, **linear_options(config, rngs))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [s/tp, b, d] (or [s, b, d] without SP) -> the same."""
+        h = self.gate_up(x)                                 # [s, b, 2 * f/tp]
+        h = h.reshape(*h.shape[:-1], -1, 2)
+        return self.down(jax.nn.silu(h[..., 0]) * h[..., 1])
+
+
+class Block(nnx.Module):
+    """Pre-norm residual block: attention, then MLP."""
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = RMSNorm(config.embed_dim, eps=config.norm_eps)
+        self.mlp = MLP(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(CausalLM):
+    """The decoder LM: ``Transformer(config, rngs=...)(tokens [b, s]) -> logits [b, s, v]``.
+
+    Create and call it under ``jax.set_mesh(mesh)`` with a (data, tensor)
+    mesh; see :class:`models.layers.CausalLM`.
+    """
+
+    def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        super().__init__(config, lambda rngs: Block(config, rngs=rngs), rngs=rngs)

@@ -1,0 +1,59 @@
+"""Helpers of the model tests: one model's state on several meshes, loss and gradients."""
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+from support import assert_close, cpu_mesh
+
+from jax_flashoverlap.train import loss_fn
+
+BATCH, SEQ_LEN = 2, 32
+
+
+def tokens(seed: int, batch: int = BATCH, seq_len: int = SEQ_LEN) -> np.ndarray:
+    """Random byte tokens [batch, seq_len + 1] (inputs and shifted targets)."""
+    return np.random.default_rng(seed).integers(0, 256, (batch, seq_len + 1), np.int32)
+
+
+def build(model_cls, config, mesh, state=None):
+    """``model_cls(config)`` on ``mesh``; with ``state``, holding exactly those values."""
+    with jax.set_mesh(mesh):
+        if state is None:
+            return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(0)))()
+        graphdef, abstract = nnx.split(nnx.eval_shape(lambda: model_cls(config,
+                                                                        rngs=nnx.Rngs(0))))
+        placed = jax.device_put(jax.tree.map(np.asarray, state),
+                                nnx.get_named_sharding(abstract, mesh))
+        return nnx.merge(graphdef, placed)
+
+
+def loss_and_grads(model, batch, mesh):
+    """(loss, gradient State) as numpy float64."""
+    with jax.set_mesh(mesh):
+        loss, grads = nnx.jit(nnx.value_and_grad(loss_fn))(model, batch)
+    return np.float64(loss), jax.tree.map(lambda g: np.asarray(g, np.float64), nnx.state(grads))
+
+
+def reference(model_cls, config, seed):
+    """The TP=1 single-device model: its state, a batch, its loss and gradients."""
+    mesh = cpu_mesh(tp=1)
+    model = build(model_cls, config, mesh)
+    batch = tokens(seed)
+    return nnx.state(model), batch, *loss_and_grads(model, batch, mesh)
+
+
+def check_matches_reference(model_cls, config, ref, *, tp: int, dp: int = 2, **overrides):
+    """The model at (dp, tp) with the reference's parameters gives its loss and gradients."""
+    state, batch, ref_loss, ref_grads = ref
+    mesh = cpu_mesh(tp=tp, dp=dp)
+    model = build(model_cls, dataclasses.replace(config, **overrides), mesh, state)
+    loss, grads = loss_and_grads(model, batch, mesh)
+    assert_close(loss, ref_loss, "float32")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(grads)]
+    for path, got, want in zip(paths, jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        try:
+            assert_close(got, want, "float32")
+        except AssertionError as e:
+            raise AssertionError(f"gradient of {path}: {e}") from None

@@ -1,0 +1,115 @@
+"""Mamba-2: the SSD scan and convolution, and tensor-parallel runs equal to one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from model_support import build, check_matches_reference, reference, tokens
+from support import assert_close, cpu_mesh, f64, random
+
+from jax_flashoverlap import models
+
+Mamba2, MambaConfig = models.Mamba2, models.MambaConfig
+causal_conv1d, ssd = models.mamba.causal_conv1d, models.mamba.ssd
+CONFIG = MambaConfig.tiny()
+
+
+def ssd_recurrence(x, dt, a, b, c):
+    """The SSM step by step: h_t = exp(dt_t a) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t."""
+    def step(h, inputs):
+        x, dt, b, c = inputs  # [batch, g, heads, p], [batch, g, heads], [batch, g, n] x2
+        h = (jnp.exp(dt * a)[..., None, None] * h
+             + (dt[..., None] * x)[..., None] * b[:, :, None, None, :])
+        return h, jnp.einsum("bghpn,bgn->bghp", h, c)
+
+    _, batch, g, heads, p = x.shape
+    h0 = jnp.zeros((batch, g, heads, p, b.shape[-1]), jnp.float32)
+    return jax.lax.scan(step, h0, (x, dt, b, c))[1]
+
+
+def _ssd_inputs(rng, s=48, batch=2, g=3, heads=2, p=4, n=5):
+    x = random(rng, (s, batch, g, heads, p), "float32")
+    dt = jax.nn.softplus(random(rng, (s, batch, g, heads), "float32"))
+    a = -jnp.exp(random(rng, (g, heads), "float32"))
+    return x, dt, a, random(rng, (s, batch, g, n), "float32"), random(rng, (s, batch, g, n),
+                                                                      "float32")
+
+
+@pytest.mark.parametrize("chunk_size", [8, 16, 48])
+def test_ssd_equals_the_recurrence(chunk_size, rng):
+    inputs = _ssd_inputs(rng)
+    assert_close(ssd(*inputs, chunk_size), f64(ssd_recurrence(*inputs)), "float32")
+
+
+def test_ssd_gradients_equal_the_recurrence(rng):
+    inputs = _ssd_inputs(rng)
+    probe = random(rng, inputs[0].shape, "float32")
+    argnums = tuple(range(5))
+    got = jax.grad(lambda *t: jnp.sum(ssd(*t, 16) * probe), argnums)(*inputs)
+    want = jax.grad(lambda *t: jnp.sum(ssd_recurrence(*t) * probe), argnums)(*inputs)
+    for g, w in zip(got, want):
+        assert_close(g, f64(w), "float32")
+
+
+def test_ssd_sequence_not_a_multiple_of_the_chunk(rng):
+    with pytest.raises(ValueError, match="not a multiple of chunk_size=16"):
+        ssd(*_ssd_inputs(rng, s=24), 16)
+
+
+def test_causal_conv1d(rng):
+    s, k, c = 10, 4, 3
+    x, w, bias = (random(rng, shape, "float32") for shape in ((s, 2, c), (k, c), (c,)))
+    want = np.zeros((s, 2, c))
+    for t in range(s):
+        for i in range(k):
+            if t - (k - 1) + i >= 0:
+                want[t] += f64(w)[i] * f64(x)[t - (k - 1) + i]
+    assert_close(causal_conv1d(x, w, bias), want + f64(bias), "float32")
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(Mamba2, CONFIG, seed=7)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("impl", ["xla", "decomposed"])
+def test_loss_and_gradients_match_one_device(ref, tp, impl):
+    check_matches_reference(Mamba2, CONFIG, ref, tp=tp, impl=impl)
+
+
+def test_without_sequence_parallelism_matches_one_device(ref):
+    check_matches_reference(Mamba2, CONFIG, ref, tp=2, impl="decomposed",
+                            sharding=models.ShardingConfig(sequence_parallel=False))
+
+
+def test_is_causal():
+    mesh = cpu_mesh(tp=2, dp=2)
+    model = build(Mamba2, CONFIG, mesh)
+    batch = tokens(1)[:, :-1]
+    changed = batch.copy()
+    changed[:, 20] = (changed[:, 20] + 1) % 256
+    with jax.set_mesh(mesh):
+        before, after = (np.asarray(nnx.jit(lambda m, t: m(t))(model, t)) for t in (batch, changed))
+    np.testing.assert_array_equal(before[:, :20], after[:, :20])
+    assert np.abs(before[:, 20:] - after[:, 20:]).max() > 0
+
+
+@pytest.mark.parametrize("tp, batch, seq_len, message", [
+    (8, 1, 32, r"num_groups=4 \(of num_heads=8\) does not divide by the tensor-parallel "
+               r"size 8"),
+    (4, 2, 30, r"sequence length 30 does not divide by the 4 ranks of the tensor axis"),
+    (2, 2, 24, r"sequence length 24 is not a multiple of chunk_size=16"),
+], ids=["groups", "sequence_tp", "sequence_chunk"])
+def test_shapes_the_mesh_cannot_split(tp, batch, seq_len, message):
+    model = build(Mamba2, CONFIG, cpu_mesh(tp=1))
+    with jax.set_mesh(cpu_mesh(tp=tp)), pytest.raises(ValueError, match=message):
+        model(jnp.asarray(tokens(0, batch=batch, seq_len=seq_len)[:, :-1]))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="num_heads=8 must be a multiple of num_groups=3"):
+        MambaConfig(num_groups=3)
+    with pytest.raises(ValueError, match="must be a multiple of head_dim=48"):
+        MambaConfig(head_dim=48)

@@ -1,0 +1,99 @@
+"""The Llama-style Transformer: tensor/sequence-parallel runs equal the one-device model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+from model_support import build, check_matches_reference, reference, tokens
+from support import assert_close, cpu_mesh, f64, random
+
+from jax_flashoverlap import models
+from jax_flashoverlap.nn import shard_map_apply
+
+Transformer, TransformerConfig = models.Transformer, models.TransformerConfig
+rope = models.transformer.rope
+CONFIG = TransformerConfig.tiny()
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(Transformer, CONFIG, seed=5)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("impl", ["xla", "decomposed"])
+def test_loss_and_gradients_match_one_device(ref, tp, impl):
+    check_matches_reference(Transformer, CONFIG, ref, tp=tp, impl=impl)
+
+
+def test_without_sequence_parallelism_matches_one_device(ref):
+    check_matches_reference(Transformer, CONFIG, ref, tp=4, impl="decomposed",
+                            sharding=models.ShardingConfig(sequence_parallel=False))
+
+
+def test_is_causal():
+    mesh = cpu_mesh(tp=2, dp=2)
+    model = build(Transformer, CONFIG, mesh)
+    batch = tokens(1)[:, :-1]
+    changed = batch.copy()
+    changed[:, 20] = (changed[:, 20] + 1) % 256
+    with jax.set_mesh(mesh):
+        before, after = (np.asarray(nnx.jit(lambda m, t: m(t))(model, t)) for t in (batch, changed))
+    np.testing.assert_array_equal(before[:, :20], after[:, :20])
+    assert np.abs(before[:, 20:] - after[:, 20:]).max() > 0
+
+
+def test_rope_rotates_by_relative_position(rng):
+    q, k = random(rng, (1, 1, 1, 16), "float32"), random(rng, (1, 1, 1, 16), "float32")
+    seq = lambda v: jnp.broadcast_to(v, (12, 1, 1, 16))  # noqa: E731
+    rq, rk = rope(seq(q), 10_000.0), rope(seq(k), 10_000.0)
+    dots = np.asarray(jnp.sum(rq[:, None] * rk[None, :], -1))[..., 0, 0]  # [pos_q, pos_k]
+    np.testing.assert_allclose(dots[3, 1], dots[10, 8], rtol=1e-5)  # both 2 apart
+    np.testing.assert_allclose(rq[0], q[0], rtol=1e-6)                # position 0: identity
+
+
+def test_attention_is_grouped_query_attention(rng):
+    """Against a plain float64 implementation of causal GQA with RoPE."""
+    config = TransformerConfig.tiny()
+    mesh = cpu_mesh(tp=1)
+    with jax.set_mesh(mesh):
+        attn = models.transformer.Attention(config, rngs=nnx.Rngs(0))
+    s, d, h, heads, kv = 8, config.embed_dim, config.head_dim, config.num_heads, config.num_kv_heads
+    x = random(rng, (s, 1, d), "float32")
+    with jax.set_mesh(mesh):
+        got = nnx.jit(lambda m, x: shard_map_apply(lambda m, x: m(x), m, x,
+                                                   in_specs=(P("tensor"),),
+                                                   out_specs=P("tensor")))(attn, x)
+    qkv = (f64(x)[:, 0] @ f64(attn.qkv.kernel[...])).reshape(s, kv, heads // kv + 2, h)
+    q = f64(rope(jnp.asarray(qkv[:, :, :-2].reshape(s, 1, heads, h)), 10_000.0))[:, 0]
+    k = f64(rope(jnp.asarray(qkv[:, None, :, -2]), 10_000.0))[:, 0]
+    v = qkv[:, :, -1]
+    out = np.empty((s, heads, h))
+    for head in range(heads):
+        g = head // (heads // kv)
+        scores = q[:, head] @ k[:, g].T / np.sqrt(h) + np.triu(np.full((s, s), -np.inf), 1)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        out[:, head] = (p / p.sum(-1, keepdims=True)) @ v[:, g]
+    assert_close(got[:, 0], out.reshape(s, -1) @ f64(attn.out.kernel[...]), "float32")
+
+
+@pytest.mark.parametrize("tp, dp, batch, seq_len, message", [
+    (8, 1, 1, 32, r"num_kv_heads=4 does not divide by the tensor-parallel size 8"),
+    (4, 1, 2, 30, r"sequence length 30 does not divide by the 4 ranks of the tensor axis"),
+    (2, 2, 3, 32, r"batch 3 does not divide by the 2 ranks of the data axis"),
+], ids=["heads", "sequence", "batch"])
+def test_shapes_the_mesh_cannot_split(tp, dp, batch, seq_len, message):
+    model = build(Transformer, CONFIG, cpu_mesh(tp=1))
+    with jax.set_mesh(cpu_mesh(tp=tp, dp=dp)), pytest.raises(ValueError, match=message):
+        model(jnp.asarray(tokens(0, batch=batch, seq_len=seq_len)[:, :-1]))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        TransformerConfig(num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        TransformerConfig(impl="nccl")
+    with pytest.raises(ValueError, match="unknown size 'huge'"):
+        TransformerConfig.preset("huge")
