@@ -144,15 +144,22 @@ def _make_primitive(op: OpDef) -> Primitive:
         return mlir.lower_fun(sliced_to_declared_shapes, multiple_results=True)(ctx, *args)
 
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
+        groups = None
         if impl == "auto":
             impl = dispatch.choose_impl(op.name, op.ffi_target, [a.shape for a in ctx.avals_in],
                                         ctx.avals_in[0].dtype, n)
+            if impl == "cuda":
+                try:
+                    groups = _group_ordinals(ctx, op.name, axis_name, n)
+                except ValueError:  # no concrete mesh, or groups across processes
+                    impl = "xla"
         if impl != "cuda":
             return lower_portable(ctx, *args, axis_name=axis_name, n=n, impl=impl, opts=opts)
         _extension.require_cuda_ops(op.name, op.ffi_target)
         opts = dict(opts)
         attrs = {
-            "group_ordinals": _group_ordinals(ctx, op.name, axis_name, n),
+            "group_ordinals": (groups if groups is not None
+                               else _group_ordinals(ctx, op.name, axis_name, n)),
             "n": np.int32(n),
             "timeout_ms": np.int32(opts.pop("timeout_ms", DEFAULT_TIMEOUT_MS)),
             **op.cuda_attrs(n, opts),
@@ -177,7 +184,8 @@ def _group_ordinals(ctx, op_name: str, axis_name: str, n: int) -> np.ndarray:
     if mesh is None:
         raise ValueError(
             f"{op_name}(impl='cuda') needs a concrete device mesh: use jax.shard_map with "
-            f"mesh=jax.sharding.Mesh(...) (not an AbstractMesh), or impl='auto'.")
+            f"mesh=jax.sharding.Mesh(...) (not an AbstractMesh), or impl='auto' (which "
+            f"runs 'xla' there).")
     axis = mesh.axis_names.index(axis_name)
     devices = np.moveaxis(mesh.devices, axis, -1).reshape(-1, n)
     local = {d.id for d in mesh.local_devices}
