@@ -71,8 +71,12 @@ def _rs_attrs(n, opts):
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks)}
 
 
-def _ar_attrs(n, opts):
+def _mar_attrs(n, opts):
     return {"chunk_rows": np.asarray(opts["chunk_rows"], np.int32)}
+
+
+def _ar_attrs(n, opts):
+    return {"algorithm": np.int32(dispatch.ALL_REDUCE_ALGORITHMS.index(opts["algorithm"]))}
 
 
 def _decomposed_with(fn, *keys):
@@ -106,12 +110,12 @@ OPS: dict[str, OpDef] = {
         "matmul_all_reduce", "jfo_matmul_all_reduce",
         lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
         _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
-        _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _ar_attrs),
+        _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs),
     "all_reduce": OpDef(
         "all_reduce", "jfo_all_reduce",
         lambda xs, n, opts: (xs,), True,
         _as_tuple(_baseline(xla_baseline.all_reduce)),
-        _as_tuple(_decomposed_with(decomposed.all_reduce)), lambda n, opts: {}),
+        _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs),
 }
 
 

@@ -6,14 +6,15 @@ import functools
 
 import jax
 
-from . import _layout, _primitives, _validation
+from . import _layout, _primitives, _validation, dispatch
 
 __all__ = ["all_reduce"]
 
 _OP = "all_reduce"
 
 
-def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto") -> jax.Array:
+def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
+               algorithm: str | None = None) -> jax.Array:
     """Returns ``psum(x, axis_name)``.
 
     Must be called inside ``jax.shard_map`` with ``axis_name`` bound (or use
@@ -24,21 +25,31 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto") -> jax.Array
       axis_name: mesh axis of ``n`` ranks to sum over.
       impl: "xla" (psum), "decomposed" (pure-JAX ring of ppermutes), "cuda"
         (NVLink kernels), or "auto".
+      algorithm: the CUDA kernel: "one_shot" (every rank sums all ranks'
+        data), "two_shot" (reduce-scatter, then all-gather), or None to pick
+        by message size (:func:`jax_flashoverlap.dispatch.all_reduce_algorithm`).
+        The other implementations ignore it.
 
     Returns:
       The sum, x's shape and dtype, identical on every rank and typed as such
-      (like ``lax.psum``).
+      (like ``lax.psum``). impl="cuda" sums in rank order in float32, so every
+      rank gets the same bits.
     """
     _validation.check_impl(_OP, impl)
+    if algorithm is not None and algorithm not in dispatch.ALL_REDUCE_ALGORITHMS:
+        raise ValueError(f"{_OP}: algorithm must be None (chosen by message size) or one "
+                         f"of {dispatch.ALL_REDUCE_ALGORITHMS}, got {algorithm!r}")
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_dtypes(_OP, x=x)
-    return _all_reduce(x, (axis_name, n, impl, _layout.varying(x)))
+    algorithm = algorithm or dispatch.all_reduce_algorithm(x.size * x.dtype.itemsize)
+    return _all_reduce(x, (axis_name, n, impl, algorithm, _layout.varying(x)))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _all_reduce(x, static):
-    axis_name, n, impl, _ = static
-    return _primitives.bind(_OP, x, axis_name=axis_name, n=n, impl=impl)[0]
+    axis_name, n, impl, algorithm, _ = static
+    return _primitives.bind(_OP, x, axis_name=axis_name, n=n, impl=impl,
+                            algorithm=algorithm)[0]
 
 
 def _forward(x, static):
@@ -46,7 +57,7 @@ def _forward(x, static):
 
 
 def _backward(static, _, dy):
-    axis_name, n, _, x_varying = static
+    axis_name, n, _, _, x_varying = static
     # Invariant x: every rank added the same value, psum(x) == n * x.
     ct = dy if axis_name in x_varying else dy * n
     return (_layout.match_varying(ct, x_varying),)

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import _extension
 
-__all__ = ["choose_impl"]
+__all__ = ["choose_impl", "all_reduce_algorithm", "ALL_REDUCE_ALGORITHMS"]
 
 Shapes = Sequence[tuple[int, ...]]
 
@@ -64,3 +64,22 @@ def resolved_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
     """What ``impl="auto"`` becomes on ``platform`` (default: JAX's default backend)."""
     platform = platform or jax.default_backend()
     return choose_impl(op, ffi_target, shapes, dtype, n) if platform in ("gpu", "cuda") else "xla"
+
+
+# The CUDA all-reduce's kernels; the position is the handler's `algorithm`
+# attribute (ffi/src/all_reduce.cu).
+ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot")
+
+# Largest message (bytes per rank) that runs one-shot; two-shot above it.
+# A starting guess, TO BE MEASURED with benchmarks/all_reduce.py: one-shot
+# has one round of signals, two-shot two, but sums only 1/n of the data.
+ONE_SHOT_MAX_BYTES = 256 << 10
+
+
+def all_reduce_algorithm(nbytes: int) -> str:
+    """The CUDA all-reduce kernel for a message of ``nbytes`` bytes per rank.
+
+    Returns:
+      "one_shot" up to :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
+    """
+    return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm train all
+#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar train all
 #
 # JFO_GPU_TESTS picks test files, JFO_TRAIN_ARGS extra train_step.py flags.
 #
@@ -37,7 +37,7 @@ fi
 if want build; then
   step build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q . \
     || exit 1
-  $PY -c "import jax_flashoverlap as j; print('build_info:', j.build_info())"
+  $PY -P -c "import jax_flashoverlap as j; print('build_info:', j.build_info())"
 fi
 if want smoke && [ -f scripts/ffi_smoke.py ]; then
   step smoke $PY scripts/ffi_smoke.py
@@ -51,6 +51,9 @@ fi
 if want cm; then
   step cm $PY benchmarks/collective_matmul.py --json "$OUT/collective_matmul.json" \
     --plot "$OUT/collective_matmul.png"
+fi
+if want ar; then
+  step ar $PY -P benchmarks/all_reduce.py --json "$OUT/all_reduce.json" --plot "$OUT/all_reduce.png"
 fi
 if want train; then
   # shellcheck disable=SC2086

@@ -39,6 +39,18 @@ def f64(a):
     return np.asarray(a, dtype=np.float64)
 
 
+def poison_allocator(nbytes, devices=(None,)):
+    """Leaves NaN in the memory the next allocation of this size will likely get.
+
+    XLA's allocator hands a freed block to the next request that fits, so an
+    output the kernel fails to write shows up as NaN instead of stale data.
+    ``devices``: where (None: the default device).
+    """
+    for device in devices:
+        jnp.full((max(nbytes, 4) // 4,), jnp.nan, jnp.float32,
+                 device=device).block_until_ready()
+
+
 # Per op: how the global operands are laid out and what the answer is.
 # Shapes are deliberately uneven (3 rows per rank, batch 5, k 12, 7 columns).
 M_LOCAL, BATCH, K_LOCAL, N_LOCAL = 3, 5, 12, 7

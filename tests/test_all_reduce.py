@@ -11,6 +11,7 @@ from support import (
 )
 
 import jax_flashoverlap as jfo
+from jax_flashoverlap import _primitives, dispatch
 
 OP = "all_reduce"
 
@@ -38,3 +39,44 @@ def test_decomposed_is_identical_on_every_rank(rng):
 @pytest.mark.parametrize("impl", ["decomposed", "xla"])
 def test_gradients(impl, n, rng):
     check_gradients(OP, n, impl, rng)
+
+
+@pytest.mark.parametrize("impl", ["xla", "decomposed", "auto"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_algorithm_is_ignored_off_cuda(impl, algorithm, rng):
+    check_against_reference(OP, 2, "float32", rng, impl=impl, algorithm=algorithm)
+
+
+@pytest.mark.parametrize("algorithm", ["oneshot", "ring", "", 1])
+def test_unknown_algorithm_is_rejected(algorithm):
+    mesh = cpu_mesh(2)
+    f = jax.shard_map(lambda x: jfo.all_reduce(x, "tensor", algorithm=algorithm), mesh=mesh,
+                      in_specs=P("tensor"), out_specs=P())
+    with pytest.raises(ValueError, match=r"algorithm must be None.*'one_shot', 'two_shot'.*got"):
+        f(np.ones((2, 4), np.float32))
+
+
+def test_algorithm_by_message_size():
+    limit = dispatch.ONE_SHOT_MAX_BYTES
+    assert dispatch.all_reduce_algorithm(1) == "one_shot"
+    assert dispatch.all_reduce_algorithm(limit) == "one_shot"
+    assert dispatch.all_reduce_algorithm(limit + 1) == "two_shot"
+    assert dispatch.all_reduce_algorithm(256 << 20) == "two_shot"
+
+
+def test_cuda_attribute_names_the_kernel():
+    attrs = _primitives.OPS[OP].cuda_attrs
+    assert attrs(2, {"algorithm": "one_shot"}) == {"algorithm": 0}
+    assert attrs(2, {"algorithm": "two_shot"}) == {"algorithm": 1}
+
+
+@pytest.mark.parametrize("algorithm, nbytes, expected", [
+    (None, 4 * 16, "one_shot"), (None, 4 * (1 << 20), "two_shot"),
+    ("two_shot", 4 * 16, "two_shot"), ("one_shot", 4 * (1 << 20), "one_shot")])
+def test_resolved_algorithm_reaches_the_primitive(algorithm, nbytes, expected):
+    """None is resolved from the per-rank message size, an explicit choice is kept."""
+    mesh = cpu_mesh(2)
+    f = jax.shard_map(lambda x: jfo.all_reduce(x[0], "tensor", algorithm=algorithm),
+                      mesh=mesh, in_specs=P("tensor"), out_specs=P())
+    jaxpr = jax.make_jaxpr(f)(np.ones((2, nbytes // 4), np.float32))
+    assert f"('algorithm', '{expected}')" in str(jaxpr)

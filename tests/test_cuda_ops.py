@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import assert_close, f64
+from support import assert_close, f64, poison_allocator
 
 import jax_flashoverlap as jfo
 
@@ -36,15 +36,6 @@ def _global_shapes(op, n, m, k, cols):
     return (n * m, n * k), (n * k, cols)
 
 
-def _poison_allocator(nbytes):
-    """Leaves NaN in the memory the next allocation of this size will likely get.
-
-    XLA's allocator hands a freed block to the next request that fits, so an
-    output the kernel fails to write shows up as NaN instead of stale data.
-    """
-    jnp.full((nbytes // 4,), jnp.nan, jnp.float32).block_until_ready()
-
-
 def _call(op, impl, args, **kwargs):
     mesh, _ = _mesh()
     in_specs, out_specs = SPECS[op]
@@ -62,7 +53,7 @@ def test_cuda_matches_float64(op, shape, dtype, rng):
     xs, ws = _global_shapes(op, n, *shape)
     x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), dtype)
     w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), dtype)
-    _poison_allocator(4 * int(np.prod(xs)) * 4)
+    poison_allocator(4 * int(np.prod(xs)) * 4)
     y = _call(op, "cuda", (x, w))
     jfo.check_device_errors()
     assert_close(y, f64(x) @ f64(w), dtype)

@@ -94,7 +94,7 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
 
 }  // namespace
 
-JFO_DEFINE_INITIALIZE(JfoAllGatherMatmulInitialize, kOp);
+JFO_DEFINE_INITIALIZE(JfoAllGatherMatmulInitialize, kOp, FusedOpSetup);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JfoAllGatherMatmul, AllGatherMatmulImpl,

@@ -14,6 +14,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulReduceScatterInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulAllReduceInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllReduceInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllReduce);
+// Host-side calls of the all-reduce execute handler so far: a test sees a
+// call captured into a CUDA graph replay without its host code running.
+uint64_t AllReduceHostCalls();
 #endif
 
 }  // namespace jfo

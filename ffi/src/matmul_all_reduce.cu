@@ -152,7 +152,7 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
 
 }  // namespace
 
-JFO_DEFINE_INITIALIZE(JfoMatmulAllReduceInitialize, kOp);
+JFO_DEFINE_INITIALIZE(JfoMatmulAllReduceInitialize, kOp, FusedOpSetup);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JfoMatmulAllReduce, MatmulAllReduceImpl,

@@ -78,7 +78,7 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
 
 }  // namespace
 
-JFO_DEFINE_INITIALIZE(JfoMatmulReduceScatterInitialize, kOp);
+JFO_DEFINE_INITIALIZE(JfoMatmulReduceScatterInitialize, kOp, FusedOpSetup);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JfoMatmulReduceScatter, MatmulReduceScatterImpl,

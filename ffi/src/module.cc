@@ -48,6 +48,8 @@ nb::dict Registrations() {
              jfo::JfoMatmulReduceScatter);
   d["jfo_matmul_all_reduce"] =
       Stages(jfo::JfoMatmulAllReduceInitialize, jfo::JfoMatmulAllReduce);
+  d["jfo_all_reduce"] =
+      Stages(jfo::JfoAllReduceInitialize, jfo::JfoAllReduce);
 #endif
   return d;
 }
@@ -86,6 +88,14 @@ std::optional<std::string> PendingError() {
   return std::nullopt;
 }
 
+nb::dict DebugCounters() {
+  nb::dict d;
+#ifdef JFO_WITH_CUBLASLT
+  d["all_reduce_host_calls"] = jfo::AllReduceHostCalls();
+#endif
+  return d;
+}
+
 void SetCublasLtPath(const std::string& path) {
 #ifdef JFO_WITH_CUBLASLT
   jfo::SetCublasLtPath(path);
@@ -106,6 +116,9 @@ NB_MODULE(_ffi, m) {
         "cublaslt (bool).");
   m.def("pending_error", &PendingError,
         "Returns and clears a recorded wait timeout of any device, or None.");
+  m.def("debug_counters", &DebugCounters,
+        "Dict of counters for tests: all_reduce_host_calls (how often the "
+        "all-reduce handler's host code ran; CUDA graph replays skip it).");
   m.def("set_cublaslt_path", &SetCublasLtPath, nb::arg("path"),
         "dlopen cuBLASLt from this path if it is not loaded yet.");
 }

@@ -94,15 +94,29 @@ ffi::Error CheckCommon(OpId op, int32_t timeout_ms, int32_t chunks) {
   return ffi::Error::Success();
 }
 
-ffi::Error PreloadOpKernels(int ordinal) {
+ffi::Error OpInitialize(OpId op, OpSetup setup, int ordinal,
+                        ffi::Dictionary attrs) {
+  auto ordinals = attrs.get<I32Span>("group_ordinals");
+  auto n = attrs.get<int32_t>("n");
+  auto timeout_ms = attrs.get<int32_t>("timeout_ms");
+  if (ordinals.has_error()) return ordinals.error();
+  if (n.has_error()) return n.error();
+  if (timeout_ms.has_error()) return timeout_ms.error();
+  auto group = FindGroup(op, *ordinals, *n, ordinal);
+  if (group.has_error()) return group.error();
+  JFO_RETURN_IF_ERROR(EnsureGroupReady(op, *group, *timeout_ms));
   DeviceGuard guard(ordinal);
+  return setup(ordinal);
+}
+
+ffi::Error FusedOpSetup(int ordinal) {
   cudaFuncAttributes attrs;
   JFO_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attrs, AddIntoKernel<__nv_bfloat16>));
   JFO_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attrs, AddIntoKernel<__half>));
   JFO_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, AddIntoKernel<float>));
-  return ffi::Error::Success();
+  return GemmInit(ordinal);
 }
 
 ffi::Error RowGemm(Channel& ch, ffi::DataType dtype, int64_t rows, int64_t n,

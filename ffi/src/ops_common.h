@@ -1,40 +1,33 @@
-// Pieces shared by the three fused GEMM+collective handlers: the initialize
-// stage, attribute validation, the row split of chunked schedules, and the
-// GEMM / add calls on the channel's workspace.
+// Pieces shared by the handlers: the initialize stage, attribute
+// validation, and for the three fused GEMM+collective ops the row split of
+// chunked schedules and the GEMM / add calls on the channel's workspace.
 #pragma once
 
 #include <initializer_list>
+#include <utility>
 
 #include "gemm.h"
 #include "transport/transport.h"
 
 namespace jfo {
 
-// Loads the op kernels up front (see Channel::Run on lazy loading).
-ffi::Error PreloadOpKernels(int ordinal);
+// Initialize stage of every op: per-device workspace, peer access and the
+// group rendezvous, all outside the execute stage, then the op's own
+// `setup(ordinal)` (loading its kernels, see Channel::Run on lazy loading).
+using OpSetup = ffi::Error (*)(int ordinal);
+ffi::Error OpInitialize(OpId op, OpSetup setup, int ordinal,
+                        ffi::Dictionary attrs);
+// The fused GEMM ops' setup: their helper kernels and the cuBLASLt handle.
+ffi::Error FusedOpSetup(int ordinal);
 
-// Initialize stage of every fused op: per-device workspace, peer access,
-// group rendezvous and the cuBLASLt handle, all outside the execute stage.
-template <OpId op>
-ffi::Error FusedOpInitialize(int ordinal, ffi::Dictionary attrs) {
-  auto ordinals = attrs.get<I32Span>("group_ordinals");
-  auto n = attrs.get<int32_t>("n");
-  auto timeout_ms = attrs.get<int32_t>("timeout_ms");
-  if (ordinals.has_error()) return ordinals.error();
-  if (n.has_error()) return n.error();
-  if (timeout_ms.has_error()) return timeout_ms.error();
-  auto group = FindGroup(op, *ordinals, *n, ordinal);
-  if (group.has_error()) return group.error();
-  JFO_RETURN_IF_ERROR(EnsureGroupReady(op, *group, *timeout_ms));
-  JFO_RETURN_IF_ERROR(PreloadOpKernels(ordinal));
-  return GemmInit(ordinal);
-}
-
-#define JFO_DEFINE_INITIALIZE(symbol, op)                        \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                 \
-      symbol, FusedOpInitialize<op>,                             \
-      ffi::Ffi::BindInitialize()                                 \
-          .Ctx<ffi::DeviceOrdinal>() /* ordinal */               \
+#define JFO_DEFINE_INITIALIZE(symbol, op, setup)                       \
+  static ffi::Error symbol##Impl(int ordinal, ffi::Dictionary attrs) { \
+    return OpInitialize(op, setup, ordinal, std::move(attrs));         \
+  }                                                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                       \
+      symbol, symbol##Impl,                                            \
+      ffi::Ffi::BindInitialize()                                       \
+          .Ctx<ffi::DeviceOrdinal>() /* ordinal */                     \
           .Attrs() /* group_ordinals, n, timeout_ms, ... */)
 
 // Same floating dtype for every operand, one of bf16/f16/f32.

@@ -17,6 +17,9 @@
 // call k+2 starts after its call k+1 finished, which needed the receiver's
 // call k+1 messages, which the receiver sends only after starting call k+1,
 // i.e. after it finished reading (End joins all readers) the slot of call k.
+//
+// The symmetric all-reduce region inside the same workspace is laid out and
+// handed out by peer_region.cu.
 #include <cuda.h>
 
 #include <algorithm>
@@ -28,51 +31,21 @@
 #include <set>
 
 #include "peer_kernels.cuh"
-#include "transport.h"
+#include "peer_state.h"
 
 namespace jfo {
 namespace {
 
 constexpr size_t kGemmWorkspaceBytes = 32u << 20;
-constexpr size_t kControlBytes = 64u << 10;
-constexpr size_t kFailWordOffset = 32u << 10;  // flags use the bytes below
 constexpr int kEventsPerCall = 1024;
 
 using internal::FillIfFailedKernel;
-using internal::TimeoutRecord;
 using internal::WaitFlagKernel;
 
 using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
                                     unsigned int);
 
 }  // namespace
-
-struct DeviceState {
-  int ordinal = 0;
-  int num_devices = 1;
-  char* workspace = nullptr;
-  uint32_t* flags = nullptr;      // flags[sender ordinal], in device memory
-  uint32_t* fail_call = nullptr;  // id of the last call whose wait timed out
-  char* staging = nullptr;
-  size_t staging_bytes = 0;
-  char* recv = nullptr;
-  size_t slot_bytes = 0;
-  TimeoutRecord* record = nullptr;  // host-mapped pinned memory
-  std::vector<cudaStream_t> send_streams, wait_streams;  // per peer ordinal
-  cudaStream_t copy_stream = nullptr;
-  std::vector<cudaEvent_t> events;
-  std::vector<uint32_t> sent_epoch, recv_epoch;  // per peer ordinal
-  std::vector<uint64_t> pair_calls;              // per peer ordinal
-  uint32_t call_id = 0;
-  std::mutex mu;
-
-  // Slots are indexed by the sender's global ordinal, so devices that belong
-  // to several groups never share a slot between two senders.
-  char* Slot(int sender, int parity) const {
-    int idx = sender < ordinal ? sender : sender - 1;
-    return recv + (static_cast<size_t>(idx) * 2 + parity) * slot_bytes;
-  }
-};
 
 namespace {
 
@@ -115,14 +88,20 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   char* control = st->workspace + kGemmWorkspaceBytes;
   st->flags = reinterpret_cast<uint32_t*>(control);
   st->fail_call = reinterpret_cast<uint32_t*>(control + kFailWordOffset);
+  st->record_lock = reinterpret_cast<uint32_t*>(control + kRecordLockOffset);
   const size_t data = bytes - kGemmWorkspaceBytes - kControlBytes;
-  // A peer needs one staged message per peer and receives two (parities):
-  // staging one third, receive slots two thirds.
-  st->staging = control + kControlBytes;
-  st->staging_bytes = data / 3 / 256 * 256;
+  // A quarter for the all-reduce region. Of the rest, a peer needs one staged
+  // message per peer and receives two (parities): staging one third, receive
+  // slots two thirds.
+  const size_t ar_bytes = data / 4 / 256 * 256;
+  char* ar = control + kControlBytes;
+  JFO_RETURN_IF_ERROR(LayOutAllReduceRegion(st.get(), control, ar, ar_bytes));
+  st->staging = ar + ar_bytes;
+  st->staging_bytes = (data - ar_bytes) / 3 / 256 * 256;
   st->recv = st->staging + st->staging_bytes;
   const int peers = std::max(st->num_devices - 1, 1);
-  st->slot_bytes = (data - st->staging_bytes) / (2 * peers) / 256 * 256;
+  st->slot_bytes =
+      (data - ar_bytes - st->staging_bytes) / (2 * peers) / 256 * 256;
   JFO_CUDA_RETURN_IF_ERROR(cudaHostAlloc(
       &st->record, sizeof(TimeoutRecord),
       cudaHostAllocMapped | cudaHostAllocPortable));
@@ -183,12 +162,6 @@ ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
   return ffi::Error::Success();
 }
 
-DeviceState* LookupDevice(int ordinal) {
-  std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_devices.find(ordinal);
-  return it == g_devices.end() ? nullptr : it->second.get();
-}
-
 std::string FormatTimeout(const TimeoutRecord& r) {
   return std::string("jax_flashoverlap ") + OpName(static_cast<OpId>(r.op)) +
          ": rank " + std::to_string(r.rank) + " (CUDA device " +
@@ -200,19 +173,29 @@ std::string FormatTimeout(const TimeoutRecord& r) {
          std::to_string(r.seen) + ")";
 }
 
-// Returns the formatted record of `st` and clears it, or "".
-std::string TakeRecord(DeviceState* st) {
-  if (!__atomic_exchange_n(&st->record->set, 0, __ATOMIC_ACQ_REL)) return "";
-  return FormatTimeout(*st->record);
+}  // namespace
+
+DeviceState* LookupDevice(int ordinal) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_devices.find(ordinal);
+  return it == g_devices.end() ? nullptr : it->second.get();
 }
 
-}  // namespace
+// Formats before clearing `set`: a device writes the fields only while `set`
+// is 0 (signal::RecordTimeout), so they cannot change under the formatting.
+std::string TakeRecord(DeviceState* st) {
+  if (!__atomic_load_n(&st->record->set, __ATOMIC_ACQUIRE)) return "";
+  std::string msg = FormatTimeout(*st->record);
+  __atomic_store_n(&st->record->set, 0, __ATOMIC_RELEASE);
+  return msg;
+}
 
 const char* OpName(OpId op) {
   switch (op) {
     case OpId::kAllGatherMatmul: return "all_gather_matmul";
     case OpId::kMatmulReduceScatter: return "matmul_reduce_scatter";
     case OpId::kMatmulAllReduce: return "matmul_all_reduce";
+    case OpId::kAllReduce: return "all_reduce";
   }
   return "?";
 }
@@ -408,7 +391,8 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
   info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
   const uint32_t expected = dev_->recv_epoch[peer] + index + 1;
   WaitFlagKernel<<<1, 1, 0, s>>>(dev_->flags + peer, expected, timeout_ns_,
-                                 dev_->fail_call, call_id_, dev_->record, info);
+                                 dev_->fail_call, call_id_, dev_->record,
+                                 dev_->record_lock, info);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   auto ev = NextEvent();
   if (ev.has_error()) return ev;

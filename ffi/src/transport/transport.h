@@ -1,8 +1,11 @@
-// The interface the fused ops use to move bytes between the ranks of a group.
+// The interface the ops use to move bytes between the ranks of a group.
 // Ops say *what* goes where (a row block to a peer's receive slot, "wait for
 // peer p's i-th message"); the transport decides *how* (today: CUDA peer
 // access between GPUs of one process, copy engines + stream memory ops, see
 // peer.cu). A multi-process NVSHMEM transport would implement the same calls.
+// Single-kernel ops (all_reduce) instead get a PeerRegion: pointers into the
+// peers' memory that their kernel loads and stores directly, with the signal
+// and wait primitives of signal.cuh.
 #pragma once
 
 #include <cstddef>
@@ -20,6 +23,7 @@ enum class OpId : int32_t {
   kAllGatherMatmul = 1,
   kMatmulReduceScatter = 2,
   kMatmulAllReduce = 3,
+  kAllReduce = 4,
 };
 const char* OpName(OpId op);
 
@@ -39,6 +43,48 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms);
 
 // Returns (and clears) a recorded wait timeout of any device, or "".
 std::string TakePendingError();
+
+// What a wait that timed out leaves for the host (host-mapped memory, written
+// by the device under PeerRegion::record_lock, read by TakePendingError).
+struct TimeoutRecord {
+  volatile int32_t set;
+  int32_t op, rank, ordinal, peer_rank, peer_ordinal, timeout_ms;
+  uint32_t expected, seen;
+};
+
+// Symmetric all-reduce region: per device, for every ordered pair (sender s,
+// receiver d), two parities of a data slot in d's memory, cut into
+// kArMaxBlocks stripes (block b of a kernel only ever touches stripe b, so a
+// block's double-buffering argument never involves another block), and per
+// block one flag word per kind in d's memory plus one call counter per pair
+// in each of s's and d's memory. Everything is indexed by CUDA ordinal, so a
+// device in several groups never shares state between two peers. Sized by
+// JAX_FLASHOVERLAP_WORKSPACE_MB (a quarter of the workspace); see
+// peer_region.cu.
+constexpr int kArMaxRanks = 8;
+constexpr int kArMaxBlocks = 32;
+enum ArFlagKind : int { kArData = 0, kArGathered = 1, kArFlagKinds = 2 };
+
+// One device's view of the region for one group, indexed by group rank
+// (entries of the own rank are null). Plain data: passed to kernels by value.
+struct PeerRegion {
+  char* send[kArMaxRanks];             // in rank q's memory: this rank's slot
+  const char* recv[kArMaxRanks];       // here: rank q's slot
+  uint32_t* send_flag[kArMaxRanks];    // in rank q's memory: flags from us
+  const uint32_t* recv_flag[kArMaxRanks];  // here: flags from rank q
+  uint32_t* seq[kArMaxRanks];          // here: calls of the pair (us, q)
+  int ordinals[kArMaxRanks];           // CUDA ordinal of each rank
+  size_t parity_bytes;      // parity 1 of a slot starts this far after parity 0
+  size_t stripe_bytes;      // bytes of one block's stripe in one slot parity
+  size_t flag_kind_stride;  // words from kind k's flags to kind k + 1's
+  TimeoutRecord* record;    // this device's timeout record (host-mapped)
+  uint32_t* record_lock;    // device word: one writer of the record at a time
+};
+// The region of `group` for this device. Waits (bounded) for the group like
+// EnsureGroupReady, and reports a timeout recorded by an earlier call. Host
+// only; allocates nothing, so it may run while a CUDA graph is captured.
+ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
+                                         int timeout_ms);
 
 struct DeviceState;
 

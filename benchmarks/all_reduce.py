@@ -1,0 +1,163 @@
+"""Benchmark: all-reduce latency against message size, DESIGN.md §4 protocol.
+
+    python benchmarks/all_reduce.py --json out.json --plot out.png
+
+bf16 messages of 4 KiB to 256 MiB per rank (powers of 4) over all local GPUs,
+in one process: impl="cuda" with each kernel ("one_shot", "two_shot"),
+impl="auto" (what users get by default) and XLA's psum ("xla"). Every
+implementation's result is checked against psum before it is timed. Prints a
+markdown table last; the plot is latency against size, log-log, with the
+NVLink bandwidth floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+# The all-reduce region is a quarter of the workspace and holds two buffers
+# per peer: 4 GiB fits 256 MiB messages on 2 GPUs. Read at the first CUDA op.
+os.environ.setdefault("JAX_FLASHOVERLAP_WORKSPACE_MB", "4096")
+
+SIZES = [4 << (2 * i) << 10 for i in range(9)]  # 4 KiB, 16 KiB, ..., 256 MiB
+IMPLS = {  # name -> keyword arguments of jax_flashoverlap.all_reduce
+    "one_shot": {"impl": "cuda", "algorithm": "one_shot"},
+    "two_shot": {"impl": "cuda", "algorithm": "two_shot"},
+    "auto": {"impl": "auto"},
+    "xla": {"impl": "xla"},
+}
+NVLINK_BYTES_PER_S = 450e9  # per direction, DESIGN.md §2
+
+
+def floor_us(size: int, n: int) -> float:
+    """NVLink bound: each GPU sends 2 (n - 1) / n of the message."""
+    return 2 * (n - 1) / n * size / NVLINK_BYTES_PER_S * 1e6
+
+
+def _label(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def run(sizes, impls, reps):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_flashoverlap as jfo
+    from jax_flashoverlap.benchmarking import time_per_op
+
+    devices = jax.devices()
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
+    rng = np.random.default_rng(0)
+
+    def per_rank(fn):  # every rank's copy of the result, concatenated
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+                                     check_vma=False))
+
+    reference = per_rank(lambda x: lax.psum(x.astype(jnp.float32), "tp"))
+    rows = []
+    for size in sizes:
+        elements = size // 2
+        data = rng.standard_normal(n * elements, dtype=np.float32)
+        x = jax.device_put(jnp.asarray(data, jnp.bfloat16), NamedSharding(mesh, P("tp")))
+        want = np.asarray(reference(x))
+        # A rough guess, only to give each loop a few milliseconds of work.
+        guess_us = 10 + size / 200e9 * 1e6
+        k2 = int(min(500, max(10, 20_000 / guess_us)))
+        for name in impls:
+            op = functools.partial(jfo.all_reduce, axis_name="tp", **IMPLS[name])
+            try:
+                got = np.asarray(per_rank(op)(x).astype(jnp.float32))
+                jfo.check_device_errors()
+            except (jax.errors.JaxRuntimeError, NotImplementedError, RuntimeError) as e:
+                print(f"skip {name} at {_label(size)}: {str(e).splitlines()[0]}", flush=True)
+                continue
+            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            if not err < 1e-2:
+                raise SystemExit(f"{name} at {_label(size)}: relative error {err:.3g} vs psum")
+            t = time_per_op(op, [x], mesh=mesh, in_specs=(P("tp"),), k1=2, k2=k2, reps=reps)
+            jfo.check_device_errors()
+            rows.append(dict(size_bytes=size, impl=name, us=t.median_us, min_us=t.min_s * 1e6,
+                             max_us=t.max_s * 1e6, reps=t.reps, k2=k2))
+            print(f"{_label(size):>8s} {name:9s} {t.median_us:9.2f} us "
+                  f"[{t.min_s * 1e6:.2f}, {t.max_s * 1e6:.2f}]", flush=True)
+    return rows, n
+
+
+def table(rows, n) -> str:
+    by = {}
+    for r in rows:
+        by.setdefault(r["size_bytes"], {})[r["impl"]] = r["us"]
+    cols = list(IMPLS)
+    lines = ["| size | " + " | ".join(f"{c} µs" for c in cols)
+             + " | xla / best cuda | NVLink floor µs |",
+             "|---|" + "---|" * (len(cols) + 2)]
+    for size, t in sorted(by.items()):
+        cuda = [t[c] for c in ("one_shot", "two_shot") if c in t]
+        speedup = f"{t['xla'] / min(cuda):.2f}" if cuda and "xla" in t else "–"
+        lines.append(f"| {_label(size)} | "
+                     + " | ".join(f"{t[c]:.1f}" if c in t else "–" for c in cols)
+                     + f" | {speedup} | {floor_us(size, n):.3g} |")
+    return "\n".join(lines)
+
+
+def plot(rows, n, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name in IMPLS:
+        pts = sorted((r["size_bytes"], r["us"]) for r in rows if r["impl"] == name)
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    sizes = sorted({r["size_bytes"] for r in rows})
+    if sizes:
+        ax.plot(sizes, [floor_us(s, n) for s in sizes], "k--", lw=0.8,
+                label=f"NVLink floor ({NVLINK_BYTES_PER_S / 1e9:.0f} GB/s)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(sizes, [_label(s) for s in sizes], rotation=30, fontsize=8)
+    ax.set_xlabel("message per rank (bf16)")
+    ax.set_ylabel("µs per all-reduce (lower is better)")
+    ax.set_title(f"all-reduce on {n} GPUs")
+    ax.grid(True, which="both", lw=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", type=int, default=SIZES, help="bytes per rank")
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--json")
+    parser.add_argument("--plot")
+    args = parser.parse_args()
+    rows, n = run(args.sizes, args.impls, args.reps)
+
+    import jax
+
+    from jax_flashoverlap import dispatch
+    meta = dict(devices=n, device_kind=jax.devices()[0].device_kind, jax=jax.__version__,
+                dtype="bfloat16", protocol="DESIGN.md §4",
+                workspace_mb=int(os.environ["JAX_FLASHOVERLAP_WORKSPACE_MB"]),
+                one_shot_max_bytes=dispatch.ONE_SHOT_MAX_BYTES)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if args.plot:
+        plot(rows, n, args.plot)
+    print(table(rows, n))
+
+
+if __name__ == "__main__":
+    main()

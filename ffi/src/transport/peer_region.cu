@@ -1,0 +1,83 @@
+// The symmetric all-reduce region of the peer transport (see PeerRegion in
+// transport.h): where it sits in each device's workspace, and the pointers a
+// device's kernel needs to reach its peers' copies directly over NVLink.
+//
+// Layout, per device, all indexed by CUDA ordinal:
+//   control area (zeroed with the rest of the control words):
+//     seq  [num_devices][kArMaxBlocks]            calls of pair (this, peer)
+//     flags[kArFlagKinds][num_devices][kArMaxBlocks]   written by the sender
+//   data: [num_devices - 1 senders][2 parities] slots of ar_slot_bytes, each
+//     cut into kArMaxBlocks stripes of ar_slot_bytes / kArMaxBlocks.
+// Everything is device memory that lives as long as the process, so a
+// kernel captured into a CUDA graph keeps valid pointers across replays.
+#include <algorithm>
+
+#include "peer_state.h"
+
+namespace jfo {
+
+ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
+                                 size_t bytes) {
+  const size_t words = static_cast<size_t>(st->num_devices) * kArMaxBlocks;
+  if ((1 + kArFlagKinds) * words * sizeof(uint32_t) >
+      kControlBytes - kArControlOffset) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap: " + std::to_string(st->num_devices) +
+        " CUDA devices are more than the all-reduce control area holds");
+  }
+  st->ar_seq = reinterpret_cast<uint32_t*>(control + kArControlOffset);
+  st->ar_flags = st->ar_seq + words;
+  st->ar_slots = base;
+  const size_t senders = static_cast<size_t>(std::max(st->num_devices - 1, 1));
+  // Stripes of whole 256-byte lines, so every block's data stays aligned.
+  const size_t line = kArMaxBlocks * 256;
+  st->ar_slot_bytes = bytes / (2 * senders) / line * line;
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
+                                         int timeout_ms) {
+  const std::string where = std::string("jax_flashoverlap ") + OpName(op);
+  if (group.n > kArMaxRanks) {
+    return ffi::Error::InvalidArgument(
+        where + ": groups of at most " + std::to_string(kArMaxRanks) +
+        " GPUs are supported, got " + std::to_string(group.n));
+  }
+  JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
+  const int self = group.ordinals[group.rank];
+  DeviceState* me = LookupDevice(self);
+  std::string pending = TakeRecord(me);
+  if (!pending.empty()) return ffi::Error::Internal(pending);
+
+  PeerRegion r{};
+  const size_t kind_stride =
+      static_cast<size_t>(me->num_devices) * kArMaxBlocks;
+  for (int q = 0; q < group.n; ++q) {
+    const int other = group.ordinals[q];
+    r.ordinals[q] = other;
+    if (q == group.rank) continue;
+    DeviceState* peer = LookupDevice(other);
+    // Sender and receiver compute slot addresses in different devices'
+    // layouts; they agree only if the layouts are the same size.
+    if (peer->ar_slot_bytes != me->ar_slot_bytes ||
+        peer->num_devices != me->num_devices) {
+      return ffi::Error::Internal(
+          where + ": CUDA devices " + std::to_string(self) + " and " +
+          std::to_string(other) + " have different workspace layouts");
+    }
+    r.send[q] =
+        peer->ar_slots + peer->SenderIndex(self) * 2 * me->ar_slot_bytes;
+    r.recv[q] = me->ar_slots + me->SenderIndex(other) * 2 * me->ar_slot_bytes;
+    r.send_flag[q] = peer->ar_flags + static_cast<size_t>(self) * kArMaxBlocks;
+    r.recv_flag[q] = me->ar_flags + static_cast<size_t>(other) * kArMaxBlocks;
+    r.seq[q] = me->ar_seq + static_cast<size_t>(other) * kArMaxBlocks;
+  }
+  r.parity_bytes = me->ar_slot_bytes;
+  r.stripe_bytes = me->ar_slot_bytes / kArMaxBlocks;
+  r.flag_kind_stride = kind_stride;
+  r.record = me->record;
+  r.record_lock = me->record_lock;
+  return r;
+}
+
+}  // namespace jfo

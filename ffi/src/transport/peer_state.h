@@ -1,0 +1,66 @@
+// Per-device state of the peer transport, shared by its two halves: peer.cu
+// (workspace, rendezvous, the copy-engine Channel) and peer_region.cu (the
+// symmetric all-reduce region). Not part of the transport interface.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "transport.h"
+
+namespace jfo {
+
+// Control words at the start of the control area (zeroed at allocation).
+constexpr size_t kControlBytes = 64u << 10;
+// Channel flags use the bytes below kFailWordOffset.
+constexpr size_t kFailWordOffset = 32u << 10;
+constexpr size_t kRecordLockOffset = kFailWordOffset + 4;
+constexpr size_t kArControlOffset = 36u << 10;  // all-reduce counters and flags
+
+struct DeviceState {
+  int ordinal = 0;
+  int num_devices = 1;
+  char* workspace = nullptr;
+  uint32_t* flags = nullptr;      // flags[sender ordinal], in device memory
+  uint32_t* fail_call = nullptr;  // id of the last call whose wait timed out
+  uint32_t* record_lock = nullptr;
+  char* staging = nullptr;
+  size_t staging_bytes = 0;
+  char* recv = nullptr;
+  size_t slot_bytes = 0;
+  // All-reduce region (peer_region.cu).
+  uint32_t* ar_seq = nullptr;    // [peer ordinal][block]
+  uint32_t* ar_flags = nullptr;  // [kind][sender ordinal][block]
+  char* ar_slots = nullptr;      // [sender index][parity], ar_slot_bytes each
+  size_t ar_slot_bytes = 0;
+  TimeoutRecord* record = nullptr;  // host-mapped pinned memory
+  std::vector<cudaStream_t> send_streams, wait_streams;  // per peer ordinal
+  cudaStream_t copy_stream = nullptr;
+  std::vector<cudaEvent_t> events;
+  std::vector<uint32_t> sent_epoch, recv_epoch;  // per peer ordinal
+  std::vector<uint64_t> pair_calls;              // per peer ordinal
+  uint32_t call_id = 0;
+  std::mutex mu;
+
+  // Slots are indexed by the sender's global ordinal, so devices that belong
+  // to several groups never share a slot between two senders.
+  size_t SenderIndex(int sender) const {
+    return static_cast<size_t>(sender < ordinal ? sender : sender - 1);
+  }
+  char* Slot(int sender, int parity) const {
+    return recv + (SenderIndex(sender) * 2 + parity) * slot_bytes;
+  }
+};
+
+// The state of a device after EnsureGroupReady, or nullptr.
+DeviceState* LookupDevice(int ordinal);
+// Returns the formatted timeout record of `st` and clears it, or "".
+std::string TakeRecord(DeviceState* st);
+// Lays the all-reduce region out in `bytes` at `base` (data) and in the
+// control area `control` (counters, flags); allocates nothing.
+ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
+                                 size_t bytes);
+
+}  // namespace jfo

@@ -1,0 +1,67 @@
+// Device side of the peer transport's signals: the clock, acquire/release
+// accesses to flag words at system scope, and the timeout report. Used by the
+// transport's own wait kernel (peer_kernels.cuh) and by kernels that work on
+// a PeerRegion (all_reduce.cu).
+#pragma once
+
+#include <cstdint>
+
+#include "transport.h"
+
+namespace jfo {
+namespace signal {
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// System scope: the flag may live in a peer GPU's memory and be written by
+// that GPU (or written by us into a peer's memory).
+__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
+               : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreRelease(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;"
+               :: "l"(p), "r"(v) : "memory");
+}
+
+// Epochs only grow and wrap: compare by signed distance.
+__device__ __forceinline__ bool Reached(uint32_t seen, uint32_t expected) {
+  return static_cast<int32_t>(seen - expected) >= 0;
+}
+
+// Fills the record for the host unless it still holds an unread one (the
+// first timeout is the informative one). `lock` keeps two threads (blocks of
+// one kernel, or two wait kernels) from interleaving their fields; a thread
+// that finds it taken leaves the report to its holder.
+__device__ __forceinline__ void RecordTimeout(TimeoutRecord* record,
+                                              uint32_t* lock,
+                                              const TimeoutRecord& info,
+                                              int peer_rank, int peer_ordinal,
+                                              uint32_t expected,
+                                              uint32_t seen) {
+  if (atomicCAS(lock, 0u, 1u) != 0u) return;
+  if (!record->set) {
+    record->op = info.op;
+    record->rank = info.rank;
+    record->ordinal = info.ordinal;
+    record->peer_rank = peer_rank;
+    record->peer_ordinal = peer_ordinal;
+    record->timeout_ms = info.timeout_ms;
+    record->expected = expected;
+    record->seen = seen;
+    __threadfence_system();  // the fields before `set`
+    record->set = 1;
+  }
+  __threadfence();
+  atomicExch(lock, 0u);
+}
+
+}  // namespace signal
+}  // namespace jfo

@@ -1,0 +1,231 @@
+"""impl="cuda" all_reduce on the GPUs: rank-order sums with the same bits on
+every rank, right across CUDA-graph replays and long runs of random sizes.
+
+Runs only where CUDA GPUs and the CUDA build exist (marker ``gpu``). The
+references are exact: the kernels add ranks 0, 1, ... in float32 and round
+once, which the tests recompute (on the host, or in-graph from an
+all_gather), besides the float64 and psum comparisons.
+"""
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from support import assert_close, f64, poison_allocator
+
+import jax_flashoverlap as jfo
+from jax_flashoverlap import _extension
+
+pytestmark = pytest.mark.gpu
+
+IMPL = "cuda"
+ALGORITHMS = ("one_shot", "two_shot")
+DTYPES = ("bfloat16", "float16", "float32")
+MAX_BYTES = 64 << 20  # the largest message, per rank
+# bf16 element counts of the stress test: single elements, odd tails,
+# one block, many blocks, the largest message.
+STRESS_SIZES = (1, 7, 8, 1000, 4099, 65_536, 300_001, 1 << 20, (4 << 20) + 3,
+                MAX_BYTES // 2)
+STRESS_CALLS, STRESS_ITERS = 10, 1000  # 10 x 1000 all-reduces
+
+
+def _mesh():
+    devices = jax.devices("gpu")
+    return jax.sharding.Mesh(np.asarray(devices), ("tp",)), len(devices)
+
+
+def _per_rank(fn, mesh, *, sharded=True):
+    """jit(shard_map(fn)) returning every rank's own result, stacked: [n, ...].
+
+    out_specs P("tp") with check_vma=False keeps each rank's copy of the
+    (invariant) result, so the test sees whether all ranks got the same bits.
+    ``sharded``: the argument is [n, ...] and ``fn`` gets this rank's row;
+    else it is replicated (a key) and passed whole.
+    """
+    def per_device(x):
+        return fn(x[0] if sharded else x)[None]
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P("tp") if sharded else P(),
+                                 out_specs=P("tp"), check_vma=False))
+
+
+def _bits(a):
+    a = np.asarray(a)
+    return a.view(f"u{a.dtype.itemsize}")
+
+
+def _rank_order_sum(x):
+    """What the kernels compute from x [n, ...]: ranks 0, 1, ... in float32, rounded once."""
+    acc = x[0].astype(np.float32)
+    for r in range(1, x.shape[0]):
+        acc = acc + x[r].astype(np.float32)
+    return acc.astype(x.dtype)
+
+
+def _fresh(key, i, shape, dtype):
+    """Normal data for iteration ``i``, a different draw on every rank."""
+    k = jax.random.fold_in(jax.random.fold_in(key, i), lax.axis_index("tp"))
+    return jax.random.normal(k, shape, jnp.float32).astype(dtype)
+
+
+def _wrong(y, x):
+    """In-graph count of wrong elements of y = all_reduce(x) on this rank.
+
+    Counts elements that differ from the exact rank-order sum, that differ
+    from another rank's y, or that are off psum (float32) by more than the
+    dtype's rounding.
+    """
+    gathered = lax.all_gather(x, "tp")  # [n, ...] in rank order
+    acc = gathered[0].astype(jnp.float32)
+    for r in range(1, gathered.shape[0]):
+        acc = acc + gathered[r].astype(jnp.float32)
+    wrong = jnp.sum(y != acc.astype(y.dtype))
+    wrong += jnp.sum(lax.all_gather(y, "tp") != y[None])
+    psum = lax.psum(x.astype(jnp.float32), "tp")
+    tol = float(jnp.finfo(y.dtype).eps) * (jnp.abs(psum) + 1.0)
+    wrong += jnp.sum(~(jnp.abs(y.astype(jnp.float32) - psum) <= tol))
+    return wrong.astype(jnp.int32)
+
+
+def _host_calls() -> int:
+    return _extension._module().debug_counters().get("all_reduce_host_calls", 0)
+
+
+def _sizes(rng, dtype):
+    """Element counts from 1 to MAX_BYTES: tiny, odd, around the packs, random, largest."""
+    top = MAX_BYTES // jnp.dtype(dtype).itemsize
+    return [1, 3, 8, 9, 4097, int(rng.integers(1 << 10, 1 << 16)),
+            int(rng.integers(1 << 16, 1 << 22)) | 1, top]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rank_order_sum_with_the_same_bits_on_every_rank(dtype, algorithm, rng):
+    mesh, n = _mesh()
+    f = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL,
+                                    algorithm=algorithm), mesh)
+    for size in _sizes(rng, dtype):
+        x = np.asarray(jnp.asarray(rng.standard_normal((n, size), dtype=np.float32), dtype))
+        placed = jax.device_put(x, NamedSharding(mesh, P("tp")))
+        poison_allocator(size * x.dtype.itemsize, devices=mesh.devices.flat)
+        per_rank = np.asarray(f(placed))
+        jfo.check_device_errors()
+        expected = _bits(_rank_order_sum(x))
+        for r in range(n):
+            np.testing.assert_array_equal(_bits(per_rank[r]), expected,
+                                          err_msg=f"rank {r}, {size} elements")
+        assert_close(per_rank[0], f64(x).sum(0), dtype)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_fori_loop_replays_of_a_captured_call_stay_exact(algorithm):
+    """200 iterations of one call site with fresh data; XLA is told to put
+    even a single command into a CUDA graph, so the loop replays the graph."""
+    mesh, n = _mesh()
+    iters, size = 200, 3 * 4096 + 5
+
+    def count_wrong(key):
+        def body(i, wrong):
+            x = _fresh(key, i, (size,), jnp.bfloat16)
+            y = jfo.all_reduce(x, "tp", impl=IMPL, algorithm=algorithm)
+            return wrong + _wrong(y, x)
+        return lax.fori_loop(0, iters, body, jnp.int32(0))
+
+    f = _per_rank(count_wrong, mesh, sharded=False)
+    compiled = f.lower(jax.random.key(0)).compile({"xla_gpu_graph_min_graph_size": 1})
+    before = _host_calls()
+    wrong = np.asarray(compiled(jax.random.key(1)))
+    host_calls = _host_calls() - before
+    jfo.check_device_errors()
+    assert wrong.sum() == 0, wrong
+    if host_calls >= iters:
+        pytest.skip(f"right, but not a graph replay: the handler's host code ran {host_calls} "
+                    f"times for {iters} iterations on {n} GPUs (XLA did not capture it)")
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_jit_called_100_times(algorithm):
+    mesh, _ = _mesh()
+
+    def count_wrong(key):
+        x = _fresh(key, 0, (100_003,), jnp.bfloat16)
+        return _wrong(jfo.all_reduce(x, "tp", impl=IMPL, algorithm=algorithm), x)
+
+    f = _per_rank(count_wrong, mesh, sharded=False)
+    wrong = [f(jax.random.key(i)) for i in range(100)]
+    assert sum(int(np.asarray(w).sum()) for w in wrong) == 0
+    jfo.check_device_errors()
+
+
+def test_back_to_back_calls_of_random_sizes_and_algorithms():
+    """STRESS_CALLS x STRESS_ITERS all-reduces, each of a randomly drawn size
+    and algorithm with fresh data: the per-block sequence numbers must stay in
+    step while the grid changes from call to call."""
+    mesh, _ = _mesh()
+
+    def case(size, algorithm):
+        def run(key):
+            x = _fresh(key, 0, (size,), jnp.bfloat16)
+            return _wrong(jfo.all_reduce(x, "tp", impl=IMPL, algorithm=algorithm), x)
+        return run
+
+    branches = [case(s, a) for s in STRESS_SIZES for a in ALGORITHMS]
+
+    def count_wrong(key):
+        def body(i, wrong):
+            k = jax.random.fold_in(key, i)
+            which = jax.random.randint(k, (), 0, len(branches))  # the same on every rank
+            return wrong + lax.switch(which, branches, k)
+        return lax.fori_loop(0, STRESS_ITERS, body, jnp.int32(0))
+
+    f = _per_rank(count_wrong, mesh, sharded=False)
+    for call in range(STRESS_CALLS):
+        wrong = np.asarray(f(jax.random.key(call)))
+        assert wrong.sum() == 0, (call, wrong)
+    jfo.check_device_errors()
+
+
+def test_message_over_the_region_names_the_setting():
+    """The failing call launches nothing, so the group stays in step."""
+    if int(os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB", "1024")) > 1024:
+        pytest.skip("a workspace larger than the default may hold the message")
+    mesh, n = _mesh()
+    size = (256 << 20) // 2  # bf16: 256 MiB per rank, over a quarter of 1 GiB
+    make = jax.jit(lambda: jnp.ones((n, size), jnp.bfloat16),
+                   out_shardings=NamedSharding(mesh, P("tp")))
+    f = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL,
+                                    algorithm="two_shot"), mesh)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="JAX_FLASHOVERLAP_WORKSPACE_MB"):
+        f(make()).block_until_ready()
+    jfo.check_device_errors()
+
+
+def test_missing_peer_times_out_with_nan_and_a_named_error():
+    """Device 0 runs the kernel alone: its wait for rank 1 must give up after
+    timeout_ms, fill the output with NaN and leave an error naming rank 1.
+
+    Leaves the pair's sequence numbers out of step (device 0 counted a call
+    device 1 never made): keep it the last all-reduce of the process.
+    """
+    mesh, n = _mesh()
+    ordinals = np.asarray([d.local_hardware_id for d in mesh.devices.flat], np.int32)
+    warm = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL), mesh)
+    warm(jnp.ones((n, 8), jnp.float32)).block_until_ready()  # group set up
+    jfo.check_device_errors()
+    x = jax.device_put(jnp.ones((1000,), jnp.float32), mesh.devices.flat[0])
+    call = jax.ffi.ffi_call("jfo_all_reduce", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    alone = jax.jit(lambda x: call(x, group_ordinals=ordinals, n=np.int32(n),
+                                   timeout_ms=np.int32(300), algorithm=np.int32(0)))
+    start = time.perf_counter()
+    y = np.asarray(alone(x))
+    assert time.perf_counter() - start < 30
+    assert np.all(np.isnan(y))
+    with pytest.raises(RuntimeError, match=r"all_reduce: rank 0 \(CUDA device \d+\) timed out "
+                                           r"after 300 ms waiting for rank 1"):
+        jfo.check_device_errors()
