@@ -12,6 +12,8 @@ over the runs. Every loss must be finite. An impl that raises
 ``NotImplementedError`` (no CUDA kernel for an op) is skipped with a message.
 Results go to ``--json`` after each row; a markdown table is printed last.
 MFU is against the H200's 989 TFLOP/s dense bf16 datasheet peak per GPU.
+The Transformer's attention is ``--attention`` (default auto: cuDNN flash
+attention where supported); each row records which ran.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     targs = train.parse_args([
         "--model", model, "--size", args.size, "--mesh", args.mesh, "--batch", str(args.batch),
         "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
-        *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else [])])
+        *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else []),
+        *(["--attention", args.attention] if model == "transformer" else [])])
     trainer = train.build(targs)
     corpus = train.load_corpus(None, targs.seq_len)
     batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
@@ -56,6 +59,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     step_s = statistics.median(per_step)
     return {
         "model": model, "size": args.size, "params": trainer.num_params, "impl": impl,
+        "attention": trainer.attention,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
         "dtype": trainer.config.dtype, "device": jax.devices()[0].device_kind,
         "step_ms": step_s * 1e3, "step_ms_min": per_step[0] * 1e3,
@@ -69,12 +73,13 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
 
 def _table(rows: list[dict]) -> str:
     xla = {r["model"]: r["step_ms"] for r in rows if r["impl"] == "xla"}
-    lines = ["| model | params | impl | step (ms), median [min, max] | tokens/s | MFU | "
-             "speed-up vs xla |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | params | impl | attention | step (ms), median [min, max] | tokens/s | "
+             "MFU | speed-up vs xla |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         speedup = f"{xla[r['model']] / r['step_ms']:.3f}x" if r["model"] in xla else "–"
         lines.append(f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['impl']} | "
+                     f"{r.get('attention') or '–'} | "
                      f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {speedup} |")
     return "\n".join(lines)
@@ -91,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU")
     parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
+                        help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
     parser.add_argument("--reps", type=int, default=5, help="timed runs")

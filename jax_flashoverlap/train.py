@@ -33,7 +33,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .demo import _ensure_cpu_devices
-from .models import IMPLS, MODELS, SIZES, ShardingConfig
+from .models import (
+    ATTENTION_IMPLS,
+    IMPLS,
+    MODELS,
+    SIZES,
+    ShardingConfig,
+    TransformerConfig,
+    attention_implementation,
+)
 
 __all__ = ["main", "train", "parse_args", "build", "Trainer", "TrainResult", "loss_fn",
            "default_corpus", "load_corpus", "batch_at"]
@@ -56,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100,
                         help="total steps (the schedule's length; --restore continues)")
     parser.add_argument("--impl", choices=IMPLS, default="auto")
+    parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
+                        help="Transformer attention: cuDNN flash attention, XLA's, or "
+                             "auto (cuDNN on GPUs that support it)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (default bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
@@ -85,6 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.restore and args.checkpoint_dir is None:
         parser.error("--restore needs --checkpoint-dir")
+    if args.attention != "auto" and args.model != "transformer":
+        parser.error(f"--attention applies to --model transformer, not {args.model}")
     return args
 
 
@@ -160,6 +173,8 @@ class Trainer:
       flops_per_step: model FLOPs of one step (for MFU).
       peak_flops: the mesh's peak FLOP/s on GPUs (H200 bf16 datasheet), else None.
       platform: where it runs, in words.
+      attention: the Transformer's attention implementation ("cudnn" or
+        "xla"); None for a model without attention.
     """
 
     args: argparse.Namespace
@@ -171,6 +186,7 @@ class Trainer:
     flops_per_step: float
     peak_flops: float | None
     platform: str
+    attention: str | None = None
 
     def tokens(self, corpus: np.ndarray, step: int) -> jax.Array:
         """Step ``step``'s batch on the mesh, split over the data axis."""
@@ -192,11 +208,15 @@ def build(args: argparse.Namespace) -> Trainer:
     mesh = jax.sharding.Mesh(np.asarray(devices[:data * tensor]).reshape(data, tensor),
                              (sharding.data, sharding.tensor))
     config_cls, model_cls = MODELS[args.model]
+    has_attention = config_cls is TransformerConfig
     config = config_cls.preset(
         args.size, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"),
-        impl=args.impl, remat=args.remat, sharding=sharding)
-    # Before compiling anything: a clear error for a shape the mesh cannot split.
+        impl=args.impl, remat=args.remat, sharding=sharding,
+        **({"attention_impl": args.attention} if has_attention else {}))
+    # Before compiling anything: a clear error for a shape the mesh cannot split,
+    # or for cuDNN attention asked for where it cannot run.
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
+    attention = attention_implementation(config, devices[0]) if has_attention else None
 
     tx = _optimizer(args)
     with jax.set_mesh(mesh):
@@ -224,7 +244,7 @@ def build(args: argparse.Namespace) -> Trainer:
                    flops_per_step=config.flops_per_token(args.seq_len) * args.batch
                    * args.seq_len,
                    peak_flops=PEAK_FLOPS_PER_GPU * data * tensor if on_gpu else None,
-                   platform=platform)
+                   platform=platform, attention=attention)
 
 
 @dataclasses.dataclass
@@ -254,7 +274,8 @@ def train(args: argparse.Namespace) -> TrainResult:
     print(f"{args.model}/{args.size} ({trainer.num_params / 1e6:,.1f}M parameters) on mesh "
           f"{data}x{tensor} (data x tensor) of {trainer.platform}; impl {args.impl}, dtype "
           f"{trainer.config.dtype}, {'with' if args.sequence_parallel else 'without'} "
-          f"sequence parallelism", flush=True)
+          f"sequence parallelism"
+          + (f", attention {trainer.attention}" if trainer.attention else ""), flush=True)
     manager = None
     if args.checkpoint_dir:
         manager = ocp.CheckpointManager(

@@ -13,13 +13,14 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
         logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # tokens [b, s]
 """
 
-from .config import IMPLS, SIZES, MambaConfig, ShardingConfig, TransformerConfig
+from .config import ATTENTION_IMPLS, IMPLS, SIZES, MambaConfig, ShardingConfig, TransformerConfig
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
-from .transformer import Transformer
+from .transformer import Transformer, attention_implementation
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
-           "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS"]
+           "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS",
+           "attention_implementation"]
 
 # --model name -> (config class, model class).
 MODELS = {"transformer": (TransformerConfig, Transformer), "mamba": (MambaConfig, Mamba2)}

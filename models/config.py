@@ -11,10 +11,15 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap._validation import IMPLS
 
-__all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES"]
+__all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
+           "ATTENTION_IMPLS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
+# TransformerConfig.attention_impl: "cudnn" is cuDNN's flash attention, "xla"
+# XLA's reference attention (it materialises the [s, s] scores), "auto" the
+# first where cuDNN supports the device, dtype and head size, else the second.
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +104,8 @@ class TransformerConfig(_Presets):
       norm_eps: RMSNorm epsilon.
       dtype: compute dtype ("float32", "bfloat16"); parameters stay float32.
       impl: implementation of the overlap ops.
+      attention_impl: "auto", "xla" or "cudnn" (see :data:`ATTENTION_IMPLS`
+        and :func:`models.transformer.attention_implementation`).
       remat: recompute each block in the backward pass (saves memory).
       sharding: how it maps onto the mesh.
     """
@@ -114,11 +121,15 @@ class TransformerConfig(_Presets):
     norm_eps: float = 1e-5
     dtype: str = "float32"
     impl: str = "auto"
+    attention_impl: str = "auto"
     remat: bool = False
     sharding: ShardingConfig = ShardingConfig()
 
     def __post_init__(self):
         _check_impl("TransformerConfig", self.impl)
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"TransformerConfig: attention_impl must be one of "
+                             f"{ATTENTION_IMPLS}, got {self.attention_impl!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TransformerConfig: num_heads={self.num_heads} must be a "
                              f"multiple of num_kv_heads={self.num_kv_heads}")

@@ -1,4 +1,4 @@
-"""What both language models share: RMSNorm and the causal-LM skeleton."""
+"""What both language models share: RMSNorm, layer creation and the causal-LM skeleton."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from flax import nnx
 
 from jax_flashoverlap.nn import shard_map_apply
 
-__all__ = ["RMSNorm", "CausalLM", "linear_options"]
+__all__ = ["RMSNorm", "CausalLM", "linear_options", "make_layers"]
 
 
 def linear_options(config, rngs: nnx.Rngs) -> dict:
@@ -18,6 +18,47 @@ def linear_options(config, rngs: nnx.Rngs) -> dict:
     sharding = config.sharding
     return dict(axis_name=sharding.tensor, sequence_parallel=sharding.sequence_parallel,
                 impl=config.impl, dtype=jnp.dtype(config.dtype), rngs=rngs)
+
+
+def make_layers(make: Callable[..., nnx.Module], count: int, *,
+                rngs: nnx.Rngs) -> list[nnx.Module]:
+    """``[make(rngs=rngs) for _ in range(count)]``, with ``make`` traced once.
+
+    A Python loop would put every layer's initializers into the program
+    (inside ``jit``, one set of random-number kernels per layer: creating the
+    48-layer Mamba-2 compiled for minutes on GPU). Here a ``lax.scan`` runs
+    one layer's initialization ``count`` times and the stacked results are
+    split into layers. ``rngs`` is the scan's carry, so layer i draws the same
+    keys as the i-th call of the loop: the parameters are bit-for-bit those of
+    the loop, and ``rngs`` ends where the loop would leave it.
+
+    Args:
+      make: ``make(rngs=...) -> module``; every call must build the same
+        structure (it is traced once).
+      count: number of layers.
+      rngs: supplies the keys; advanced past all the layers.
+
+    Returns:
+      ``count`` modules with unstacked parameters, each placed as its
+      variables' ``out_sharding`` metadata says (sharding propagates from the
+      constraint each variable applies inside the scan).
+    """
+    rngs_def, rngs_state = nnx.split(rngs)
+    layer_def = None
+
+    def one(rngs_state, _):
+        nonlocal layer_def
+        rngs = nnx.merge(rngs_def, rngs_state)
+        layer_def, layer_state = nnx.split(make(rngs=rngs))
+        return nnx.state(rngs), layer_state
+
+    rngs_state, stacked = jax.lax.scan(one, rngs_state, length=count)
+    nnx.update(rngs, rngs_state)
+
+    def layer(i: int) -> nnx.Module:
+        return nnx.merge(layer_def, jax.tree.map(lambda x: x[i], stacked))
+
+    return [layer(i) for i in range(count)]
 
 
 class RMSNorm(nnx.Module):
@@ -70,7 +111,7 @@ class CausalLM(nnx.Module):
         self.config = config
         self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (v, d)),
                                    out_sharding=(None, None))
-        self.blocks = nnx.List([block(rngs=rngs) for _ in range(config.num_layers)])
+        self.blocks = nnx.List(make_layers(block, config.num_layers, rngs=rngs))
         self.final_norm = RMSNorm(d, eps=config.norm_eps)
         self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, v)),
                               out_sharding=(None, None))

@@ -7,6 +7,10 @@ two all-gather→GEMMs and two GEMM→reduce-scatters per block, in the forward
 and (mirrored) in the backward pass. Heads and MLP width are split over the
 tensor axis; attention runs on each rank's heads over the whole sequence.
 
+Attention goes through ``jax.nn.dot_product_attention``: cuDNN's flash
+attention on GPUs (``TransformerConfig.attention_impl``, see
+:func:`attention_implementation`), XLA's reference attention elsewhere.
+
 Fused kernels keep their columns grouped so that a contiguous column shard is
 a whole unit at any tensor-parallel size (the parameters do not depend on
 it): QKV by key/value head ([q heads of the group, k, v] per kv head), gate/up
@@ -24,7 +28,60 @@ from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 from .config import TransformerConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
-__all__ = ["Transformer", "Block", "Attention", "MLP", "rope"]
+__all__ = ["Transformer", "Block", "Attention", "MLP", "rope", "attention_implementation",
+           "cudnn_attention_unsupported"]
+
+
+def cudnn_attention_unsupported(dtype, head_dim: int, platform: str,
+                                compute_capability: str | None) -> str | None:
+    """Why cuDNN flash attention cannot run this attention, or None if it can.
+
+    The constraints ``jax.nn.dot_product_attention(implementation="cudnn")``
+    checks for 16-bit inputs (``jax/_src/cudnn/fused_attention_stablehlo.py``),
+    and an Ampere-or-later GPU, which cuDNN's flash attention needs.
+
+    Args:
+      dtype: the compute dtype.
+      head_dim: h.
+      platform: "cuda", "rocm", "cpu", ... (see :func:`attention_implementation`).
+      compute_capability: the CUDA GPU's, e.g. "9.0"; None elsewhere.
+    """
+    if platform != "cuda":
+        return f"cuDNN attention needs a CUDA GPU (running on {platform})"
+    capability = tuple(int(v) for v in (compute_capability or "0.0").split("."))
+    if capability < (8, 0):
+        return f"cuDNN flash attention needs compute capability 8.0+, got {compute_capability}"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cuDNN attention needs bfloat16 or float16, got {jnp.dtype(dtype)}"
+    h_max = 256 if capability >= (9, 0) else 128
+    if head_dim % 8 or head_dim > h_max:
+        return (f"cuDNN attention needs head_dim a multiple of 8 and at most {h_max} on "
+                f"compute capability {compute_capability}, got {head_dim}")
+    return None
+
+
+def attention_implementation(config: TransformerConfig,
+                             device: jax.Device | None = None) -> str:
+    """``config.attention_impl`` on ``device`` (default the first): "cudnn" or "xla".
+
+    "auto" is "cudnn" where cuDNN supports it (see
+    :func:`cudnn_attention_unsupported`), else "xla".
+
+    Raises:
+      ValueError: "cudnn" asked for where it cannot run.
+    """
+    device = device or jax.devices()[0]
+    platform = device.platform
+    if platform == "gpu":  # CUDA or ROCm: the client says which.
+        platform = "cuda" if "cuda" in device.client.platform_version.lower() else "rocm"
+    why_not = cudnn_attention_unsupported(config.dtype, config.head_dim, platform,
+                                          getattr(device, "compute_capability", None))
+    if config.attention_impl == "auto":
+        return "xla" if why_not else "cudnn"
+    if config.attention_impl == "cudnn" and why_not:
+        raise ValueError(f"TransformerConfig: attention_impl='cudnn' but {why_not}; use "
+                         f"attention_impl='auto' (cuDNN where it runs, else XLA) or 'xla'.")
+    return config.attention_impl
 
 
 def rope(x: jax.Array, theta: float) -> jax.Array:
@@ -53,6 +110,7 @@ class Attention(nnx.Module):
         self.q_per_kv = config.num_heads // kv
         self.head_dim = h
         self.rope_theta = config.rope_theta
+        self.implementation = attention_implementation(config)
         self.qkv = ColumnParallelLinear(d, kv * (self.q_per_kv + 2) * h,
                                         **linear_options(config, rngs))
         self.out = RowParallelLinear(config.num_heads * h, d, **linear_options(config, rngs))
@@ -67,10 +125,10 @@ class Attention(nnx.Module):
         q = rope(qkv[:, :, :, :-2].reshape(s, b, -1, self.head_dim), self.rope_theta)
         k = rope(qkv[:, :, :, -2], self.rope_theta)
         v = qkv[:, :, :, -1]
-        # dot_product_attention takes [b, s, heads, h]; with b = 1 per device
-        # the swap is free.
+        # dot_product_attention (cuDNN too) takes [b, s, heads, h]; with b = 1
+        # per device the swaps are bitcasts, else one copy of q, k, v and out.
         out = jax.nn.dot_product_attention(*(t.swapaxes(0, 1) for t in (q, k, v)),
-                                           is_causal=True)
+                                           is_causal=True, implementation=self.implementation)
         return self.out(out.swapaxes(0, 1).reshape(s, b, -1))
 
 

@@ -77,6 +77,11 @@ def test_bad_flags_name_the_fix():
         train.parse_args(["--mesh", "2by4"])
     with pytest.raises(SystemExit):
         train.parse_args(["--restore"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--model", "mamba", "--attention", "cudnn"])
+    with pytest.raises(ValueError, match="attention_impl='cudnn' but cuDNN attention needs a "
+                                         "CUDA GPU"):
+        train.build(train.parse_args([*RUN, "--attention", "cudnn"]))
     with pytest.raises(ValueError, match="needs 16 devices"):
         train.train(train.parse_args([*RUN, "--mesh", "4x4"]))
     with pytest.raises(ValueError, match="sequence length 30 does not divide by the 4"):
@@ -93,4 +98,5 @@ def test_command_runs_on_cpu_devices(tmp_path):
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "mesh 4x2 (data x tensor) of 8 CPU devices (no GPU found)" in out.stdout
+    assert "sequence parallelism, attention xla" in out.stdout
     assert "done: 2 steps of transformer/tiny" in out.stdout

@@ -1,12 +1,15 @@
 """The Llama-style Transformer: tensor/sequence-parallel runs equal the one-device model."""
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from model_support import build, check_matches_reference, reference, tokens
+from model_support import build, check_matches_reference, loss_and_grads, reference, tokens
 from support import assert_close, cpu_mesh, f64, random
 
 from jax_flashoverlap import models
@@ -90,9 +93,59 @@ def test_shapes_the_mesh_cannot_split(tp, dp, batch, seq_len, message):
         model(jnp.asarray(tokens(0, batch=batch, seq_len=seq_len)[:, :-1]))
 
 
+@pytest.mark.parametrize("dtype, head_dim, platform, capability, reason", [
+    ("bfloat16", 128, "cuda", "9.0", None),
+    ("float16", 256, "cuda", "9.0", None),
+    ("bfloat16", 64, "cuda", "8.0", None),
+    ("float32", 128, "cuda", "9.0", "needs bfloat16 or float16, got float32"),
+    ("bfloat16", 256, "cuda", "8.0", "at most 128 on compute capability 8.0, got 256"),
+    ("bfloat16", 100, "cuda", "9.0", "a multiple of 8 and at most 256"),
+    ("bfloat16", 128, "cuda", "7.5", r"needs compute capability 8.0\+, got 7.5"),
+    ("bfloat16", 128, "cpu", None, r"needs a CUDA GPU \(running on cpu\)"),
+    ("bfloat16", 128, "rocm", None, "needs a CUDA GPU"),
+])
+def test_where_cudnn_attention_runs(dtype, head_dim, platform, capability, reason):
+    why_not = models.transformer.cudnn_attention_unsupported(dtype, head_dim, platform,
+                                                             capability)
+    assert why_not is None if reason is None else re.search(reason, why_not), why_not
+
+
+def test_attention_implementation_on_cpu():
+    """"auto" is XLA's attention here; cuDNN asked for fails naming the fix."""
+    bf16 = TransformerConfig.b1()
+    assert models.attention_implementation(bf16) == "xla"
+    assert models.attention_implementation(
+        dataclasses.replace(bf16, attention_impl="xla")) == "xla"
+    with pytest.raises(ValueError, match=r"attention_impl='cudnn' but cuDNN attention needs "
+                                         r"a CUDA GPU \(running on cpu\); use "
+                                         r"attention_impl='auto'"):
+        models.attention_implementation(dataclasses.replace(bf16, attention_impl="cudnn"))
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_matches_xla():
+    """On GPUs: cuDNN flash attention gives XLA attention's loss and gradients (bf16)."""
+    devices = jax.devices("gpu")
+    tp = 2 if len(devices) >= 2 else 1
+    mesh = jax.sharding.Mesh(np.asarray(devices[:tp]).reshape(1, tp), ("data", "tensor"))
+    config = dataclasses.replace(CONFIG, dtype="bfloat16", attention_impl="cudnn")
+    assert models.attention_implementation(config) == "cudnn"
+    batch = tokens(3, batch=2, seq_len=256)
+    cudnn = build(Transformer, config, mesh)
+    xla = build(Transformer, dataclasses.replace(config, attention_impl="xla"), mesh,
+                nnx.state(cudnn))
+    (loss, grads), (want_loss, want_grads) = (loss_and_grads(m, batch, mesh)
+                                              for m in (cudnn, xla))
+    assert_close(loss, want_loss, "bfloat16")
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        assert_close(got, want, "bfloat16")
+
+
 def test_config_errors():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         TransformerConfig(num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match="attention_impl must be one of"):
+        TransformerConfig(attention_impl="flash")
     with pytest.raises(ValueError, match="impl must be one of"):
         TransformerConfig(impl="nccl")
     with pytest.raises(ValueError, match="unknown size 'huge'"):
