@@ -50,13 +50,19 @@ DEFAULT_KERNEL_INIT = nnx.initializers.lecun_normal()
 class _ParallelLinear(nnx.Module):
     """A bias-free ``[in_features, out_features]`` kernel split over one mesh axis."""
 
-    def __init__(self, in_features: int, out_features: int, kernel_sharding: tuple, *,
-                 axis_name: str, sequence_parallel: bool, sequence_axis: int, impl: str,
-                 dtype: Any, param_dtype: Any, kernel_init: Initializer, rngs: nnx.Rngs):
+    # Which dim of the [in_features, out_features] kernel is split over the axis.
+    _sharded_dim: int
+
+    def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tensor",
+                 sequence_parallel: bool = True, sequence_axis: int = 0, impl: str = "auto",
+                 dtype: Any = None, param_dtype: Any = jnp.float32,
+                 kernel_init: Initializer = DEFAULT_KERNEL_INIT,
+                 rngs: nnx.Rngs):
+        sharding = tuple(axis_name if i == self._sharded_dim else None for i in range(2))
         # The initializer sees the global shape, so fan-in scaling (and hence
         # the parameters) do not depend on the tensor-parallel degree.
         self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),
-                                            param_dtype), out_sharding=kernel_sharding)
+                                            param_dtype), out_sharding=sharding)
         self.axis_name = axis_name
         self.sequence_parallel = sequence_parallel
         self.sequence_axis = sequence_axis
@@ -90,15 +96,7 @@ class ColumnParallelLinear(_ParallelLinear):
       rngs: supplies the ``params`` key.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tensor",
-                 sequence_parallel: bool = True, sequence_axis: int = 0, impl: str = "auto",
-                 dtype: Any = None, param_dtype: Any = jnp.float32,
-                 kernel_init: Initializer = DEFAULT_KERNEL_INIT,
-                 rngs: nnx.Rngs):
-        super().__init__(in_features, out_features, (None, axis_name), axis_name=axis_name,
-                         sequence_parallel=sequence_parallel, sequence_axis=sequence_axis,
-                         impl=impl, dtype=dtype, param_dtype=param_dtype,
-                         kernel_init=kernel_init, rngs=rngs)
+    _sharded_dim = 1
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Per device.
@@ -138,15 +136,7 @@ class RowParallelLinear(_ParallelLinear):
       rngs: supplies the ``params`` key.
     """
 
-    def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tensor",
-                 sequence_parallel: bool = True, sequence_axis: int = 0, impl: str = "auto",
-                 dtype: Any = None, param_dtype: Any = jnp.float32,
-                 kernel_init: Initializer = DEFAULT_KERNEL_INIT,
-                 rngs: nnx.Rngs):
-        super().__init__(in_features, out_features, (axis_name, None), axis_name=axis_name,
-                         sequence_parallel=sequence_parallel, sequence_axis=sequence_axis,
-                         impl=impl, dtype=dtype, param_dtype=param_dtype,
-                         kernel_init=kernel_init, rngs=rngs)
+    _sharded_dim = 0
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """Per device.

@@ -57,3 +57,16 @@ def check_matches_reference(model_cls, config, ref, *, tp: int, dp: int = 2, **o
             assert_close(got, want, "float32")
         except AssertionError as e:
             raise AssertionError(f"gradient of {path}: {e}") from None
+
+
+def check_is_causal(model_cls, config):
+    """Changing token 20 leaves the logits of positions < 20 exactly as they were."""
+    mesh = cpu_mesh(tp=2, dp=2)
+    model = build(model_cls, config, mesh)
+    batch = tokens(1)[:, :-1]
+    changed = batch.copy()
+    changed[:, 20] = (changed[:, 20] + 1) % 256
+    with jax.set_mesh(mesh):
+        before, after = (np.asarray(nnx.jit(lambda m, t: m(t))(model, t)) for t in (batch, changed))
+    np.testing.assert_array_equal(before[:, :20], after[:, :20])
+    assert np.abs(before[:, 20:] - after[:, 20:]).max() > 0
