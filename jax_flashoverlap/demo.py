@@ -1,6 +1,6 @@
 """Demo: runs every op with each implementation, checks it, times it.
 
-    python -m jax_flashoverlap.demo            # or: jax-flashoverlap-demo
+    jax-flashoverlap-demo            # or: python -P -m jax_flashoverlap.demo
 
 On a machine without GPUs it runs on 8 CPU devices (and says so); on GPUs it
 uses all local GPUs along one tensor-parallel axis. Results are checked

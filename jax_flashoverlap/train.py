@@ -1,6 +1,6 @@
 """Trains the Transformer or Mamba-2 on a (data x tensor) mesh with optax.
 
-    python -m jax_flashoverlap.train --model transformer --size tiny --steps 200
+    python -P -m jax_flashoverlap.train --model transformer --size tiny --steps 200
     jax-flashoverlap-train --model mamba --size 1b --mesh 1x2 --seq-len 8192 --batch 1
 
 Byte-level tokens from ``--data FILE``, or from a text corpus that ships with
