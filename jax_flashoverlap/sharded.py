@@ -19,10 +19,12 @@ import functools
 import jax
 from jax.sharding import PartitionSpec as P
 
-from . import all_gather_matmul as _ag
-from . import all_reduce as _ar
-from . import matmul_all_reduce as _mar
-from . import matmul_reduce_scatter as _mrs
+# The functions, not `from . import all_reduce`: the package binds these names
+# to the functions, so the submodules are not reachable as its attributes.
+from .all_gather_matmul import all_gather_matmul as _all_gather_matmul
+from .all_reduce import all_reduce as _all_reduce
+from .matmul_all_reduce import matmul_all_reduce as _matmul_all_reduce
+from .matmul_reduce_scatter import matmul_reduce_scatter as _matmul_reduce_scatter
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce"]
 
@@ -62,7 +64,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
       x @ w: [..., M, ..., N], last dim sharded over ``axis_name``.
     """
     mesh = _mesh(mesh, "all_gather_matmul")
-    fn = functools.partial(_ag.all_gather_matmul, axis_name=axis_name,
+    fn = functools.partial(_all_gather_matmul, axis_name=axis_name,
                            gather_axis=gather_axis, **kwargs)
     return _shard_map(fn, mesh, axis_name,
                       (_spec(x.ndim, gather_axis % x.ndim, axis_name), P(None, axis_name)),
@@ -85,7 +87,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=No
       x @ w: [..., M, ..., N], sharded along ``scatter_dimension``.
     """
     mesh = _mesh(mesh, "matmul_reduce_scatter")
-    fn = functools.partial(_mrs.matmul_reduce_scatter, axis_name=axis_name,
+    fn = functools.partial(_matmul_reduce_scatter, axis_name=axis_name,
                            scatter_dimension=scatter_dimension, **kwargs)
     return _shard_map(fn, mesh, axis_name,
                       (_spec(x.ndim, x.ndim - 1, axis_name), P(axis_name, None)),
@@ -107,7 +109,7 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
       x @ w: [..., N], replicated over ``axis_name``.
     """
     mesh = _mesh(mesh, "matmul_all_reduce")
-    fn = functools.partial(_mar.matmul_all_reduce, axis_name=axis_name, **kwargs)
+    fn = functools.partial(_matmul_all_reduce, axis_name=axis_name, **kwargs)
     return _shard_map(fn, mesh, axis_name,
                       (_spec(x.ndim, x.ndim - 1, axis_name), P(axis_name, None)),
                       P())(x, w)
@@ -127,5 +129,5 @@ def all_reduce(x: jax.Array, *, axis_name: str, mesh=None, **kwargs) -> jax.Arra
       ``x.sum(0)``: [...], replicated over ``axis_name``.
     """
     mesh = _mesh(mesh, "all_reduce")
-    fn = lambda xs: _ar.all_reduce(xs[0], axis_name, **kwargs)  # noqa: E731
+    fn = lambda xs: _all_reduce(xs[0], axis_name, **kwargs)  # noqa: E731
     return _shard_map(fn, mesh, axis_name, (_spec(x.ndim, 0, axis_name),), P())(x)

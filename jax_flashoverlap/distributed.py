@@ -1,0 +1,190 @@
+"""Multi-process setup: ``jax.distributed`` from the launcher, node topology, byte broadcast.
+
+A program started by ``python -m jax_flashoverlap.launch -n N prog.py`` calls
+:func:`initialize` first. Processes are grouped into nodes of
+:func:`node_size` consecutive processes (``--node-size``; all of them by
+default): the NVRAR all-reduce reduces within a node over NVLink and across
+nodes with NVSHMEM, and declaring each GPU its own node exercises the
+cross-node path on one machine. :func:`broadcast_bytes` shares a small byte
+string, such as an NVSHMEM unique id, from one process to all.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .launch import ENV
+
+__all__ = [
+    "initialize",
+    "is_launched",
+    "process_id",
+    "num_processes",
+    "node_size",
+    "num_nodes",
+    "node_rank",
+    "rank_in_node",
+    "broadcast_bytes",
+]
+
+_REQUIRED = ("coordinator", "process_id", "num_processes")
+_LAUNCH_HINT = ("start the program with `python -m jax_flashoverlap.launch -n N script.py` "
+                "(or call jax.distributed.initialize yourself, e.g. under SLURM)")
+# Marks a broadcast header, so that several sources (summed) or none are told apart.
+_MAGIC = 0x4A464F  # "JFO"
+_MAX_BYTES = 1 << 20
+
+
+def is_launched() -> bool:
+    """Whether this process was started by :mod:`jax_flashoverlap.launch`."""
+    return all(ENV[k] in os.environ for k in _REQUIRED)
+
+
+def _env_int(key: str) -> int | None:
+    name = ENV[key]
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer") from None
+
+
+def initialize(**kwargs) -> None:
+    """Calls ``jax.distributed.initialize`` with what the launcher passed.
+
+    Does nothing if ``jax.distributed`` is already initialised. Call it before
+    anything else touches jax devices.
+
+    Args:
+      **kwargs: passed on to ``jax.distributed.initialize`` (for example
+        ``initialization_timeout`` or ``heartbeat_timeout_seconds``, which bound
+        how long a missing peer goes unnoticed).
+
+    Raises:
+      RuntimeError: the launcher's variables are missing.
+    """
+    missing = [ENV[k] for k in _REQUIRED if ENV[k] not in os.environ]
+    if missing:
+        raise RuntimeError(f"jax_flashoverlap.distributed.initialize: {', '.join(missing)} "
+                           f"not set; {_LAUNCH_HINT}")
+    import jax
+
+    if jax.distributed.is_initialized():
+        return
+    node_size()  # a bad --node-size fails here, in every process, before any wait
+    jax.distributed.initialize(coordinator_address=os.environ[ENV["coordinator"]],
+                               num_processes=_env_int("num_processes"),
+                               process_id=_env_int("process_id"), **kwargs)
+
+
+def process_id() -> int:
+    """This process's index: the launcher's, else ``jax.process_index()``."""
+    value = _env_int("process_id")
+    if value is None:
+        import jax
+        value = jax.process_index()
+    return value
+
+
+def num_processes() -> int:
+    """Number of processes: the launcher's, else ``jax.process_count()``."""
+    value = _env_int("num_processes")
+    if value is None:
+        import jax
+        value = jax.process_count()
+    return value
+
+
+def node_size() -> int:
+    """Consecutive processes forming one node (``JFO_NODE_SIZE``, default: all).
+
+    Without the launcher (e.g. under SLURM) set ``JFO_NODE_SIZE`` to the
+    processes per host yourself; the default treats the whole job as one node.
+
+    Raises:
+      ValueError: the node size is below 1 or does not divide the process count.
+    """
+    n = num_processes()
+    size = _env_int("node_size")
+    if size is None:
+        return n
+    if size < 1 or n % size:
+        raise ValueError(f"{ENV['node_size']}={size} must be >= 1 and divide the number of "
+                         f"processes ({n}); e.g. `launch -n {n} --node-size 1` for one "
+                         f"node per process")
+    return size
+
+
+def num_nodes() -> int:
+    """Number of nodes: processes / node size."""
+    return num_processes() // node_size()
+
+
+def node_rank() -> int:
+    """Index of this process's node, 0 .. num_nodes()-1."""
+    return process_id() // node_size()
+
+
+def rank_in_node() -> int:
+    """Index of this process within its node, 0 .. node_size()-1."""
+    return process_id() % node_size()
+
+
+def broadcast_bytes(data: bytes | None, root: int = 0, *, max_bytes: int = _MAX_BYTES) -> bytes:
+    """Sends a small byte string from process ``root`` to every process.
+
+    Collective: every process must call it, with the same ``root``. Built on
+    ``jax.experimental.multihost_utils.broadcast_one_to_all`` (a psum where
+    only the source contributes): first a header with the length, then the
+    bytes. Non-root processes may pass ``None``; what they pass is ignored.
+
+    Args:
+      data: the bytes, on ``root`` (at most ``max_bytes`` of them).
+      root: the sending process.
+      max_bytes: upper bound on the length, checked on every process.
+
+    Returns:
+      ``root``'s bytes, on every process.
+
+    Raises:
+      ValueError: ``root`` out of range, ``data`` too long, or the processes
+        disagree on ``root`` (no source or several).
+      TypeError: ``data`` on ``root`` is not bytes-like.
+    """
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    n = jax.process_count()
+    me = jax.process_index()
+    if not 0 <= root < n:
+        raise ValueError(f"broadcast_bytes: root={root} is not a process index (0..{n - 1})")
+    is_root = me == root
+    if is_root:
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"broadcast_bytes: root process {root} must pass bytes, "
+                            f"got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > max_bytes:
+            raise ValueError(f"broadcast_bytes: {len(data)} bytes exceed max_bytes={max_bytes}; "
+                             f"it is meant for small strings (ids, configs)")
+    if n == 1:
+        return data
+
+    header = np.array([_MAGIC, len(data), root] if is_root else [0, 0, 0], np.int32)
+    magic, length, sent_root = (int(v) for v in
+                                multihost_utils.broadcast_one_to_all(header, is_source=is_root))
+    if magic != _MAGIC or sent_root != root:
+        raise ValueError(f"broadcast_bytes: the processes disagree on root: process {me} passed "
+                         f"root={root}, but {magic / _MAGIC:g} processes acted as the source "
+                         f"(expected 1); pass the same root everywhere")
+    if not 0 <= length <= max_bytes:
+        raise ValueError(f"broadcast_bytes: process {root} sends {length} bytes, over this "
+                         f"process's max_bytes={max_bytes}; pass the same max_bytes everywhere")
+    if length == 0:
+        return b""
+    payload = np.frombuffer(data, np.uint8) if is_root else np.zeros(length, np.uint8)
+    out = multihost_utils.broadcast_one_to_all(payload, is_source=is_root)
+    return np.asarray(out).astype(np.uint8).tobytes()

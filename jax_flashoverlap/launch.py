@@ -1,0 +1,348 @@
+"""Starts n local processes of one program, wired together for ``jax.distributed``.
+
+    python -m jax_flashoverlap.launch -n 2 script.py [args...]
+    python -m jax_flashoverlap.launch -n 2 -m package.module [args...]
+
+One process per GPU where there are GPUs (``CUDA_VISIBLE_DEVICES`` narrowed to
+one device each, as NVSHMEM and XLA's multi-process GPU runtime want), else one
+CPU process each. The program calls :func:`jax_flashoverlap.distributed.initialize`,
+which reads what this launcher put in its environment:
+
+    JFO_COORDINATOR_ADDRESS  ``127.0.0.1:PORT``, served by process 0
+    JFO_PROCESS_ID           this process, 0 .. n-1
+    JFO_NUM_PROCESSES        n
+    JFO_LOCAL_RANK           index among the processes on this host
+    JFO_LOCAL_SIZE           processes on this host
+    JFO_NODE_SIZE            consecutive processes that form one "node" (--node-size)
+    JFO_PLATFORM             ``gpu`` or ``cpu``
+
+Every output line is prefixed ``[rank i]``. If a process exits non-zero or is
+killed, the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the
+launcher exits non-zero naming the rank; ``--timeout`` bounds the whole run
+(exit 124). The launcher never starts a JAX backend: it must not touch the
+GPUs it hands out (importing the package imports jax, which starts no
+backend until first use).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import IO
+
+__all__ = ["ENV", "FORCED_ENV", "main", "visible_gpus"]
+
+# Names of the variables each process gets (see the module docstring).
+ENV = {
+    "coordinator": "JFO_COORDINATOR_ADDRESS",
+    "process_id": "JFO_PROCESS_ID",
+    "num_processes": "JFO_NUM_PROCESSES",
+    "local_rank": "JFO_LOCAL_RANK",
+    "local_size": "JFO_LOCAL_SIZE",
+    "node_size": "JFO_NODE_SIZE",
+    "platform": "JFO_PLATFORM",
+}
+
+# NVLink multicast (NVLS) must stay off on the shared machines, whatever the
+# caller's environment says, so these are overwritten, not defaulted.
+FORCED_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+
+# Launcher options that take a value; everything from the program on is the
+# program's, even if it looks like a launcher option (as with `python -m`).
+_VALUE_OPTIONS = {"-n", "--nproc", "--node-size", "--timeout", "--grace"}
+_EXIT_TIMEOUT = 124  # as timeout(1)
+_POLL_S = 0.05
+
+
+def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
+    """The GPUs this host lets us use, as ``CUDA_VISIBLE_DEVICES`` entries.
+
+    Honours an existing ``CUDA_VISIBLE_DEVICES`` (so process i gets its i-th
+    entry); otherwise counts ``nvidia-smi -L``. No GPU, no driver: ``[]``.
+    """
+    env = os.environ if env is None else env
+    if "CUDA_VISIBLE_DEVICES" in env:
+        ids = [s.strip() for s in env["CUDA_VISIBLE_DEVICES"].split(",") if s.strip()]
+        # CUDA ignores everything from the first -1 on.
+        return ids[:ids.index("-1")] if "-1" in ids else ids
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True,
+                             timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    # MIG instances are listed as indented lines under their GPU; count GPUs.
+    return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
+
+
+def _free_port() -> int:
+    # Racy in principle (another program may take it before process 0 binds
+    # it), but that is what every single-host launcher does.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_pythonpath(env: Mapping[str, str]) -> str:
+    """The parent's sys.path entries a fresh interpreter would lack, then PYTHONPATH.
+
+    Makes the children find the package however the parent found it (a
+    checkout as the working directory, a venv, PYTHONPATH). The interpreter's
+    own entries (stdlib, site-packages, .pth additions) are left out, so that
+    they keep their usual order behind PYTHONPATH; asking a fresh interpreter
+    is the one reliable way to know them (~20 ms).
+    """
+    probe = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONSTARTUP")}
+    try:
+        own = set(subprocess.run(
+            [sys.executable, "-c", "import sys; print('\\n'.join(sys.path[1:]))"],
+            env=probe, capture_output=True, text=True, timeout=30, check=True,
+        ).stdout.splitlines())
+    except (OSError, subprocess.SubprocessError):
+        own = set()  # then pass everything: duplicates are harmless
+    entries = []
+    for p in sys.path:
+        p = os.path.abspath(p or os.curdir)
+        if p not in own and os.path.isdir(p) and p not in entries:
+            entries.append(p)
+    entries += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in entries]
+    return os.pathsep.join(entries)
+
+
+def _child_env(base: Mapping[str, str], *, rank: int, nproc: int, node_size: int,
+               port: int, gpu: str | None, pythonpath: str) -> dict[str, str]:
+    env = dict(base)
+    env.update({
+        ENV["coordinator"]: f"127.0.0.1:{port}",
+        ENV["process_id"]: str(rank),
+        ENV["num_processes"]: str(nproc),
+        ENV["local_rank"]: str(rank),
+        ENV["local_size"]: str(nproc),
+        ENV["node_size"]: str(node_size),
+        ENV["platform"]: "cpu" if gpu is None else "gpu",
+        "PYTHONPATH": pythonpath,
+        "PYTHONUNBUFFERED": "1",  # lines reach us before a crash or a kill
+    })
+    env.update(FORCED_ENV)
+    if gpu is None:
+        env["JAX_PLATFORMS"] = "cpu"
+        # One CPU device per process: drop a device count inherited from the
+        # caller (the test suite's conftest asks for 8).
+        flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "",
+                       env.get("XLA_FLAGS", ""))
+        env["XLA_FLAGS"] = " ".join(flags.split())
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    return env
+
+
+def _die_with_parent_hook():
+    """A pre-exec hook that has the kernel SIGKILL the child when the launcher dies.
+
+    Without it a launcher killed by SIGKILL (or the OOM killer) would leave its
+    children waiting on each other. Resolved here, before forking, so that the
+    hook itself only makes one system call. None where there is no prctl.
+    """
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: the launcher's own teardown still applies
+    parent = os.getpid()
+
+    def hook():
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the launcher died before the line above
+            os._exit(1)
+    return hook
+
+
+def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    """Copies a child's stream to ``out`` line by line, each line prefixed."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace")
+        with lock:
+            out.write(prefix + (line if line.endswith("\n") else line + "\n"))
+            out.flush()
+    stream.close()
+
+
+def _describe(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = str(-returncode)
+        return f"was killed by signal {name}"
+    return f"exited with code {returncode}"
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Splits at the program: (launcher options, [-m] program and its arguments)."""
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            return list(argv[:i]), list(argv[i + 1:])
+        if arg == "-m" or not arg.startswith("-"):
+            return list(argv[:i]), list(argv[i:])
+        i += 2 if arg in _VALUE_OPTIONS else 1
+    return list(argv), []
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jax_flashoverlap.launch",
+        usage="%(prog)s -n N [options] (script.py | -m module) [args...]",
+        description="Start N local processes for jax.distributed, one per GPU "
+                    "(or CPU processes without GPUs).")
+    p.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="consecutive processes forming one node (default: N); "
+                        "--node-size 1 makes every GPU its own node")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="kill everything after this many seconds (exit 124)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds between SIGTERM and SIGKILL when tearing down")
+    p.add_argument("--cpu", action="store_true", help="CPU processes even if there are GPUs")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the launcher; returns its exit status (the failing rank's, 124 on timeout)."""
+    parser = _parser()
+    own, program = _split_argv(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
+    if not program or program == ["-m"]:
+        parser.error("missing the program: a script path or -m module")
+    n = args.nproc
+    node_size = n if args.node_size is None else args.node_size
+    if n < 1:
+        parser.error(f"-n must be at least 1, got {n}")
+    if node_size < 1 or n % node_size:
+        parser.error(f"--node-size {node_size} must be >= 1 and divide -n {n} "
+                     f"(e.g. --node-size 1 for one node per process)")
+    gpus = [] if args.cpu else visible_gpus()
+    if gpus and n > len(gpus):
+        parser.error(f"-n {n} processes but only {len(gpus)} GPUs visible "
+                     f"({','.join(gpus)}); use at most {len(gpus)} or --cpu")
+
+    port = _free_port()
+    cmd = [sys.executable, *program]
+    lock = threading.Lock()
+    hook = _die_with_parent_hook()
+    pythonpath = _child_pythonpath(os.environ)
+    children: list[subprocess.Popen] = []
+    # Spawn everything before starting any thread: the pre-exec hook is only
+    # safe in a single-threaded parent.
+    for rank in range(n):
+        env = _child_env(os.environ, rank=rank, nproc=n, node_size=node_size, port=port,
+                         gpu=gpus[rank] if gpus else None, pythonpath=pythonpath)
+        children.append(subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, start_new_session=True,  # own group: kill grandchildren too
+            preexec_fn=hook))
+    pumps = []
+    for rank, child in enumerate(children):
+        for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
+            t = threading.Thread(target=_pump, args=(stream, out, f"[rank {rank}] ", lock),
+                                 daemon=True)
+            t.start()
+            pumps.append(t)
+
+    status = _supervise(children, args.timeout, args.grace, lock)
+    for t in pumps:
+        t.join(timeout=2.0)  # a grandchild that escaped its group may hold a pipe
+    return status
+
+
+def _say(lock: threading.Lock, msg: str) -> None:
+    with lock:
+        print(f"[launch] {msg}", file=sys.stderr, flush=True)
+
+
+def _supervise(children: list[subprocess.Popen], timeout: float | None, grace: float,
+               lock: threading.Lock) -> int:
+    """Waits for the children; on a failure, timeout or signal tears them all down."""
+    caught: list[int] = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # Children run in their own sessions, so Ctrl-C no longer reaches them
+        # directly: forward it by tearing down.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            previous[sig] = signal.signal(sig, lambda s, _f: caught.append(s))
+    try:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        status = 0
+        while True:
+            codes = [c.poll() for c in children]
+            failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                rank = failed[0]
+                code = codes[rank]
+                _say(lock, f"rank {rank} {_describe(code)}; stopping the other ranks")
+                status = code if code > 0 else 128 - code
+                break
+            if all(code == 0 for code in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                _say(lock, f"timed out after {timeout:g} s; stopping all ranks")
+                status = _EXIT_TIMEOUT
+                break
+            if caught:
+                _say(lock, f"got {signal.Signals(caught[0]).name}; stopping all ranks")
+                status = 128 + caught[0]
+                break
+            time.sleep(_POLL_S)
+        _teardown(children, grace, lock)
+        for rank, child in enumerate(children):
+            code = child.poll()
+            _say(lock, f"rank {rank} " + ("is still running (gave up on it)" if code is None
+                                          else _describe(code)))
+        return status
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _signal_group(child: subprocess.Popen, sig: int) -> None:
+    # Only children not yet reaped: a reaped pid may already belong to someone else.
+    if child.poll() is None:
+        try:
+            os.killpg(child.pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def _teardown(children: list[subprocess.Popen], grace: float, lock: threading.Lock) -> None:
+    """SIGTERM to every running child's group, SIGKILL after ``grace``; bounded."""
+    for child in children:
+        _signal_group(child, signal.SIGTERM)
+    end = time.monotonic() + grace
+    while time.monotonic() < end and any(c.poll() is None for c in children):
+        time.sleep(_POLL_S)
+    stubborn = [r for r, c in enumerate(children) if c.poll() is None]
+    if stubborn:
+        _say(lock, f"ranks {stubborn} ignored SIGTERM for {grace:g} s; sending SIGKILL")
+        for r in stubborn:
+            _signal_group(children[r], signal.SIGKILL)
+        for r in stubborn:
+            try:
+                children[r].wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                pass  # uninterruptible (e.g. stuck in a driver call); reported as such
+
+
+if __name__ == "__main__":
+    sys.exit(main())

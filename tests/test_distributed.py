@@ -1,0 +1,88 @@
+"""jax.distributed set-up, node topology, broadcast_bytes: CPU processes via the launcher."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import jax_flashoverlap
+from jax_flashoverlap import distributed
+
+ROOT = Path(jax_flashoverlap.__file__).resolve().parents[1]
+CHILD = Path(__file__).with_name("distributed_child.py")
+LAUNCHER_VARS = ("JFO_COORDINATOR_ADDRESS", "JFO_PROCESS_ID", "JFO_NUM_PROCESSES",
+                 "JFO_NODE_SIZE")
+
+
+def test_two_processes_sum_and_broadcast(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "jax_flashoverlap.launch", "--cpu", "-n", "2",
+                           "--node-size", "1", "--timeout", "120", str(CHILD)],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = {}
+    for rank in range(2):
+        prefix = f"[rank {rank}] "
+        out[rank] = dict(line[len(prefix):].split("=", 1) for line in proc.stdout.splitlines()
+                         if line.startswith(prefix) and "=" in line)
+        assert out[rank]["process"] == f"{rank}/2 local_devices=1"
+        assert out[rank]["node"] == f"{rank}/2 in_node=0/1"  # each process its own node
+        assert out[rank]["sum"] == "[3.0, 3.0, 3.0, 3.0]"  # 1 + 2
+        assert out[rank]["empty"] == "b''"
+        assert "disagree on root" in out[rank]["mismatch"]
+        assert "2 processes acted as the source" in out[rank]["mismatch"]
+    for root in range(2):
+        sent = out[root][f"sent{root}"]
+        assert len(sent) == 256  # 128 random bytes, hex
+        assert out[0][f"got{root}"] == out[1][f"got{root}"] == sent
+    assert out[0]["sent0"] != out[1]["sent1"]
+
+
+def test_initialize_without_launcher_names_it(monkeypatch):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    assert not distributed.is_launched()
+    with pytest.raises(RuntimeError, match=r"JFO_COORDINATOR_ADDRESS.*jax_flashoverlap\.launch"):
+        distributed.initialize()
+
+
+@pytest.mark.parametrize("n, size, pid, expected", [
+    (4, "2", 3, (2, 2, 1, 1)),   # (node_size, num_nodes, node_rank, rank_in_node)
+    (4, "1", 2, (1, 4, 2, 0)),
+    (4, None, 3, (4, 1, 0, 3)),  # default: all processes one node
+])
+def test_node_topology(monkeypatch, n, size, pid, expected):
+    monkeypatch.setenv("JFO_NUM_PROCESSES", str(n))
+    monkeypatch.setenv("JFO_PROCESS_ID", str(pid))
+    if size is None:
+        monkeypatch.delenv("JFO_NODE_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("JFO_NODE_SIZE", size)
+    assert (distributed.node_size(), distributed.num_nodes(), distributed.node_rank(),
+            distributed.rank_in_node()) == expected
+
+
+@pytest.mark.parametrize("size, message", [
+    ("3", "JFO_NODE_SIZE=3 must be >= 1 and divide the number of processes \\(4\\)"),
+    ("0", "JFO_NODE_SIZE=0 must be >= 1"),
+    ("two", "JFO_NODE_SIZE='two' is not an integer"),
+])
+def test_node_size_validation(monkeypatch, size, message):
+    monkeypatch.setenv("JFO_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JFO_NODE_SIZE", size)
+    with pytest.raises(ValueError, match=message):
+        distributed.node_size()
+
+
+def test_broadcast_bytes_one_process(rng):
+    # The test process is a single-process job: the bytes come straight back.
+    data = rng.bytes(128)
+    assert distributed.broadcast_bytes(data) == data
+    assert distributed.broadcast_bytes(bytearray(data)) == data
+    with pytest.raises(ValueError, match="root=1 is not a process index"):
+        distributed.broadcast_bytes(data, root=1)
+    with pytest.raises(TypeError, match="must pass bytes, got NoneType"):
+        distributed.broadcast_bytes(None)
+    with pytest.raises(ValueError, match="129 bytes exceed max_bytes=128"):
+        distributed.broadcast_bytes(data + b"!", max_bytes=128)
