@@ -1,33 +1,37 @@
-"""GPU smoke test and benchmark of the raw `_ffi` handlers (no package needed).
+"""GPU smoke test of the raw `_ffi` handlers (no package needed).
 
 Run on a machine with >= 2 NVLink-connected GPUs after building the extension:
 
     cmake -S ffi -B build -G Ninja -DPython_EXECUTABLE=$(which python3) \
         -DJFO_CUDA_ARCHITECTURES=90 && cmake --build build
-    python3 scripts/ffi_smoke.py [--quick]
+    python3 scripts/ffi_smoke.py [--short]
 
 Checks every fused op against XLA (all_gather / psum_scatter / psum + dot in
-f32) under `jax.shard_map`, runs 200 interleaved back-to-back calls, tests
-the wait timeout, then times each op against XLA's dot+collective and the dot
-alone with the protocol of DESIGN.md section 4. Writes JSON to $OUT (or .).
+f32) under `jax.shard_map` through the FFI contract alone (attributes passed
+by hand), runs interleaved back-to-back calls, then tests the wait timeout
+(last: it leaves the pair's epochs out of step). Timing lives in
+benchmarks/collective_matmul.py. Writes JSON to $OUT (or .).
 """
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+# A CMake build in build/ (see above), else the installed package's module.
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "build"))
-import _ffi  # noqa: E402
+try:
+    import _ffi  # noqa: E402
+except ImportError:
+    from jax_flashoverlap import _ffi  # noqa: E402
 
 for _name, _fn in _ffi.registrations().items():
     jax.ffi.register_ffi_target(_name, _fn, platform="CUDA")
@@ -68,21 +72,27 @@ def ar_chunk_rows(m, chunks):
 # Local (per-device) op bodies, used inside shard_map.
 def ag_local(x, w, chunks, **kw):
     m, k = x.shape
-    out = (jax.ShapeDtypeStruct((N * m, w.shape[1]), x.dtype), jax.ShapeDtypeStruct((N * m, k), x.dtype))
+    out = (
+        jax.ShapeDtypeStruct((N * m, w.shape[1]), x.dtype),
+        jax.ShapeDtypeStruct((N * m, k), x.dtype),
+    )
     return jax.ffi.ffi_call("jfo_all_gather_matmul", out)(
-        x, w, order=ag_order(), chunks=np.int32(chunks), **_common(**kw))
+        x, w, order=ag_order(), chunks=np.int32(chunks), **_common(**kw)
+    )
 
 
 def rs_local(x, w, chunks, **kw):
     out = jax.ShapeDtypeStruct((x.shape[0] // N, w.shape[1]), x.dtype)
     return jax.ffi.ffi_call("jfo_matmul_reduce_scatter", out)(
-        x, w, order=rs_order(), chunks=np.int32(chunks), **_common(**kw))
+        x, w, order=rs_order(), chunks=np.int32(chunks), **_common(**kw)
+    )
 
 
 def ar_local(x, w, chunks, **kw):
     out = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype)
     return jax.ffi.ffi_call("jfo_matmul_all_reduce", out)(
-        x, w, chunk_rows=ar_chunk_rows(x.shape[0], chunks), **_common(**kw))
+        x, w, chunk_rows=ar_chunk_rows(x.shape[0], chunks), **_common(**kw)
+    )
 
 
 def _dot32(x, w):
@@ -114,9 +124,15 @@ REF = {"ag": ag_ref, "rs": rs_ref, "ar": ar_ref}
 
 def smap(f, op, out_specs=None):
     in_specs, default_out = SPECS[op]
-    return jax.jit(jax.shard_map(f, mesh=MESH, in_specs=in_specs,
-                                 out_specs=default_out if out_specs is None else out_specs,
-                                 check_vma=False))
+    return jax.jit(
+        jax.shard_map(
+            f,
+            mesh=MESH,
+            in_specs=in_specs,
+            out_specs=default_out if out_specs is None else out_specs,
+            check_vma=False,
+        )
+    )
 
 
 def global_inputs(op, m, k, n_cols, dtype, seed):
@@ -128,8 +144,8 @@ def global_inputs(op, m, k, n_cols, dtype, seed):
     x = jax.random.normal(kx, xshape, jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, wshape, jnp.float32) / np.sqrt(k)).astype(dtype)
     in_specs = SPECS[op][0]
-    shard = lambda a, s: jax.device_put(a, jax.sharding.NamedSharding(MESH, s))
-    return shard(x, in_specs[0]), shard(w, in_specs[1])
+    return tuple(jax.device_put(a, jax.sharding.NamedSharding(MESH, s))
+                 for a, s in zip((x, w), in_specs))
 
 
 _FNS = {}
@@ -138,9 +154,11 @@ _FNS = {}
 def op_fn(op, chunks):
     key = (op, chunks)
     if key not in _FNS:
+
         def body(x, w):
             out = LOCAL[op](x, w, chunks)
             return out if op == "ag" else (out,)
+
         outs = (P(AXIS), P(AXIS)) if op == "ag" else (P(AXIS),)
         _FNS[key] = smap(body, op, outs)
     return _FNS[key]
@@ -157,7 +175,11 @@ def check(op, m, k, n_cols, dtype, chunks, seed, results):
     outs = op_fn(op, chunks)(x, w)
     ref = np.asarray(ref_fn(op)(x, w))
     y = np.asarray(outs[0].astype(jnp.float32))
-    err = float(np.max(np.abs(y - ref)) / (np.max(np.abs(ref)) + 1e-30)) if np.all(np.isfinite(y)) else float("nan")
+    err = (
+        float(np.max(np.abs(y - ref)) / (np.max(np.abs(ref)) + 1e-30))
+        if np.all(np.isfinite(y))
+        else float("nan")
+    )
     ok = err <= TOL[dtype]  # NaN fails
     if op == "ag":  # x_gathered: each device holds the full gathered x
         xg = np.asarray(outs[1].astype(jnp.float32)).reshape(N, N * m, k)
@@ -171,7 +193,11 @@ def check(op, m, k, n_cols, dtype, chunks, seed, results):
 
 def test_scale():
     x = jnp.arange(1000, dtype=jnp.float32)
-    f = jax.jit(lambda x: jax.ffi.ffi_call("jfo_scale", jax.ShapeDtypeStruct(x.shape, x.dtype))(x, scale=np.float32(2.5)))
+    f = jax.jit(
+        lambda x: jax.ffi.ffi_call("jfo_scale", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+            x, scale=np.float32(2.5)
+        )
+    )
     ok = bool(np.allclose(np.asarray(f(jax.device_put(x, DEVICES[0]))), np.asarray(x) * 2.5))
     print(f"  {'ok  ' if ok else 'FAIL'} jfo_scale", flush=True)
     return ok
@@ -182,7 +208,7 @@ def correctness(results, short):
     shapes = [(256, 512, 384), (200, 320, 136), (1024, 1024, 1024), (64, 2048, 256)]
     seed = 0
     for dtype in (jnp.bfloat16, jnp.float32) if short else (jnp.bfloat16, jnp.float16, jnp.float32):
-        for (m, k, n_cols) in shapes[1:2] if short else shapes:
+        for m, k, n_cols in shapes[1:2] if short else shapes:
             for op in ("ag", "rs", "ar"):
                 for chunks in (1, 3) if dtype != jnp.bfloat16 else (1, 2, 4):
                     seed += 1
@@ -193,8 +219,10 @@ def correctness(results, short):
 def back_to_back(results, calls=200):
     """Interleaved ops, fresh data per call; all outputs checked at the end."""
     m, k, n_cols = 512, 1024, 768
-    sets = {op: [global_inputs(op, m, k, n_cols, jnp.bfloat16, 1000 + 7 * i + j) for i in range(4)]
-            for j, op in enumerate(("ag", "rs", "ar"))}
+    sets = {
+        op: [global_inputs(op, m, k, n_cols, jnp.bfloat16, 1000 + 7 * i + j) for i in range(4)]
+        for j, op in enumerate(("ag", "rs", "ar"))
+    }
     refs = {op: [np.asarray(ref_fn(op)(*s)) for s in sets[op]] for op in sets}
     pending = []
     for i in range(calls):
@@ -205,10 +233,18 @@ def back_to_back(results, calls=200):
     for op, idx, y in pending:
         y = np.asarray(y.astype(jnp.float32))
         ref = refs[op][idx]
-        err = float(np.max(np.abs(y - ref)) / np.max(np.abs(ref))) if np.all(np.isfinite(y)) else float("inf")
+        err = (
+            float(np.max(np.abs(y - ref)) / np.max(np.abs(ref)))
+            if np.all(np.isfinite(y))
+            else float("inf")
+        )
         worst = max(worst, err)
     ok = worst <= TOL[jnp.bfloat16]
-    print(f"  {'ok  ' if ok else 'FAIL'} {calls} back-to-back interleaved calls: worst rel err {worst:.2e}", flush=True)
+    print(
+        f"  {'ok  ' if ok else 'FAIL'} {calls} back-to-back interleaved calls: "
+        f"worst rel err {worst:.2e}",
+        flush=True,
+    )
     results.append({"case": f"{calls} back-to-back", "ok": bool(ok), "rel_err": worst})
     return ok
 
@@ -226,107 +262,47 @@ def timeouts(results):
     took = time.perf_counter() - t0
     nan_ok = bool(np.all(np.isnan(y)))
     msg = _ffi.pending_error()
-    print(f"  {'ok  ' if nan_ok and msg else 'FAIL'} timeout after {took * 1e3:.0f} ms: all NaN={nan_ok}, pending_error={msg!r}", flush=True)
+    print(
+        f"  {'ok  ' if nan_ok and msg else 'FAIL'} timeout after {took * 1e3:.0f} ms: "
+        f"all NaN={nan_ok}, pending_error={msg!r}",
+        flush=True,
+    )
     f(x, w).block_until_ready()  # times out again, leaving a record
     try:
         f(x, w).block_until_ready()
         raised = ""
     except Exception as e:  # noqa: BLE001 - any XLA runtime error will do
         raised = str(e).splitlines()[0][:300]
-    print(f"  {'ok  ' if 'timed out' in raised else 'FAIL'} next call raised: {raised!r}", flush=True)
+    print(
+        f"  {'ok  ' if 'timed out' in raised else 'FAIL'} next call raised: {raised!r}", flush=True
+    )
     g = jax.jit(lambda x, w: ag_local(x, w, 1, timeout_ms=300, ordinals=ORDINALS[::-1].copy())[0])
     try:
         g(x, w).block_until_ready()
         rendezvous = ""
     except Exception as e:  # noqa: BLE001
         rendezvous = str(e).splitlines()[0][:300]
-    print(f"  {'ok  ' if 'to initialize' in rendezvous else 'FAIL'} rendezvous timeout: {rendezvous!r}", flush=True)
+    print(
+        f"  {'ok  ' if 'to initialize' in rendezvous else 'FAIL'} rendezvous timeout: "
+        f"{rendezvous!r}",
+        flush=True,
+    )
     ok = nan_ok and bool(msg) and "timed out" in raised and "to initialize" in rendezvous
-    results.append({"case": "timeouts", "ok": ok, "pending_error": msg, "raised": raised, "rendezvous": rendezvous})
+    results.append(
+        {
+            "case": "timeouts",
+            "ok": ok,
+            "pending_error": msg,
+            "raised": raised,
+            "rendezvous": rendezvous,
+        }
+    )
     return ok
-
-
-# ----------------------------------------------------------------- timing
-def loop_fn(op, body):
-    """k dependent iterations of body in a fori_loop (k is a traced int)."""
-    def run(x, w, k):
-        def step(i, acc):
-            (a, b), acc = lax.optimization_barrier(((x, w), acc))
-            y = lax.optimization_barrier(body(a, b))
-            y0 = y[0] if isinstance(y, tuple) else y
-            return acc + y0.reshape(-1)[0].astype(jnp.float32)
-        return lax.fori_loop(0, k[0], step, jnp.zeros((1,), jnp.float32))
-    in_specs = SPECS[op][0] + (P(),)
-    return jax.jit(jax.shard_map(run, mesh=MESH, in_specs=in_specs, out_specs=P(AXIS), check_vma=False))
-
-
-def per_call_us(f, x, w, k1, k2, reps=5):
-    def t(k):
-        kk = jnp.array([k], jnp.int32)
-        f(x, w, kk).block_until_ready()
-        out = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            f(x, w, kk).block_until_ready()
-            out.append(time.perf_counter() - t0)
-        return statistics.median(out), out
-    (a, _), (b, bs) = t(k1), t(k2)
-    return (b - a) / (k2 - k1) * 1e6, (max(bs) - min(bs)) / (k2 - k1) * 1e6
-
-
-def xla_body(op):
-    def body(x, w):
-        if op == "ag":
-            return jnp.dot(lax.all_gather(x, AXIS, tiled=True), w)
-        y = jnp.dot(x, w)
-        return lax.psum_scatter(y, AXIS, scatter_dimension=0, tiled=True) if op == "rs" else lax.psum(y, AXIS)
-    return body
-
-
-def gemm_body(x, w):
-    """The per-device dot without communication (RS inputs: [N*m, K] @ [K, N],
-    the AG dot; AR inputs: [m, K] @ [K, N])."""
-    return jnp.dot(x, w)
-
-
-def benchmark(results, shapes, chunk_list, deadline):
-    rows, gemm_cache = [], {}
-    print(f"\n{'shape':>18} {'op':>3} {'chunks':>6} {'ours us':>9} {'XLA us':>9} {'GEMM us':>9} {'XLA/ours':>8} {'GEMM/ours':>9}", flush=True)
-    for (m, k, n_cols) in shapes:
-        big = m * k * n_cols >= 2048 * 8192 * 7168
-        k1, k2 = (2, 8) if big else (5, 45)
-        for op in ("ag", "rs", "ar"):
-            if time.perf_counter() > deadline:
-                print("  (time budget reached, stopping)", flush=True)
-                return rows
-            x, w = global_inputs(op, m, k, n_cols, jnp.bfloat16, 7)
-            xla_us, xla_sp = per_call_us(loop_fn(op, xla_body(op)), x, w, k1, k2)
-            gemm_op = "ar" if op == "ar" else "rs"
-            if (m, k, n_cols, gemm_op) not in gemm_cache:
-                gx, gw = global_inputs(gemm_op, m, k, n_cols, jnp.bfloat16, 8)
-                gemm_cache[(m, k, n_cols, gemm_op)] = per_call_us(loop_fn(gemm_op, gemm_body), gx, gw, k1, k2)[0]
-            gemm_us = gemm_cache[(m, k, n_cols, gemm_op)]
-            for chunks in chunk_list:
-                try:
-                    ours_us, ours_sp = per_call_us(loop_fn(op, lambda a, b: LOCAL[op](a, b, chunks)), x, w, k1, k2)
-                except Exception as e:  # noqa: BLE001 - report both devices, then stop
-                    print(f"  FAIL {op} chunks={chunks}: {str(e).splitlines()[0][:300]}; other device: {_ffi.pending_error()!r}", flush=True)
-                    results.append({"case": f"bench {m}x{k}x{n_cols} {op} {chunks}", "ok": False, "error": str(e)[:500]})
-                    return rows
-                row = dict(shape=f"{m}x{k}x{n_cols}", op=op, chunks=chunks, ours_us=ours_us, ours_spread_us=ours_sp,
-                           xla_us=xla_us, xla_spread_us=xla_sp, gemm_us=gemm_us, speedup_vs_xla=xla_us / ours_us)
-                rows.append(row)
-                print(f"{row['shape']:>18} {op:>3} {chunks:>6} {ours_us:9.1f} {xla_us:9.1f} {gemm_us:9.1f} "
-                      f"{xla_us / ours_us:8.3f} {gemm_us / ours_us:9.3f}", flush=True)
-    return rows
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="two benchmark shapes only")
     parser.add_argument("--short", action="store_true", help="fewer correctness cases")
-    parser.add_argument("--no-bench", action="store_true", help="checks only")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="stop benchmarking after this")
     args = parser.parse_args()
     start = time.perf_counter()
     print("build_info:", _ffi.build_info(), "devices:", DEVICES, "ordinals:", ORDINALS, flush=True)
@@ -335,17 +311,15 @@ def main():
     ok = correctness(results, args.short)
     ok &= back_to_back(results, calls=60 if args.short else 200)
     print(f"checks took {time.perf_counter() - start:.0f} s", flush=True)
-    # The target shape first, the most expensive last (the budget may cut it).
-    shapes = [(2048, 8192, 7168), (1024, 4096, 4096), (2048, 8192, 14336), (4096, 8192, 4096),
-              (128, 8192, 8192), (8192, 8192, 14336)]
-    if args.quick:
-        shapes = shapes[:2]
-    bench = [] if args.no_bench else benchmark(results, shapes, (1, 2, 4), start + args.budget_s)
     print("timeouts (last: they desynchronise the pair):", flush=True)
     ok &= timeouts(results)
     out_dir = os.environ.get("OUT", ".")
     with open(os.path.join(out_dir, "ffi_smoke.json"), "w") as f:
-        json.dump({"ok": bool(ok), "checks": results, "bench": bench, "build_info": _ffi.build_info()}, f, indent=1)
+        json.dump(
+            {"ok": bool(ok), "checks": results, "build_info": _ffi.build_info()},
+            f,
+            indent=1,
+        )
     print("ALL OK" if ok else "SOME CHECKS FAILED", flush=True)
     return 0 if ok else 1
 
