@@ -26,7 +26,8 @@ import statistics
 import sys
 import time
 
-from jax_flashoverlap import demo, models, train
+from jax_flashoverlap import models, train
+from jax_flashoverlap._devices import ensure_cpu_devices
 
 
 def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per timed run")
     parser.add_argument("--reps", type=int, default=5, help="timed runs")
     args = parser.parse_args(argv)
-    demo._ensure_cpu_devices(train.CPU_DEVICES)  # CPU smoke runs; GPUs are unaffected.
+    ensure_cpu_devices(train.CPU_DEVICES)  # CPU smoke runs; GPUs are unaffected.
 
     rows = []
     for model in args.models:

@@ -12,15 +12,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 
-
-def _ensure_cpu_devices(count: int) -> None:
-    # Read by XLA when the CPU backend starts, i.e. at the first jax.devices().
-    flag = f"--xla_force_host_platform_device_count={count}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+from ._devices import ensure_cpu_devices
 
 
 def _cases(n: int, on_gpu: bool):
@@ -39,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--reps", type=int, default=5, help="timing repetitions")
     args = parser.parse_args(argv)
-    _ensure_cpu_devices(8)
+    ensure_cpu_devices(8)
 
     import jax
     import jax.numpy as jnp

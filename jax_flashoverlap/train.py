@@ -32,7 +32,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .demo import _ensure_cpu_devices
+from ._devices import ensure_cpu_devices
 from .models import (
     ATTENTION_IMPLS,
     IMPLS,
@@ -398,7 +398,7 @@ def _format_summary(trainer: Trainer, s: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _ensure_cpu_devices(CPU_DEVICES)  # Before JAX starts its backends.
+    ensure_cpu_devices(CPU_DEVICES)  # Before JAX starts its backends.
     train(args)
     return 0
 
