@@ -2,6 +2,7 @@
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar train all
+#                                               nvshmem (only when named; not part of all)
 #
 # JFO_GPU_TESTS picks test files, JFO_TRAIN_ARGS extra train_step.py flags.
 #
@@ -58,5 +59,17 @@ fi
 if want train; then
   # shellcheck disable=SC2086
   step train $PY -P benchmarks/train_step.py --json "$OUT/train_step.json" ${JFO_TRAIN_ARGS:-}
+fi
+# Opt-in and isolated: rebuilds the package with the experimental NVSHMEM
+# module (CMake option JFO_ENABLE_NVSHMEM) and runs its 2-process tests. Run
+# it after the other stages: a failed build leaves the installed package as
+# it was, and a failed test here fails only this stage.
+if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
+  if step nvshmem_build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q \
+      -C cmake.define.JFO_ENABLE_NVSHMEM=ON .; then
+    $PY -P -c "from jax_flashoverlap import nvshmem; print('nvshmem built:', nvshmem.is_built())"
+    step nvshmem_test $PY -P -m pytest -q -p no:cacheprovider -rA \
+      tests/test_nvshmem_all_reduce.py
+  fi
 fi
 exit $status

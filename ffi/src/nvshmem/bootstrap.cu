@@ -1,0 +1,204 @@
+// NVSHMEM bootstrap for one process per GPU: unique id from PE 0 (shared by
+// the Python side through jax.distributed), nvshmemx_init_attr with
+// NVSHMEMX_INIT_WITH_UNIQUEID, then ONE collective allocation of the
+// all-reduce's symmetric buffers and signal words (nvshmem_malloc is
+// collective, so it never runs per call). Compiled with relocatable device
+// code in the same link unit as the kernels: nvshmemx_init_attr is inline and
+// initialises this module's copy of the device state.
+#include <cuda_runtime.h>
+#include <nvshmem.h>
+#include <nvshmemx.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "nvshmem/state.h"
+
+namespace jfo {
+namespace nv {
+namespace {
+
+std::mutex g_mutex;
+NvState g_state;
+
+void Check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("jax_flashoverlap nvshmem: ") + what +
+                             " failed: " + cudaGetErrorString(err));
+  }
+}
+
+int CeilLog2(int n) {
+  int k = 0;
+  while ((1 << k) < n) ++k;
+  return k;
+}
+
+// The heap size is ours; NVLS must stay off on the shared machines whatever
+// the environment says.
+void SetEnv(size_t heap_bytes) {
+  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
+  setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes).c_str(), 1);
+}
+
+}  // namespace
+
+NvState& State() { return g_state; }
+
+std::string GetUniqueId() {
+  nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
+  if (nvshmemx_get_uniqueid(&id) != 0) {
+    throw std::runtime_error(
+        "jax_flashoverlap nvshmem: nvshmemx_get_uniqueid failed (NVSHMEM_DEBUG=INFO "
+        "says why)");
+  }
+  return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
+}
+
+void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
+          int device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NvState& st = g_state;
+  if (st.initialized) {
+    if (st.rank == rank && st.npes == nranks) return;  // idempotent
+    throw std::runtime_error(
+        "jax_flashoverlap nvshmem: already initialised as PE " +
+        std::to_string(st.rank) + " of " + std::to_string(st.npes) +
+        "; finalize() first");
+  }
+  if (uid.size() != sizeof(nvshmemx_uniqueid_t)) {
+    throw std::runtime_error(
+        "jax_flashoverlap nvshmem: the unique id has " + std::to_string(uid.size()) +
+        " bytes, expected " + std::to_string(sizeof(nvshmemx_uniqueid_t)) +
+        " (from get_unique_id() of the same NVSHMEM version)");
+  }
+  if (nranks < 1 || rank < 0 || rank >= nranks) {
+    throw std::runtime_error("jax_flashoverlap nvshmem: rank " + std::to_string(rank) +
+                             " is not in [0, " + std::to_string(nranks) + ")");
+  }
+  const int steps = CeilLog2(nranks);
+  if (steps > kNvMaxSteps) {
+    throw std::runtime_error("jax_flashoverlap nvshmem: too many PEs");
+  }
+  Check(cudaSetDevice(device), "cudaSetDevice");
+  SetEnv(heap_bytes);
+
+  nvshmemx_uniqueid_t id;
+  std::memcpy(&id, uid.data(), sizeof(id));
+  nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
+  if (nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr) != 0) {
+    throw std::runtime_error("jax_flashoverlap nvshmem: nvshmemx_set_attr_uniqueid_args failed");
+  }
+  if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
+    throw std::runtime_error(
+        "jax_flashoverlap nvshmem: nvshmemx_init_attr failed (rerun with "
+        "NVSHMEM_DEBUG=INFO)");
+  }
+  if (nvshmem_my_pe() != rank || nvshmem_n_pes() != nranks) {
+    throw std::runtime_error(
+        "jax_flashoverlap nvshmem: NVSHMEM made this process PE " +
+        std::to_string(nvshmem_my_pe()) + " of " + std::to_string(nvshmem_n_pes()) +
+        ", expected " + std::to_string(rank) + " of " + std::to_string(nranks));
+  }
+
+  // Half the heap for our buffers: NVSHMEM keeps its own bookkeeping there.
+  const size_t sig_bytes = sizeof(uint64_t) * kNvMaxBlocks * kSigPerBlock;
+  const int units = 2 + 2 * steps;
+  const size_t per_stripe = 2ull * kNvMaxBlocks * units;
+  size_t stripe = (heap_bytes / 2 - sig_bytes) / per_stripe / 256 * 256;
+  if (heap_bytes / 2 <= sig_bytes || stripe < 4096) {
+    nvshmem_finalize();
+    throw std::runtime_error(
+        "jax_flashoverlap nvshmem: heap_bytes=" + std::to_string(heap_bytes) +
+        " is too small for the all-reduce buffers (" + std::to_string(nranks) +
+        " PEs need at least " +
+        std::to_string((4096 * per_stripe + sig_bytes) * 2 >> 20) + " MiB)");
+  }
+  // Collective: every PE asks for the same sizes, in the same order.
+  char* data = static_cast<char*>(nvshmem_malloc(stripe * per_stripe));
+  uint64_t* signals = static_cast<uint64_t*>(nvshmem_calloc(1, sig_bytes));
+  if (data == nullptr || signals == nullptr) {
+    nvshmem_finalize();
+    throw std::runtime_error(
+        "jax_flashoverlap nvshmem: nvshmem_malloc of " +
+        std::to_string(stripe * per_stripe >> 20) +
+        " MiB failed; raise heap_mb (NVSHMEM_SYMMETRIC_SIZE) or free GPU "
+        "memory (XLA_PYTHON_CLIENT_MEM_FRACTION)");
+  }
+  Check(cudaMalloc(&st.seq, sizeof(uint64_t) * kNvMaxBlocks), "cudaMalloc(seq)");
+  Check(cudaMemset(st.seq, 0, sizeof(uint64_t) * kNvMaxBlocks), "cudaMemset(seq)");
+  Check(cudaMalloc(&st.record_lock, sizeof(uint32_t)), "cudaMalloc(lock)");
+  Check(cudaMemset(st.record_lock, 0, sizeof(uint32_t)), "cudaMemset(lock)");
+  Check(cudaHostAlloc(reinterpret_cast<void**>(&st.record), sizeof(NvTimeoutRecord),
+                      cudaHostAllocMapped),
+        "cudaHostAlloc(record)");
+  std::memset(const_cast<NvTimeoutRecord*>(st.record), 0, sizeof(NvTimeoutRecord));
+  Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.record_dev), st.record, 0),
+        "cudaHostGetDevicePointer(record)");
+  Check(LoadKernels(), "loading the all-reduce kernels");
+  Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  // Every PE's counters and signals are zero before anyone's first call.
+  nvshmem_barrier_all();
+
+  st.rank = rank;
+  st.npes = nranks;
+  st.steps = steps;
+  st.device = device;
+  st.heap_bytes = heap_bytes;
+  st.data = data;
+  st.stripe_bytes = stripe;
+  st.units_per_block = units;
+  st.signals = signals;
+  st.initialized = true;
+}
+
+void Finalize() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  NvState& st = g_state;
+  if (!st.initialized) return;
+  cudaSetDevice(st.device);
+  cudaDeviceSynchronize();
+  nvshmem_barrier_all();  // no peer still writes into our buffers
+  nvshmem_free(st.data);
+  nvshmem_free(st.signals);
+  cudaFree(st.seq);
+  cudaFree(st.record_lock);
+  cudaFreeHost(st.record);
+  nvshmem_finalize();
+  st = NvState{};
+}
+
+std::optional<std::string> TakePendingError() {
+  NvState& st = g_state;
+  if (st.record == nullptr ||
+      !__atomic_load_n(&st.record->set, __ATOMIC_ACQUIRE)) {
+    return std::nullopt;
+  }
+  const NvTimeoutRecord r = *const_cast<const NvTimeoutRecord*>(st.record);
+  __atomic_store_n(&st.record->set, 0, __ATOMIC_RELEASE);
+  static const char* kPhase[] = {"?", "intra-node reduce-scatter", "inter-node step",
+                                 "intra-node all-gather"};
+  std::string phase = kPhase[(r.phase >= 1 && r.phase <= 3) ? r.phase : 0];
+  if (r.phase == 2) phase += " " + std::to_string(r.step);
+  return "jax_flashoverlap nvshmem all_reduce: PE " + std::to_string(r.pe) +
+         " waited " + std::to_string(r.timeout_ms) + " ms for PE " +
+         std::to_string(r.peer_pe) + " (" + phase + ", block " +
+         std::to_string(r.block) + ", call " + std::to_string(r.expected) +
+         ", last seen " + std::to_string(r.seen) +
+         "); the output was filled with NaN. Is process " +
+         std::to_string(r.peer_pe) +
+         " alive and running the same all-reduces in the same order?";
+}
+
+size_t MaxMessageBytes(int node_size) {
+  const NvState& st = g_state;
+  if (!st.initialized) return 0;
+  const size_t slack = 16 * (static_cast<size_t>(node_size) + 1);
+  return st.stripe_bytes > slack ? kNvMaxBlocks * (st.stripe_bytes - slack) : 0;
+}
+
+}  // namespace nv
+}  // namespace jfo

@@ -1,0 +1,73 @@
+"""Run by tests/test_nvshmem_all_reduce.py through the launcher: one process, one GPU.
+
+Initialises NVSHMEM, all-reduces fresh random data of several sizes and dtypes
+with ``jax_flashoverlap.nvshmem.all_reduce`` and compares with ``lax.psum`` and
+across processes (every process must get the same bits). Prints ``ok ...``
+lines and ``NVSHMEM_ALL_REDUCE_OK`` at the end; fails loudly otherwise.
+"""
+
+import hashlib
+import sys
+
+import numpy as np
+
+from jax_flashoverlap import distributed
+
+distributed.initialize()
+
+import jax  # noqa: E402  (after initialize, which must come first)
+import jax.numpy as jnp  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
+
+from jax_flashoverlap import nvshmem  # noqa: E402
+
+HEAP_MB = int(sys.argv[1]) if len(sys.argv) > 1 else 512
+# Single elements, odd tails, one block, many blocks, several MiB.
+SIZES = (1, 7, 8, 1000, 4099, 65_536, 300_001, (1 << 20) + 5, 4 << 20)
+DTYPES = ("float32", "bfloat16", "float16")
+TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-3}
+REPEATS = 3  # fresh data each time; both slot parities, twice
+
+nvshmem.initialize(heap_mb=HEAP_MB)
+me, n = jax.process_index(), jax.process_count()
+g = distributed.node_size()
+print(f"pe={me}/{n} node_size={g} max_message_bytes={nvshmem.max_message_bytes()}")
+mesh = jax.make_mesh((n,), ("p",))
+spec = jax.P("p")
+
+
+def both(v):
+    return nvshmem.all_reduce(v[0], "p")[None], jax.lax.psum(v, "p")
+
+
+step = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=spec, out_specs=(spec, spec)))
+rng = np.random.default_rng(1234 + me)
+failures = 0
+for dtype in DTYPES:
+    for size in SIZES:
+        if size * jnp.dtype(dtype).itemsize > nvshmem.max_message_bytes():
+            print(f"skip {dtype} {size}: over max_message_bytes")
+            continue
+        for rep in range(REPEATS):
+            local = rng.standard_normal((1, size), np.float32).astype(jnp.dtype(dtype))
+            x = multihost_utils.host_local_array_to_global_array(local, mesh, spec)
+            ours, ref = step(x)
+            ours = np.asarray(ours.addressable_data(0)).astype(np.float32)
+            ref = np.asarray(ref.addressable_data(0)).astype(np.float32)
+            nvshmem.check_device_errors()
+            digest = np.frombuffer(hashlib.sha256(ours.tobytes()).digest(), np.uint8)
+            digests = np.asarray(multihost_utils.process_allgather(digest))
+            same_bits = bool((digests == digests[0]).all())
+            close = np.allclose(ours, ref, rtol=TOL[dtype], atol=TOL[dtype] * n)
+            if not (same_bits and close and np.isfinite(ours).all()):
+                failures += 1
+                bad = np.flatnonzero(~np.isclose(ours, ref, rtol=TOL[dtype], atol=TOL[dtype] * n))
+                print(f"FAIL {dtype} size={size} rep={rep} same_bits={same_bits} "
+                      f"mismatches={bad.size} first={bad[:5].tolist()} "
+                      f"ours={ours.ravel()[bad[:5]].tolist()} ref={ref.ravel()[bad[:5]].tolist()}")
+        print(f"ok {dtype} size={size}")
+
+nvshmem.finalize()
+if failures:
+    sys.exit(f"{failures} mismatching all-reduces")
+print("NVSHMEM_ALL_REDUCE_OK")
