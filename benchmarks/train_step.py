@@ -37,7 +37,8 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "--model", model, "--size", args.size, "--mesh", args.mesh, "--batch", str(args.batch),
         "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
         *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else []),
-        *(["--attention", args.attention] if model == "transformer" else [])])
+        *(["--attention", args.attention] if model == "transformer" else []),
+        *([] if args.scan_layers else ["--unroll-layers"])])
     trainer = train.build(targs)
     corpus = train.load_corpus(None, targs.seq_len)
     batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
@@ -61,6 +62,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     return {
         "model": model, "size": args.size, "params": trainer.num_params, "impl": impl,
         "attention": trainer.attention,
+        "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
         "dtype": trainer.config.dtype, "device": jax.devices()[0].device_kind,
         "step_ms": step_s * 1e3, "step_ms_min": per_step[0] * 1e3,
@@ -97,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU")
     parser.add_argument("--remat", action="store_true")
+    parser.add_argument("--unroll-layers", dest="scan_layers", action="store_false")
     parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--warmup", type=int, default=3)

@@ -75,6 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="replicate the residual stream over the tensor axis "
                              "(row-parallel layers all-reduce instead of reduce-scatter)")
     parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
+    parser.add_argument("--unroll-layers", dest="scan_layers", action="store_false",
+                        help="unroll the blocks instead of one lax.scan over them")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps (default 5%% of --steps)")
@@ -211,7 +213,7 @@ def build(args: argparse.Namespace) -> Trainer:
     has_attention = config_cls is TransformerConfig
     config = config_cls.preset(
         args.size, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"),
-        impl=args.impl, remat=args.remat, sharding=sharding,
+        impl=args.impl, remat=args.remat, scan_layers=args.scan_layers, sharding=sharding,
         **({"attention_impl": args.attention} if has_attention else {}))
     # Before compiling anything: a clear error for a shape the mesh cannot split,
     # or for cuDNN attention asked for where it cannot run.

@@ -107,6 +107,8 @@ class TransformerConfig(_Presets):
       attention_impl: "auto", "xla" or "cudnn" (see :data:`ATTENTION_IMPLS`
         and :func:`models.transformer.attention_implementation`).
       remat: recompute each block in the backward pass (saves memory).
+      scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
+        not ``num_layers``); False unrolls them.
       sharding: how it maps onto the mesh.
     """
 
@@ -123,6 +125,7 @@ class TransformerConfig(_Presets):
     impl: str = "auto"
     attention_impl: str = "auto"
     remat: bool = False
+    scan_layers: bool = True
     sharding: ShardingConfig = ShardingConfig()
 
     def __post_init__(self):
@@ -196,6 +199,7 @@ class MambaConfig(_Presets):
       dtype: compute dtype; parameters stay float32.
       impl: implementation of the overlap ops.
       remat: recompute each block in the backward pass.
+      scan_layers: run the blocks as one ``lax.scan``; False unrolls them.
       sharding: how it maps onto the mesh.
     """
 
@@ -214,6 +218,7 @@ class MambaConfig(_Presets):
     dtype: str = "float32"
     impl: str = "auto"
     remat: bool = False
+    scan_layers: bool = True
     sharding: ShardingConfig = ShardingConfig()
 
     def __post_init__(self):

@@ -100,7 +100,8 @@ class CausalLM(nnx.Module):
 
     Args:
       config: a model config (``vocab_size``, ``embed_dim``, ``num_layers``,
-        ``norm_eps``, ``dtype``, ``remat``, ``sharding`` and ``check``).
+        ``norm_eps``, ``dtype``, ``remat``, ``scan_layers``, ``sharding`` and
+        ``check``).
       block: ``block(rngs=...) -> module`` mapping [s/tp, b, d] to the same
         (per device), one per layer.
       rngs: supplies the ``params`` keys.
@@ -136,9 +137,33 @@ class CausalLM(nnx.Module):
         """
         dtype = jnp.dtype(self.config.dtype)
         x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
-        apply = lambda block, x: block(x)  # noqa: E731
-        if self.config.remat:
-            apply = nnx.remat(apply)
-        for block in self.blocks:
-            x = apply(block, x)
+        x = self._apply_blocks(x)
         return jnp.dot(self.final_norm(x), self.head[...].astype(dtype))
+
+    def _apply_blocks(self, x: jax.Array) -> jax.Array:
+        """Runs the blocks in order; with ``config.scan_layers`` as one ``lax.scan``.
+
+        The scan traces and compiles one block instead of ``num_layers``
+        unrolled copies (the 1B Mamba-2's training step: 73 s -> 43 s of
+        compilation on CPU); stacking the layers' parameters costs one copy
+        of them per step. Which runs faster on GPUs is not measured yet.
+        """
+        if not self.config.scan_layers:
+            def apply(block, x):
+                return block(x)
+
+            if self.config.remat:
+                apply = nnx.remat(apply)
+            for block in self.blocks:
+                x = apply(block, x)
+            return x
+        graphdef = nnx.graphdef(self.blocks[0])
+        stacked = jax.tree.map(lambda *layers: jnp.stack(layers),
+                               *(nnx.state(block) for block in self.blocks))
+
+        def body(x, layer_state):
+            return nnx.merge(graphdef, layer_state)(x), None
+
+        if self.config.remat:
+            body = jax.checkpoint(body)
+        return jax.lax.scan(body, x, stacked)[0]

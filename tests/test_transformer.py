@@ -43,6 +43,12 @@ def test_without_sequence_parallelism_matches_one_device(ref):
                             sharding=models.ShardingConfig(sequence_parallel=False))
 
 
+@pytest.mark.parametrize("layers", [dict(scan_layers=False), dict(remat=True),
+                                    dict(scan_layers=False, remat=True)])
+def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
+    check_matches_reference(Transformer, CONFIG, ref, tp=2, impl="decomposed", **layers)
+
+
 def test_is_causal():
     check_is_causal(Transformer, CONFIG)
 
