@@ -48,6 +48,7 @@
 
 #include "handlers.h"
 #include "ops_common.h"
+#include "transport/reduce.cuh"
 #include "transport/signal.cuh"
 
 namespace jfo {
@@ -73,74 +74,6 @@ struct Args {
   TimeoutRecord info;  // op, rank, ordinal, timeout_ms of a timeout report
   PeerRegion region;
 };
-
-// Loads bypass L1: a peer rewrites the slots between calls, and loads of x
-// read each element once anyway.
-template <typename T>
-__device__ __forceinline__ float LoadFloat(const T* p) {
-  return static_cast<float>(__ldcg(p));
-}
-
-// 16 bytes of T as floats and back (round to nearest even, like a scalar
-// static_cast, so vector and tail paths round alike).
-template <typename T>
-struct Pack16 {
-  static constexpr int kN = 16 / sizeof(T);
-  static __device__ __forceinline__ void Load(uint4 raw, float (&acc)[kN]) {
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) acc[i] = static_cast<float>(v[i]);
-  }
-  static __device__ __forceinline__ void Add(uint4 raw, float (&acc)[kN]) {
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) acc[i] += static_cast<float>(v[i]);
-  }
-  static __device__ __forceinline__ uint4 Round(const float (&acc)[kN]) {
-    uint4 raw;
-    T* v = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = static_cast<T>(acc[i]);
-    return raw;
-  }
-};
-
-// dsts[d][i] = srcs[0][i] + ... + srcs[nsrc-1][i] for i < count, by the whole
-// block: in that order, in fp32, rounded once (nsrc == 1 copies the bits).
-// kVector: every pointer is 16-byte aligned; the last count % (16 / sizeof T)
-// elements take the scalar path.
-template <typename T, bool kVector>
-__device__ void ReduceRange(const T* const* srcs, int nsrc, T* const* dsts,
-                            int ndst, size_t count) {
-  constexpr int kN = Pack16<T>::kN;
-  size_t done = 0;
-  if constexpr (kVector) {
-    const size_t packs = count / kN;
-    for (size_t p = threadIdx.x; p < packs; p += blockDim.x) {
-      uint4 raw = __ldcg(reinterpret_cast<const uint4*>(srcs[0]) + p);
-      if (nsrc > 1) {
-        float acc[kN];
-        Pack16<T>::Load(raw, acc);
-        for (int s = 1; s < nsrc; ++s) {
-          Pack16<T>::Add(__ldcg(reinterpret_cast<const uint4*>(srcs[s]) + p),
-                         acc);
-        }
-        raw = Pack16<T>::Round(acc);
-      }
-      for (int d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dsts[d])[p] = raw;
-    }
-    done = packs * kN;
-  }
-  for (size_t i = done + threadIdx.x; i < count; i += blockDim.x) {
-    T v = __ldcg(srcs[0] + i);
-    if (nsrc > 1) {
-      float acc = static_cast<float>(v);
-      for (int s = 1; s < nsrc; ++s) acc += LoadFloat(srcs[s] + i);
-      v = static_cast<T>(acc);
-    }
-    for (int d = 0; d < ndst; ++d) dsts[d][i] = v;
-  }
-}
 
 __device__ __forceinline__ bool IsPeer(const Args& a, int q) {
   return q < a.n && q != a.rank;
@@ -218,12 +151,12 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(Args a) {
     for (int q = 0; q < a.n; ++q) {
       if (q != a.rank) dsts[nd++] = out(q);
     }
-    ReduceRange<T, kVector>(&x, 1, dsts, nd, count);
+    reduce::ReduceRange<T, kVector>(&x, 1, dsts, nd, count);
     Signal(a, kArData, seq);
     Wait(a, kArData, seq, deadline, &failed);
     if (!failed) {
       for (int q = 0; q < a.n; ++q) srcs[q] = in(q);
-      ReduceRange<T, kVector>(srcs, a.n, &y, 1, count);
+      reduce::ReduceRange<T, kVector>(srcs, a.n, &y, 1, count);
     }
   } else {
     // Slice q of the chunk: [begin(q), begin(q + 1)), possibly empty.
@@ -232,7 +165,7 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(Args a) {
       if (q == a.rank) continue;
       const T* src = x + begin(q);
       T* dst = out(q) + begin(q);
-      ReduceRange<T, kVector>(&src, 1, &dst, 1, begin(q + 1) - begin(q));
+      reduce::ReduceRange<T, kVector>(&src, 1, &dst, 1, begin(q + 1) - begin(q));
     }
     Signal(a, kArData, seq);
     Wait(a, kArData, seq, deadline, &failed);
@@ -244,7 +177,7 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(Args a) {
         srcs[q] = in(q) + own;
         if (q != a.rank) dsts[nd++] = out(q) + own;
       }
-      ReduceRange<T, kVector>(srcs, a.n, dsts, nd, begin(a.rank + 1) - own);
+      reduce::ReduceRange<T, kVector>(srcs, a.n, dsts, nd, begin(a.rank + 1) - own);
       Signal(a, kArGathered, seq);
       Wait(a, kArGathered, seq, deadline, &failed);
     }
@@ -253,7 +186,7 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(Args a) {
         if (q == a.rank) continue;
         const T* src = in(q) + begin(q);
         T* dst = y + begin(q);
-        ReduceRange<T, kVector>(&src, 1, &dst, 1, begin(q + 1) - begin(q));
+        reduce::ReduceRange<T, kVector>(&src, 1, &dst, 1, begin(q + 1) - begin(q));
       }
     }
   }

@@ -51,6 +51,8 @@
 
 #include "common.h"
 #include "nvshmem/state.h"
+#include "transport/reduce.cuh"
+#include "transport/signal.cuh"
 
 namespace jfo {
 namespace nv {
@@ -82,25 +84,13 @@ struct Args {
   uint32_t* record_lock;
 };
 
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* p) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void StoreRelease(uint64_t* p, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
-}
-
-__device__ __forceinline__ bool Reached(uint64_t seen, uint64_t expected) {
-  return static_cast<int64_t>(seen - expected) >= 0;
-}
+// The clock, the 64-bit signal accesses and the fixed-order sums are the
+// single-process all-reduce's (../transport/signal.cuh, reduce.cuh).
+using reduce::ReduceRange;
+using signal::GlobalTimerNs;
+using signal::LoadAcquire;
+using signal::Reached;
+using signal::StoreRelease;
 
 __device__ void RecordTimeout(const Args& a, int phase, int step, int peer_pe,
                               uint64_t expected, uint64_t seen) {
@@ -132,68 +122,6 @@ __device__ bool BoundedWait(const Args& a, const uint64_t* flag, uint64_t expect
       RecordTimeout(a, phase, step, peer_pe, expected, seen);
       return false;
     }
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float LoadFloat(const T* p) {
-  return static_cast<float>(__ldcg(p));
-}
-
-template <typename T>
-struct Pack16 {
-  static constexpr int kN = 16 / sizeof(T);
-  static __device__ __forceinline__ void Load(uint4 raw, float (&acc)[kN]) {
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) acc[i] = static_cast<float>(v[i]);
-  }
-  static __device__ __forceinline__ void Add(uint4 raw, float (&acc)[kN]) {
-    const T* v = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) acc[i] += static_cast<float>(v[i]);
-  }
-  static __device__ __forceinline__ uint4 Round(const float (&acc)[kN]) {
-    uint4 raw;
-    T* v = reinterpret_cast<T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kN; ++i) v[i] = static_cast<T>(acc[i]);
-    return raw;
-  }
-};
-
-// dsts[d][i] = srcs[0][i] + ... + srcs[nsrc-1][i] (fp32, in that order,
-// rounded once; nsrc == 1 copies the bits), by the whole block. As in
-// ../all_reduce.cu.
-template <typename T, bool kVector>
-__device__ void ReduceRange(const T* const* srcs, int nsrc, T* const* dsts, int ndst,
-                            size_t count) {
-  constexpr int kN = Pack16<T>::kN;
-  size_t done = 0;
-  if constexpr (kVector) {
-    const size_t packs = count / kN;
-    for (size_t p = threadIdx.x; p < packs; p += blockDim.x) {
-      uint4 raw = __ldcg(reinterpret_cast<const uint4*>(srcs[0]) + p);
-      if (nsrc > 1) {
-        float acc[kN];
-        Pack16<T>::Load(raw, acc);
-        for (int s = 1; s < nsrc; ++s) {
-          Pack16<T>::Add(__ldcg(reinterpret_cast<const uint4*>(srcs[s]) + p), acc);
-        }
-        raw = Pack16<T>::Round(acc);
-      }
-      for (int d = 0; d < ndst; ++d) reinterpret_cast<uint4*>(dsts[d])[p] = raw;
-    }
-    done = packs * kN;
-  }
-  for (size_t i = done + threadIdx.x; i < count; i += blockDim.x) {
-    T v = __ldcg(srcs[0] + i);
-    if (nsrc > 1) {
-      float acc = static_cast<float>(v);
-      for (int s = 1; s < nsrc; ++s) acc += LoadFloat(srcs[s] + i);
-      v = static_cast<T>(acc);
-    }
-    for (int d = 0; d < ndst; ++d) dsts[d][i] = v;
   }
 }
 

@@ -36,6 +36,23 @@ __device__ __forceinline__ bool Reached(uint32_t seen, uint32_t expected) {
   return static_cast<int32_t>(seen - expected) >= 0;
 }
 
+// 64-bit flags (NVSHMEM signal words hold a call's sequence number).
+__device__ __forceinline__ uint64_t LoadAcquire(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];"
+               : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreRelease(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;"
+               :: "l"(p), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ bool Reached(uint64_t seen, uint64_t expected) {
+  return static_cast<int64_t>(seen - expected) >= 0;
+}
+
 // Fills the record for the host unless it still holds an unread one (the
 // first timeout is the informative one). `lock` keeps two threads (blocks of
 // one kernel, or two wait kernels) from interleaving their fields; a thread
