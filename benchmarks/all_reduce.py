@@ -2,12 +2,20 @@
 
     python benchmarks/all_reduce.py --json out.json --plot out.png
 
-bf16 messages of 4 KiB to 256 MiB per rank (powers of 4) over all local GPUs,
-in one process: impl="cuda" with each kernel ("one_shot", "two_shot"),
-impl="auto" (what users get by default) and XLA's psum ("xla"). Every
-implementation's result is checked against psum before it is timed. Prints a
-markdown table last; the plot is latency against size, log-log, with the
-NVLink bandwidth floor.
+bf16 messages of 4 KiB to 256 MiB per rank (powers of 4, plus 2, 8 and
+32 MiB) over all local GPUs, in one process: impl="cuda" with each kernel
+("one_shot", "two_shot"), impl="auto" (what users get by default) and XLA's
+psum ("xla"). Every implementation's result is checked against psum before
+it is timed.
+
+Two loop modes (``--modes``), the baseline timed alike in each:
+  loop      one op per fori_loop iteration: XLA's host launches every
+            iteration, so small messages measure the runtime's per-op cost.
+  unrolled  UNROLL ops per iteration: XLA replays the body as one CUDA graph
+            where it can (custom calls can be captured, NCCL calls are not by
+            default), as in a model layer that holds several ops.
+Prints one markdown table per mode last; the plot is latency against size,
+log-log, with the NVLink bandwidth floor.
 """
 
 from __future__ import annotations
@@ -20,7 +28,9 @@ import os
 # per peer: 4 GiB fits 256 MiB messages on 2 GPUs. Read at the first CUDA op.
 os.environ.setdefault("JAX_FLASHOVERLAP_WORKSPACE_MB", "4096")
 
-SIZES = [4 << (2 * i) << 10 for i in range(9)]  # 4 KiB, 16 KiB, ..., 256 MiB
+SIZES = sorted({4 << (2 * i) << 10 for i in range(9)}  # 4 KiB, 16 KiB, ..., 256 MiB
+               | {2 << 20, 8 << 20, 32 << 20})
+MODES = {"loop": 1, "unrolled": 8}  # mode -> ops per loop iteration
 IMPLS = {  # name -> keyword arguments of jax_flashoverlap.all_reduce
     "one_shot": {"impl": "cuda", "algorithm": "one_shot"},
     "two_shot": {"impl": "cuda", "algorithm": "two_shot"},
@@ -39,7 +49,7 @@ def _label(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
 
-def run(sizes, impls, reps):
+def run(sizes, impls, modes, reps):
     import functools
 
     import jax
@@ -82,21 +92,27 @@ def run(sizes, impls, reps):
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             if not err < 1e-2:
                 raise SystemExit(f"{name} at {_label(size)}: relative error {err:.3g} vs psum")
-            t = time_per_op(op, [x], mesh=mesh, in_specs=(P("tp"),), k1=2, k2=k2, reps=reps)
-            jfo.check_device_errors()
-            rows.append(dict(size_bytes=size, impl=name, us=t.median_us, min_us=t.min_s * 1e6,
-                             max_us=t.max_s * 1e6, reps=t.reps, k2=k2))
-            print(f"{_label(size):>8s} {name:9s} {t.median_us:9.2f} us "
-                  f"[{t.min_s * 1e6:.2f}, {t.max_s * 1e6:.2f}]", flush=True)
+            for mode in modes:
+                unroll = MODES[mode]
+                t = time_per_op(op, [x], mesh=mesh, in_specs=(P("tp"),), k1=2 * unroll,
+                                k2=k2 + 2 * unroll, reps=reps, unroll=unroll)
+                jfo.check_device_errors()
+                rows.append(dict(size_bytes=size, impl=name, mode=mode, unroll=unroll,
+                                 us=t.median_us, min_us=t.min_s * 1e6, max_us=t.max_s * 1e6,
+                                 reps=t.reps, k2=k2))
+                print(f"{_label(size):>8s} {mode:8s} {name:9s} {t.median_us:9.2f} us "
+                      f"[{t.min_s * 1e6:.2f}, {t.max_s * 1e6:.2f}]", flush=True)
     return rows, n
 
 
-def table(rows, n) -> str:
+def table(rows, n, mode) -> str:
     by = {}
     for r in rows:
-        by.setdefault(r["size_bytes"], {})[r["impl"]] = r["us"]
-    cols = list(IMPLS)
-    lines = ["| size | " + " | ".join(f"{c} µs" for c in cols)
+        if r["mode"] == mode:
+            by.setdefault(r["size_bytes"], {})[r["impl"]] = r["us"]
+    cols = [c for c in IMPLS if any(c in t for t in by.values())]
+    lines = [f"{mode} (ops per loop iteration: {MODES[mode]})", "",
+             "| size | " + " | ".join(f"{c} µs" for c in cols)
              + " | xla / best cuda | NVLink floor µs |",
              "|---|" + "---|" * (len(cols) + 2)]
     for size, t in sorted(by.items()):
@@ -114,10 +130,12 @@ def plot(rows, n, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name in IMPLS:
-        pts = sorted((r["size_bytes"], r["us"]) for r in rows if r["impl"] == name)
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=name)
+    for mode, style in zip(MODES, ("-", ":")):
+        for name in IMPLS:
+            pts = sorted((r["size_bytes"], r["us"]) for r in rows
+                         if r["impl"] == name and r["mode"] == mode)
+            if pts:
+                ax.plot(*zip(*pts), style, marker="o", ms=3, label=f"{name} ({mode})")
     sizes = sorted({r["size_bytes"] for r in rows})
     if sizes:
         ax.plot(sizes, [floor_us(s, n) for s in sizes], "k--", lw=0.8,
@@ -138,11 +156,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=SIZES, help="bytes per rank")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args()
-    rows, n = run(args.sizes, args.impls, args.reps)
+    rows, n = run(args.sizes, args.impls, args.modes, args.reps)
 
     import jax
 
@@ -156,7 +175,8 @@ def main():
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
     if args.plot:
         plot(rows, n, args.plot)
-    print(table(rows, n))
+    for mode in args.modes:
+        print(table(rows, n, mode))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,28 @@ from . import _extension, _jax_shim, decomposed, dispatch, schedule, xla_baselin
 __all__ = ["OpDef", "bind", "OPS"]
 
 DEFAULT_TIMEOUT_MS = 10_000
+TIMEOUT_ENV = "JAX_FLASHOVERLAP_TIMEOUT_MS"
+
+
+def timeout_ms() -> int:
+    """Bound of every device-side wait of a CUDA op, in milliseconds.
+
+    ``JAX_FLASHOVERLAP_TIMEOUT_MS`` (read when a function is lowered, so set
+    it before the first ``jit`` of the code that calls the op), default
+    10 000. A wait that runs out fills the op's outputs with NaN and the next
+    call (or :func:`jax_flashoverlap.check_device_errors`) raises an error
+    naming the rank and the peer that was missing.
+    """
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_TIMEOUT_MS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if not 0 < value < 2**31:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of milliseconds")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +188,7 @@ def _make_primitive(op: OpDef) -> Primitive:
             "group_ordinals": (groups if groups is not None
                                else _group_ordinals(ctx, op.name, axis_name, n)),
             "n": np.int32(n),
-            "timeout_ms": np.int32(opts.pop("timeout_ms", DEFAULT_TIMEOUT_MS)),
+            "timeout_ms": np.int32(opts.pop("timeout_ms", timeout_ms())),
             **op.cuda_attrs(n, opts),
         }
         return jax.ffi.ffi_lowering(op.ffi_target)(ctx, *args, **attrs)

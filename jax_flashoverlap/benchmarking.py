@@ -42,14 +42,14 @@ class Timing:
         return (self.max_s - self.min_s) / self.median_s if self.median_s > 0 else float("inf")
 
 
-def _looped(op: Callable[..., jax.Array], mesh, in_specs, k: int):
+def _looped(op: Callable[..., jax.Array], mesh, in_specs, k: int, unroll: int):
     def body(_, carry):
         args, acc = lax.optimization_barrier(carry)
         y = lax.optimization_barrier(op(*args))
         return args, acc + y.reshape(-1)[0].astype(jnp.float32)
 
     def per_device(*args):
-        _, acc = lax.fori_loop(0, k, body, (args, jnp.zeros((), jnp.float32)))
+        _, acc = lax.fori_loop(0, k, body, (args, jnp.zeros((), jnp.float32)), unroll=unroll)
         return acc
 
     return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P(),
@@ -58,7 +58,8 @@ def _looped(op: Callable[..., jax.Array], mesh, in_specs, k: int):
 
 def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh,
                 in_specs, k1: int = 2, k2: int = 12, reps: int = 7,
-                warmup: int = 2) -> Timing:
+                warmup: int = 2, unroll: int = 1,
+                compiler_options: dict | None = None) -> Timing:
     """Times ``op`` (a per-device function, run inside shard_map) per call.
 
     Args:
@@ -69,13 +70,25 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
       k1, k2: the two loop lengths whose difference is timed.
       reps: paired repetitions; the median is reported.
       warmup: untimed runs of each loop first (compilation, autotuning).
+      unroll: ops per loop iteration (``fori_loop``'s ``unroll``). With 1,
+        XLA's host runs every iteration, which bounds the time of a
+        microsecond-scale op; with several, XLA can replay the body as one
+        CUDA graph, as it does in a model whose layer holds several ops.
+      compiler_options: XLA options for both loops, as
+        ``jax.stages.Lowered.compile`` takes them (e.g.
+        ``{"xla_gpu_graph_min_graph_size": 1}`` to replay each iteration as
+        a CUDA graph); time the baseline with the same options.
 
     Returns:
       A :class:`Timing`.
     """
     if not 0 < k1 < k2:
         raise ValueError(f"need 0 < k1 < k2, got k1={k1}, k2={k2}")
-    loops = {k: _looped(op, mesh, in_specs, k) for k in (k1, k2)}
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1, got {unroll}")
+    loops = {k: _looped(op, mesh, in_specs, k, unroll) for k in (k1, k2)}
+    if compiler_options:
+        loops = {k: fn.lower(*args).compile(compiler_options) for k, fn in loops.items()}
     for fn in loops.values():
         for _ in range(warmup):
             fn(*args).block_until_ready()

@@ -8,6 +8,8 @@ XLA, so "auto" never picks a slower path than the one users have today.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Callable, Sequence
 
 import jax
@@ -15,18 +17,29 @@ import numpy as np
 
 from . import _extension
 
-__all__ = ["choose_impl", "all_reduce_algorithm", "ALL_REDUCE_ALGORITHMS"]
+__all__ = ["choose_impl", "all_reduce_algorithm", "all_reduce_region_bytes",
+           "ALL_REDUCE_ALGORITHMS"]
 
 Shapes = Sequence[tuple[int, ...]]
 
 # op -> predicate(shapes, dtype, n): True where impl="cuda" was measured at
-# least 5% faster than impl="xla" (benchmarks/results/collective_matmul_2xh200.json:
-# bf16, 2 H200s, DESIGN.md §4 protocol; run-to-run spread is a few percent,
-# so smaller wins are not counted). Only what was measured: 2 ranks, 16-bit
-# dtypes, and the rows per shard from which the fused op won on every listed
-# shape. matmul_reduce_scatter is absent: it won by 5% on one shape only.
-# An op missing here runs "xla".
+# least 5% faster than impl="xla" (bf16, 2 H200s, DESIGN.md §4 protocol;
+# run-to-run spread is a few percent, so smaller wins are not counted). Only
+# what was measured: 2 ranks and 16-bit dtypes (fp16 runs the same kernels as
+# bf16). An op missing here runs "xla".
+#
+# Collective matmuls (benchmarks/results/collective_matmul_2xh200.json): the
+# rows per shard from which the fused op won on every listed shape.
+# matmul_reduce_scatter is absent: it won by 5% on one shape only.
 _MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096}
+
+# all_reduce (benchmarks/results/all_reduce_2xh200.json): faster than psum at
+# every size from 4 KiB to 256 MiB with unrolled loops (1.22-2.51x); with one
+# op per loop iteration, where both are bound by XLA's host, 0.95-1.43x below
+# 4 MiB and 1.22-1.42x from there. "auto" keeps
+# to messages the all-reduce region holds with the default workspace, so
+# that it never fails where psum would not.
+_ALL_REDUCE_MEASURED_DEVICES = 2
 
 
 def _measured_faster(op: str) -> Callable[[Shapes, np.dtype, int], bool]:
@@ -35,8 +48,37 @@ def _measured_faster(op: str) -> Callable[[Shapes, np.dtype, int], bool]:
     return faster
 
 
+def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
+    nbytes = math.prod(shapes[0]) * dtype.itemsize
+    return (n == _ALL_REDUCE_MEASURED_DEVICES and dtype.itemsize == 2
+            and nbytes <= all_reduce_region_bytes())
+
+
 _CUDA_IS_FASTER: dict[str, Callable[[Shapes, np.dtype, int], bool]] = {
-    op: _measured_faster(op) for op in _MIN_ROWS}
+    **{op: _measured_faster(op) for op in _MIN_ROWS}, "all_reduce": _all_reduce_faster}
+
+
+def all_reduce_region_bytes(workspace_mb: int | None = None,
+                            local_devices: int | None = None) -> int:
+    """A lower bound of the largest message (bytes per rank) impl="cuda"
+    all_reduce takes with the workspace of this process.
+
+    The all-reduce region is a quarter of the workspace after its fixed
+    parts, with two buffers for each other local GPU
+    (ffi/src/transport/peer_region.cu); messages above it raise an error
+    that names ``JAX_FLASHOVERLAP_WORKSPACE_MB``.
+
+    Args:
+      workspace_mb: default: ``JAX_FLASHOVERLAP_WORKSPACE_MB`` or 1024.
+      local_devices: CUDA devices of this process; default: JAX's count.
+    """
+    if workspace_mb is None:
+        workspace_mb = int(os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB", "1024"))
+    if local_devices is None:
+        local_devices = jax.local_device_count()
+    senders = max(local_devices - 1, 1)
+    # 64 MiB covers the GEMM workspace, the control words and rounding.
+    return max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders
 
 
 def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int) -> str:
@@ -71,9 +113,10 @@ def resolved_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
 ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot")
 
 # Largest message (bytes per rank) that runs one-shot; two-shot above it.
-# A starting guess, TO BE MEASURED with benchmarks/all_reduce.py: one-shot
-# has one round of signals, two-shot two, but sums only 1/n of the data.
-ONE_SHOT_MAX_BYTES = 256 << 10
+# Measured (benchmarks/results/all_reduce_2xh200.json, bf16, 2 H200s):
+# one-shot was faster up to 4 MiB, even at 8 MiB (35.4 vs 35.8 us) and
+# slower from 16 MiB (71.4 vs 62.3 us).
+ONE_SHOT_MAX_BYTES = 8 << 20
 
 
 def all_reduce_algorithm(nbytes: int) -> str:

@@ -44,7 +44,7 @@ if want smoke && [ -f scripts/ffi_smoke.py ]; then
   step smoke $PY scripts/ffi_smoke.py
 fi
 if want test; then
-  step test $PY -P -m pytest -q -m gpu -p no:cacheprovider -x ${JFO_GPU_TESTS:-tests}
+  step test $PY -P -m pytest -q -m gpu -p no:cacheprovider --maxfail=3 ${JFO_GPU_TESTS:-tests}
 fi
 if want demo; then
   step demo $PY -P -m jax_flashoverlap.demo --json "$OUT/demo.json"

@@ -71,7 +71,7 @@ def test_cuda_attribute_names_the_kernel():
 
 
 @pytest.mark.parametrize("algorithm, nbytes, expected", [
-    (None, 4 * 16, "one_shot"), (None, 4 * (1 << 20), "two_shot"),
+    (None, 4 * 16, "one_shot"), (None, 4 * (4 << 20), "two_shot"),
     ("two_shot", 4 * 16, "two_shot"), ("one_shot", 4 * (1 << 20), "one_shot")])
 def test_resolved_algorithm_reaches_the_primitive(algorithm, nbytes, expected):
     """None is resolved from the per-rank message size, an explicit choice is kept."""

@@ -4,7 +4,7 @@ every rank, right across CUDA-graph replays and long runs of random sizes.
 Runs only where CUDA GPUs and the CUDA build exist (marker ``gpu``). The
 references are exact: the kernels add ranks 0, 1, ... in float32 and round
 once, which the tests recompute (on the host, or in-graph from an
-all_gather), besides the float64 and psum comparisons.
+all_gather), besides a float64 comparison.
 """
 
 import functools
@@ -74,23 +74,35 @@ def _fresh(key, i, shape, dtype):
     return jax.random.normal(k, shape, jnp.float32).astype(dtype)
 
 
-def _wrong(y, x):
-    """In-graph count of wrong elements of y = all_reduce(x) on this rank.
+CHECKS = ("rank-order sum", "same on every rank")
 
-    Counts elements that differ from the exact rank-order sum, that differ
-    from another rank's y, or that are off psum (float32) by more than the
-    dtype's rounding.
+
+def _wrong(y, x):
+    """In-graph counts of wrong elements of y = all_reduce(x) on this rank: [2] int32.
+
+    Per check of CHECKS: elements that differ from the exact rank-order sum
+    of the gathered inputs, and elements that differ from another rank's y.
+    (The float64 comparison is on the host, in the first test. An in-graph
+    ``psum`` of the float32 upcast is no reference: on the GPU machine it
+    differed from the float32 sum of the gathered values almost everywhere,
+    and from bf16 rounding of it in ~0.02% of elements, with impl="xla" as
+    much as with impl="cuda".)
     """
     gathered = lax.all_gather(x, "tp")  # [n, ...] in rank order
     acc = gathered[0].astype(jnp.float32)
     for r in range(1, gathered.shape[0]):
         acc = acc + gathered[r].astype(jnp.float32)
-    wrong = jnp.sum(y != acc.astype(y.dtype))
-    wrong += jnp.sum(lax.all_gather(y, "tp") != y[None])
-    psum = lax.psum(x.astype(jnp.float32), "tp")
-    tol = float(jnp.finfo(y.dtype).eps) * (jnp.abs(psum) + 1.0)
-    wrong += jnp.sum(~(jnp.abs(y.astype(jnp.float32) - psum) <= tol))
-    return wrong.astype(jnp.int32)
+    exact = jnp.sum(y != acc.astype(y.dtype))
+    same = jnp.sum(lax.all_gather(y, "tp") != y[None])
+    return jnp.stack([exact, same]).astype(jnp.int32)
+
+
+def _assert_none_wrong(counts, context=""):
+    """counts: [n, 3] per rank and check, from _wrong."""
+    counts = np.asarray(counts).reshape(-1, len(CHECKS))
+    failed = {f"rank {r}: {name}": int(c) for r, row in enumerate(counts)
+              for name, c in zip(CHECKS, row) if c}
+    assert not failed, f"{context} wrong elements per check: {failed}"
 
 
 def _host_calls() -> int:
@@ -135,7 +147,7 @@ def test_fori_loop_replays_of_a_captured_call_stay_exact(algorithm):
             x = _fresh(key, i, (size,), jnp.bfloat16)
             y = jfo.all_reduce(x, "tp", impl=IMPL, algorithm=algorithm)
             return wrong + _wrong(y, x)
-        return lax.fori_loop(0, iters, body, jnp.int32(0))
+        return lax.fori_loop(0, iters, body, jnp.zeros(len(CHECKS), jnp.int32))
 
     f = _per_rank(count_wrong, mesh, sharded=False)
     compiled = f.lower(jax.random.key(0)).compile({"xla_gpu_graph_min_graph_size": 1})
@@ -143,7 +155,7 @@ def test_fori_loop_replays_of_a_captured_call_stay_exact(algorithm):
     wrong = np.asarray(compiled(jax.random.key(1)))
     host_calls = _host_calls() - before
     jfo.check_device_errors()
-    assert wrong.sum() == 0, wrong
+    _assert_none_wrong(wrong)
     if host_calls >= iters:
         pytest.skip(f"right, but not a graph replay: the handler's host code ran {host_calls} "
                     f"times for {iters} iterations on {n} GPUs (XLA did not capture it)")
@@ -158,8 +170,8 @@ def test_jit_called_100_times(algorithm):
         return _wrong(jfo.all_reduce(x, "tp", impl=IMPL, algorithm=algorithm), x)
 
     f = _per_rank(count_wrong, mesh, sharded=False)
-    wrong = [f(jax.random.key(i)) for i in range(100)]
-    assert sum(int(np.asarray(w).sum()) for w in wrong) == 0
+    wrong = sum(np.asarray(f(jax.random.key(i))) for i in range(100))
+    _assert_none_wrong(wrong)
     jfo.check_device_errors()
 
 
@@ -182,12 +194,11 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
             k = jax.random.fold_in(key, i)
             which = jax.random.randint(k, (), 0, len(branches))  # the same on every rank
             return wrong + lax.switch(which, branches, k)
-        return lax.fori_loop(0, STRESS_ITERS, body, jnp.int32(0))
+        return lax.fori_loop(0, STRESS_ITERS, body, jnp.zeros(len(CHECKS), jnp.int32))
 
     f = _per_rank(count_wrong, mesh, sharded=False)
     for call in range(STRESS_CALLS):
-        wrong = np.asarray(f(jax.random.key(call)))
-        assert wrong.sum() == 0, (call, wrong)
+        _assert_none_wrong(f(jax.random.key(call)), f"call {call}:")
     jfo.check_device_errors()
 
 

@@ -19,7 +19,11 @@ def cuda_built(monkeypatch):
     ("matmul_all_reduce", [(4096, 8192), (8192, 4096)], np.dtype("float16"), 2, "cuda"),
     ("matmul_all_reduce", [(2048, 8192), (8192, 7168)], np.dtype("bfloat16"), 2, "xla"),
     ("matmul_reduce_scatter", [(8192, 8192), (8192, 4096)], np.dtype("bfloat16"), 2, "xla"),
-    ("all_reduce", [(1 << 20,)], np.dtype("bfloat16"), 2, "xla"),
+    ("all_reduce", [(1, 1 << 20)], np.dtype("bfloat16"), 2, "cuda"),
+    ("all_reduce", [(1, 3)], np.dtype("float16"), 2, "cuda"),
+    ("all_reduce", [(1, 1 << 20)], np.dtype("float32"), 2, "xla"),
+    ("all_reduce", [(1, 1 << 20)], np.dtype("bfloat16"), 4, "xla"),
+    ("all_reduce", [(1024, 1 << 20)], np.dtype("bfloat16"), 2, "xla"),  # 2 GiB: over the region
 ])
 def test_rule(cuda_built, op, shapes, dtype, n, want):
     assert dispatch.choose_impl(op, "jfo_" + op, shapes, dtype, n) == want
@@ -36,3 +40,10 @@ def test_auto_is_xla_off_gpu(cuda_built):
     got = dispatch.resolved_impl("all_gather_matmul", "t", shapes, np.dtype("bfloat16"), 2,
                                  platform="cpu")
     assert got == "xla"
+
+
+def test_all_reduce_region_bound_follows_the_workspace():
+    assert dispatch.all_reduce_region_bytes(1024, 2) == 120 << 20
+    assert dispatch.all_reduce_region_bytes(1024, 8) == (120 << 20) // 7
+    assert dispatch.all_reduce_region_bytes(4096, 2) == 504 << 20
+    assert dispatch.all_reduce_region_bytes(64, 2) == 0

@@ -85,3 +85,15 @@ def test_axis_name_must_be_a_string(rng):
     x, w = random(rng, (8, 4), "float32"), random(rng, (4, 4), "float32")
     with pytest.raises(TypeError, match="axis_name must be"):
         _in_shard_map(jfo.all_gather_matmul, x, w, (P("tensor"), P()), axis_name=("tensor",))
+
+
+def test_wait_timeout_comes_from_the_environment(monkeypatch):
+    from jax_flashoverlap import _primitives
+    monkeypatch.delenv(_primitives.TIMEOUT_ENV, raising=False)
+    assert _primitives.timeout_ms() == _primitives.DEFAULT_TIMEOUT_MS
+    monkeypatch.setenv(_primitives.TIMEOUT_ENV, "2500")
+    assert _primitives.timeout_ms() == 2500
+    for bad in ("0", "-3", "soon", str(2**31)):
+        monkeypatch.setenv(_primitives.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match="JAX_FLASHOVERLAP_TIMEOUT_MS"):
+            _primitives.timeout_ms()

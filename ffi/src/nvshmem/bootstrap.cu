@@ -9,6 +9,7 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -29,6 +30,13 @@ void Check(cudaError_t err, const char* what) {
     throw std::runtime_error(std::string("jax_flashoverlap nvshmem: ") + what +
                              " failed: " + cudaGetErrorString(err));
   }
+}
+
+// JFO_NVSHMEM_DEBUG=1 prints each start-up step before it runs: a start
+// that crashes inside NVSHMEM then shows which step it was.
+void Step(int rank, const char* what) {
+  static const bool on = std::getenv("JFO_NVSHMEM_DEBUG") != nullptr;
+  if (on) std::fprintf(stderr, "[jax_flashoverlap nvshmem PE %d] %s\n", rank, what);
 }
 
 int CeilLog2(int n) {
@@ -83,6 +91,7 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   if (steps > kNvMaxSteps) {
     throw std::runtime_error("jax_flashoverlap nvshmem: too many PEs");
   }
+  Step(rank, "cudaSetDevice");
   Check(cudaSetDevice(device), "cudaSetDevice");
   SetEnv(heap_bytes);
 
@@ -92,11 +101,13 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   if (nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr) != 0) {
     throw std::runtime_error("jax_flashoverlap nvshmem: nvshmemx_set_attr_uniqueid_args failed");
   }
+  Step(rank, "nvshmemx_init_attr");
   if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
     throw std::runtime_error(
         "jax_flashoverlap nvshmem: nvshmemx_init_attr failed (rerun with "
         "NVSHMEM_DEBUG=INFO)");
   }
+  Step(rank, "nvshmem_my_pe");
   if (nvshmem_my_pe() != rank || nvshmem_n_pes() != nranks) {
     throw std::runtime_error(
         "jax_flashoverlap nvshmem: NVSHMEM made this process PE " +
@@ -118,6 +129,7 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
         std::to_string((4096 * per_stripe + sig_bytes) * 2 >> 20) + " MiB)");
   }
   // Collective: every PE asks for the same sizes, in the same order.
+  Step(rank, "nvshmem_malloc");
   char* data = static_cast<char*>(nvshmem_malloc(stripe * per_stripe));
   uint64_t* signals = static_cast<uint64_t*>(nvshmem_calloc(1, sig_bytes));
   if (data == nullptr || signals == nullptr) {
@@ -128,6 +140,7 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
         " MiB failed; raise heap_mb (NVSHMEM_SYMMETRIC_SIZE) or free GPU "
         "memory (XLA_PYTHON_CLIENT_MEM_FRACTION)");
   }
+  Step(rank, "device counters");
   Check(cudaMalloc(&st.seq, sizeof(uint64_t) * kNvMaxBlocks), "cudaMalloc(seq)");
   Check(cudaMemset(st.seq, 0, sizeof(uint64_t) * kNvMaxBlocks), "cudaMemset(seq)");
   Check(cudaMalloc(&st.record_lock, sizeof(uint32_t)), "cudaMalloc(lock)");
@@ -138,10 +151,13 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   std::memset(const_cast<NvTimeoutRecord*>(st.record), 0, sizeof(NvTimeoutRecord));
   Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.record_dev), st.record, 0),
         "cudaHostGetDevicePointer(record)");
+  Step(rank, "loading kernels");
   Check(LoadKernels(), "loading the all-reduce kernels");
   Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
   // Every PE's counters and signals are zero before anyone's first call.
+  Step(rank, "nvshmem_barrier_all");
   nvshmem_barrier_all();
+  Step(rank, "started");
 
   st.rank = rank;
   st.npes = nranks;

@@ -62,7 +62,7 @@ struct TimeoutRecord {
 // JAX_FLASHOVERLAP_WORKSPACE_MB (a quarter of the workspace); see
 // peer_region.cu.
 constexpr int kArMaxRanks = 8;
-constexpr int kArMaxBlocks = 32;
+constexpr int kArMaxBlocks = 128;
 enum ArFlagKind : int { kArData = 0, kArGathered = 1, kArFlagKinds = 2 };
 
 // One device's view of the region for one group, indexed by group rank
