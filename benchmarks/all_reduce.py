@@ -3,10 +3,10 @@
     python benchmarks/all_reduce.py --json out.json --plot out.png
 
 bf16 messages of 4 KiB to 256 MiB per rank (powers of 4, plus 2, 8 and
-32 MiB) over all local GPUs, in one process: impl="cuda" with each kernel
-("one_shot", "two_shot"), impl="auto" (what users get by default) and XLA's
-psum ("xla"). Every implementation's result is checked against psum before
-it is timed.
+32 MiB) over the local GPUs (``--devices N``: the first N), in one process:
+impl="cuda" with each kernel ("one_shot", "two_shot"), impl="auto" (what
+users get by default) and XLA's psum ("xla"). Every implementation's result
+is checked against psum before it is timed.
 
 Two loop modes (``--modes``), the baseline timed alike in each:
   loop      one op per fori_loop iteration: XLA's host launches every
@@ -49,7 +49,7 @@ def _label(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
 
-def run(sizes, impls, modes, reps):
+def run(sizes, impls, modes, reps, devices=None):
     import functools
 
     import jax
@@ -62,7 +62,7 @@ def run(sizes, impls, modes, reps):
     import jax_flashoverlap as jfo
     from jax_flashoverlap.benchmarking import time_per_op
 
-    devices = jax.devices()
+    devices = jax.devices()[:devices]
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
     rng = np.random.default_rng(0)
@@ -158,10 +158,14 @@ def main():
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="use the first N local devices (default: all)")
     parser.add_argument("--json")
     parser.add_argument("--plot")
     args = parser.parse_args()
-    rows, n = run(args.sizes, args.impls, args.modes, args.reps)
+    if args.devices is not None and not 1 < args.devices:
+        parser.error(f"--devices must be at least 2, got {args.devices}")
+    rows, n = run(args.sizes, args.impls, args.modes, args.reps, args.devices)
 
     import jax
 

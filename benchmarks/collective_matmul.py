@@ -3,10 +3,14 @@
     python benchmarks/collective_matmul.py --json out.json [--plot out.png]
 
 For each op and per-device shape (m_shard x K x n_shard) it times, in one
-process: impl "cuda", "xla", "decomposed", the same dot alone ("gemm") and the
-collective alone ("comm"); XLA's windowed einsum ("xla_windowed") runs in a
-child process because its flags are read once at start-up. Every
-implementation's result is checked against "xla" before it is timed.
+process: impl "cuda", "xla", "auto", "decomposed" (the ring schedule) and
+"decomposed_bidirectional" (AllGather and ReduceScatter only), the same dot
+alone ("gemm") and the collective alone ("comm"); XLA's windowed einsum
+("xla_windowed") runs in a child process because its flags are read once at
+start-up. Every implementation's result is checked against "xla" before it is
+timed. ``--devices N`` runs on the first N local GPUs (TP=N); the CUDA
+kernels always send directly to every peer (NVLink/NVSwitch), so the ring and
+bidirectional variants are schedules of the pure-JAX path.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import sys
 SHAPES = [(1024, 4096, 4096), (2048, 8192, 7168), (2048, 8192, 14336),
           (4096, 8192, 4096), (8192, 8192, 14336), (128, 8192, 8192)]
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
+IMPLS = ("cuda", "xla", "auto", "decomposed", "decomposed_bidirectional")
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
 
@@ -34,7 +39,19 @@ def _operands(op, n, m, k, cols):
     return ((m, k), (k, cols)), ("psum", (m, cols)), ((m, k), (k, cols))
 
 
-def run(ops, shapes, impls, reps, check=True):
+def _op_fn(op, impl):
+    """The per-device function of ``impl`` (an entry of IMPLS), or None where it does not apply."""
+    import jax_flashoverlap as jfo
+
+    if impl == "decomposed_bidirectional":
+        if op == "matmul_all_reduce":
+            return None
+        return functools.partial(getattr(jfo, op), axis_name="tp", impl="decomposed",
+                                 topology="bidirectional")
+    return functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
+
+
+def run(ops, shapes, impls, reps, devices=None, check=True):
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -42,10 +59,9 @@ def run(ops, shapes, impls, reps, check=True):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    import jax_flashoverlap as jfo
     from jax_flashoverlap.benchmarking import time_per_op
 
-    devices = jax.devices()
+    devices = jax.devices()[:devices]
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
     rng = np.random.default_rng(0)
@@ -67,7 +83,9 @@ def run(ops, shapes, impls, reps, check=True):
             args = [put(s) for s in shapes_op]
             reference = None
             for impl in impls:
-                fn = functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
+                fn = _op_fn(op, impl)
+                if fn is None:
+                    continue
                 if check:
                     run_once = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * 2,
                                                      out_specs=P("tp"), check_vma=False))
@@ -104,7 +122,8 @@ def run(ops, shapes, impls, reps, check=True):
 def _windowed(args) -> list[dict]:
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {WINDOWED_FLAGS}")
     out = subprocess.run([sys.executable, __file__, "--child-windowed", "--reps", str(args.reps),
-                          "--ops", *args.ops, "--shapes", *args.shapes],
+                          "--devices", str(args.devices or 0), "--ops", *args.ops,
+                          "--shapes", *args.shapes],
                          env=env, check=True, capture_output=True, text=True)
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     for r in rows:
@@ -116,7 +135,9 @@ def table(rows) -> str:
     by = {}
     for r in rows:
         by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
-    cols = ["cuda", "auto", "xla", "xla_windowed", "decomposed", "gemm", "comm"]
+    present = {r["impl"] for r in rows}
+    cols = [c for c in ("cuda", "auto", "xla", "xla_windowed", "decomposed",
+                        "decomposed_bidirectional", "gemm", "comm") if c in present]
     lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
              "|---|---|" + "---|" * (len(cols) + 2)]
     def fmt(v):
@@ -163,7 +184,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", nargs="+", default=list(OPS))
     parser.add_argument("--shapes", nargs="+", default=["x".join(map(str, s)) for s in SHAPES])
-    parser.add_argument("--impls", nargs="+", default=["cuda", "xla", "auto", "decomposed"])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--devices", type=int, default=None,
+                        help="use the first N local devices (default: all)")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-windowed", action="store_true")
     parser.add_argument("--json")
@@ -172,14 +195,16 @@ def main():
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     if args.child_windowed:
-        rows = run(args.ops, shapes, ["xla"], args.reps, check=False)
+        rows = run(args.ops, shapes, ["xla"], args.reps, args.devices or None, check=False)
         print(json.dumps([r for r in rows if r["impl"] == "xla"]))
         return
-    rows = run(args.ops, shapes, args.impls, args.reps)
+    if args.devices is not None and not 1 < args.devices:
+        parser.error(f"--devices must be at least 2, got {args.devices}")
+    rows = run(args.ops, shapes, args.impls, args.reps, args.devices)
     if not args.no_windowed:
         rows += _windowed(args)
     import jax
-    meta = dict(devices=len(jax.devices()), device_kind=jax.devices()[0].device_kind,
+    meta = dict(devices=len(jax.devices()[:args.devices]), device_kind=jax.devices()[0].device_kind,
                 jax=jax.__version__, dtype="bfloat16", protocol="DESIGN.md §4")
     if args.json:
         with open(args.json, "w") as f:

@@ -4,7 +4,9 @@
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar train all
 #                                               nvshmem (only when named; not part of all)
 #
-# JFO_GPU_TESTS picks test files, JFO_TRAIN_ARGS extra train_step.py flags.
+# JFO_GPU_TESTS picks test files, JFO_TRAIN_ARGS extra train_step.py flags,
+# JFO_DEVICES=N runs everything on the first N GPUs (CUDA_VISIBLE_DEVICES) and
+# names the JSON files *_tpN.json, so runs at TP=2/4/8 can share one $OUT.
 #
 # Logs and JSON go under $OUT (the device tool brings that folder back); the
 # last thing printed is the summary table. The NVLink-multicast switches stay
@@ -15,6 +17,11 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/jfo_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+tag=""
+if [ -n "${JFO_DEVICES:-}" ]; then
+  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((JFO_DEVICES - 1)))
+  tag="_tp${JFO_DEVICES}"
+fi
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 want() { [[ " ${stages[*]} " == *" $1 "* || " ${stages[*]} " == *" all "* ]]; }
@@ -44,21 +51,23 @@ if want smoke && [ -f scripts/ffi_smoke.py ]; then
   step smoke $PY scripts/ffi_smoke.py
 fi
 if want test; then
-  step test $PY -P -m pytest -q -m gpu -p no:cacheprovider --maxfail=3 ${JFO_GPU_TESTS:-tests}
+  step test$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider --maxfail=3 ${JFO_GPU_TESTS:-tests}
 fi
 if want demo; then
   step demo $PY -P -m jax_flashoverlap.demo --json "$OUT/demo.json"
 fi
 if want cm; then
-  step cm $PY benchmarks/collective_matmul.py --json "$OUT/collective_matmul.json" \
-    --plot "$OUT/collective_matmul.png"
+  step cm$tag $PY benchmarks/collective_matmul.py --json "$OUT/collective_matmul$tag.json" \
+    --plot "$OUT/collective_matmul$tag.png"
 fi
 if want ar; then
-  step ar $PY -P benchmarks/all_reduce.py --json "$OUT/all_reduce.json" --plot "$OUT/all_reduce.png"
+  step ar$tag $PY -P benchmarks/all_reduce.py --json "$OUT/all_reduce$tag.json" \
+    --plot "$OUT/all_reduce$tag.png"
 fi
 if want train; then
   # shellcheck disable=SC2086
-  step train $PY -P benchmarks/train_step.py --json "$OUT/train_step.json" ${JFO_TRAIN_ARGS:-}
+  step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
+    ${JFO_TRAIN_ARGS:-}
 fi
 # Opt-in and isolated: rebuilds the package with the experimental NVSHMEM
 # module (CMake option JFO_ENABLE_NVSHMEM) and runs its 2-process tests. Run

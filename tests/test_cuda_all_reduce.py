@@ -202,6 +202,35 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
     jfo.check_device_errors()
 
 
+@pytest.mark.parametrize("layout", ["reversed", "data_x_tensor"])
+def test_groups_follow_the_mesh_not_the_ordinals(layout, rng):
+    """GPUs in reversed order on "tp", or a (data, tp) mesh ((n/2, 2) from 4
+    GPUs on, (1, 2) on 2): each tp group sums its own ranks, in mesh order."""
+    devices = np.asarray(jax.devices("gpu"))
+    if layout == "reversed":
+        mesh = jax.sharding.Mesh(devices[::-1], ("tp",))
+        spec = P(None, "tp")
+    else:
+        d = len(devices) // 2
+        mesh = jax.sharding.Mesh(devices[:2 * d].reshape(d, 2), ("data", "tp"))
+        spec = P("data", "tp")
+    d, t = mesh.devices.reshape(-1, mesh.shape["tp"]).shape
+    size = 3 * 4096 + 5
+    x = np.asarray(jnp.asarray(rng.standard_normal((d, t, size), dtype=np.float32),
+                               jnp.bfloat16))
+    f = jax.jit(jax.shard_map(
+        lambda v: jfo.all_reduce(v, "tp", impl=IMPL),
+        mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    poison_allocator(size * 2, devices=mesh.devices.flat)
+    y = np.asarray(f(jax.device_put(x, NamedSharding(mesh, spec))))
+    jfo.check_device_errors()
+    for g in range(d):  # every rank of group g holds the group's rank-order sum
+        expected = _bits(_rank_order_sum(x[g]))
+        for r in range(t):
+            np.testing.assert_array_equal(_bits(y[g, r]), expected,
+                                          err_msg=f"group {g}, rank {r}")
+
+
 def test_message_over_the_region_names_the_setting():
     """The failing call launches nothing, so the group stays in step."""
     if int(os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB", "1024")) > 1024:

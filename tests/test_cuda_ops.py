@@ -121,3 +121,55 @@ def test_back_to_back_random_calls_equal_xla():
         err = np.linalg.norm(got - want) / np.linalg.norm(want)
         assert np.all(np.isfinite(got)) and err < 1e-2, (i, op_shape, err)
     jfo.check_device_errors()
+
+
+def _layout_mesh(layout):
+    """(mesh, t, d): GPUs in reversed order on one "tp" axis, or a (data, tp) mesh.
+
+    (data, tp) is (n/2, 2) from 4 GPUs on, (1, 2) on 2: the ops must find
+    their tp groups among the mesh axes either way.
+    """
+    devices = np.asarray(jax.devices("gpu"))
+    if layout == "reversed":
+        return jax.sharding.Mesh(devices[::-1], ("tp",)), len(devices), 1
+    t = 2
+    d = len(devices) // t
+    return jax.sharding.Mesh(devices[:d * t].reshape(d, t), ("data", "tp")), t, d
+
+
+# Per op: global x and w shapes from (t, d, m, b, k, c), and the specs that
+# put a batch dim on "data" and the op's dims on "tp".
+LAYOUT_CASES = {
+    "all_gather_matmul": (lambda t, d, m, b, k, c: ((t * m, d * b, k), (k, t * c)),
+                          (P("tp", "data", None), P(None, "tp")), P(None, "data", "tp")),
+    "matmul_reduce_scatter": (lambda t, d, m, b, k, c: ((t * m, d * b, t * k), (t * k, c)),
+                              (P(None, "data", "tp"), P("tp", None)), P("tp", "data", None)),
+    "matmul_all_reduce": (lambda t, d, m, b, k, c: ((m, d * b, t * k), (t * k, c)),
+                          (P(None, "data", "tp"), P("tp", None)), P(None, "data", None)),
+}
+
+
+def _drop_absent(spec, names):
+    return P(*(a if a in names else None for a in spec))
+
+
+@pytest.mark.parametrize("layout", ["reversed", "data_x_tensor"])
+@pytest.mark.parametrize("op", MATMUL_OPS)
+def test_cuda_on_reordered_and_two_axis_meshes(op, layout, rng):
+    """Rank comes from the mesh position, not the CUDA ordinal, and groups run
+    along "tp" only: results equal float64 on every layout."""
+    mesh, t, d = _layout_mesh(layout)
+    shapes, in_specs, out_spec = LAYOUT_CASES[op]
+    names = mesh.axis_names
+    in_specs = tuple(_drop_absent(s, names) for s in in_specs)
+    out_spec = _drop_absent(out_spec, names)
+    xs, ws = shapes(t, d, 48, 2, 64, 40)
+    x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda")
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), in_specs)]
+    poison_allocator(4 * x.size * 4)
+    y = f(*placed)
+    jfo.check_device_errors()
+    assert_close(y, np.einsum("mbk,kc->mbc", f64(x), f64(w)), "bfloat16")
