@@ -29,9 +29,11 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
       w: [k, n_out].
       axis_name: mesh axis of ``n`` ranks to sum over.
       impl: "xla" (dot then psum), "decomposed" (pure-JAX chunked ring
-        all-reduce), "cuda" (fused FFI kernel), or "auto".
-      chunks: number of row chunks (see
-        :func:`jax_flashoverlap.schedule.all_reduce_chunk_rows`).
+        all-reduce), "cuda" (the fused FFI kernel; for a result of at most
+        :data:`jax_flashoverlap.dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES`
+        per rank, XLA's dot then the one-kernel all-reduce), or "auto".
+      chunks: number of row chunks of the fused kernel and the "decomposed"
+        path (see :func:`jax_flashoverlap.schedule.all_reduce_chunk_rows`).
 
     Returns:
       [..., n_out], identical on every rank and typed as such (like

@@ -138,6 +138,9 @@ def initialize(heap_mb: int = 1024) -> None:
     if heap_mb < 1:
         raise ValueError(f"heap_mb={heap_mb} must be positive")
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    # NVSHMEM reads its environment once, at the first call (get_unique_id on
+    # process 0): the heap size must be set before it, on every process alike.
+    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(int(heap_mb) << 20)
     me = jax.process_index()
     uid = distributed.broadcast_bytes(mod.get_unique_id() if me == 0 else None, root=0)
     ordinal = getattr(devices[0], "local_hardware_id", None)

@@ -77,6 +77,9 @@ if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
   if step nvshmem_build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q \
       -C cmake.define.JFO_ENABLE_NVSHMEM=ON .; then
     $PY -P -c "from jax_flashoverlap import nvshmem; print('nvshmem built:', nvshmem.is_built())"
+    # Two bare processes per start-up variant first: says which way NVSHMEM
+    # starts (or where it crashes) before the JAX tests depend on it.
+    step nvshmem_probe $PY scripts/nvshmem_probe.py
     step nvshmem_test $PY -P -m pytest -q -p no:cacheprovider -rA \
       tests/test_nvshmem_all_reduce.py
   fi

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 from support import assert_close, f64, poison_allocator
 
 import jax_flashoverlap as jfo
+from jax_flashoverlap import dispatch
 
 pytestmark = pytest.mark.gpu
 
@@ -59,6 +60,27 @@ def test_cuda_matches_float64(op, shape, dtype, rng):
     assert_close(y, f64(x) @ f64(w), dtype)
 
 
+@pytest.fixture(params=["fused", "gemm_then_all_reduce"])
+def mar_kernel(request, monkeypatch):
+    """Runs a test once with each kernel of impl="cuda" matmul_all_reduce."""
+    limit = -1 if request.param == "fused" else 1 << 40
+    monkeypatch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", limit)
+    return request.param
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("shape", [(256, 512, 384), (100, 72, 40)])
+def test_matmul_all_reduce_kernels_match_float64(mar_kernel, shape, dtype, rng):
+    _, n = _mesh()
+    xs, ws = _global_shapes("matmul_all_reduce", n, *shape)
+    x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), dtype)
+    w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), dtype)
+    poison_allocator(4 * int(np.prod(xs)) * 4)
+    y = _call("matmul_all_reduce", "cuda", (x, w))
+    jfo.check_device_errors()
+    assert_close(y, f64(x) @ f64(w), dtype)
+
+
 @pytest.mark.parametrize("chunks", [2, 3])
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
 def test_cuda_chunked(op, chunks, rng):
@@ -90,7 +112,8 @@ def test_cuda_gradients_match_xla(op, rng):
 
 
 def test_back_to_back_random_calls_equal_xla():
-    """1,000 calls of randomly chosen ops and shapes, fresh data each time."""
+    """1,000 calls of randomly chosen ops, shapes and (for matmul_all_reduce)
+    kernels, fresh data each time."""
     mesh, n = _mesh()
     shapes = [(64, 128, 96), (200, 64, 48), (512, 256, 128), (16, 512, 64)]
     runners = {}
@@ -111,7 +134,14 @@ def test_back_to_back_random_calls_equal_xla():
                         for impl in ("cuda", "xla")]
                 return outs[0].astype(jnp.float32), outs[1].astype(jnp.float32)
 
-            runners[(op, shape)] = jax.jit(both)
+            key = jax.random.key(0)
+            if op != "matmul_all_reduce":
+                runners[(op, shape)] = jax.jit(both).lower(key).compile()
+                continue
+            for limit in (-1, 1 << 40):  # the fused kernel, then dot + all-reduce kernel
+                with pytest.MonkeyPatch.context() as patch:
+                    patch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", limit)
+                    runners[(op, shape, limit)] = jax.jit(both).lower(key).compile()
     keys = list(runners)
     rng = np.random.default_rng(1234)
     for i in range(1000):

@@ -47,3 +47,14 @@ def test_all_reduce_region_bound_follows_the_workspace():
     assert dispatch.all_reduce_region_bytes(1024, 8) == (120 << 20) // 7
     assert dispatch.all_reduce_region_bytes(4096, 2) == 504 << 20
     assert dispatch.all_reduce_region_bytes(64, 2) == 0
+
+
+def test_matmul_all_reduce_kernel_by_result_size(monkeypatch):
+    monkeypatch.setattr(dispatch, "all_reduce_region_bytes", lambda: 120 << 20)
+    limit = dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES
+    assert dispatch.matmul_all_reduce_kernel(2 << 10) == "gemm_then_all_reduce"
+    assert dispatch.matmul_all_reduce_kernel(limit) == "gemm_then_all_reduce"
+    assert dispatch.matmul_all_reduce_kernel(limit + 1) == "fused"
+    # A region smaller than the limit (many local GPUs) caps the composed path.
+    monkeypatch.setattr(dispatch, "all_reduce_region_bytes", lambda: 1 << 20)
+    assert dispatch.matmul_all_reduce_kernel(2 << 20) == "fused"

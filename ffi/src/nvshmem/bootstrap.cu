@@ -1,10 +1,19 @@
 // NVSHMEM bootstrap for one process per GPU: unique id from PE 0 (shared by
-// the Python side through jax.distributed), nvshmemx_init_attr with
-// NVSHMEMX_INIT_WITH_UNIQUEID, then ONE collective allocation of the
-// all-reduce's symmetric buffers and signal words (nvshmem_malloc is
-// collective, so it never runs per call). Compiled with relocatable device
-// code in the same link unit as the kernels: nvshmemx_init_attr is inline and
-// initialises this module's copy of the device state.
+// the Python side through jax.distributed), NVSHMEMX_INIT_WITH_UNIQUEID, then
+// ONE collective allocation of the all-reduce's symmetric buffers and signal
+// words (nvshmem_malloc is collective, so it never runs per call).
+//
+// Two ways to start, chosen by JFO_NVSHMEM_INIT:
+//   hostlib (default): nvshmemx_hostlib_init_attr starts the host library
+//     alone; then nvshmemx_cumodule_init fills this module's copy of the
+//     device state (the module's kernels are linked with the static device
+//     library, relocatable device code). The way nvshmem4py and JAX's Mosaic
+//     GPU start NVSHMEM from a shared library.
+//   inline: nvshmemx_init_attr, the header-inline start of NVSHMEM's
+//     examples, which runs this module's device-library code inside the
+//     start. Seen on 2xH200 (NVSHMEM 3.4.5): SIGSEGV inside it, before NVSHMEM's
+//     team setup; kept to tell the two apart.
+#include <cuda.h>
 #include <cuda_runtime.h>
 #include <nvshmem.h>
 #include <nvshmemx.h>
@@ -32,6 +41,38 @@ void Check(cudaError_t err, const char* what) {
   }
 }
 
+bool HostlibInit() {
+  const char* mode = std::getenv("JFO_NVSHMEM_INIT");
+  if (mode == nullptr || std::strcmp(mode, "hostlib") == 0) return true;
+  if (std::strcmp(mode, "inline") == 0) return false;
+  throw std::runtime_error(std::string("jax_flashoverlap nvshmem: JFO_NVSHMEM_INIT=") + mode +
+                           ", expected hostlib or inline");
+}
+
+using FuncGetModuleFn = CUresult (*)(CUmodule*, CUfunction);
+
+// The CUDA module of this extension's kernels (the driver API through the
+// runtime's entry points: the extension links no libcuda).
+CUmodule OwnModule() {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query;
+  if (cudaGetDriverEntryPointByVersion("cuFuncGetModule", &fn, 11000, cudaEnableDefault,
+                                       &query) != cudaSuccess ||
+      query != cudaDriverEntryPointSuccess || fn == nullptr) {
+    throw std::runtime_error("jax_flashoverlap nvshmem: the CUDA driver has no cuFuncGetModule");
+  }
+  cudaFunction_t func;
+  Check(cudaGetFuncBySymbol(&func, AnyKernel()), "cudaGetFuncBySymbol");
+  CUmodule module = nullptr;
+  const CUresult res = reinterpret_cast<FuncGetModuleFn>(fn)(
+      &module, reinterpret_cast<CUfunction>(func));
+  if (res != CUDA_SUCCESS) {
+    throw std::runtime_error("jax_flashoverlap nvshmem: cuFuncGetModule failed with CUresult " +
+                             std::to_string(res));
+  }
+  return module;
+}
+
 // JFO_NVSHMEM_DEBUG=1 prints each start-up step before it runs: a start
 // that crashes inside NVSHMEM then shows which step it was.
 void Step(int rank, const char* what) {
@@ -50,6 +91,17 @@ int CeilLog2(int n) {
 void SetEnv(size_t heap_bytes) {
   setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
   setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes).c_str(), 1);
+}
+
+// Shuts NVSHMEM down the way it was started.
+void Stop(NvState& st) {
+  if (st.module != nullptr) {
+    nvshmemx_cumodule_finalize(st.module);
+    st.module = nullptr;
+    nvshmemx_hostlib_finalize();
+  } else {
+    nvshmem_finalize();
+  }
 }
 
 }  // namespace
@@ -101,11 +153,24 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   if (nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr) != 0) {
     throw std::runtime_error("jax_flashoverlap nvshmem: nvshmemx_set_attr_uniqueid_args failed");
   }
-  Step(rank, "nvshmemx_init_attr");
-  if (nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr) != 0) {
-    throw std::runtime_error(
-        "jax_flashoverlap nvshmem: nvshmemx_init_attr failed (rerun with "
-        "NVSHMEM_DEBUG=INFO)");
+  const bool hostlib = HostlibInit();
+  Step(rank, hostlib ? "nvshmemx_hostlib_init_attr" : "nvshmemx_init_attr");
+  const int started = hostlib ? nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr)
+                              : nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);
+  if (started != 0) {
+    throw std::runtime_error(std::string("jax_flashoverlap nvshmem: ") +
+                             (hostlib ? "nvshmemx_hostlib_init_attr" : "nvshmemx_init_attr") +
+                             " failed (rerun with NVSHMEM_DEBUG=INFO)");
+  }
+  if (hostlib) {
+    Step(rank, "nvshmemx_cumodule_init");
+    st.module = OwnModule();
+    if (nvshmemx_cumodule_init(st.module) != 0) {
+      nvshmemx_hostlib_finalize();
+      throw std::runtime_error(
+          "jax_flashoverlap nvshmem: nvshmemx_cumodule_init failed (rerun with "
+          "NVSHMEM_DEBUG=INFO)");
+    }
   }
   Step(rank, "nvshmem_my_pe");
   if (nvshmem_my_pe() != rank || nvshmem_n_pes() != nranks) {
@@ -121,7 +186,7 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   const size_t per_stripe = 2ull * kNvMaxBlocks * units;
   size_t stripe = (heap_bytes / 2 - sig_bytes) / per_stripe / 256 * 256;
   if (heap_bytes / 2 <= sig_bytes || stripe < 4096) {
-    nvshmem_finalize();
+    Stop(st);
     throw std::runtime_error(
         "jax_flashoverlap nvshmem: heap_bytes=" + std::to_string(heap_bytes) +
         " is too small for the all-reduce buffers (" + std::to_string(nranks) +
@@ -133,7 +198,7 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   char* data = static_cast<char*>(nvshmem_malloc(stripe * per_stripe));
   uint64_t* signals = static_cast<uint64_t*>(nvshmem_calloc(1, sig_bytes));
   if (data == nullptr || signals == nullptr) {
-    nvshmem_finalize();
+    Stop(st);
     throw std::runtime_error(
         "jax_flashoverlap nvshmem: nvshmem_malloc of " +
         std::to_string(stripe * per_stripe >> 20) +
@@ -183,7 +248,7 @@ void Finalize() {
   cudaFree(st.seq);
   cudaFree(st.record_lock);
   cudaFreeHost(st.record);
-  nvshmem_finalize();
+  Stop(st);
   st = NvState{};
 }
 

@@ -17,6 +17,7 @@
 // [AG from local rank j] (kNvMaxNode), [step k] (kNvMaxSteps).
 #pragma once
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <cstddef>
@@ -58,6 +59,7 @@ struct NvState {
   NvTimeoutRecord* record = nullptr;  // host-mapped
   NvTimeoutRecord* record_dev = nullptr;  // its device address
   uint32_t* record_lock = nullptr;    // device word
+  CUmodule module = nullptr;  // set when started through the host library
 };
 
 // The process's state (initialized == false before init / after finalize).
@@ -72,6 +74,9 @@ void Finalize();
 std::optional<std::string> TakePendingError();
 // Loads the all-reduce kernels eagerly (hierarchical_all_reduce.cu).
 cudaError_t LoadKernels();
+// One of this module's kernels: finds the CUDA module whose copy of the
+// NVSHMEM device state must be initialised (bootstrap.cu).
+const void* AnyKernel();
 // Largest all-reduce message (bytes per rank) for this node size.
 size_t MaxMessageBytes(int node_size);
 

@@ -1,0 +1,94 @@
+"""What impl="cuda" and impl="auto" lower to for the CUDA platform.
+
+Lowered here, on CPUs, with ``lowering_platforms=("cuda",)``: the custom
+calls, their attributes and the mesh-derived groups are visible in the
+StableHLO text without a GPU. Needs the extension built with its CUDA ops.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_flashoverlap as jfo
+from jax_flashoverlap import _extension, _primitives, dispatch
+
+pytestmark = pytest.mark.skipif(not _extension.cuda_ops_available(),
+                                reason="extension built without its CUDA ops")
+
+
+def _cuda_text(fn, mesh, shapes, in_specs, out_specs, dtype=jnp.bfloat16):
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                              check_vma=False))
+    args = [jax.ShapeDtypeStruct(s, dtype, sharding=NamedSharding(mesh, spec))
+            for s, spec in zip(shapes, in_specs)]
+    return f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _custom_calls(text):
+    return re.findall(r"custom_call @(\w+)", text)
+
+
+def _mesh(shape=(2,), names=("tp",), order=None):
+    devices = np.asarray(jax.devices()[:int(np.prod(shape))])
+    if order is not None:
+        devices = devices[order]
+    return jax.sharding.Mesh(devices.reshape(shape), names)
+
+
+def _matmul_all_reduce_text(rows, cols, impl, k=1024):
+    fn = functools.partial(jfo.matmul_all_reduce, axis_name="tp", impl=impl)
+    return _cuda_text(fn, _mesh(), [(rows, k), (k, cols)], (P(None, "tp"), P("tp", None)), P())
+
+
+def test_small_matmul_all_reduce_is_dot_then_the_all_reduce_kernel():
+    text = _matmul_all_reduce_text(128, 256, "cuda")
+    assert _custom_calls(text) == ["jfo_all_reduce"]
+    assert "stablehlo.dot_general" in text
+    assert "algorithm = 0" in text  # one-shot for 64 KiB
+
+
+def test_the_fused_kernel_from_just_above_the_limit():
+    rows = dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES // (2 * 1024)
+    assert _custom_calls(_matmul_all_reduce_text(rows, 1024, "cuda")) == ["jfo_all_reduce"]
+    text = _matmul_all_reduce_text(rows + 1, 1024, "cuda")
+    assert _custom_calls(text) == ["jfo_matmul_all_reduce"]
+
+
+def test_auto_keeps_to_measured_kernels():
+    # 4096 rows: "auto" picks "cuda", and there only the measured fused kernel.
+    assert _custom_calls(_matmul_all_reduce_text(4096, 256, "auto")) == ["jfo_matmul_all_reduce"]
+    assert _custom_calls(_matmul_all_reduce_text(128, 256, "auto")) == []
+
+
+@pytest.mark.parametrize("dtype,want", [(jnp.bfloat16, ["jfo_all_reduce"]), (jnp.float32, [])])
+def test_auto_all_reduce_on_two_gpus(dtype, want):
+    fn = functools.partial(jfo.all_reduce, axis_name="tp")
+    text = _cuda_text(fn, _mesh(), [(2, 4096)], (P("tp"),), P("tp"), dtype)
+    assert _custom_calls(text) == want
+
+
+def test_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(_primitives.TIMEOUT_ENV, "1234")
+    assert "timeout_ms = 1234" in _matmul_all_reduce_text(128, 256, "cuda")
+
+
+@pytest.mark.parametrize("shape,names,order,groups", [
+    ((2,), ("tp",), [1, 0], [1, 0]),
+    ((2, 2), ("data", "tp"), None, [0, 1, 2, 3]),
+    ((2, 2), ("tp", "data"), None, [0, 2, 1, 3]),
+])
+def test_groups_are_mesh_positions_along_the_axis(shape, names, order, groups):
+    mesh = _mesh(shape, names, order)
+    fn = functools.partial(jfo.all_reduce, axis_name="tp", impl="cuda")
+    spec = P(*names)
+    text = _cuda_text(fn, mesh, [(*shape, 64)], (spec,), spec)
+    ordinals = [d.local_hardware_id for d in np.asarray(jax.devices()[:len(groups)])]
+    want = [ordinals[g] for g in groups]
+    found = re.search(r"group_ordinals = dense<\[([\d, ]+)\]>", text)
+    assert found and [int(v) for v in found.group(1).split(",")] == want
