@@ -8,9 +8,11 @@ process: impl "cuda", "xla", "auto", "decomposed" (the ring schedule) and
 alone ("gemm") and the collective alone ("comm"); XLA's windowed einsum
 ("xla_windowed") runs in a child process because its flags are read once at
 start-up. Every implementation's result is checked against "xla" before it is
-timed. ``--devices N`` runs on the first N local GPUs (TP=N); the CUDA
-kernels always send directly to every peer (NVLink/NVSwitch), so the ring and
-bidirectional variants are schedules of the pure-JAX path.
+timed. ``--chunks 2 4`` adds impl="cuda" with those chunk counts (the data
+for choosing it automatically). ``--devices N`` runs on the first N local
+GPUs (TP=N); the CUDA kernels always send directly to every peer
+(NVLink/NVSwitch), so the ring and bidirectional variants are schedules of
+the pure-JAX path.
 """
 
 from __future__ import annotations
@@ -40,9 +42,13 @@ def _operands(op, n, m, k, cols):
 
 
 def _op_fn(op, impl):
-    """The per-device function of ``impl`` (an entry of IMPLS), or None where it does not apply."""
+    """The per-device function of ``impl`` (an entry of IMPLS, or "cuda_chunksC"),
+    or None where it does not apply."""
     import jax_flashoverlap as jfo
 
+    if impl.startswith("cuda_chunks"):
+        return functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda",
+                                 chunks=int(impl[len("cuda_chunks"):]))
     if impl == "decomposed_bidirectional":
         if op == "matmul_all_reduce":
             return None
@@ -136,7 +142,8 @@ def table(rows) -> str:
     for r in rows:
         by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
     present = {r["impl"] for r in rows}
-    cols = [c for c in ("cuda", "auto", "xla", "xla_windowed", "decomposed",
+    chunked = sorted(c for c in present if c.startswith("cuda_chunks"))
+    cols = [c for c in ("cuda", *chunked, "auto", "xla", "xla_windowed", "decomposed",
                         "decomposed_bidirectional", "gemm", "comm") if c in present]
     lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
              "|---|---|" + "---|" * (len(cols) + 2)]
@@ -185,6 +192,9 @@ def main():
     parser.add_argument("--ops", nargs="+", default=list(OPS))
     parser.add_argument("--shapes", nargs="+", default=["x".join(map(str, s)) for s in SHAPES])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--chunks", nargs="+", type=int, default=[],
+                        help="also time impl='cuda' with each of these chunk counts "
+                             "(rows 'cuda_chunksC'; the default is the op's own)")
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N local devices (default: all)")
     parser.add_argument("--reps", type=int, default=5)
@@ -200,7 +210,8 @@ def main():
         return
     if args.devices is not None and not 1 < args.devices:
         parser.error(f"--devices must be at least 2, got {args.devices}")
-    rows = run(args.ops, shapes, args.impls, args.reps, args.devices)
+    impls = args.impls + [f"cuda_chunks{c}" for c in args.chunks]
+    rows = run(args.ops, shapes, impls, args.reps, args.devices)
     if not args.no_windowed:
         rows += _windowed(args)
     import jax

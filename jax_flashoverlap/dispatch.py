@@ -36,9 +36,8 @@ _MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096}
 # all_reduce (benchmarks/results/all_reduce_2xh200.json): faster than psum at
 # every size from 4 KiB to 256 MiB with unrolled loops (1.22-2.51x); with one
 # op per loop iteration, where both are bound by XLA's host, 0.95-1.43x below
-# 4 MiB and 1.22-1.42x from there. "auto" keeps
-# to messages the all-reduce region holds with the default workspace, so
-# that it never fails where psum would not.
+# 4 MiB and 1.22-1.42x from there. "auto" keeps to messages the all-reduce
+# region holds, so that it never fails where psum would not.
 _ALL_REDUCE_MEASURED_DEVICES = 2
 
 

@@ -4,7 +4,8 @@
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar train all
 #                                               nvshmem (only when named; not part of all)
 #
-# JFO_GPU_TESTS picks test files, JFO_TRAIN_ARGS extra train_step.py flags,
+# JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS and JFO_TRAIN_ARGS
+# add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
 # JFO_DEVICES=N runs everything on the first N GPUs (CUDA_VISIBLE_DEVICES) and
 # names the JSON files *_tpN.json, so runs at TP=2/4/8 can share one $OUT.
 #
@@ -57,12 +58,14 @@ if want demo; then
   step demo $PY -P -m jax_flashoverlap.demo --json "$OUT/demo.json"
 fi
 if want cm; then
+  # shellcheck disable=SC2086
   step cm$tag $PY benchmarks/collective_matmul.py --json "$OUT/collective_matmul$tag.json" \
-    --plot "$OUT/collective_matmul$tag.png"
+    --plot "$OUT/collective_matmul$tag.png" ${JFO_CM_ARGS:-}
 fi
 if want ar; then
+  # shellcheck disable=SC2086
   step ar$tag $PY -P benchmarks/all_reduce.py --json "$OUT/all_reduce$tag.json" \
-    --plot "$OUT/all_reduce$tag.png"
+    --plot "$OUT/all_reduce$tag.png" ${JFO_AR_ARGS:-}
 fi
 if want train; then
   # shellcheck disable=SC2086

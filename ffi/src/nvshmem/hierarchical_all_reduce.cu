@@ -382,8 +382,6 @@ ffi::Error AllReduceImpl(cudaStream_t stream, Buffer_Type x, Result_Type y,
 
 // Loads every variant now (see ../all_reduce.cu: a lazily loaded kernel can
 // block its launch until a spinning peer kernel gives up).
-const void* AnyKernel() { return reinterpret_cast<const void*>(PickKernel(ffi::DataType::F32, false)); }
-
 cudaError_t LoadKernels() {
   cudaFuncAttributes attrs;
   for (auto dtype : {ffi::DataType::BF16, ffi::DataType::F16, ffi::DataType::F32}) {
@@ -393,6 +391,10 @@ cudaError_t LoadKernels() {
     }
   }
   return cudaSuccess;
+}
+
+const void* AnyKernel() {
+  return reinterpret_cast<const void*>(PickKernel(ffi::DataType::F32, false));
 }
 
 }  // namespace nv
