@@ -24,10 +24,6 @@ import argparse
 import json
 import os
 
-# The all-reduce region is a quarter of the workspace and holds two buffers
-# per peer: 4 GiB fits 256 MiB messages on 2 GPUs. Read at the first CUDA op.
-os.environ.setdefault("JAX_FLASHOVERLAP_WORKSPACE_MB", "4096")
-
 SIZES = sorted({4 << (2 * i) << 10 for i in range(9)}  # 4 KiB, 16 KiB, ..., 256 MiB
                | {2 << 20, 8 << 20, 32 << 20})
 MODES = {"loop": 1, "unrolled": 8}  # mode -> ops per loop iteration
@@ -62,6 +58,8 @@ def run(sizes, impls, modes, reps, devices=None):
     import jax_flashoverlap as jfo
     from jax_flashoverlap.benchmarking import time_per_op
 
+    if devices is not None and devices > len(jax.devices()):
+        raise SystemExit(f"--devices {devices}: only {len(jax.devices())} devices here")
     devices = jax.devices()[:devices]
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
@@ -94,8 +92,9 @@ def run(sizes, impls, modes, reps, devices=None):
                 raise SystemExit(f"{name} at {_label(size)}: relative error {err:.3g} vs psum")
             for mode in modes:
                 unroll = MODES[mode]
+                ops = -(-k2 // unroll) * unroll  # whole unrolled iterations only
                 t = time_per_op(op, [x], mesh=mesh, in_specs=(P("tp"),), k1=2 * unroll,
-                                k2=k2 + 2 * unroll, reps=reps, unroll=unroll)
+                                k2=ops + 2 * unroll, reps=reps, unroll=unroll)
                 jfo.check_device_errors()
                 rows.append(dict(size_bytes=size, impl=name, mode=mode, unroll=unroll,
                                  us=t.median_us, min_us=t.min_s * 1e6, max_us=t.max_s * 1e6,
@@ -153,6 +152,9 @@ def plot(rows, n, path):
 
 
 def main():
+    # The all-reduce region is a quarter of the workspace and holds two buffers
+    # per peer: 4 GiB fits 256 MiB messages on 2 GPUs. Read at the first CUDA op.
+    os.environ.setdefault("JAX_FLASHOVERLAP_WORKSPACE_MB", "4096")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", type=int, default=SIZES, help="bytes per rank")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))

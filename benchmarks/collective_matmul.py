@@ -3,8 +3,10 @@
     python benchmarks/collective_matmul.py --json out.json [--plot out.png]
 
 For each op and per-device shape (m_shard x K x n_shard) it times, in one
-process: impl "cuda", "xla", "auto", "decomposed" (the ring schedule) and
-"decomposed_bidirectional" (AllGather and ReduceScatter only), the same dot
+process: impl "cuda", "cuda_fused" (matmul_all_reduce's fused kernel, which
+impl="cuda" replaces by dot + all-reduce for small results), "xla", "auto",
+"decomposed" (the ring schedule) and "decomposed_bidirectional" (AllGather
+and ReduceScatter only), the same dot
 alone ("gemm") and the collective alone ("comm"); XLA's windowed einsum
 ("xla_windowed") runs in a child process because its flags are read once at
 start-up. Every implementation's result is checked against "xla" before it is
@@ -18,6 +20,7 @@ the pure-JAX path.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -27,7 +30,7 @@ import sys
 SHAPES = [(1024, 4096, 4096), (2048, 8192, 7168), (2048, 8192, 14336),
           (4096, 8192, 4096), (8192, 8192, 14336), (128, 8192, 8192)]
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")
-IMPLS = ("cuda", "xla", "auto", "decomposed", "decomposed_bidirectional")
+IMPLS = ("cuda", "cuda_fused", "xla", "auto", "decomposed", "decomposed_bidirectional")
 WINDOWED_FLAGS = ("--xla_gpu_threshold_for_windowed_einsum_mib=0 "
                   "--xla_gpu_multi_streamed_windowed_einsum=true")
 
@@ -42,19 +45,40 @@ def _operands(op, n, m, k, cols):
 
 
 def _op_fn(op, impl):
-    """The per-device function of ``impl`` (an entry of IMPLS, or "cuda_chunksC"),
-    or None where it does not apply."""
+    """(per-device function, fused-only) of ``impl``, an entry of IMPLS or
+    "cuda_chunksC"; None where it does not apply.
+
+    fused-only: matmul_all_reduce must run its fused kernel, which impl="cuda"
+    replaces by dot + all-reduce for small results ("cuda_fused" and the
+    chunked rows time the fused kernel; "cuda" times what users get).
+    """
     import jax_flashoverlap as jfo
 
+    call = functools.partial(getattr(jfo, op), axis_name="tp")
+    if impl == "cuda_fused":
+        return (call, True) if op == "matmul_all_reduce" else None
     if impl.startswith("cuda_chunks"):
-        return functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda",
-                                 chunks=int(impl[len("cuda_chunks"):]))
+        chunks = int(impl[len("cuda_chunks"):])
+        return functools.partial(call, impl="cuda", chunks=chunks), op == "matmul_all_reduce"
     if impl == "decomposed_bidirectional":
         if op == "matmul_all_reduce":
             return None
-        return functools.partial(getattr(jfo, op), axis_name="tp", impl="decomposed",
-                                 topology="bidirectional")
-    return functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
+        return functools.partial(call, impl="decomposed", topology="bidirectional"), False
+    return functools.partial(call, impl=impl), False
+
+
+@contextlib.contextmanager
+def _fused_only(active):
+    """Makes impl="cuda" matmul_all_reduce lower to its fused kernel (new jits only)."""
+    from jax_flashoverlap import dispatch
+
+    saved = dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES
+    if active:
+        dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = -1
+    try:
+        yield
+    finally:
+        dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = saved
 
 
 def run(ops, shapes, impls, reps, devices=None, check=True):
@@ -67,6 +91,8 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
 
     from jax_flashoverlap.benchmarking import time_per_op
 
+    if devices is not None and devices > len(jax.devices()):
+        raise SystemExit(f"--devices {devices}: only {len(jax.devices())} devices here")
     devices = jax.devices()[:devices]
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
@@ -89,22 +115,25 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
             args = [put(s) for s in shapes_op]
             reference = None
             for impl in impls:
-                fn = _op_fn(op, impl)
-                if fn is None:
+                picked = _op_fn(op, impl)
+                if picked is None:
                     continue
-                if check:
-                    run_once = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(P("tp"),) * 2,
-                                                     out_specs=P("tp"), check_vma=False))
-                    try:
-                        out = np.asarray(run_once(*args).astype(jnp.float32))
-                    except NotImplementedError as e:
-                        print(f"skip {op} {impl}: {e}", flush=True)
-                        continue
-                    reference = out if reference is None else reference
-                    err = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
-                    if not err < 2e-2:
-                        raise SystemExit(f"{op} {impl} {m}x{k}x{cols}: rel err {err:.3g}")
-                t = timed(fn, args, gemm_us)
+                fn, fused_only = picked
+                with _fused_only(fused_only):
+                    if check:
+                        run_once = jax.jit(jax.shard_map(fn, mesh=mesh,
+                                                         in_specs=(P("tp"),) * 2,
+                                                         out_specs=P("tp"), check_vma=False))
+                        try:
+                            out = np.asarray(run_once(*args).astype(jnp.float32))
+                        except NotImplementedError as e:
+                            print(f"skip {op} {impl}: {e}", flush=True)
+                            continue
+                        reference = out if reference is None else reference
+                        err = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
+                        if not err < 2e-2:
+                            raise SystemExit(f"{op} {impl} {m}x{k}x{cols}: rel err {err:.3g}")
+                    t = timed(fn, args, gemm_us)
                 rows.append(dict(op=op, shape=[m, k, cols], impl=impl, us=t.median_us,
                                  min_us=t.min_s * 1e6, max_us=t.max_s * 1e6))
                 print(f"{op:22s} {m}x{k}x{cols:<6d} {impl:13s} {t.median_us:9.1f} us",
@@ -143,7 +172,7 @@ def table(rows) -> str:
         by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
     present = {r["impl"] for r in rows}
     chunked = sorted(c for c in present if c.startswith("cuda_chunks"))
-    cols = [c for c in ("cuda", *chunked, "auto", "xla", "xla_windowed", "decomposed",
+    cols = [c for c in ("cuda", "cuda_fused", *chunked, "auto", "xla", "xla_windowed", "decomposed",
                         "decomposed_bidirectional", "gemm", "comm") if c in present]
     lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
              "|---|---|" + "---|" * (len(cols) + 2)]

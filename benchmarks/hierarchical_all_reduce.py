@@ -81,9 +81,10 @@ def run(sizes, impls, modes, reps, heap_mb):
                 raise SystemExit(f"{name} at {label(size)}: relative error {err:.3g} vs psum")
             for mode in modes:
                 unroll = MODES[mode]
+                ops_timed = -(-k2 // unroll) * unroll  # whole unrolled iterations only
                 t = time_per_op(lambda v, op=op: op(v[0])[None], [x], mesh=mesh,
-                                in_specs=(P("p"),), k1=2 * unroll, k2=k2 + 2 * unroll,
-                                reps=reps, unroll=unroll)
+                                in_specs=(P("p"),), k1=2 * unroll,
+                                k2=ops_timed + 2 * unroll, reps=reps, unroll=unroll)
                 rows.append(dict(size_bytes=size, impl=name, mode=mode, unroll=unroll,
                                  us=t.median_us, min_us=t.min_s * 1e6, max_us=t.max_s * 1e6,
                                  reps=t.reps, k2=k2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Callable, Sequence
 
 import jax
@@ -33,11 +34,14 @@ Shapes = Sequence[tuple[int, ...]]
 # matmul_reduce_scatter is absent: it won by 5% on one shape only.
 _MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096}
 
-# all_reduce (benchmarks/results/all_reduce_2xh200.json): faster than psum at
-# every size from 4 KiB to 256 MiB with unrolled loops (1.22-2.51x); with one
-# op per loop iteration, where both are bound by XLA's host, 0.95-1.43x below
-# 4 MiB and 1.22-1.42x from there. "auto" keeps to messages the all-reduce
-# region holds, so that it never fails where psum would not.
+# all_reduce (benchmarks/results/all_reduce_2xh200.json): the kernel "auto"
+# runs (one-shot to 8 MiB, two-shot above) was faster than psum at every size
+# from 4 KiB to 256 MiB with unrolled loops (1.22-2.51x), and with one op per
+# loop iteration (both bound by XLA's host) at every size but one: 16 KiB,
+# one-shot 16.3 us (range 14.0-24.4 over 7 runs) against psum 13.7 us. That
+# exception is kept, as noise of a host-bound loop, and is to be re-measured.
+# "auto" keeps to messages the all-reduce region holds, so that it never
+# fails where psum would not.
 _ALL_REDUCE_MEASURED_DEVICES = 2
 
 
@@ -72,12 +76,30 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
       local_devices: CUDA devices of this process; default: JAX's count.
     """
     if workspace_mb is None:
-        workspace_mb = int(os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB", "1024"))
+        workspace_mb = _workspace_mb_from_env()
     if local_devices is None:
         local_devices = jax.local_device_count()
     senders = max(local_devices - 1, 1)
     # 64 MiB covers the GEMM workspace, the control words and rounding.
-    return max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders
+    slot = max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders
+    # Each of the kernel's 128 blocks has a 1/128 stripe of the slot and takes
+    # up to 16 KiB of a small message (ffi/src/all_reduce.cu): below that the
+    # region holds no message reliably.
+    if slot // 128 < _AR_BLOCK_BYTES + 256:
+        return 0
+    return slot - 128 * 256
+
+
+_AR_BLOCK_BYTES = 16 << 10  # kMinBlockBytes of ffi/src/all_reduce.cu
+
+
+def _workspace_mb_from_env() -> int:
+    """JAX_FLASHOVERLAP_WORKSPACE_MB as the extension reads it (leading digits, at least 64)."""
+    raw = os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB")
+    if raw is None:
+        return 1024
+    digits = re.match(r"\s*(\d*)", raw).group(1)
+    return max(int(digits or 0), 64)
 
 
 def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int) -> str:

@@ -205,7 +205,9 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
 @pytest.mark.parametrize("layout", ["reversed", "data_x_tensor"])
 def test_groups_follow_the_mesh_not_the_ordinals(layout, rng):
     """GPUs in reversed order on "tp", or a (data, tp) mesh ((n/2, 2) from 4
-    GPUs on, (1, 2) on 2): each tp group sums its own ranks, in mesh order."""
+    GPUs on, (1, 2) on 2): each tp group sums its own ranks, in mesh order.
+    (With 2 ranks the order of the sum is not observable, a + b == b + a; from
+    3 GPUs on a wrong rank order changes bits.)"""
     devices = np.asarray(jax.devices("gpu"))
     if layout == "reversed":
         mesh = jax.sharding.Mesh(devices[::-1], ("tp",))

@@ -122,26 +122,31 @@ def test_back_to_back_random_calls_equal_xla():
         for shape in shapes:
             xs, ws = _global_shapes(op, n, *shape)
 
-            def both(key, op=op, xs=xs, ws=ws, in_specs=in_specs, out_specs=out_specs):
-                kx, kw = jax.random.split(key)
-                x = jax.random.normal(kx, xs, jnp.bfloat16)
-                w = jax.random.normal(kw, ws, jnp.bfloat16)
-                x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, in_specs[0]))
-                w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, in_specs[1]))
-                outs = [jax.shard_map(functools.partial(getattr(jfo, op), axis_name="tp",
-                                                        impl=impl),
-                                      mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, w)
-                        for impl in ("cuda", "xla")]
-                return outs[0].astype(jnp.float32), outs[1].astype(jnp.float32)
+            def make_both(op=op, xs=xs, ws=ws, in_specs=in_specs, out_specs=out_specs):
+                # A new function per compile: jit reuses the lowering of one
+                # it has seen, whatever the dispatch limit says now.
+                def both(seed):
+                    kx, kw = jax.random.split(seed)
+                    x = jax.random.normal(kx, xs, jnp.bfloat16)
+                    w = jax.random.normal(kw, ws, jnp.bfloat16)
+                    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, in_specs[0]))
+                    w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, in_specs[1]))
+                    outs = [jax.shard_map(functools.partial(getattr(jfo, op), axis_name="tp",
+                                                            impl=impl),
+                                          mesh=mesh, in_specs=in_specs,
+                                          out_specs=out_specs)(x, w)
+                            for impl in ("cuda", "xla")]
+                    return outs[0].astype(jnp.float32), outs[1].astype(jnp.float32)
+                return jax.jit(both)
 
             key = jax.random.key(0)
             if op != "matmul_all_reduce":
-                runners[(op, shape)] = jax.jit(both).lower(key).compile()
+                runners[(op, shape)] = make_both().lower(key).compile()
                 continue
             for limit in (-1, 1 << 40):  # the fused kernel, then dot + all-reduce kernel
                 with pytest.MonkeyPatch.context() as patch:
                     patch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", limit)
-                    runners[(op, shape, limit)] = jax.jit(both).lower(key).compile()
+                    runners[(op, shape, limit)] = make_both().lower(key).compile()
     keys = list(runners)
     rng = np.random.default_rng(1234)
     for i in range(1000):

@@ -1,5 +1,7 @@
 """impl="auto": the measured rule, and "xla" wherever nothing was measured."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -25,7 +27,8 @@ def cuda_built(monkeypatch):
     ("all_reduce", [(1, 1 << 20)], np.dtype("bfloat16"), 4, "xla"),
     ("all_reduce", [(1024, 1 << 20)], np.dtype("bfloat16"), 2, "xla"),  # 2 GiB: over the region
 ])
-def test_rule(cuda_built, op, shapes, dtype, n, want):
+def test_rule(cuda_built, op, shapes, dtype, n, want, monkeypatch):
+    monkeypatch.delenv("JAX_FLASHOVERLAP_WORKSPACE_MB", raising=False)
     assert dispatch.choose_impl(op, "jfo_" + op, shapes, dtype, n) == want
 
 
@@ -42,11 +45,40 @@ def test_auto_is_xla_off_gpu(cuda_built):
     assert got == "xla"
 
 
-def test_all_reduce_region_bound_follows_the_workspace():
-    assert dispatch.all_reduce_region_bytes(1024, 2) == 120 << 20
-    assert dispatch.all_reduce_region_bytes(1024, 8) == (120 << 20) // 7
-    assert dispatch.all_reduce_region_bytes(4096, 2) == 504 << 20
-    assert dispatch.all_reduce_region_bytes(64, 2) == 0
+def _kernel_accepts(nbytes, workspace_mb, devices):
+    """Whether ffi/src/all_reduce.cu takes a bf16 message of nbytes per rank:
+    the layout of peer.cu / peer_region.cu and the grid of AllReduceImpl, redone."""
+    data = (max(workspace_mb, 64) << 20) - (32 << 20) - (64 << 10)
+    region = data // 4 // 256 * 256
+    line = 128 * 256
+    slot = region // (2 * max(devices - 1, 1)) // line * line
+    elements = nbytes // 2
+    blocks = min(max(math.ceil(nbytes / (16 << 10)), 1), 128)
+    chunk = math.ceil(math.ceil(elements / blocks) / 8) * 8
+    return chunk * 2 <= slot // 128
+
+
+def test_all_reduce_region_bound_is_a_lower_bound_of_the_kernels_limit():
+    for workspace_mb in (64, 65, 80, 100, 128, 144, 145, 200, 512, 1024, 4096):
+        for devices in range(2, 9):
+            bound = dispatch.all_reduce_region_bytes(workspace_mb, devices)
+            for nbytes in (2, 16 << 10, 64 << 10, 1 << 20, bound // 2, bound):
+                if 0 < nbytes <= bound:
+                    assert _kernel_accepts(nbytes // 2 * 2, workspace_mb, devices), (
+                        workspace_mb, devices, nbytes, bound)
+    assert dispatch.all_reduce_region_bytes(1024, 2) > 100 << 20  # not needlessly small
+    assert dispatch.all_reduce_region_bytes(128, 8) == 0  # stripes under 16 KiB
+
+
+def test_workspace_setting_is_read_like_the_extension_reads_it(monkeypatch):
+    monkeypatch.delenv("JAX_FLASHOVERLAP_WORKSPACE_MB", raising=False)
+    default = dispatch.all_reduce_region_bytes(local_devices=2)
+    assert default == dispatch.all_reduce_region_bytes(1024, 2)
+    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "2048MB")  # strtoull: 2048
+    assert dispatch.all_reduce_region_bytes(local_devices=2) == dispatch.all_reduce_region_bytes(
+        2048, 2)
+    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "10")  # raised to 64
+    assert dispatch.all_reduce_region_bytes(local_devices=2) == 0
 
 
 def test_matmul_all_reduce_kernel_by_result_size(monkeypatch):

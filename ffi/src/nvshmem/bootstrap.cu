@@ -164,16 +164,24 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   }
   if (hostlib) {
     Step(rank, "nvshmemx_cumodule_init");
-    st.module = OwnModule();
-    if (nvshmemx_cumodule_init(st.module) != 0) {
+    CUmodule module = nullptr;
+    try {
+      module = OwnModule();
+    } catch (...) {
+      nvshmemx_hostlib_finalize();
+      throw;
+    }
+    if (nvshmemx_cumodule_init(module) != 0) {
       nvshmemx_hostlib_finalize();
       throw std::runtime_error(
           "jax_flashoverlap nvshmem: nvshmemx_cumodule_init failed (rerun with "
           "NVSHMEM_DEBUG=INFO)");
     }
+    st.module = module;  // from here on, Stop() undoes both
   }
   Step(rank, "nvshmem_my_pe");
   if (nvshmem_my_pe() != rank || nvshmem_n_pes() != nranks) {
+    Stop(st);
     throw std::runtime_error(
         "jax_flashoverlap nvshmem: NVSHMEM made this process PE " +
         std::to_string(nvshmem_my_pe()) + " of " + std::to_string(nvshmem_n_pes()) +
@@ -205,20 +213,29 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
         " MiB failed; raise heap_mb (NVSHMEM_SYMMETRIC_SIZE) or free GPU "
         "memory (XLA_PYTHON_CLIENT_MEM_FRACTION)");
   }
-  Step(rank, "device counters");
-  Check(cudaMalloc(&st.seq, sizeof(uint64_t) * kNvMaxBlocks), "cudaMalloc(seq)");
-  Check(cudaMemset(st.seq, 0, sizeof(uint64_t) * kNvMaxBlocks), "cudaMemset(seq)");
-  Check(cudaMalloc(&st.record_lock, sizeof(uint32_t)), "cudaMalloc(lock)");
-  Check(cudaMemset(st.record_lock, 0, sizeof(uint32_t)), "cudaMemset(lock)");
-  Check(cudaHostAlloc(reinterpret_cast<void**>(&st.record), sizeof(NvTimeoutRecord),
-                      cudaHostAllocMapped),
-        "cudaHostAlloc(record)");
-  std::memset(const_cast<NvTimeoutRecord*>(st.record), 0, sizeof(NvTimeoutRecord));
-  Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.record_dev), st.record, 0),
-        "cudaHostGetDevicePointer(record)");
-  Step(rank, "loading kernels");
-  Check(LoadKernels(), "loading the all-reduce kernels");
-  Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  try {
+    Step(rank, "device counters");
+    Check(cudaMalloc(&st.seq, sizeof(uint64_t) * kNvMaxBlocks), "cudaMalloc(seq)");
+    Check(cudaMemset(st.seq, 0, sizeof(uint64_t) * kNvMaxBlocks), "cudaMemset(seq)");
+    Check(cudaMalloc(&st.record_lock, sizeof(uint32_t)), "cudaMalloc(lock)");
+    Check(cudaMemset(st.record_lock, 0, sizeof(uint32_t)), "cudaMemset(lock)");
+    Check(cudaHostAlloc(reinterpret_cast<void**>(&st.record), sizeof(NvTimeoutRecord),
+                        cudaHostAllocMapped),
+          "cudaHostAlloc(record)");
+    std::memset(const_cast<NvTimeoutRecord*>(st.record), 0, sizeof(NvTimeoutRecord));
+    Check(cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.record_dev), st.record, 0),
+          "cudaHostGetDevicePointer(record)");
+    Step(rank, "loading kernels");
+    Check(LoadKernels(), "loading the all-reduce kernels");
+    Check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  } catch (...) {  // a later initialize() must find NVSHMEM stopped
+    cudaFree(st.seq);
+    cudaFree(st.record_lock);
+    cudaFreeHost(st.record);
+    Stop(st);
+    st = NvState{};
+    throw;
+  }
   // Every PE's counters and signals are zero before anyone's first call.
   Step(rank, "nvshmem_barrier_all");
   nvshmem_barrier_all();
