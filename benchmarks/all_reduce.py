@@ -41,6 +41,19 @@ def floor_us(size: int, n: int) -> float:
     return 2 * (n - 1) / n * size / NVLINK_BYTES_PER_S * 1e6
 
 
+def time_modes(op, args, *, mesh, in_specs, ops, modes, reps):
+    """Times ``op`` in each loop mode over about ``ops`` ops; yields (mode, row fields)."""
+    from jax_flashoverlap.benchmarking import time_per_op
+
+    for mode in modes:
+        unroll = MODES[mode]
+        whole = -(-ops // unroll) * unroll  # whole unrolled iterations only
+        t = time_per_op(op, args, mesh=mesh, in_specs=in_specs, k1=2 * unroll,
+                        k2=whole + 2 * unroll, reps=reps, unroll=unroll)
+        yield mode, dict(mode=mode, unroll=unroll, us=t.median_us, min_us=t.min_s * 1e6,
+                         max_us=t.max_s * 1e6, reps=t.reps, k2=whole)
+
+
 def _label(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
@@ -56,7 +69,6 @@ def run(sizes, impls, modes, reps, devices=None):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashoverlap as jfo
-    from jax_flashoverlap.benchmarking import time_per_op
 
     if devices is not None and devices > len(jax.devices()):
         raise SystemExit(f"--devices {devices}: only {len(jax.devices())} devices here")
@@ -90,25 +102,26 @@ def run(sizes, impls, modes, reps, devices=None):
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             if not err < 1e-2:
                 raise SystemExit(f"{name} at {_label(size)}: relative error {err:.3g} vs psum")
-            for mode in modes:
-                unroll = MODES[mode]
-                ops = -(-k2 // unroll) * unroll  # whole unrolled iterations only
-                t = time_per_op(op, [x], mesh=mesh, in_specs=(P("tp"),), k1=2 * unroll,
-                                k2=ops + 2 * unroll, reps=reps, unroll=unroll)
+            for mode, fields in time_modes(op, [x], mesh=mesh, in_specs=(P("tp"),), ops=k2,
+                                           modes=modes, reps=reps):
                 jfo.check_device_errors()
-                rows.append(dict(size_bytes=size, impl=name, mode=mode, unroll=unroll,
-                                 us=t.median_us, min_us=t.min_s * 1e6, max_us=t.max_s * 1e6,
-                                 reps=t.reps, k2=k2))
-                print(f"{_label(size):>8s} {mode:8s} {name:9s} {t.median_us:9.2f} us "
-                      f"[{t.min_s * 1e6:.2f}, {t.max_s * 1e6:.2f}]", flush=True)
+                rows.append(dict(size_bytes=size, impl=name, **fields))
+                print(f"{_label(size):>8s} {mode:8s} {name:9s} {fields['us']:9.2f} us "
+                      f"[{fields['min_us']:.2f}, {fields['max_us']:.2f}]", flush=True)
     return rows, n
 
 
-def table(rows, n, mode) -> str:
+def times_by_size(rows, mode) -> dict[int, dict[str, float]]:
+    """{size: {impl: µs}} of the rows of one loop mode."""
     by = {}
     for r in rows:
         if r["mode"] == mode:
             by.setdefault(r["size_bytes"], {})[r["impl"]] = r["us"]
+    return by
+
+
+def table(rows, n, mode) -> str:
+    by = times_by_size(rows, mode)
     cols = [c for c in IMPLS if any(c in t for t in by.values())]
     lines = [f"{mode} (ops per loop iteration: {MODES[mode]})", "",
              "| size | " + " | ".join(f"{c} µs" for c in cols)

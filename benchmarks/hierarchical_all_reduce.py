@@ -19,12 +19,13 @@ the JSON. ``--impls xla`` needs no NVSHMEM build (and runs on CPUs, through
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from all_reduce import MODES, floor_us  # noqa: E402  (the sibling benchmark)
+from all_reduce import MODES, floor_us, time_modes, times_by_size  # noqa: E402  (sibling)
 from all_reduce import _label as label  # noqa: E402
 
 SIZES = [4 << (2 * i) << 10 for i in range(6)] + [2 << 20]  # 4 KiB .. 4 MiB, 2 MiB
@@ -40,7 +41,6 @@ def run(sizes, impls, modes, reps, heap_mb):
     from jax.sharding import PartitionSpec as P
 
     from jax_flashoverlap import distributed
-    from jax_flashoverlap.benchmarking import time_per_op
 
     distributed.initialize()
     if "nvshmem" in impls:
@@ -79,18 +79,13 @@ def run(sizes, impls, modes, reps, heap_mb):
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
             if not err < 1e-2:
                 raise SystemExit(f"{name} at {label(size)}: relative error {err:.3g} vs psum")
-            for mode in modes:
-                unroll = MODES[mode]
-                ops_timed = -(-k2 // unroll) * unroll  # whole unrolled iterations only
-                t = time_per_op(lambda v, op=op: op(v[0])[None], [x], mesh=mesh,
-                                in_specs=(P("p"),), k1=2 * unroll,
-                                k2=ops_timed + 2 * unroll, reps=reps, unroll=unroll)
-                rows.append(dict(size_bytes=size, impl=name, mode=mode, unroll=unroll,
-                                 us=t.median_us, min_us=t.min_s * 1e6, max_us=t.max_s * 1e6,
-                                 reps=t.reps, k2=k2))
+            per_process_op = functools.partial(lambda op, v: op(v[0])[None], op)
+            for mode, fields in time_modes(per_process_op, [x], mesh=mesh, in_specs=(P("p"),),
+                                           ops=k2, modes=modes, reps=reps):
+                rows.append(dict(size_bytes=size, impl=name, **fields))
                 if me == 0:
-                    print(f"{label(size):>8s} {mode:8s} {name:8s} {t.median_us:9.2f} us "
-                          f"[{t.min_s * 1e6:.2f}, {t.max_s * 1e6:.2f}]", flush=True)
+                    print(f"{label(size):>8s} {mode:8s} {name:8s} {fields['us']:9.2f} us "
+                          f"[{fields['min_us']:.2f}, {fields['max_us']:.2f}]", flush=True)
     if "nvshmem" in impls:
         nvshmem.check_device_errors()
         nvshmem.finalize()
@@ -99,12 +94,9 @@ def run(sizes, impls, modes, reps, heap_mb):
 
 def table(rows, n, node_size, mode, single=None) -> str:
     """Markdown: per size, each impl, xla / nvshmem, and nvshmem / single-process two-shot."""
-    by = {}
-    for r in rows:
-        if r["mode"] == mode:
-            by.setdefault(r["size_bytes"], {})[r["impl"]] = r["us"]
-    two_shot = {r["size_bytes"]: r["us"] for r in (single or [])
-                if r["impl"] == "two_shot" and r.get("mode", "loop") == mode}
+    by = times_by_size(rows, mode)
+    two_shot = {size: t["two_shot"] for size, t in times_by_size(single or [], mode).items()
+                if "two_shot" in t}
     cols = [c for c in IMPLS if any(c in t for t in by.values())]
     lines = [f"{mode}: {n} processes, node size {node_size}", "",
              "| size | " + " | ".join(f"{c} µs" for c in cols)
