@@ -69,12 +69,10 @@ def run(sizes, impls, modes, reps, devices=None):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashoverlap as jfo
+    from jax_flashoverlap.benchmarking import first_devices_mesh
 
-    if devices is not None and devices > len(jax.devices()):
-        raise SystemExit(f"--devices {devices}: only {len(jax.devices())} devices here")
-    devices = jax.devices()[:devices]
-    n = len(devices)
-    mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
+    mesh = first_devices_mesh(devices)
+    n = mesh.size
     rng = np.random.default_rng(0)
 
     def per_rank(fn):  # every rank's copy of the result, concatenated

@@ -89,13 +89,10 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_flashoverlap.benchmarking import time_per_op
+    from jax_flashoverlap.benchmarking import first_devices_mesh, time_per_op
 
-    if devices is not None and devices > len(jax.devices()):
-        raise SystemExit(f"--devices {devices}: only {len(jax.devices())} devices here")
-    devices = jax.devices()[:devices]
-    n = len(devices)
-    mesh = jax.sharding.Mesh(np.asarray(devices), ("tp",))
+    mesh = first_devices_mesh(devices)
+    n = mesh.size
     rng = np.random.default_rng(0)
 
     def put(shape):

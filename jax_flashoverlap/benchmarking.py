@@ -18,10 +18,11 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Timing", "time_per_op"]
+__all__ = ["Timing", "time_per_op", "first_devices_mesh"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,18 @@ class Timing:
     def spread(self) -> float:
         """(max - min) / median of the per-op estimates."""
         return (self.max_s - self.min_s) / self.median_s if self.median_s > 0 else float("inf")
+
+
+def first_devices_mesh(count: int | None = None, axis_name: str = "tp") -> jax.sharding.Mesh:
+    """A one-axis mesh over the first ``count`` devices (default: all).
+
+    Raises:
+      ValueError: there are fewer than ``count`` devices.
+    """
+    devices = jax.devices()
+    if count is not None and count > len(devices):
+        raise ValueError(f"--devices {count}: only {len(devices)} devices here")
+    return jax.sharding.Mesh(np.asarray(devices[:count]), (axis_name,))
 
 
 def _looped(op: Callable[..., jax.Array], mesh, in_specs, k: int, unroll: int):

@@ -14,6 +14,19 @@ def cpu_mesh(tp: int, dp: int = 1, names=("data", "tensor")) -> jax.sharding.Mes
     return jax.sharding.Mesh(devices, names)
 
 
+def gpu_layout_mesh(layout: str) -> tuple[jax.sharding.Mesh, int, int]:
+    """(mesh, t, d) of the GPUs: "reversed" order on one "tp" axis (t = n,
+    d = 1), or "data_x_tensor", a (data, tp) mesh of (n/2, 2) from 4 GPUs on
+    and (1, 2) on 2: the CUDA ops must find their tp groups among the mesh
+    axes either way."""
+    devices = np.asarray(jax.devices("gpu"))
+    if layout == "reversed":
+        return jax.sharding.Mesh(devices[::-1], ("tp",)), len(devices), 1
+    t = 2
+    d = len(devices) // t
+    return jax.sharding.Mesh(devices[:d * t].reshape(d, t), ("data", "tp")), t, d
+
+
 def put(mesh, array, spec):
     return jax.device_put(array, NamedSharding(mesh, spec))
 

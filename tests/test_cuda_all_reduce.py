@@ -18,7 +18,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import assert_close, f64, poison_allocator
+from support import assert_close, f64, gpu_layout_mesh, poison_allocator
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import _extension
@@ -208,15 +208,8 @@ def test_groups_follow_the_mesh_not_the_ordinals(layout, rng):
     GPUs on, (1, 2) on 2): each tp group sums its own ranks, in mesh order.
     (With 2 ranks the order of the sum is not observable, a + b == b + a; from
     3 GPUs on a wrong rank order changes bits.)"""
-    devices = np.asarray(jax.devices("gpu"))
-    if layout == "reversed":
-        mesh = jax.sharding.Mesh(devices[::-1], ("tp",))
-        spec = P(None, "tp")
-    else:
-        d = len(devices) // 2
-        mesh = jax.sharding.Mesh(devices[:2 * d].reshape(d, 2), ("data", "tp"))
-        spec = P("data", "tp")
-    d, t = mesh.devices.reshape(-1, mesh.shape["tp"]).shape
+    mesh, t, d = gpu_layout_mesh(layout)
+    spec = P("data" if "data" in mesh.axis_names else None, "tp")
     size = 3 * 4096 + 5
     x = np.asarray(jnp.asarray(rng.standard_normal((d, t, size), dtype=np.float32),
                                jnp.bfloat16))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import assert_close, f64, poison_allocator
+from support import assert_close, f64, gpu_layout_mesh, poison_allocator
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import dispatch
@@ -158,20 +158,6 @@ def test_back_to_back_random_calls_equal_xla():
     jfo.check_device_errors()
 
 
-def _layout_mesh(layout):
-    """(mesh, t, d): GPUs in reversed order on one "tp" axis, or a (data, tp) mesh.
-
-    (data, tp) is (n/2, 2) from 4 GPUs on, (1, 2) on 2: the ops must find
-    their tp groups among the mesh axes either way.
-    """
-    devices = np.asarray(jax.devices("gpu"))
-    if layout == "reversed":
-        return jax.sharding.Mesh(devices[::-1], ("tp",)), len(devices), 1
-    t = 2
-    d = len(devices) // t
-    return jax.sharding.Mesh(devices[:d * t].reshape(d, t), ("data", "tp")), t, d
-
-
 # Per op: global x and w shapes from (t, d, m, b, k, c), and the specs that
 # put a batch dim on "data" and the op's dims on "tp".
 LAYOUT_CASES = {
@@ -193,7 +179,7 @@ def _drop_absent(spec, names):
 def test_cuda_on_reordered_and_two_axis_meshes(op, layout, rng):
     """Rank comes from the mesh position, not the CUDA ordinal, and groups run
     along "tp" only: results equal float64 on every layout."""
-    mesh, t, d = _layout_mesh(layout)
+    mesh, t, d = gpu_layout_mesh(layout)
     shapes, in_specs, out_spec = LAYOUT_CASES[op]
     names = mesh.axis_names
     in_specs = tuple(_drop_absent(s, names) for s in in_specs)
