@@ -1,10 +1,11 @@
-"""Does NVSHMEM start in this build? Two processes, one GPU each, no JAX.
+"""Does NVSHMEM start in this build? Two processes, one GPU each.
 
     python scripts/nvshmem_probe.py [VARIANT ...]
 
 Each variant starts two fresh processes that load the extension's NVSHMEM
-module by path (JAX is never imported, so its CUDA client cannot interfere),
-share a unique id through a file, call ``init`` (with JFO_NVSHMEM_DEBUG=1,
+module by path (so JAX is imported only where a variant asks for it),
+share a unique id through a file (the ``+jax`` variants import JAX first,
+and start its CUDA client), call ``init`` (with JFO_NVSHMEM_DEBUG=1,
 so the last step printed is where a crash happened), ``info`` and
 ``finalize``, and reports the exit codes. A variant is an entry of VARIANTS:
 the environment it runs with. Prints one verdict line per variant last; exit
@@ -27,6 +28,13 @@ VARIANTS = {
     "inline": {"JFO_NVSHMEM_INIT": "inline"},
     "inline-eager": {"JFO_NVSHMEM_INIT": "inline", "CUDA_MODULE_LOADING": "EAGER"},
     "hostlib-eager": {"JFO_NVSHMEM_INIT": "hostlib", "CUDA_MODULE_LOADING": "EAGER"},
+    # JAX in the process first: imported only, then with its CUDA client up.
+    "hostlib+jax-import": {"JFO_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "import"},
+    "hostlib+jax-import+nvdebug": {"JFO_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "import",
+                                   "NVSHMEM_DEBUG": "INFO"},
+    "hostlib+jax-devices": {"JFO_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "devices",
+                            "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                            "NVSHMEM_DEBUG": "INFO"},
 }
 HEAP_BYTES = 1 << 30
 TIMEOUT_S = 60
@@ -51,6 +59,11 @@ def _module():
 
 def child(rank: int, uid_file: str) -> None:
     os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(HEAP_BYTES)  # before the unique id
+    with_jax = os.environ.get("JFO_PROBE_JAX")
+    if with_jax:
+        import jax
+        if with_jax == "devices":
+            print(f"rank {rank}: jax {jax.__version__} {jax.devices()}", flush=True)
     mod = _module()
     if rank == 0:
         with open(uid_file + ".tmp", "wb") as f:

@@ -245,22 +245,31 @@ def test_missing_peer_times_out_with_nan_and_a_named_error():
     """Device 0 runs the kernel alone: its wait for rank 1 must give up after
     timeout_ms, fill the output with NaN and leave an error naming rank 1.
 
-    Leaves the pair's sequence numbers out of step (device 0 counted a call
-    device 1 never made): keep it the last all-reduce of the process.
+    Device 0 then counted a call device 1 never made; device 1 makes it
+    alone afterwards (rank 0's signal is there, so it does not wait), which
+    brings the pair back in step, as the exact all-reduce at the end checks.
+    Other tests in this process (e.g. the composed matmul_all_reduce) run the
+    same kernels after this one.
     """
     mesh, n = _mesh()
     ordinals = np.asarray([d.local_hardware_id for d in mesh.devices.flat], np.int32)
     warm = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL), mesh)
     warm(jnp.ones((n, 8), jnp.float32)).block_until_ready()  # group set up
     jfo.check_device_errors()
-    x = jax.device_put(jnp.ones((1000,), jnp.float32), mesh.devices.flat[0])
-    call = jax.ffi.ffi_call("jfo_all_reduce", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    call = jax.ffi.ffi_call("jfo_all_reduce", jax.ShapeDtypeStruct((1000,), jnp.float32))
     alone = jax.jit(lambda x: call(x, group_ordinals=ordinals, n=np.int32(n),
                                    timeout_ms=np.int32(300), algorithm=np.int32(0)))
+    on_device = [jax.device_put(jnp.ones((1000,), jnp.float32), d) for d in mesh.devices.flat]
     start = time.perf_counter()
-    y = np.asarray(alone(x))
+    y = np.asarray(alone(on_device[0]))
     assert time.perf_counter() - start < 30
     assert np.all(np.isnan(y))
     with pytest.raises(RuntimeError, match=r"all_reduce: rank 0 \(CUDA device \d+\) timed out "
                                            r"after 300 ms waiting for rank 1"):
         jfo.check_device_errors()
+
+    missed = [alone(x) for x in on_device[1:]]  # dispatched together: they wait on each other
+    jax.block_until_ready(missed)
+    jfo.check_device_errors()
+    x = jnp.arange(n * 8, dtype=jnp.float32).reshape(n, 8)
+    np.testing.assert_array_equal(np.asarray(warm(x)), np.broadcast_to(x.sum(0), (n, 8)))

@@ -18,6 +18,10 @@
 #include <nvshmem.h>
 #include <nvshmemx.h>
 
+#include <execinfo.h>
+#include <unistd.h>
+
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -73,10 +77,29 @@ CUmodule OwnModule() {
   return module;
 }
 
-// JFO_NVSHMEM_DEBUG=1 prints each start-up step before it runs: a start
-// that crashes inside NVSHMEM then shows which step it was.
+// A crash inside NVSHMEM's start-up kills the process with no native
+// stack (the GPU machine has no debugger): print the frames, then die of
+// the signal as before. Async-signal-safe calls only.
+void PrintFramesAndDie(int sig) {
+  void* frames[64];
+  const int depth = backtrace(frames, 64);
+  static const char kHeader[] = "[jax_flashoverlap nvshmem] fatal signal; native frames:\n";
+  (void)!write(STDERR_FILENO, kHeader, sizeof(kHeader) - 1);
+  backtrace_symbols_fd(frames, depth, STDERR_FILENO);
+  std::signal(sig, SIG_DFL);
+  raise(sig);
+}
+
+// JFO_NVSHMEM_DEBUG=1 prints each start-up step before it runs, and the
+// native frames of a crash: a start that crashes inside NVSHMEM then shows
+// which step it was and where.
 void Step(int rank, const char* what) {
-  static const bool on = std::getenv("JFO_NVSHMEM_DEBUG") != nullptr;
+  static const bool on = [] {
+    if (std::getenv("JFO_NVSHMEM_DEBUG") == nullptr) return false;
+    std::signal(SIGSEGV, PrintFramesAndDie);
+    std::signal(SIGBUS, PrintFramesAndDie);
+    return true;
+  }();
   if (on) std::fprintf(stderr, "[jax_flashoverlap nvshmem PE %d] %s\n", rank, what);
 }
 
