@@ -174,7 +174,6 @@ def _make_primitive(op: OpDef) -> Primitive:
 
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
         groups = None
-        requested = impl
         if impl == "auto":
             impl = dispatch.choose_impl(op.name, op.ffi_target, [a.shape for a in ctx.avals_in],
                                         ctx.avals_in[0].dtype, n)
@@ -193,8 +192,7 @@ def _make_primitive(op: OpDef) -> Primitive:
             "n": np.int32(n),
             "timeout_ms": np.int32(opts.pop("timeout_ms", timeout_ms())),
         }
-        # "auto" keeps to the measured fused kernel until the composed path is measured.
-        if op.name == "matmul_all_reduce" and requested == "cuda":
+        if op.name == "matmul_all_reduce":
             out = ctx.avals_out[0]
             nbytes = math.prod(out.shape) * out.dtype.itemsize
             if dispatch.matmul_all_reduce_kernel(nbytes) == "gemm_then_all_reduce":

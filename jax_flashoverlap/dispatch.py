@@ -33,6 +33,12 @@ Shapes = Sequence[tuple[int, ...]]
 # rows per shard from which the fused op won on every listed shape.
 # matmul_reduce_scatter is absent: it won by 5% on one shape only.
 _MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096}
+# matmul_all_reduce below 4096 rows, where impl="cuda" is XLA's dot + the
+# all-reduce kernel (matmul_all_reduce_kernel): from this many rows, if the
+# result fits that path. Measured (collective_matmul_mar_2xh200.json) at one
+# such shape, 1024x4096x4096: 82.1 us against XLA's 99.0 (1.21x); at 128 rows
+# (128x8192x8192) it was 63.7 against 62.2, so not there.
+_MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 1024
 
 # all_reduce (benchmarks/results/all_reduce_2xh200.json): the kernel "auto"
 # runs (one-shot to 8 MiB, two-shot above) was faster than psum at every size
@@ -57,8 +63,17 @@ def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
             and nbytes <= all_reduce_region_bytes())
 
 
+def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
+    (rows, _), (_, cols) = shapes
+    if _measured_faster("matmul_all_reduce")(shapes, dtype, n):
+        return True
+    return (n == 2 and dtype.itemsize == 2 and rows >= _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE
+            and matmul_all_reduce_kernel(rows * cols * dtype.itemsize) == "gemm_then_all_reduce")
+
+
 _CUDA_IS_FASTER: dict[str, Callable[[Shapes, np.dtype, int], bool]] = {
-    **{op: _measured_faster(op) for op in _MIN_ROWS}, "all_reduce": _all_reduce_faster}
+    "all_gather_matmul": _measured_faster("all_gather_matmul"),
+    "matmul_all_reduce": _matmul_all_reduce_faster, "all_reduce": _all_reduce_faster}
 
 
 def all_reduce_region_bytes(workspace_mb: int | None = None,
@@ -152,11 +167,10 @@ def all_reduce_algorithm(nbytes: int) -> str:
 # impl="cuda" matmul_all_reduce up to this result size (bytes per rank): XLA's
 # dot, then the one-kernel all-reduce on the same stream, instead of the fused
 # op. A message this small is latency-bound, so chunking hides little, while
-# the fused op's per-chunk events and side streams cost tens of microseconds
-# (fused 131 and 172 us at 1024x4096x4096 and 128x8192x8192, where XLA's dot
-# alone took 46 and 47 us and the all-reduce of the 8 and 2 MiB result 35 and
-# 15 us, unrolled, in the same benchmark runs). The composed path itself is
-# NOT measured yet: impl="auto" keeps the fused kernel where it picks "cuda".
+# the fused op pays per-chunk events and side streams. Measured in one run
+# (collective_matmul_mar_2xh200.json): 82.1 us composed, 96.6 fused, 99.0 XLA
+# at 1024x4096x4096 (8 MiB result); 63.7, 65.2, 62.2 at 128x8192x8192. (An
+# earlier run had the fused op at 131 and 172 us on those shapes.)
 MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = 8 << 20
 
 

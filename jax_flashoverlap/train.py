@@ -41,6 +41,7 @@ from .models import (
     ShardingConfig,
     TransformerConfig,
     attention_implementation,
+    resolve_scan_layers,
 )
 
 __all__ = ["main", "train", "parse_args", "build", "Trainer", "TrainResult", "loss_fn",
@@ -76,7 +77,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(row-parallel layers all-reduce instead of reduce-scatter)")
     parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
     parser.add_argument("--unroll-layers", dest="scan_layers", action="store_false",
-                        help="unroll the blocks instead of one lax.scan over them")
+                        default=None,
+                        help="unroll the blocks instead of one lax.scan over them (default: "
+                             "scanned, but unrolled for the Transformer with cuDNN attention)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps (default 5%% of --steps)")
@@ -213,12 +216,15 @@ def build(args: argparse.Namespace) -> Trainer:
     has_attention = config_cls is TransformerConfig
     config = config_cls.preset(
         args.size, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"),
-        impl=args.impl, remat=args.remat, scan_layers=args.scan_layers, sharding=sharding,
+        impl=args.impl, remat=args.remat, sharding=sharding,
+        **({} if args.scan_layers is None else {"scan_layers": args.scan_layers}),
         **({"attention_impl": args.attention} if has_attention else {}))
     # Before compiling anything: a clear error for a shape the mesh cannot split,
     # or for cuDNN attention asked for where it cannot run.
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
     attention = attention_implementation(config, devices[0]) if has_attention else None
+    if has_attention:
+        config = resolve_scan_layers(config, attention)
 
     tx = _optimizer(args)
     with jax.set_mesh(mesh):

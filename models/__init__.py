@@ -16,11 +16,11 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
 from .config import ATTENTION_IMPLS, IMPLS, SIZES, MambaConfig, ShardingConfig, TransformerConfig
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
-from .transformer import Transformer, attention_implementation
+from .transformer import Transformer, attention_implementation, resolve_scan_layers
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS",
-           "attention_implementation"]
+           "attention_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).
 MODELS = {"transformer": (TransformerConfig, Transformer), "mamba": (MambaConfig, Mamba2)}

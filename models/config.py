@@ -108,7 +108,9 @@ class TransformerConfig(_Presets):
         and :func:`models.transformer.attention_implementation`).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
-        not ``num_layers``); False unrolls them.
+        not ``num_layers``); False unrolls them. None (default): unrolled
+        when the attention is cuDNN's, scanned otherwise (see
+        :func:`models.transformer.resolve_scan_layers`).
       sharding: how it maps onto the mesh.
     """
 
@@ -125,7 +127,7 @@ class TransformerConfig(_Presets):
     impl: str = "auto"
     attention_impl: str = "auto"
     remat: bool = False
-    scan_layers: bool = True
+    scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()
 
     def __post_init__(self):

@@ -19,6 +19,9 @@ interleaved per hidden unit.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -29,7 +32,7 @@ from .config import TransformerConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
 __all__ = ["Transformer", "Block", "Attention", "MLP", "rope", "attention_implementation",
-           "cudnn_attention_unsupported"]
+           "cudnn_attention_unsupported", "resolve_scan_layers"]
 
 
 def cudnn_attention_unsupported(dtype, head_dim: int, platform: str,
@@ -82,6 +85,30 @@ def attention_implementation(config: TransformerConfig,
         raise ValueError(f"TransformerConfig: attention_impl='cudnn' but {why_not}; use "
                          f"attention_impl='auto' (cuDNN where it runs, else XLA) or 'xla'.")
     return config.attention_impl
+
+
+def resolve_scan_layers(config: TransformerConfig, attention: str) -> TransformerConfig:
+    """``config`` with ``scan_layers`` decided for the attention that runs.
+
+    None becomes False with cuDNN attention and True otherwise: on the GPU
+    machine (jax 0.11.2, H200) XLA's compiler died with SIGSEGV on the
+    training step of the scanned blocks with cuDNN attention (the 1B model
+    and the tiny test model), while the same step unrolled compiled and ran,
+    and so did cuDNN attention inside a plain ``lax.scan``. Asking for
+    ``scan_layers=True`` with cuDNN attention warns.
+
+    Args:
+      config: the model's config.
+      attention: "cudnn" or "xla", from :func:`attention_implementation`.
+    """
+    if config.scan_layers is None:
+        return dataclasses.replace(config, scan_layers=attention != "cudnn")
+    if config.scan_layers and attention == "cudnn":
+        warnings.warn("TransformerConfig(scan_layers=True) with cuDNN attention: XLA's "
+                      "compiler crashed (SIGSEGV) on this combination with jax 0.11.2; "
+                      "scan_layers=None (unrolled with cuDNN) or attention_impl='xla' avoid "
+                      "it.", stacklevel=2)
+    return config
 
 
 def rope(x: jax.Array, theta: float) -> jax.Array:
@@ -169,4 +196,5 @@ class Transformer(CausalLM):
     """
 
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
+        config = resolve_scan_layers(config, attention_implementation(config))
         super().__init__(config, lambda rngs: Block(config, rngs=rngs), rngs=rngs)

@@ -127,9 +127,32 @@ def test_attention_implementation_on_cpu():
         models.attention_implementation(dataclasses.replace(bf16, attention_impl="cudnn"))
 
 
+def test_scan_layers_follow_the_attention():
+    """None: unrolled with cuDNN attention (XLA crashed compiling it scanned), else
+    scanned; an explicit choice stays, with a warning for scan + cuDNN."""
+    tiny = TransformerConfig.tiny()
+    assert tiny.scan_layers is None
+    assert models.resolve_scan_layers(tiny, "cudnn").scan_layers is False
+    assert models.resolve_scan_layers(tiny, "xla").scan_layers is True
+    unrolled = dataclasses.replace(tiny, scan_layers=False)
+    assert models.resolve_scan_layers(unrolled, "xla") == unrolled
+    with pytest.warns(UserWarning, match=r"scan_layers=True\) with cuDNN attention"):
+        config = models.resolve_scan_layers(dataclasses.replace(tiny, scan_layers=True), "cudnn")
+    assert config.scan_layers is True
+    model = build(Transformer, tiny, cpu_mesh(tp=1))
+    assert model.config.scan_layers is True  # float32: XLA's attention
+
+
 @pytest.mark.gpu
 def test_cudnn_attention_matches_xla():
-    """On GPUs: cuDNN flash attention gives XLA attention's loss and gradients (bf16)."""
+    """On GPUs: cuDNN flash attention is as accurate as XLA's attention in bf16.
+
+    Both bf16 models are compared with the same model in float32 (XLA
+    attention): the loss and every gradient of the cuDNN model must be within
+    twice the XLA model's relative error, or within the bf16 tolerance. (A
+    direct bf16-to-bf16 comparison mixes the two models' rounding: one
+    gradient differed by 2.2% there on the GPU machine.)
+    """
     devices = jax.devices("gpu")
     tp = 2 if len(devices) >= 2 else 1
     mesh = jax.sharding.Mesh(np.asarray(devices[:tp]).reshape(1, tp), ("data", "tensor"))
@@ -137,13 +160,16 @@ def test_cudnn_attention_matches_xla():
     assert models.attention_implementation(config) == "cudnn"
     batch = tokens(3, batch=2, seq_len=256)
     cudnn = build(Transformer, config, mesh)
-    xla = build(Transformer, dataclasses.replace(config, attention_impl="xla"), mesh,
-                nnx.state(cudnn))
-    (loss, grads), (want_loss, want_grads) = (loss_and_grads(m, batch, mesh)
-                                              for m in (cudnn, xla))
-    assert_close(loss, want_loss, "bfloat16")
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
-        assert_close(got, want, "bfloat16")
+    state = nnx.state(cudnn)
+    xla = build(Transformer, dataclasses.replace(config, attention_impl="xla"), mesh, state)
+    exact = build(Transformer, dataclasses.replace(config, attention_impl="xla", dtype="float32"),
+                  mesh, state)
+    results = [jax.tree.leaves(loss_and_grads(m, batch, mesh)) for m in (cudnn, xla, exact)]
+    for got, other, want in zip(*results, strict=True):
+        want = np.asarray(want, np.float64)
+        errs = [np.linalg.norm(np.asarray(a, np.float64) - want) / max(np.linalg.norm(want), 1e-30)
+                for a in (got, other)]
+        assert errs[0] <= max(2 * errs[1], 1e-2), f"cuDNN {errs[0]:.3g}, XLA {errs[1]:.3g}"
 
 
 def test_config_errors():
