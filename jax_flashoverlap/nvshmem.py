@@ -1,4 +1,8 @@
-"""EXPERIMENTAL and UNVALIDATED: the NVRAR hierarchical all-reduce on NVSHMEM.
+"""The NVRAR hierarchical all-reduce on NVSHMEM, for several processes and nodes.
+
+Tested on one machine with 2 processes (2 H200s: each GPU its own node, and
+both in one node; tests/test_nvshmem_all_reduce.py); not yet run with more
+processes or across real nodes.
 
 One process per GPU (``python -m jax_flashoverlap.launch -n N script.py``),
 processes grouped into nodes of :func:`jax_flashoverlap.distributed.node_size`

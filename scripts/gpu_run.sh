@@ -72,8 +72,8 @@ if want train; then
   step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
     ${JFO_TRAIN_ARGS:-}
 fi
-# Opt-in and isolated: rebuilds the package with the experimental NVSHMEM
-# module (CMake option JFO_ENABLE_NVSHMEM) and runs its 2-process tests. Run
+# Opt-in and isolated: rebuilds the package with the NVSHMEM module (CMake
+# option JFO_ENABLE_NVSHMEM), runs its 2-process tests and benchmark. Run
 # it after the other stages: a failed build leaves the installed package as
 # it was, and a failed test here fails only this stage.
 if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
@@ -85,6 +85,15 @@ if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
     step nvshmem_probe $PY scripts/nvshmem_probe.py
     step nvshmem_test $PY -P -m pytest -q -p no:cacheprovider -rA \
       tests/test_nvshmem_all_reduce.py
+    # The hierarchical path across 2 processes, each GPU its own node, against
+    # psum there and the single-process two-shot kernel (this run's ar JSON,
+    # else the committed one).
+    single="$OUT/all_reduce$tag.json"
+    [ -f "$single" ] || single=benchmarks/results/all_reduce_2xh200.json
+    step nvshmem_bench env -u XLA_FLAGS XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      $PY -P -m jax_flashoverlap.launch -n 2 --node-size 1 --timeout 300 \
+      benchmarks/hierarchical_all_reduce.py --single-process "$single" \
+      --json "$OUT/hierarchical_all_reduce.json"
   fi
 fi
 exit $status
