@@ -48,6 +48,25 @@ def assert_close(actual, expected_f64, dtype):
     np.testing.assert_allclose(actual, expected_f64, rtol=0, atol=8 * rel * scale)
 
 
+def assert_as_accurate(got, baseline, exact, dtype):
+    """``got`` is no less accurate than ``baseline`` against ``exact``.
+
+    For results of a chain of low-precision steps (a model's gradients), where
+    two implementations round differently and neither is the reference: each
+    leaf of the pytree ``got`` must be within twice ``baseline``'s relative
+    error from ``exact`` (a float32 run), or within the dtype's tolerance.
+    """
+    leaves = [jax.tree.leaves(t) for t in (got, baseline, exact)]
+    assert len({len(x) for x in leaves}) == 1, [len(x) for x in leaves]
+    for i, (a, b, want) in enumerate(zip(*leaves)):
+        want = f64(want)
+        a = f64(a)
+        assert a.shape == want.shape and np.all(np.isfinite(a)), (i, a.shape, want.shape)
+        errs = [np.linalg.norm(f64(x) - want) / max(np.linalg.norm(want), 1e-30) for x in (a, b)]
+        bound = max(2 * errs[1], TOLERANCE[jnp.dtype(dtype).name])
+        assert errs[0] <= bound, f"leaf {i}: relative error {errs[0]:.3g} > {bound:.3g}"
+
+
 def f64(a):
     return np.asarray(a, dtype=np.float64)
 

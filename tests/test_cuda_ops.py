@@ -4,6 +4,10 @@ Runs only where CUDA GPUs and the CUDA build exist (marker ``gpu``).
 """
 
 import functools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -194,3 +198,23 @@ def test_cuda_on_reordered_and_two_axis_meshes(op, layout, rng):
     y = f(*placed)
     jfo.check_device_errors()
     assert_close(y, np.einsum("mbk,kc->mbc", f64(x), f64(w)), "bfloat16")
+
+
+@pytest.mark.parametrize("case", ["reduce_scatter_k5152", "unrolled", "scan"])
+def test_mamba_step_shapes_in_a_fresh_process(case):
+    """The collective matmuls at the Mamba-2 1B step's shapes, alone and as two
+    blocks unrolled or in a lax.scan, forward and backward (tests/cuda_scan_child.py).
+
+    impl="cuda" crashed that training step during execution on the GPU
+    machine while the Transformer's ran; these cases separate the suspects
+    (k = 5152, the reduce-scatter inside a while loop). A fresh process, so
+    that a crash fails this test only.
+    """
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.pop("XLA_FLAGS", None)  # the CPU device count of conftest
+    child = Path(__file__).with_name("cuda_scan_child.py")
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(child), case],
+                          env=env, cwd=child.parent, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and f"MATCH {case}" in proc.stdout, (
+        f"exit status {proc.returncode}\n{out[-6000:]}")
