@@ -173,6 +173,11 @@ def _make_primitive(op: OpDef) -> Primitive:
         return mlir.lower_fun(sliced_to_declared_shapes, multiple_results=True)(ctx, *args)
 
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
+        if op.name == "all_reduce" and impl in ("auto", "cuda") and _axis_is_all_processes(
+                ctx, n):
+            return _lower_all_reduce_across_processes(ctx, *args, impl=impl, opts=opts,
+                                                      portable=lower_portable,
+                                                      axis_name=axis_name, n=n)
         groups = None
         if impl == "auto":
             impl = dispatch.choose_impl(op.name, op.ffi_target, [a.shape for a in ctx.avals_in],
@@ -222,6 +227,30 @@ def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):
     return mlir.lower_fun(gemm_then_all_reduce, multiple_results=True)(ctx, x, w)
 
 
+def _axis_is_all_processes(ctx, n: int) -> bool:
+    """Whether the op's ``n`` ranks are the whole mesh, one device in each of
+    ``n`` processes: the layout of the NVSHMEM all-reduce, which sums over
+    every process."""
+    mesh = _jax_shim.lowering_mesh(ctx)
+    return (mesh is not None and n > 1 and mesh.size == n == jax.process_count()
+            and len(mesh.local_devices) == 1)
+
+
+def _lower_all_reduce_across_processes(ctx, x, *, impl, opts, portable, axis_name, n):
+    """all_reduce over processes: NVSHMEM's hierarchical all-reduce where
+    dispatch.all_reduce_across_processes picks it, else psum."""
+    from . import nvshmem
+
+    aval = ctx.avals_in[0]
+    capacity = nvshmem.max_message_bytes() if nvshmem.is_initialized() else None
+    nbytes = math.prod(aval.shape) * aval.dtype.itemsize
+    if dispatch.all_reduce_across_processes(nbytes, aval.dtype, impl, capacity) == "xla":
+        return portable(ctx, x, axis_name=axis_name, n=n, impl="xla", opts=opts)
+    timeout = int(dict(opts).get("timeout_ms", timeout_ms()))
+    return mlir.lower_fun(lambda x: [nvshmem.ffi_all_reduce(x, timeout_ms=timeout)],
+                          multiple_results=True)(ctx, x)
+
+
 def _group_ordinals(ctx, op_name: str, axis_name: str, n: int) -> np.ndarray:
     """CUDA ordinals of every group along ``axis_name``, each ordered by rank.
 
@@ -243,8 +272,9 @@ def _group_ordinals(ctx, op_name: str, axis_name: str, n: int) -> np.ndarray:
             if all(d.id in local for d in row)]
     if not rows:
         raise ValueError(f"{op_name}(impl='cuda'): no group along {axis_name!r} has all its "
-                         f"devices in this process; multi-process groups need the NVSHMEM "
-                         f"transport, use impl='xla' for them.")
+                         f"devices in this process; across processes only all_reduce runs on "
+                         f"the GPUs (NVSHMEM, over an axis of all processes, one GPU each); "
+                         f"use impl='xla' or 'auto' here.")
     return np.asarray(rows, np.int32).reshape(-1)
 
 

@@ -19,7 +19,9 @@ wheel installed::
 
     pip install --no-build-isolation -C cmake.define.JFO_ENABLE_NVSHMEM=ON .
 
-It is not used by ``all_reduce(impl="cuda")``. Usage::
+``jax_flashoverlap.all_reduce`` uses it too, over a mesh axis that spans
+all processes one GPU each, once :func:`initialize` ran (impl="cuda"
+always, impl="auto" where it was measured faster than psum). Usage::
 
     from jax_flashoverlap import distributed, nvshmem
     distributed.initialize()
@@ -41,6 +43,7 @@ from . import distributed
 
 __all__ = [
     "TARGET",
+    "ffi_all_reduce",
     "is_built",
     "is_initialized",
     "initialize",
@@ -180,7 +183,7 @@ def check_device_errors() -> None:
 
 def all_reduce(x, axis_name: str, *, node_size: int | None = None,
                timeout_ms: int = DEFAULT_TIMEOUT_MS):
-    """EXPERIMENTAL, UNVALIDATED: sum of ``x`` over every process (NVRAR on NVSHMEM).
+    """Sum of ``x`` over every process (NVRAR on NVSHMEM).
 
     Use inside ``jax.shard_map`` over a mesh axis that spans all processes,
     one GPU each, after :func:`initialize`; compiles for the CUDA platform
@@ -215,6 +218,19 @@ def all_reduce(x, axis_name: str, *, node_size: int | None = None,
     if axis_size != n:
         raise ValueError(f"nvshmem.all_reduce: axis {axis_name!r} has {axis_size} devices, but "
                          f"it reduces over all {n} processes (one GPU each)")
+    if jnp.dtype(x.dtype).name not in _DTYPES:
+        raise TypeError(f"nvshmem.all_reduce: dtype {x.dtype} is not one of {_DTYPES}")
+    return ffi_all_reduce(x, node_size=node_size, timeout_ms=timeout_ms)
+
+
+def ffi_all_reduce(x, *, node_size: int | None = None, timeout_ms: int = DEFAULT_TIMEOUT_MS):
+    """The custom call of :func:`all_reduce`, after its checks of the node layout.
+
+    Also what ``jax_flashoverlap.all_reduce`` lowers to across processes.
+    """
+    import jax
+
+    n = jax.process_count()
     g = distributed.node_size() if node_size is None else int(node_size)
     if not 1 <= g <= _MAX_NODE_SIZE or n % g:
         raise ValueError(f"nvshmem.all_reduce: node_size={g} must be in [1, {_MAX_NODE_SIZE}] "
@@ -223,8 +239,6 @@ def all_reduce(x, axis_name: str, *, node_size: int | None = None,
     if nodes & (nodes - 1):
         raise ValueError(f"nvshmem.all_reduce: {nodes} nodes ({n} processes / node_size {g}); "
                          f"the node count must be a power of two")
-    if jnp.dtype(x.dtype).name not in _DTYPES:
-        raise TypeError(f"nvshmem.all_reduce: dtype {x.dtype} is not one of {_DTYPES}")
     if timeout_ms <= 0:
         raise ValueError(f"timeout_ms={timeout_ms} must be positive")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))

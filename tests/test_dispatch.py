@@ -2,6 +2,7 @@
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -93,3 +94,22 @@ def test_matmul_all_reduce_kernel_by_result_size(monkeypatch):
     # A region smaller than the limit (many local GPUs) caps the composed path.
     monkeypatch.setattr(dispatch, "all_reduce_region_bytes", lambda: 1 << 20)
     assert dispatch.matmul_all_reduce_kernel(2 << 20) == "fused"
+
+
+@pytest.mark.parametrize("nbytes,dtype,impl,capacity,want", [
+    (4 << 20, "bfloat16", "auto", 1 << 30, "nvshmem"),
+    ((4 << 20) + 2, "bfloat16", "auto", 1 << 30, "xla"),  # not measured
+    (4096, "float32", "auto", 1 << 30, "xla"),
+    (4096, "float16", "auto", None, "xla"),  # NVSHMEM not started
+    (4096, "bfloat16", "auto", 2048, "xla"),  # over its buffers
+    (4096, "float32", "cuda", 1 << 30, "nvshmem"),
+])
+def test_all_reduce_across_processes(nbytes, dtype, impl, capacity, want):
+    assert dispatch.all_reduce_across_processes(nbytes, jnp.dtype(dtype), impl, capacity) == want
+
+
+def test_all_reduce_across_processes_with_cuda_names_the_fix():
+    with pytest.raises(ValueError, match=r"nvshmem\.initialize\(\) first"):
+        dispatch.all_reduce_across_processes(4096, np.dtype("float32"), "cuda", None)
+    with pytest.raises(ValueError, match=r"larger heap_mb"):
+        dispatch.all_reduce_across_processes(4096, np.dtype("float32"), "cuda", 1024)

@@ -96,3 +96,44 @@ def test_groups_are_mesh_positions_along_the_axis(shape, names, order, groups):
     want = [ordinals[g] for g in groups]
     found = re.search(r"group_ordinals = dense<\[([\d, ]+)\]>", text)
     assert found and [int(v) for v in found.group(1).split(",")] == want
+
+
+@pytest.fixture
+def across_processes(monkeypatch):
+    """The all-reduce axis treated as one device in each of several processes;
+    returns a switch that starts (fakes) NVSHMEM with a given capacity."""
+    from jax_flashoverlap import nvshmem
+
+    monkeypatch.setattr(_primitives, "_axis_is_all_processes", lambda ctx, n: True)
+
+    def start(capacity=1 << 30):
+        monkeypatch.setattr(nvshmem, "is_initialized", lambda: True)
+        monkeypatch.setattr(nvshmem, "max_message_bytes", lambda node_size=None: capacity)
+    monkeypatch.setattr(nvshmem, "is_initialized", lambda: False)
+    return start
+
+
+def _all_reduce_text(impl, dtype, cols=4096):
+    fn = functools.partial(jfo.all_reduce, axis_name="tp", impl=impl)
+    return _cuda_text(fn, _mesh(), [(2, cols)], (P("tp"),), P("tp"), dtype)
+
+
+def test_all_reduce_across_processes_runs_on_nvshmem(across_processes):
+    across_processes()
+    text = _all_reduce_text("auto", jnp.bfloat16)
+    assert _custom_calls(text) == ["jfo_nvshmem_all_reduce"]
+    assert "node_size = 1" in text and "timeout_ms = " in text
+    # auto: measured for 16-bit messages up to 4 MiB; cuda: whatever fits.
+    assert _custom_calls(_all_reduce_text("auto", jnp.float32)) == []
+    assert _custom_calls(_all_reduce_text("auto", jnp.bfloat16, cols=(4 << 20) // 2 + 8)) == []
+    assert _custom_calls(_all_reduce_text("cuda", jnp.float32)) == ["jfo_nvshmem_all_reduce"]
+
+
+def test_all_reduce_across_processes_without_nvshmem(across_processes):
+    assert _custom_calls(_all_reduce_text("auto", jnp.bfloat16)) == []  # psum
+    with pytest.raises(ValueError, match=r"call jax_flashoverlap\.nvshmem\.initialize\(\) first"):
+        _all_reduce_text("cuda", jnp.bfloat16)
+    across_processes(capacity=1024)
+    assert _custom_calls(_all_reduce_text("auto", jnp.bfloat16)) == []  # over the buffers
+    with pytest.raises(ValueError, match=r"8192 bytes per process exceed the NVSHMEM buffers"):
+        _all_reduce_text("cuda", jnp.bfloat16)

@@ -4,7 +4,8 @@ CPU: the clear errors when the opt-in module was not built (naming the CMake
 option) or when ``jax.distributed`` is missing. GPU (marker ``gpu``, and only
 where the package was built with ``JFO_ENABLE_NVSHMEM=ON``): two processes
 through the launcher, each GPU its own node (recursive doubling) and both in
-one node (intra-node reduce-scatter/all-gather), against ``lax.psum``.
+one node (intra-node reduce-scatter/all-gather), against ``lax.psum``, and
+``jax_flashoverlap.all_reduce``'s choice of it (tests/nvshmem_child.py).
 """
 
 import os
