@@ -233,18 +233,20 @@ def _axis_is_all_processes(ctx, n: int) -> bool:
     every process."""
     mesh = _jax_shim.lowering_mesh(ctx)
     return (mesh is not None and n > 1 and mesh.size == n == jax.process_count()
-            and len(mesh.local_devices) == 1)
+            and len({d.process_index for d in mesh.devices.flat}) == n)
 
 
 def _lower_all_reduce_across_processes(ctx, x, *, impl, opts, portable, axis_name, n):
     """all_reduce over processes: NVSHMEM's hierarchical all-reduce where
     dispatch.all_reduce_across_processes picks it, else psum."""
-    from . import nvshmem
+    from . import distributed, nvshmem
 
     aval = ctx.avals_in[0]
     capacity = nvshmem.max_message_bytes() if nvshmem.is_initialized() else None
     nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-    if dispatch.all_reduce_across_processes(nbytes, aval.dtype, impl, capacity) == "xla":
+    path = dispatch.all_reduce_across_processes(nbytes, aval.dtype, impl, capacity,
+                                                processes=n, node_size=distributed.node_size())
+    if path == "xla":
         return portable(ctx, x, axis_name=axis_name, n=n, impl="xla", opts=opts)
     timeout = int(dict(opts).get("timeout_ms", timeout_ms()))
     return mlir.lower_fun(lambda x: [nvshmem.ffi_all_reduce(x, timeout_ms=timeout)],

@@ -53,10 +53,13 @@ _ALL_REDUCE_MEASURED_DEVICES = 2
 
 # all_reduce over an axis of processes, one GPU each
 # (benchmarks/results/hierarchical_all_reduce_2xh200.json): the NVSHMEM
-# hierarchical all-reduce beat psum across 2 processes at every measured size,
-# 4 KiB to 4 MiB of bf16, in both loop modes (1.14-4.09x). Larger messages
-# were not measured.
+# hierarchical all-reduce beat psum across 2 processes, each GPU its own node,
+# at every measured size, 4 KiB to 4 MiB of bf16, in both loop modes
+# (1.14-4.09x). Other process counts, node sizes and larger messages were not
+# measured: "auto" runs psum there.
 NVSHMEM_ALL_REDUCE_MEASURED_MAX_BYTES = 4 << 20
+_NVSHMEM_MEASURED_PROCESSES = 2
+_NVSHMEM_MEASURED_NODE_SIZE = 1
 
 
 def _measured_faster(op: str) -> Callable[[Shapes, np.dtype, int], bool]:
@@ -84,8 +87,10 @@ _CUDA_IS_FASTER: dict[str, Callable[[Shapes, np.dtype, int], bool]] = {
     "matmul_all_reduce": _matmul_all_reduce_faster, "all_reduce": _all_reduce_faster}
 
 
-def all_reduce_across_processes(nbytes: int, dtype, impl: str, capacity: int | None) -> str:
-    """How all_reduce runs over an axis whose devices are in different processes.
+def all_reduce_across_processes(nbytes: int, dtype, impl: str, capacity: int | None,
+                                processes: int = _NVSHMEM_MEASURED_PROCESSES,
+                                node_size: int = _NVSHMEM_MEASURED_NODE_SIZE) -> str:
+    """How all_reduce runs over an axis of all processes, one device each.
 
     Args:
       nbytes: message bytes per process.
@@ -93,6 +98,8 @@ def all_reduce_across_processes(nbytes: int, dtype, impl: str, capacity: int | N
       impl: "cuda" or "auto".
       capacity: :func:`jax_flashoverlap.nvshmem.max_message_bytes`, or None
         when NVSHMEM is not started in this process.
+      processes: how many processes the axis spans.
+      node_size: :func:`jax_flashoverlap.distributed.node_size`.
 
     Returns:
       "nvshmem" (the hierarchical all-reduce) or "xla" (psum).
@@ -103,7 +110,9 @@ def all_reduce_across_processes(nbytes: int, dtype, impl: str, capacity: int | N
     fits = capacity is not None and nbytes <= capacity
     if impl == "auto":
         measured = (np.dtype(dtype).itemsize == 2
-                    and nbytes <= NVSHMEM_ALL_REDUCE_MEASURED_MAX_BYTES)
+                    and nbytes <= NVSHMEM_ALL_REDUCE_MEASURED_MAX_BYTES
+                    and processes == _NVSHMEM_MEASURED_PROCESSES
+                    and node_size == _NVSHMEM_MEASURED_NODE_SIZE)
         return "nvshmem" if fits and measured else "xla"
     if capacity is None:
         raise ValueError(

@@ -21,7 +21,8 @@ wheel installed::
 
 ``jax_flashoverlap.all_reduce`` uses it too, over a mesh axis that spans
 all processes one GPU each, once :func:`initialize` ran (impl="cuda"
-always, impl="auto" where it was measured faster than psum). Usage::
+always, impl="auto" where it was measured faster than psum:
+:func:`jax_flashoverlap.dispatch.all_reduce_across_processes`). Usage::
 
     from jax_flashoverlap import distributed, nvshmem
     distributed.initialize()
@@ -157,10 +158,18 @@ def initialize(heap_mb: int = 1024) -> None:
 
 
 def finalize() -> None:
-    """Collective: frees the buffers and shuts NVSHMEM down (no-op if not started)."""
+    """Collective: frees the buffers and shuts NVSHMEM down (no-op if not started).
+
+    Also drops JAX's compiled functions (``jax.clear_caches()``): those that
+    ``jax_flashoverlap.all_reduce`` lowered to the NVSHMEM all-reduce would
+    otherwise keep calling it.
+    """
     mod = _module()
-    if mod is not None:
+    if mod is not None and mod.info()["initialized"]:
         mod.finalize()
+        import jax
+
+        jax.clear_caches()
 
 
 def max_message_bytes(node_size: int | None = None) -> int:

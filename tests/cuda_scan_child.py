@@ -23,6 +23,9 @@ from support import assert_as_accurate, assert_close, f64
 
 import jax_flashoverlap as jfo
 
+# The float32 reference without TF32 (as conftest sets for the other tests).
+jax.config.update("jax_default_matmul_precision", "highest")
+
 ROWS, D, IN_COLS, OUT_K = 8192, 2048, 10304, 4096  # global: seq, d_model, in_proj, out_proj k
 LAYERS = 2
 

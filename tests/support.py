@@ -1,5 +1,8 @@
 """Helpers shared by the tests: meshes, random data, float64 references."""
 
+import os
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +28,15 @@ def gpu_layout_mesh(layout: str) -> tuple[jax.sharding.Mesh, int, int]:
     t = 2
     d = len(devices) // t
     return jax.sharding.Mesh(devices[:d * t].reshape(d, t), ("data", "tp")), t, d
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a GPU child process: this one's, less conftest's
+    CPU device count (other XLA_FLAGS stay), plus ``extra``."""
+    env = dict(os.environ, **extra)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = " ".join(flags.split())
+    return env
 
 
 def put(mesh, array, spec):

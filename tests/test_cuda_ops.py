@@ -4,7 +4,6 @@ Runs only where CUDA GPUs and the CUDA build exist (marker ``gpu``).
 """
 
 import functools
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import assert_close, f64, gpu_layout_mesh, poison_allocator
+from support import assert_close, child_env, f64, gpu_layout_mesh, poison_allocator
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import dispatch
@@ -210,11 +209,10 @@ def test_mamba_step_shapes_in_a_fresh_process(case):
     (k = 5152, the reduce-scatter inside a while loop). A fresh process, so
     that a crash fails this test only.
     """
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-    env.pop("XLA_FLAGS", None)  # the CPU device count of conftest
     child = Path(__file__).with_name("cuda_scan_child.py")
     proc = subprocess.run([sys.executable, "-X", "faulthandler", str(child), case],
-                          env=env, cwd=child.parent, capture_output=True, text=True, timeout=600)
+                          env=child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"),
+                          cwd=child.parent, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and f"MATCH {case}" in proc.stdout, (
         f"exit status {proc.returncode}\n{out[-6000:]}")

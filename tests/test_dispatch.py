@@ -108,6 +108,15 @@ def test_all_reduce_across_processes(nbytes, dtype, impl, capacity, want):
     assert dispatch.all_reduce_across_processes(nbytes, jnp.dtype(dtype), impl, capacity) == want
 
 
+@pytest.mark.parametrize("processes,node_size", [(4, 1), (2, 2), (8, 4)])
+def test_auto_keeps_psum_where_nvshmem_was_not_measured(processes, node_size):
+    bf16 = jnp.dtype("bfloat16")
+    assert dispatch.all_reduce_across_processes(4096, bf16, "auto", 1 << 30, processes,
+                                                node_size) == "xla"
+    assert dispatch.all_reduce_across_processes(4096, bf16, "cuda", 1 << 30, processes,
+                                                node_size) == "nvshmem"
+
+
 def test_all_reduce_across_processes_with_cuda_names_the_fix():
     with pytest.raises(ValueError, match=r"nvshmem\.initialize\(\) first"):
         dispatch.all_reduce_across_processes(4096, np.dtype("float32"), "cuda", None)

@@ -137,3 +137,19 @@ def test_all_reduce_across_processes_without_nvshmem(across_processes):
     assert _custom_calls(_all_reduce_text("auto", jnp.bfloat16)) == []  # over the buffers
     with pytest.raises(ValueError, match=r"8192 bytes per process exceed the NVSHMEM buffers"):
         _all_reduce_text("cuda", jnp.bfloat16)
+
+
+@pytest.mark.parametrize("processes_of_devices,process_count,want", [
+    ((0, 1), 2, True),
+    ((0, 0), 2, False),  # two devices of one process, none of the other
+    ((0, 1), 4, False),  # the axis is not every process
+    ((0, 1, 2, 3), 4, True),
+])
+def test_axis_of_all_processes(monkeypatch, processes_of_devices, process_count, want):
+    from types import SimpleNamespace
+
+    devices = np.asarray([SimpleNamespace(process_index=p) for p in processes_of_devices])
+    mesh = SimpleNamespace(size=devices.size, devices=devices)
+    monkeypatch.setattr(_primitives._jax_shim, "lowering_mesh", lambda ctx: mesh)
+    monkeypatch.setattr(jax, "process_count", lambda: process_count)
+    assert _primitives._axis_is_all_processes(None, devices.size) is want

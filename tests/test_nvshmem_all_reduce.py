@@ -8,12 +8,12 @@ one node (intra-node reduce-scatter/all-gather), against ``lax.psum``, and
 ``jax_flashoverlap.all_reduce``'s choice of it (tests/nvshmem_child.py).
 """
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support import child_env
 
 from jax_flashoverlap import nvshmem
 
@@ -56,11 +56,9 @@ def test_two_processes_match_psum(tmp_path, node_size):
         pytest.skip("built without JFO_ENABLE_NVSHMEM=ON")
     if _gpus() < 2:
         pytest.skip("needs 2 GPUs")
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # the CPU device count of conftest
     # The pytest process may hold most of the GPUs' memory already: no
     # preallocation in the children, so that the NVSHMEM heap fits.
-    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    env = child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
     proc = subprocess.run(
         [sys.executable, "-m", "jax_flashoverlap.launch", "-n", "2", "--node-size",
          str(node_size), "--timeout", "400", str(CHILD), "512"],
