@@ -1,6 +1,9 @@
 """Device set-up shared by the command-line programs."""
 
 import os
+import re
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def ensure_cpu_devices(count: int) -> None:
@@ -10,6 +13,12 @@ def ensure_cpu_devices(count: int) -> None:
     ``jax.devices()``, so this must run before that (importing jax is fine).
     GPU backends are unaffected: on a GPU machine the programs use the GPUs.
     """
-    flag = f"--xla_force_host_platform_device_count={count}"
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    flag = f"{_DEVICE_COUNT_FLAG}={count}"
+    if _DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+
+
+def without_cpu_device_count(xla_flags: str) -> str:
+    """``xla_flags`` less a CPU device count (for child processes that must not
+    inherit one, e.g. from the test suite's conftest); the other flags stay."""
+    return " ".join(re.sub(rf"{_DEVICE_COUNT_FLAG}=\S*", "", xla_flags).split())

@@ -175,9 +175,9 @@ def _make_primitive(op: OpDef) -> Primitive:
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
         if op.name == "all_reduce" and impl in ("auto", "cuda") and _axis_is_all_processes(
                 ctx, n):
-            return _lower_all_reduce_across_processes(ctx, *args, impl=impl, opts=opts,
-                                                      portable=lower_portable,
-                                                      axis_name=axis_name, n=n)
+            if _all_reduce_across_processes(ctx, impl, n) == "nvshmem":
+                return _lower_nvshmem_all_reduce(ctx, *args, opts=opts)
+            impl = "xla"
         groups = None
         if impl == "auto":
             impl = dispatch.choose_impl(op.name, op.ffi_target, [a.shape for a in ctx.avals_in],
@@ -236,18 +236,22 @@ def _axis_is_all_processes(ctx, n: int) -> bool:
             and len({d.process_index for d in mesh.devices.flat}) == n)
 
 
-def _lower_all_reduce_across_processes(ctx, x, *, impl, opts, portable, axis_name, n):
-    """all_reduce over processes: NVSHMEM's hierarchical all-reduce where
-    dispatch.all_reduce_across_processes picks it, else psum."""
+def _all_reduce_across_processes(ctx, impl: str, n: int) -> str:
+    """"nvshmem" or "xla" for an all_reduce over ``n`` processes
+    (dispatch.all_reduce_across_processes, with this process's NVSHMEM state)."""
     from . import distributed, nvshmem
 
     aval = ctx.avals_in[0]
     capacity = nvshmem.max_message_bytes() if nvshmem.is_initialized() else None
     nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-    path = dispatch.all_reduce_across_processes(nbytes, aval.dtype, impl, capacity,
+    return dispatch.all_reduce_across_processes(nbytes, aval.dtype, impl, capacity,
                                                 processes=n, node_size=distributed.node_size())
-    if path == "xla":
-        return portable(ctx, x, axis_name=axis_name, n=n, impl="xla", opts=opts)
+
+
+def _lower_nvshmem_all_reduce(ctx, x, *, opts):
+    """NVSHMEM's hierarchical all-reduce over every process."""
+    from . import nvshmem
+
     timeout = int(dict(opts).get("timeout_ms", timeout_ms()))
     return mlir.lower_fun(lambda x: [nvshmem.ffi_all_reduce(x, timeout_ms=timeout)],
                           multiple_results=True)(ctx, x)

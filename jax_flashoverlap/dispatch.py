@@ -76,9 +76,11 @@ def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
 
 def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
     (rows, _), (_, cols) = shapes
-    if _measured_faster("matmul_all_reduce")(shapes, dtype, n):
+    if n != 2 or dtype.itemsize != 2:
+        return False
+    if rows >= _MIN_ROWS["matmul_all_reduce"]:  # the fused kernel, or dot + all-reduce
         return True
-    return (n == 2 and dtype.itemsize == 2 and rows >= _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE
+    return (rows >= _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE
             and matmul_all_reduce_kernel(rows * cols * dtype.itemsize) == "gemm_then_all_reduce")
 
 

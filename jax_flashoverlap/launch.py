@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -38,6 +37,8 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO
+
+from ._devices import without_cpu_device_count
 
 __all__ = ["ENV", "FORCED_ENV", "main", "visible_gpus"]
 
@@ -140,9 +141,7 @@ def _child_env(base: Mapping[str, str], *, rank: int, nproc: int, node_size: int
         env["JAX_PLATFORMS"] = "cpu"
         # One CPU device per process: drop a device count inherited from the
         # caller (the test suite's conftest asks for 8).
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "",
-                       env.get("XLA_FLAGS", ""))
-        env["XLA_FLAGS"] = " ".join(flags.split())
+        env["XLA_FLAGS"] = without_cpu_device_count(env.get("XLA_FLAGS", ""))
     else:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     return env

@@ -1,12 +1,13 @@
 """Helpers shared by the tests: meshes, random data, float64 references."""
 
 import os
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+
+from jax_flashoverlap._devices import without_cpu_device_count
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 
@@ -34,8 +35,7 @@ def child_env(**extra: str) -> dict[str, str]:
     """The environment for a GPU child process: this one's, less conftest's
     CPU device count (other XLA_FLAGS stay), plus ``extra``."""
     env = dict(os.environ, **extra)
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = " ".join(flags.split())
+    env["XLA_FLAGS"] = without_cpu_device_count(env.get("XLA_FLAGS", ""))
     return env
 
 
@@ -71,10 +71,9 @@ def assert_as_accurate(got, baseline, exact, dtype):
     leaves = [jax.tree.leaves(t) for t in (got, baseline, exact)]
     assert len({len(x) for x in leaves}) == 1, [len(x) for x in leaves]
     for i, (a, b, want) in enumerate(zip(*leaves)):
-        want = f64(want)
-        a = f64(a)
+        a, b, want = f64(a), f64(b), f64(want)
         assert a.shape == want.shape and np.all(np.isfinite(a)), (i, a.shape, want.shape)
-        errs = [np.linalg.norm(f64(x) - want) / max(np.linalg.norm(want), 1e-30) for x in (a, b)]
+        errs = [np.linalg.norm(x - want) / max(np.linalg.norm(want), 1e-30) for x in (a, b)]
         bound = max(2 * errs[1], TOLERANCE[jnp.dtype(dtype).name])
         assert errs[0] <= bound, f"leaf {i}: relative error {errs[0]:.3g} > {bound:.3g}"
 
