@@ -11,10 +11,11 @@ alone ("gemm") and the collective alone ("comm"); XLA's windowed einsum
 ("xla_windowed") runs in a child process because its flags are read once at
 start-up. Every implementation's result is checked against "xla" before it is
 timed. ``--chunks 2 4`` adds impl="cuda" with those chunk counts (the data
-for choosing it automatically). ``--devices N`` runs on the first N local
-GPUs (TP=N); the CUDA kernels always send directly to every peer
-(NVLink/NVSwitch), so the ring and bidirectional variants are schedules of
-the pure-JAX path.
+for choosing it automatically); ``--add-after`` adds matmul_reduce_scatter
+with the partials added after the own GEMM instead of fed to it.
+``--devices N`` runs on the first N local GPUs (TP=N); the CUDA kernels
+always send directly to every peer (NVLink/NVSwitch), so the ring and
+bidirectional variants are schedules of the pure-JAX path.
 """
 
 from __future__ import annotations
@@ -45,40 +46,53 @@ def _operands(op, n, m, k, cols):
 
 
 def _op_fn(op, impl):
-    """(per-device function, fused-only) of ``impl``, an entry of IMPLS or
-    "cuda_chunksC"; None where it does not apply.
+    """(per-device function, dispatch overrides) of ``impl``, an entry of
+    IMPLS, "cuda_chunksC", "cuda_add_after" or "cuda_add_after_chunksC"; None
+    where it does not apply.
 
-    fused-only: matmul_all_reduce must run its fused kernel, which impl="cuda"
+    The overrides patch :mod:`jax_flashoverlap.dispatch` while the function is
+    lowered: matmul_all_reduce must run its fused kernel, which impl="cuda"
     replaces by dot + all-reduce for small results ("cuda_fused" and the
-    chunked rows time the fused kernel; "cuda" times what users get).
+    chunked rows time the fused kernel; "cuda" times what users get), and
+    "cuda_add_after" runs matmul_reduce_scatter's other fold.
     """
     import jax_flashoverlap as jfo
 
     call = functools.partial(getattr(jfo, op), axis_name="tp")
+    fused = {"MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES": -1} if op == "matmul_all_reduce" else {}
     if impl == "cuda_fused":
-        return (call, True) if op == "matmul_all_reduce" else None
+        if op != "matmul_all_reduce":
+            return None
+        return functools.partial(call, impl="cuda"), fused
+    overrides = {}
+    if impl.startswith("cuda_add_after"):
+        if op != "matmul_reduce_scatter":
+            return None
+        overrides = {"REDUCE_SCATTER_FOLD": "add_after"}
+        impl = "cuda" + impl[len("cuda_add_after"):]  # "cuda" or "cuda_chunksC"
     if impl.startswith("cuda_chunks"):
         chunks = int(impl[len("cuda_chunks"):])
-        return functools.partial(call, impl="cuda", chunks=chunks), op == "matmul_all_reduce"
+        return functools.partial(call, impl="cuda", chunks=chunks), {**fused, **overrides}
     if impl == "decomposed_bidirectional":
         if op == "matmul_all_reduce":
             return None
-        return functools.partial(call, impl="decomposed", topology="bidirectional"), False
-    return functools.partial(call, impl=impl), False
+        return functools.partial(call, impl="decomposed", topology="bidirectional"), {}
+    return functools.partial(call, impl=impl), overrides
 
 
 @contextlib.contextmanager
-def _fused_only(active):
-    """Makes impl="cuda" matmul_all_reduce lower to its fused kernel (new jits only)."""
+def _dispatch_overrides(overrides):
+    """Patches jax_flashoverlap.dispatch (read at lowering: new jits only)."""
     from jax_flashoverlap import dispatch
 
-    saved = dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES
-    if active:
-        dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = -1
+    saved = {name: getattr(dispatch, name) for name in overrides}
+    for name, value in overrides.items():
+        setattr(dispatch, name, value)
     try:
         yield
     finally:
-        dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = saved
+        for name, value in saved.items():
+            setattr(dispatch, name, value)
 
 
 def run(ops, shapes, impls, reps, devices=None, check=True):
@@ -115,8 +129,8 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
                 picked = _op_fn(op, impl)
                 if picked is None:
                     continue
-                fn, fused_only = picked
-                with _fused_only(fused_only):
+                fn, overrides = picked
+                with _dispatch_overrides(overrides):
                     if check:
                         run_once = jax.jit(jax.shard_map(fn, mesh=mesh,
                                                          in_specs=(P("tp"),) * 2,
@@ -169,8 +183,10 @@ def table(rows) -> str:
         by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
     present = {r["impl"] for r in rows}
     chunked = sorted(c for c in present if c.startswith("cuda_chunks"))
-    cols = [c for c in ("cuda", "cuda_fused", *chunked, "auto", "xla", "xla_windowed", "decomposed",
-                        "decomposed_bidirectional", "gemm", "comm") if c in present]
+    added_after = sorted(c for c in present if c.startswith("cuda_add_after"))
+    cols = [c for c in ("cuda", "cuda_fused", *chunked, *added_after, "auto", "xla",
+                        "xla_windowed", "decomposed", "decomposed_bidirectional", "gemm", "comm")
+            if c in present]
     lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
              "|---|---|" + "---|" * (len(cols) + 2)]
     def fmt(v):
@@ -221,6 +237,9 @@ def main():
     parser.add_argument("--chunks", nargs="+", type=int, default=[],
                         help="also time impl='cuda' with each of these chunk counts "
                              "(rows 'cuda_chunksC'; the default is the op's own)")
+    parser.add_argument("--add-after", action="store_true",
+                        help="also time matmul_reduce_scatter folding the partials in "
+                             "after its own GEMM (rows 'cuda_add_after', with each --chunks)")
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N local devices (default: all)")
     parser.add_argument("--reps", type=int, default=5)
@@ -237,6 +256,8 @@ def main():
     if args.devices is not None and not 1 < args.devices:
         parser.error(f"--devices must be at least 2, got {args.devices}")
     impls = args.impls + [f"cuda_chunks{c}" for c in args.chunks]
+    if args.add_after:
+        impls += ["cuda_add_after"] + [f"cuda_add_after_chunks{c}" for c in args.chunks]
     rows = run(args.ops, shapes, impls, args.reps, args.devices)
     if not args.no_windowed:
         rows += _windowed(args)

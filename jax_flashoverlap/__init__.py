@@ -5,7 +5,7 @@ and a low-latency all-reduce (NVRAR), as ops usable inside ``jax.shard_map``
 and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
 """
 
-from . import schedule, sharded
+from . import _module_loading, schedule, sharded
 from ._extension import build_info, check_device_errors
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
@@ -24,3 +24,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_module_loading.prefer_eager_loading()

@@ -8,6 +8,8 @@
 * The device mesh at lowering time: the CUDA kernels need the CUDA ordinals of
   each group of the mesh axis; XLA's own collectives read them from the
   lowering context's axis context, which is not public either.
+* Whether JAX's backends are started: an environment variable that CUDA
+  reads at start-up (``_module_loading``) can only be set before.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["varying_axes", "with_varying_axes", "lowering_mesh"]
+__all__ = ["varying_axes", "with_varying_axes", "lowering_mesh", "backends_initialized"]
 
 
 def varying_axes(aval: Any) -> frozenset:
@@ -40,3 +42,9 @@ def lowering_mesh(ctx: Any) -> Any | None:
     """The concrete ``jax.sharding.Mesh`` a lowering runs under, if known."""
     mesh = getattr(getattr(ctx.module_context, "axis_context", None), "mesh", None)
     return mesh if isinstance(mesh, jax.sharding.Mesh) else None
+
+
+def backends_initialized() -> bool:
+    """Whether JAX has started its backends (CUDA has read its environment)."""
+    from jax._src import xla_bridge
+    return xla_bridge.backends_are_initialized()

@@ -24,7 +24,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import _extension, _jax_shim, decomposed, dispatch, schedule, xla_baseline
+from . import _extension, _jax_shim, _module_loading, decomposed, dispatch, schedule, xla_baseline
 
 __all__ = ["OpDef", "bind", "OPS"]
 
@@ -93,7 +93,11 @@ def _ag_attrs(n, opts):
 
 def _rs_attrs(n, opts):
     sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
-    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks)}
+    if dispatch.REDUCE_SCATTER_FOLD not in dispatch.REDUCE_SCATTER_FOLDS:
+        raise ValueError(f"dispatch.REDUCE_SCATTER_FOLD must be one of "
+                         f"{dispatch.REDUCE_SCATTER_FOLDS}, got {dispatch.REDUCE_SCATTER_FOLD!r}")
+    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
+            "add_after": np.int32(dispatch.REDUCE_SCATTER_FOLD == "add_after")}
 
 
 def _mar_attrs(n, opts):
@@ -190,6 +194,7 @@ def _make_primitive(op: OpDef) -> Primitive:
         if impl != "cuda":
             return lower_portable(ctx, *args, axis_name=axis_name, n=n, impl=impl, opts=opts)
         _extension.require_cuda_ops(op.name, op.ffi_target)
+        _module_loading.warn_if_lazy(op.name)
         opts = dict(opts)
         transport = {
             "group_ordinals": (groups if groups is not None

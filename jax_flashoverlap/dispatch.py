@@ -217,13 +217,22 @@ def all_reduce_algorithm(nbytes: int) -> str:
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
 
 
+# How impl="cuda" matmul_reduce_scatter folds the peers' partials into the
+# rank's own block: "gemm_input" (cuBLASLt's C input; each chunk's GEMM waits
+# for that chunk from every peer) or "add_after" (the own GEMM at once, then
+# one elementwise add). "gemm_input" is what every committed benchmark ran;
+# "add_after" is the order of DESIGN.md, not yet measured against it.
+REDUCE_SCATTER_FOLDS = ("gemm_input", "add_after")
+REDUCE_SCATTER_FOLD = "gemm_input"
+
 # impl="cuda" matmul_all_reduce up to this result size (bytes per rank): XLA's
 # dot, then the one-kernel all-reduce on the same stream, instead of the fused
 # op. A message this small is latency-bound, so chunking hides little, while
-# the fused op pays per-chunk events and side streams. Measured in one run
-# (collective_matmul_mar_2xh200.json): 82.1 us composed, 96.6 fused, 99.0 XLA
-# at 1024x4096x4096 (8 MiB result); 63.7, 65.2, 62.2 at 128x8192x8192. (An
-# earlier run had the fused op at 131 and 172 us on those shapes.)
+# the fused op pays per-chunk events and side streams. Measured
+# (collective_matmul_mar_2xh200.json): 82.1 us composed against 99.0 XLA at
+# 1024x4096x4096 (8 MiB result), 63.7 against 62.2 at 128x8192x8192; the
+# fused op took 131.1 and 172.3 us on those shapes
+# (collective_matmul_2xh200.json).
 MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = 8 << 20
 
 

@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar train all
-#                                               nvshmem (only when named; not part of all)
+#                                               stall, nvshmem (only when named; not in all)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS and JFO_TRAIN_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
@@ -71,6 +71,24 @@ if want train; then
   # shellcheck disable=SC2086
   step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
     ${JFO_TRAIN_ARGS:-}
+fi
+# Opt-in: the unrolled Mamba-2 skeleton with impl="cuda" in fresh processes
+# (JFO_STALL_RUNS, default 10), each bounded; the lazy-loading stall of
+# README "Troubleshooting" showed in a process's first call.
+stall_loop() {
+  local i t0 rc failed=0
+  for i in $(seq "${JFO_STALL_RUNS:-10}"); do
+    t0=$SECONDS
+    (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 \
+       $PY -u cuda_scan_child.py unrolled) > /tmp/jfo_stall.log 2>&1
+    rc=$?
+    echo "run $i: rc=$rc in $((SECONDS - t0)) s"
+    [ "$rc" -eq 0 ] || { failed=1; tail -5 /tmp/jfo_stall.log; }
+  done
+  return $failed
+}
+if [[ " ${stages[*]} " == *" stall "* ]]; then
+  step stall$tag stall_loop
 fi
 # Opt-in and isolated: rebuilds the package with the NVSHMEM module (CMake
 # option JFO_ENABLE_NVSHMEM), runs its 2-process tests and benchmark. Run

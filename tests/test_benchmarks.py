@@ -48,3 +48,33 @@ def test_hierarchical_table_ratios():
     single = [dict(size_bytes=4096, impl="two_shot", mode="loop", us=4.0)]
     line = bench.table(rows, 2, 1, "loop", single).splitlines()[-1]
     assert line.startswith("| 4 KiB | 6.0 | 18.0 | 3.00 | 1.50 |"), line
+
+
+def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
+    """Every "cuda_*" row times impl="cuda" (an earlier version timed "auto"
+    for "cuda_fused", which picked XLA on some shapes), with its overrides."""
+    bench = _load("collective_matmul")
+    fused = {"MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES": -1}
+    add_after = {"REDUCE_SCATTER_FOLD": "add_after"}
+    cases = [("matmul_all_reduce", "cuda_fused", None, fused),
+             ("matmul_all_reduce", "cuda_chunks2", 2, fused),
+             ("matmul_reduce_scatter", "cuda_chunks4", 4, {}),
+             ("matmul_reduce_scatter", "cuda_add_after", None, add_after),
+             ("matmul_reduce_scatter", "cuda_add_after_chunks2", 2, add_after),
+             ("all_gather_matmul", "cuda", None, {})]
+    for op, impl, chunks, overrides in cases:
+        fn, got = bench._op_fn(op, impl)
+        assert fn.keywords["impl"] == "cuda", (op, impl, fn.keywords)
+        assert fn.keywords.get("chunks") == chunks, (op, impl, fn.keywords)
+        assert got == overrides, (op, impl, got)
+    assert bench._op_fn("all_gather_matmul", "cuda_fused") is None
+    assert bench._op_fn("matmul_all_reduce", "cuda_add_after") is None
+
+
+def test_dispatch_overrides_are_restored():
+    bench = _load("collective_matmul")
+    from jax_flashoverlap import dispatch
+    before = dispatch.REDUCE_SCATTER_FOLD
+    with bench._dispatch_overrides({"REDUCE_SCATTER_FOLD": "add_after"}):
+        assert dispatch.REDUCE_SCATTER_FOLD == "add_after"
+    assert dispatch.REDUCE_SCATTER_FOLD == before

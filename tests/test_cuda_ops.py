@@ -94,6 +94,22 @@ def test_cuda_chunked(op, chunks, rng):
     assert_close(_call(op, "cuda", (x, w), chunks=chunks), f64(x) @ f64(w), "bfloat16")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monkeypatch):
+    """The "add_after" fold: own GEMM first, then one add of the received partials."""
+    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", "add_after")
+    _, n = _mesh()
+    for shape in [(256, 512, 384), (100, 72, 40)]:
+        xs, ws = _global_shapes("matmul_reduce_scatter", n, *shape)
+        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), dtype)
+        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), dtype)
+        poison_allocator(4 * int(np.prod(xs)) * 4)
+        y = _call("matmul_reduce_scatter", "cuda", (x, w), chunks=chunks)
+        jfo.check_device_errors()
+        assert_close(y, f64(x) @ f64(w), dtype)
+
+
 @pytest.mark.parametrize("op", MATMUL_OPS)
 def test_cuda_gradients_match_xla(op, rng):
     mesh, n = _mesh()

@@ -153,3 +153,27 @@ def test_axis_of_all_processes(monkeypatch, processes_of_devices, process_count,
     monkeypatch.setattr(_primitives._jax_shim, "lowering_mesh", lambda ctx: mesh)
     monkeypatch.setattr(jax, "process_count", lambda: process_count)
     assert _primitives._axis_is_all_processes(None, devices.size) is want
+
+
+def test_a_cuda_op_lowered_under_lazy_loading_warns(monkeypatch):
+    from jax_flashoverlap import _module_loading
+    monkeypatch.setattr(_module_loading, "_warned", False)
+    monkeypatch.setenv(_module_loading.ENV, "LAZY")
+    with pytest.warns(RuntimeWarning, match="lazy module loading"):
+        _matmul_all_reduce_text(128, 256, "cuda")
+
+
+@pytest.mark.parametrize("fold, flag", [("gemm_input", 0), ("add_after", 1)])
+def test_reduce_scatter_fold_is_an_attribute(monkeypatch, fold, flag):
+    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", fold)
+    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
+    text = _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], (P(None, "tp"), P("tp", None)), P("tp"))
+    assert _custom_calls(text) == ["jfo_matmul_reduce_scatter"]
+    assert re.search(rf"add_after = {flag} : i32", text), text[-2000:]
+
+
+def test_an_unknown_reduce_scatter_fold_names_the_choices(monkeypatch):
+    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", "sideways")
+    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
+    with pytest.raises(ValueError, match="gemm_input"):
+        _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], (P(None, "tp"), P("tp", None)), P("tp"))

@@ -1,9 +1,12 @@
 // GEMM -> ReduceScatter: y = sum_r x_r[block rank] @ w without a tail.
 // Rank r first computes the partial products owned by its peers (schedule
 // order), pushing each row chunk to its owner as soon as it is done; its own
-// block comes last and folds the received partials into the GEMM through
-// cuBLASLt's C input (beta = 1), chunk by chunk, so nothing but (for n > 2)
-// a small add of the remaining partials follows the last GEMM.
+// block comes last. Two ways to fold the received partials into it:
+//  - as cuBLASLt's C input (beta = 1), chunk by chunk: no extra pass, but each
+//    chunk's GEMM waits until that chunk arrived from every peer;
+//  - after it (`add_after`): the own GEMM needs nothing and starts at once,
+//    then one elementwise pass adds the partials (DESIGN.md's order), so a
+//    transfer is exposed only where it outlasts the own block's GEMM.
 #include "ops_common.h"
 
 namespace jfo {
@@ -15,11 +18,16 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
                                    Buffer_Type x, Buffer_Type w, Result_Type y,
                                    I32Span group_ordinals, int32_t n,
                                    int32_t timeout_ms, I32Span order,
-                                   int32_t chunks) {
+                                   int32_t chunks, int32_t add_after) {
   auto group = FindGroup(kOp, group_ordinals, n, ordinal);
   if (group.has_error()) return group.error();
   JFO_RETURN_IF_ERROR(CheckCommon(kOp, timeout_ms, chunks));
   JFO_RETURN_IF_ERROR(CheckOrder(kOp, order, n, /*own_first=*/false));
+  if (add_after != 0 && add_after != 1) {
+    return ffi::Error::InvalidArgument(
+        "jax_flashoverlap matmul_reduce_scatter: add_after must be 0 or 1, got " +
+        std::to_string(add_after));
+  }
   const auto dtype = x.element_type();
   JFO_RETURN_IF_ERROR(
       CheckDtypes(kOp, {dtype, w.element_type(), y->element_type()}));
@@ -63,8 +71,22 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
         if (sent.has_error()) return sent.error();
       }
     }
-    // Own block last, each chunk summed with the peers' partials.
     const std::vector<int> peers(row, row + n - 1);
+    if (add_after) {
+      JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, m, cols, k, xp + r * m * row_x,
+                                  wp, nullptr, yp));
+      std::vector<const void*> partials;
+      for (int q : peers) {
+        // A peer's messages land in order (one send stream, flags are
+        // epochs), so its last chunk implies the others.
+        auto landed = ch.Arrival(q, chunks - 1);
+        if (landed.has_error()) return landed.error();
+        JFO_RETURN_IF_ERROR(ch.WaitOn(*landed));
+        partials.push_back(ch.RecvSlot(q));
+      }
+      return AddInto(ch, dtype, yp, partials, m * cols);
+    }
+    // Own block last, each chunk summed with the peers' partials.
     for (int c = 0; c < chunks; ++c) {
       const Rows p = SplitRows(0, m, chunks, c);
       JFO_RETURN_IF_ERROR(GemmPlusPartials(
@@ -92,6 +114,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("n")             // ranks per group
         .Attr<int32_t>("timeout_ms")    // bound of every wait
         .Attr<I32Span>("order")         // [n*n] row r: blocks, own block last
-        .Attr<int32_t>("chunks"));      // row chunks (signals) per block
+        .Attr<int32_t>("chunks")        // row chunks (signals) per block
+        .Attr<int32_t>("add_after"));   // 1: add the partials after the own GEMM
 
 }  // namespace jfo

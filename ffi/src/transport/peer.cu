@@ -170,7 +170,8 @@ std::string FormatTimeout(const TimeoutRecord& r) {
          std::to_string(r.peer_rank) + " (CUDA device " +
          std::to_string(r.peer_ordinal) + "), epoch " +
          std::to_string(r.expected) + " (flag holds " +
-         std::to_string(r.seen) + ")";
+         std::to_string(r.seen) +
+         "); README, Troubleshooting: 'timed out waiting for rank'";
 }
 
 }  // namespace
@@ -259,13 +260,16 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
       "the op");
 }
 
+// Every device's record: when two ranks wait for each other, both sides
+// say what they waited for.
 std::string TakePendingError() {
   std::lock_guard<std::mutex> lock(g_mu);
+  std::string all;
   for (auto& [ordinal, st] : g_devices) {
     std::string msg = TakeRecord(st.get());
-    if (!msg.empty()) return msg;
+    if (!msg.empty()) all += (all.empty() ? "" : "; ") + msg;
   }
-  return "";
+  return all;
 }
 
 ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,

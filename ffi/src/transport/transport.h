@@ -41,7 +41,8 @@ ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
 // done the same. Idempotent and cheap after the first call.
 ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms);
 
-// Returns (and clears) a recorded wait timeout of any device, or "".
+// Returns (and clears) the recorded wait timeouts of every device, joined
+// by "; ", or "".
 std::string TakePendingError();
 
 // What a wait that timed out leaves for the host (host-mapped memory, written
