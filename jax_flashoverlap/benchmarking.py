@@ -22,7 +22,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Timing", "time_per_op", "first_devices_mesh"]
+__all__ = ["Timing", "time_per_op", "first_devices_mesh", "looped"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,7 +55,11 @@ def first_devices_mesh(count: int | None = None, axis_name: str = "tp") -> jax.s
     return jax.sharding.Mesh(np.asarray(devices[:count]), (axis_name,))
 
 
-def _looped(op: Callable[..., jax.Array], mesh, in_specs, k: int, unroll: int):
+def looped(op: Callable[..., jax.Array], mesh, in_specs, k: int, unroll: int = 1):
+    """A jitted shard_map running ``k`` dependent calls of ``op`` in a
+    ``fori_loop`` (the protocol's loop, also what a profiler trace of
+    ``k`` calls should run). Returns a function of the global ``args``
+    that yields a scalar."""
     def body(_, carry):
         args, acc = lax.optimization_barrier(carry)
         y = lax.optimization_barrier(op(*args))
@@ -99,7 +103,7 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
         raise ValueError(f"need 0 < k1 < k2, got k1={k1}, k2={k2}")
     if unroll < 1:
         raise ValueError(f"unroll must be >= 1, got {unroll}")
-    loops = {k: _looped(op, mesh, in_specs, k, unroll) for k in (k1, k2)}
+    loops = {k: looped(op, mesh, in_specs, k, unroll) for k in (k1, k2)}
     if compiler_options:
         loops = {k: fn.lower(*args).compile(compiler_options) for k, fn in loops.items()}
     for fn in loops.values():

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar train all
+#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels train all
 #                                               stall, nvshmem (only when named; not in all)
 #
-# JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS and JFO_TRAIN_ARGS
+# JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS and JFO_TRAIN_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
 # JFO_DEVICES=N runs everything on the first N GPUs (CUDA_VISIBLE_DEVICES) and
 # names the JSON files *_tpN.json, so runs at TP=2/4/8 can share one $OUT.
@@ -66,6 +66,11 @@ if want ar; then
   # shellcheck disable=SC2086
   step ar$tag $PY -P benchmarks/all_reduce.py --json "$OUT/all_reduce$tag.json" \
     --plot "$OUT/all_reduce$tag.png" ${JFO_AR_ARGS:-}
+fi
+if want kernels; then
+  # shellcheck disable=SC2086
+  step kernels$tag $PY benchmarks/kernel_times.py ops --json "$OUT/kernel_times$tag.json" \
+    ${JFO_KT_ARGS:-}
 fi
 if want train; then
   # shellcheck disable=SC2086

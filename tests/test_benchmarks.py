@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import jax_flashoverlap
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -78,3 +80,75 @@ def test_dispatch_overrides_are_restored():
     with bench._dispatch_overrides({"REDUCE_SCATTER_FOLD": "add_after"}):
         assert dispatch.REDUCE_SCATTER_FOLD == "add_after"
     assert dispatch.REDUCE_SCATTER_FOLD == before
+
+
+def _synthetic_trace(path):
+    """Two GPUs' processes as the profiler names them, kernels on stream threads."""
+    meta = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+        {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 8, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        {"ph": "M", "pid": 7, "tid": 13, "name": "thread_name",
+         "args": {"name": "Stream #13(Compute)"}},
+        {"ph": "M", "pid": 7, "tid": 2, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 8, "tid": 13, "name": "thread_name",
+         "args": {"name": "Stream #13(Compute)"}},
+    ]
+    kernels = [("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 100.0),
+               ("nvjet_tst_128x256_64x4_1x2_h_bz_coopB_TNT", 60.0),
+               ("void jfo::internal::WaitFlagKernel(unsigned int const*, unsigned int)", 30.0),
+               ("MemcpyP2P", 20.0), ("loop_add_fusion", 8.0),
+               ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", 4.0)]
+    events = meta + [{"ph": "X", "pid": 7, "tid": 13, "ts": i, "dur": d, "name": n}
+                     for i, (n, d) in enumerate(kernels)]
+    events += [{"ph": "X", "pid": 7, "tid": 2, "ts": 0, "dur": 500.0,
+                "name": "jax_flashoverlap_matmul_reduce_scatter.1"},
+               {"ph": "X", "pid": 1, "tid": 5, "ts": 0, "dur": 900.0, "name": "PjitFunction"},
+               {"ph": "X", "pid": 8, "tid": 13, "ts": 0, "dur": 50.0, "name": "nvjet_x"}]
+    import gzip
+    path.mkdir(parents=True)
+    with gzip.open(path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"displayTimeUnit": "ns", "traceEvents": events}, f)
+
+
+def test_kernel_times_reads_stream_threads_of_each_gpu(tmp_path):
+    kt = _load("kernel_times")
+    _synthetic_trace(tmp_path / "plugins" / "profile" / "run")
+    per_device = kt.device_kernels(kt.load_events(tmp_path))
+    assert sorted(per_device) == [0, 1]
+    assert len(per_device[0]) == 6 and per_device[1] == [("nvjet_x", 50.0)]
+    summary = kt.summarize(per_device[0], iterations=2)
+    assert summary["gemm"]["us"] == 80.0 and summary["gemm"]["count"] == 1
+    assert summary["jfo"]["us"] == 15.0
+    assert summary["copy"]["us"] == 10.0
+    assert summary["nccl"]["us"] == 2.0 and summary["other"]["us"] == 4.0
+    assert "| gemm | 80.0 | 1 |" in kt.table(summary)
+
+
+def test_kernel_times_categories():
+    kt = _load("kernel_times")
+    assert kt.category("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64") == "gemm"
+    assert kt.category("gemm_fusion_dot_general_3") == "gemm"
+    assert kt.category("void jfo::(anonymous namespace)::AddIntoKernel<__nv_bfloat16>()") \
+        == "jfo"
+    assert kt.category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert kt.category("MemcpyD2D") == "copy"
+    assert kt.category("input_reduce_fusion") == "other"
+
+
+def test_kernel_times_on_a_trace_without_gpus_says_so(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    kt = _load("kernel_times")
+    f = jax.jit(lambda a: (a @ a).sum())
+    kt.trace_loop(f, [jnp.ones((64, 64))], tmp_path)
+    with pytest.raises(SystemExit, match="no GPU kernels"):
+        kt.main(["trace", str(tmp_path)])
+
+
+def test_kernel_times_ops_mode_runs_up_to_the_trace():
+    """On CPUs the loop compiles, runs and is traced; the trace has no GPU."""
+    kt = _load("kernel_times")
+    with pytest.raises(SystemExit, match="no GPU kernels"):
+        kt.main(["ops", "--ops", "matmul_reduce_scatter", "--shapes", "16x32x8",
+                 "--iterations", "2", "--devices", "2", "--impl", "xla"])
