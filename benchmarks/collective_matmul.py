@@ -95,23 +95,35 @@ def _dispatch_overrides(overrides):
             setattr(dispatch, name, value)
 
 
+def random_operands(mesh, seed=0):
+    """``put(shape)``: fresh standard-normal bf16 data of per-device ``shape``
+    on every device of ``mesh``, sharded along dim 0 over its "tp" axis."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(seed)
+
+    def put(shape):
+        data = rng.standard_normal((mesh.size * shape[0], *shape[1:]), dtype=np.float32)
+        return jax.device_put(jnp.asarray(data, jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    return put
+
+
 def run(ops, shapes, impls, reps, devices=None, check=True):
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jax_flashoverlap.benchmarking import first_devices_mesh, time_per_op
 
     mesh = first_devices_mesh(devices)
     n = mesh.size
-    rng = np.random.default_rng(0)
-
-    def put(shape):
-        data = rng.standard_normal((n * shape[0], *shape[1:]), dtype=np.float32)
-        return jax.device_put(jnp.asarray(data, jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    put = random_operands(mesh)
 
     def timed(fn, args, expected_us):
         k2 = int(min(50, max(6, 30_000 / max(expected_us, 1))))

@@ -127,10 +127,7 @@ def _collective_matmul():
 def run_ops(ops, shapes, iterations: int, devices: int | None = None,
             impl: str = "cuda") -> list[dict]:
     """Kernel times of ``impl`` and of XLA's dot per (op, shape); see the module doc."""
-    import jax
     import jax.numpy as jnp
-    import numpy as np
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jax_flashoverlap.benchmarking import first_devices_mesh, looped
@@ -138,11 +135,7 @@ def run_ops(ops, shapes, iterations: int, devices: int | None = None,
     cm = _collective_matmul()
     mesh = first_devices_mesh(devices)
     n = mesh.size
-    rng = np.random.default_rng(0)
-
-    def put(shape):
-        data = rng.standard_normal((n * shape[0], *shape[1:]), dtype=np.float32)
-        return jax.device_put(jnp.asarray(data, jnp.bfloat16), NamedSharding(mesh, P("tp")))
+    put = cm.random_operands(mesh)
 
     rows = []
     for (m, k, cols) in shapes:
