@@ -5,7 +5,9 @@ and a low-latency all-reduce (NVRAR), as ops usable inside ``jax.shard_map``
 and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
 """
 
-from . import _module_loading, schedule, sharded
+# _module_loading first: its import sets CUDA_MODULE_LOADING before anything
+# can start JAX's backends.
+from . import _module_loading, schedule, sharded  # noqa: F401
 from ._extension import build_info, check_device_errors
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
@@ -24,5 +26,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-_module_loading.prefer_eager_loading()

@@ -11,12 +11,18 @@ for device 1 waits for it to idle (and, as far as we can tell, holds a
 driver lock that device 0's thread then needs). Measured on 2×H200: two
 Mamba-2 blocks with impl="cuda", forward and backward, timed out in their
 first call with lazy loading and XLA's cuBLAS command buffers; with
-``CUDA_MODULE_LOADING=EAGER`` (or without those command buffers) three runs
-in a row passed.
+``CUDA_MODULE_LOADING=EAGER`` (or without those command buffers) 3 calls in
+one process passed.
 
-Importing :mod:`jax_flashoverlap` before JAX starts its GPU backend therefore
-sets ``CUDA_MODULE_LOADING=EAGER`` unless the variable is already set; the
-first CUDA op compiled in a process that loads lazily warns with the fix.
+Importing :mod:`jax_flashoverlap` before JAX starts its backends (the first
+``jax.devices()``, array or computation) therefore sets
+``CUDA_MODULE_LOADING=EAGER`` unless the variable is already set. That is
+process-wide and inherited by child processes: every CUDA library loads all
+its kernels at start-up (one reading on an H200: 1326 MiB of GPU memory
+after a matmul and a cuDNN attention call, against 874 MiB lazily). Set the
+variable to ``LAZY`` to opt out. The first CUDA op compiled in a process whose
+CUDA driver loads lazily (also when something else, e.g. torch, started CUDA
+before the import) warns with the fix.
 """
 
 from __future__ import annotations
@@ -24,9 +30,9 @@ from __future__ import annotations
 import os
 import warnings
 
-from . import _jax_shim
+from . import _extension, _jax_shim
 
-__all__ = ["prefer_eager_loading", "warn_if_lazy"]
+__all__ = ["prefer_eager_loading", "driver_mode", "warn_if_lazy"]
 
 ENV = "CUDA_MODULE_LOADING"
 _warned = False
@@ -47,15 +53,36 @@ def prefer_eager_loading() -> bool:
     return True
 
 
+def driver_mode() -> str:
+    """The CUDA driver's module loading mode here: "lazy", "eager", or
+    "unknown" (no extension, no driver, or CUDA not started)."""
+    mod = _extension._module()
+    return mod.module_loading_mode() if hasattr(mod, "module_loading_mode") else "unknown"
+
+
 def warn_if_lazy(op: str) -> None:
-    """Warns once per process when a CUDA op runs under lazy module loading."""
+    """Warns once per process when a CUDA op runs under lazy module loading.
+
+    The driver's mode decides; where it is unknown (e.g. lowering for CUDA on
+    a host without GPUs), the environment variable does.
+    """
     global _warned
-    if _warned or os.environ.get(ENV, "").upper() == "EAGER":
+    if _warned:
+        return
+    mode = driver_mode()
+    if mode == "unknown":
+        mode = "eager" if os.environ.get(ENV) == "EAGER" else "lazy"
+    if mode == "eager":
         return
     _warned = True
     warnings.warn(
-        f"{op}(impl='cuda') in a process with CUDA lazy module loading "
-        f"({ENV}={os.environ.get(ENV, 'unset')}): a kernel loaded while the op waits for "
-        f"a peer GPU can stall both until the op's timeout. Set {ENV}=EAGER before "
-        "JAX starts (importing jax_flashoverlap before the first JAX computation does "
-        "this when the variable is unset).", RuntimeWarning, stacklevel=2)
+        f"{op}(impl='cuda') in a process where CUDA loads kernels lazily ({ENV}="
+        f"{os.environ.get(ENV, 'unset')}): a kernel loaded while the op waits for a peer GPU "
+        f"can stall both until the op's timeout. Set {ENV}=EAGER before CUDA starts "
+        "(importing jax_flashoverlap before JAX starts its backends does this when the "
+        "variable is unset).", RuntimeWarning, stacklevel=2)
+
+
+# At import (the package imports this module first): the variable only counts
+# before CUDA starts.
+prefer_eager_loading()

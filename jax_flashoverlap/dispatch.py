@@ -220,8 +220,8 @@ def all_reduce_algorithm(nbytes: int) -> str:
 # How impl="cuda" matmul_reduce_scatter folds the peers' partials into the
 # rank's own block: "gemm_input" (cuBLASLt's C input; each chunk's GEMM waits
 # for that chunk from every peer) or "add_after" (the own GEMM at once, then
-# one elementwise add). "gemm_input" is what every committed benchmark ran;
-# "add_after" is the order of DESIGN.md, not yet measured against it.
+# one elementwise add, FlashOverlap's order). "gemm_input" is what every
+# committed benchmark ran; "add_after" is not yet measured against it.
 REDUCE_SCATTER_FOLDS = ("gemm_input", "add_after")
 REDUCE_SCATTER_FOLD = "gemm_input"
 

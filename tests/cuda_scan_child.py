@@ -82,7 +82,8 @@ def main():
         reduce_scatter_k5152(mesh)
     else:
         blocks(mesh, scan={"scan": True, "unrolled": False}[case])
-    print(f"MATCH {case}", flush=True)
+    from jax_flashoverlap import _module_loading
+    print(f"MATCH {case} (CUDA module loading: {_module_loading.driver_mode()})", flush=True)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
              ("matmul_reduce_scatter", "cuda_chunks4", 4, {}),
              ("matmul_reduce_scatter", "cuda_add_after", None, add_after),
              ("matmul_reduce_scatter", "cuda_add_after_chunks2", 2, add_after),
-             ("all_gather_matmul", "cuda", None, {})]
+             ("all_gather_matmul", "cuda", None, {}),
+             ("matmul_all_reduce", "cuda", None, {})]  # what users get: no override
     for op, impl, chunks, overrides in cases:
         fn, got = bench._op_fn(op, impl)
         assert fn.keywords["impl"] == "cuda", (op, impl, fn.keywords)

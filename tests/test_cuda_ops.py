@@ -108,6 +108,12 @@ def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monke
         y = _call("matmul_reduce_scatter", "cuda", (x, w), chunks=chunks)
         jfo.check_device_errors()
         assert_close(y, f64(x) @ f64(w), dtype)
+    mesh, _ = _mesh()
+    in_specs, out_specs = SPECS["matmul_reduce_scatter"]
+    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda", chunks=chunks)
+    lowered = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                                    out_specs=out_specs)).lower(x, w)
+    assert "add_after = 1" in lowered.as_text()  # the fold under test ran
 
 
 @pytest.mark.parametrize("op", MATMUL_OPS)

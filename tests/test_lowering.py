@@ -158,8 +158,8 @@ def test_axis_of_all_processes(monkeypatch, processes_of_devices, process_count,
 def test_a_cuda_op_lowered_under_lazy_loading_warns(monkeypatch):
     from jax_flashoverlap import _module_loading
     monkeypatch.setattr(_module_loading, "_warned", False)
-    monkeypatch.setenv(_module_loading.ENV, "LAZY")
-    with pytest.warns(RuntimeWarning, match="lazy module loading"):
+    monkeypatch.setattr(_module_loading, "driver_mode", lambda: "lazy")
+    with pytest.warns(RuntimeWarning, match="loads kernels lazily"):
         _matmul_all_reduce_text(128, 256, "cuda")
 
 

@@ -38,7 +38,17 @@ def fresh_warning(monkeypatch):
     return monkeypatch
 
 
+def _driver(monkeypatch, mode):
+    monkeypatch.setattr(_module_loading, "driver_mode", lambda: mode)
+
+
+def test_the_driver_mode_is_one_of_three():
+    # "unknown" on hosts without a CUDA driver, such as CI.
+    assert _module_loading.driver_mode() in ("lazy", "eager", "unknown")
+
+
 def test_lazy_loading_warns_once_with_the_fix(fresh_warning):
+    _driver(fresh_warning, "unknown")
     fresh_warning.setenv(_module_loading.ENV, "LAZY")
     with pytest.warns(RuntimeWarning, match="CUDA_MODULE_LOADING=EAGER"):
         _module_loading.warn_if_lazy("all_gather_matmul")
@@ -47,9 +57,23 @@ def test_lazy_loading_warns_once_with_the_fix(fresh_warning):
         _module_loading.warn_if_lazy("all_gather_matmul")
 
 
-@pytest.mark.parametrize("value", ["EAGER", "eager"])
-def test_eager_loading_does_not_warn(fresh_warning, value):
-    fresh_warning.setenv(_module_loading.ENV, value)
+def test_eager_in_the_environment_does_not_warn_where_the_driver_is_unknown(fresh_warning):
+    _driver(fresh_warning, "unknown")
+    fresh_warning.setenv(_module_loading.ENV, "EAGER")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _module_loading.warn_if_lazy("all_reduce")
+
+
+def test_the_driver_decides_over_the_environment(fresh_warning):
+    # CUDA started lazily before the import set the variable (e.g. by torch).
+    _driver(fresh_warning, "lazy")
+    fresh_warning.setenv(_module_loading.ENV, "EAGER")
+    with pytest.warns(RuntimeWarning, match="loads kernels lazily"):
+        _module_loading.warn_if_lazy("matmul_reduce_scatter")
+    fresh_warning.setattr(_module_loading, "_warned", False)
+    _driver(fresh_warning, "eager")
+    fresh_warning.setenv(_module_loading.ENV, "LAZY")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _module_loading.warn_if_lazy("matmul_reduce_scatter")

@@ -5,7 +5,7 @@
 //  - as cuBLASLt's C input (beta = 1), chunk by chunk: no extra pass, but each
 //    chunk's GEMM waits until that chunk arrived from every peer;
 //  - after it (`add_after`): the own GEMM needs nothing and starts at once,
-//    then one elementwise pass adds the partials (DESIGN.md's order), so a
+//    then one elementwise pass adds the partials (FlashOverlap's order), so a
 //    transfer is exposed only where it outlasts the own block's GEMM.
 #include "ops_common.h"
 

@@ -88,6 +88,14 @@ std::optional<std::string> PendingError() {
   return std::nullopt;
 }
 
+std::string ModuleLoadingMode() {
+#ifdef JFO_WITH_CUBLASLT
+  return jfo::ModuleLoadingMode();
+#else
+  return "unknown";
+#endif
+}
+
 nb::dict DebugCounters() {
   nb::dict d;
 #ifdef JFO_WITH_CUBLASLT
@@ -115,7 +123,11 @@ NB_MODULE(_ffi, m) {
         "Dict: cuda (bool), cuda_version (str), architectures (list of str), "
         "cublaslt (bool).");
   m.def("pending_error", &PendingError,
-        "Returns and clears a recorded wait timeout of any device, or None.");
+        "Returns and clears the recorded wait timeouts of every device (one "
+        "per line), or None.");
+  m.def("module_loading_mode", &ModuleLoadingMode,
+        "The CUDA driver's module loading mode: 'lazy', 'eager' or 'unknown' "
+        "(no driver, or CUDA not initialised).");
   m.def("debug_counters", &DebugCounters,
         "Dict of counters for tests: all_reduce_host_calls (how often the "
         "all-reduce handler's host code ran; CUDA graph replays skip it).");

@@ -170,8 +170,7 @@ std::string FormatTimeout(const TimeoutRecord& r) {
          std::to_string(r.peer_rank) + " (CUDA device " +
          std::to_string(r.peer_ordinal) + "), epoch " +
          std::to_string(r.expected) + " (flag holds " +
-         std::to_string(r.seen) +
-         "); README, Troubleshooting: 'timed out waiting for rank'";
+         std::to_string(r.seen) + ")";
 }
 
 }  // namespace
@@ -260,16 +259,38 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
       "the op");
 }
 
-// Every device's record: when two ranks wait for each other, both sides
-// say what they waited for.
+std::string WithTimeoutHint(const std::string& records) {
+  return records + "\n(README, Troubleshooting: 'timed out waiting for rank')";
+}
+
+// Every device's record, one per line: when two ranks wait for each other,
+// both sides say what they waited for.
 std::string TakePendingError() {
   std::lock_guard<std::mutex> lock(g_mu);
   std::string all;
   for (auto& [ordinal, st] : g_devices) {
     std::string msg = TakeRecord(st.get());
-    if (!msg.empty()) all += (all.empty() ? "" : "; ") + msg;
+    if (!msg.empty()) all += (all.empty() ? "" : "\n") + msg;
   }
-  return all;
+  return all.empty() ? all : WithTimeoutHint(all);
+}
+
+std::string ModuleLoadingMode() {
+  using GetLoadingModeFn = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 11070,
+                                       cudaEnableDefault,
+                                       &query) != cudaSuccess ||
+      query != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();  // no driver here: not an error of a later call
+    return "unknown";
+  }
+  CUmoduleLoadingMode mode;
+  if (reinterpret_cast<GetLoadingModeFn>(fn)(&mode) != CUDA_SUCCESS) {
+    return "unknown";  // e.g. CUDA not initialised in this process
+  }
+  return mode == CU_MODULE_LAZY_LOADING ? "lazy" : "eager";
 }
 
 ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
@@ -278,7 +299,7 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
   dev_ = LookupDevice(group.ordinals[group.rank]);
   lock_ = std::unique_lock<std::mutex>(dev_->mu);
   std::string pending = TakeRecord(dev_);
-  if (!pending.empty()) return ffi::Error::Internal(pending);
+  if (!pending.empty()) return ffi::Error::Internal(WithTimeoutHint(pending));
   group_ = &group;
   op_ = op;
   stream_ = stream;

@@ -47,7 +47,7 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
   const int self = group.ordinals[group.rank];
   DeviceState* me = LookupDevice(self);
   std::string pending = TakeRecord(me);
-  if (!pending.empty()) return ffi::Error::Internal(pending);
+  if (!pending.empty()) return ffi::Error::Internal(WithTimeoutHint(pending));
 
   PeerRegion r{};
   const size_t kind_stride =

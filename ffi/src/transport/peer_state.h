@@ -58,6 +58,8 @@ struct DeviceState {
 DeviceState* LookupDevice(int ordinal);
 // Returns the formatted timeout record of `st` and clears it, or "".
 std::string TakeRecord(DeviceState* st);
+// `records` followed by where the README explains timeouts.
+std::string WithTimeoutHint(const std::string& records);
 // Lays the all-reduce region out in `bytes` at `base` (data) and in the
 // control area `control` (counters, flags); allocates nothing.
 ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,

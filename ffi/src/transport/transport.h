@@ -41,9 +41,13 @@ ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
 // done the same. Idempotent and cheap after the first call.
 ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms);
 
-// Returns (and clears) the recorded wait timeouts of every device, joined
-// by "; ", or "".
+// Returns (and clears) the recorded wait timeouts of every device, one per
+// line, or "".
 std::string TakePendingError();
+
+// The CUDA driver's module loading mode in this process: "lazy", "eager",
+// or "unknown" (no driver, or CUDA not initialised yet).
+std::string ModuleLoadingMode();
 
 // What a wait that timed out leaves for the host (host-mapped memory, written
 // by the device under PeerRegion::record_lock, read by TakePendingError).
