@@ -84,10 +84,10 @@ stall_loop() {
   local i t0 rc failed=0
   for i in $(seq "${JFO_STALL_RUNS:-10}"); do
     t0=$SECONDS
-    (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 \
+    (cd tests && XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 \
        $PY -u cuda_scan_child.py unrolled) > /tmp/jfo_stall.log 2>&1
     rc=$?
-    echo "run $i: rc=$rc in $((SECONDS - t0)) s"
+    echo "run $i: rc=$rc in $((SECONDS - t0)) s; $(grep -o 'MATCH.*' /tmp/jfo_stall.log)"
     [ "$rc" -eq 0 ] || { failed=1; tail -5 /tmp/jfo_stall.log; }
   done
   return $failed
