@@ -23,6 +23,7 @@ if [ -n "${JFO_DEVICES:-}" ]; then
   export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((JFO_DEVICES - 1)))
   tag="_tp${JFO_DEVICES}"
 fi
+tag="${tag}${JFO_TAG:-}"  # e.g. JFO_TAG=_autotune keeps a second run's JSON apart
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 want() { [[ " ${stages[*]} " == *" $1 "* || " ${stages[*]} " == *" all "* ]]; }

@@ -117,6 +117,24 @@ def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monke
 
 
 @pytest.mark.parametrize("op", MATMUL_OPS)
+def test_autotuned_gemms_match_float64(op, rng, monkeypatch):
+    """JAX_FLASHOVERLAP_GEMM_AUTOTUNE=1 times the heuristic's candidates for
+    every new problem; shapes no other test uses, so the plans are new."""
+    monkeypatch.setenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "1")
+    monkeypatch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", -1)  # fused kernel
+    _, n = _mesh()
+    for shape in [(384, 640, 448), (136, 520, 264)]:
+        xs, ws = _global_shapes(op, n, *shape)
+        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+        poison_allocator(4 * int(np.prod(xs)) * 4)
+        for kwargs in ([{}] if op == "matmul_all_reduce" else [{"chunks": 1}, {"chunks": 2}]):
+            y = _call(op, "cuda", (x, w), **kwargs)
+            jfo.check_device_errors()
+            assert_close(y, f64(x) @ f64(w), "bfloat16")
+
+
+@pytest.mark.parametrize("op", MATMUL_OPS)
 def test_cuda_gradients_match_xla(op, rng):
     mesh, n = _mesh()
     xs, ws = _global_shapes(op, n, 64, 96, 32)

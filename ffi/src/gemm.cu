@@ -3,9 +3,12 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
+#include <cstdlib>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <vector>
 
 namespace jfo {
 namespace {
@@ -39,6 +42,34 @@ std::string g_path = "libcublasLt.so.13";
 LtApi* g_api = nullptr;
 std::map<int, cublasLtHandle_t> g_handles;
 std::map<PlanKey, Plan> g_plans;
+
+// Autotuning (JAX_FLASHOVERLAP_GEMM_AUTOTUNE=1): the heuristic's first
+// choices, each timed on the call's own operands when a problem is first
+// seen. The fused ops run GEMMs of a fraction of the rows XLA's dot would
+// see, whose best tile can differ from the heuristic's pick.
+constexpr int kHeuristicCandidates = 8;
+constexpr int kTimedRuns = 3;
+struct TimingEvents {
+  cudaEvent_t start = nullptr, stop = nullptr;
+};
+std::map<int, TimingEvents> g_timing_events;  // by ordinal
+
+bool AutotuneRequested() {
+  const char* env = std::getenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE");
+  return env != nullptr && std::string(env) == "1";
+}
+
+// Called under g_mu.
+ffi::ErrorOr<TimingEvents> TimingEventsFor(int ordinal) {
+  auto it = g_timing_events.find(ordinal);
+  if (it != g_timing_events.end()) return it->second;
+  DeviceGuard guard(ordinal);
+  TimingEvents ev;
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.start));
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.stop));
+  g_timing_events[ordinal] = ev;
+  return ev;
+}
 
 ffi::Error LtError(const char* what, cublasStatus_t s) {
   return ffi::Error::Internal(std::string("jax_flashoverlap: ") + what +
@@ -110,10 +141,62 @@ int Alignment(const GemmArgs& g) {
   return static_cast<int>(bits & (~bits + 1));
 }
 
+cublasStatus_t Launch(cublasLtHandle_t handle, const Plan& plan,
+                      const cublasLtMatmulAlgo_t& algo, const GemmArgs& g,
+                      void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream) {
+  const float alpha = 1.0f, beta = g.c ? 1.0f : 0.0f;
+  return g_api->Matmul(handle, plan.desc, &alpha, g.w, plan.a, g.x, plan.b,
+                       &beta, g.c ? g.c : g.d, plan.c, g.d, plan.d, &algo,
+                       workspace, workspace_bytes, stream);
+}
+
+// Index of the fastest of `candidates`, timed on `stream` with the call's
+// operands (it writes only the call's output, which the real launch then
+// overwrites). The host waits for the stream here, once per new problem and
+// never holding g_mu; the peer waits of this call are not enqueued yet.
+ffi::ErrorOr<int> Fastest(cublasLtHandle_t handle, const Plan& plan,
+                          const std::vector<cublasLtMatmulAlgo_t>& candidates,
+                          const GemmArgs& g, void* workspace,
+                          size_t workspace_bytes, cudaStream_t stream,
+                          TimingEvents ev) {
+  int best = -1;
+  float best_ms = std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    auto run = [&] {
+      return Launch(handle, plan, candidates[i], g, workspace,
+                    workspace_bytes, stream);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; unusable algo
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.start, stream));
+    bool ok = true;
+    for (int r = 0; r < kTimedRuns && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(ev.stop, stream));
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(ev.stop));
+    float ms = 0;
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, ev.start, ev.stop));
+    if (ok && ms < best_ms) {
+      best_ms = ms;
+      best = static_cast<int>(i);
+    }
+  }
+  if (best < 0) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap: no cuBLASLt algorithm ran for M=" +
+        std::to_string(g.m) + " N=" + std::to_string(g.n) +
+        " K=" + std::to_string(g.k));
+  }
+  return best;
+}
+
 // Row-major D = X W is column-major D^T = W^T X^T: A = W (N x K, ld = ldw),
-// B = X (K x M, ld = ldx), no transposes.
+// B = X (K x M, ld = ldx), no transposes. With `tune` (timing events), the
+// algorithm is the fastest of the heuristic's first candidates, else its
+// first.
 ffi::ErrorOr<Plan> MakePlan(cublasLtHandle_t handle, const GemmArgs& g,
-                             int align) {
+                             int align, const TimingEvents* tune,
+                             void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream) {
   const cudaDataType_t t = ToCudaDataType(g.dtype);
   const cudaDataType_t scale_t = CUDA_R_32F;
   Plan p;
@@ -137,17 +220,26 @@ ffi::ErrorOr<Plan> MakePlan(cublasLtHandle_t handle, const GemmArgs& g,
     JFO_LT_RETURN_IF_ERROR(
         g_api->PreferenceSetAttribute(pref, attr, &a32, sizeof(a32)));
   }
-  cublasLtMatmulHeuristicResult_t result;
+  cublasLtMatmulHeuristicResult_t results[kHeuristicCandidates];
   int found = 0;
   JFO_LT_RETURN_IF_ERROR(g_api->AlgoGetHeuristic(
-      handle, p.desc, p.a, p.b, p.c, p.d, pref, 1, &result, &found));
+      handle, p.desc, p.a, p.b, p.c, p.d, pref, tune ? kHeuristicCandidates : 1,
+      results, &found));
   if (found == 0) {
     return ffi::Error::Internal(
         "jax_flashoverlap: cuBLASLt has no algorithm for M=" +
         std::to_string(g.m) + " N=" + std::to_string(g.n) +
         " K=" + std::to_string(g.k));
   }
-  p.algo = result.algo;
+  p.algo = results[0].algo;
+  if (tune && found > 1) {
+    std::vector<cublasLtMatmulAlgo_t> candidates;
+    for (int i = 0; i < found; ++i) candidates.push_back(results[i].algo);
+    auto best = Fastest(handle, p, candidates, g, workspace, workspace_bytes,
+                        stream, *tune);
+    if (best.has_error()) return best.error();
+    p.algo = candidates[*best];
+  }
   return p;
 }
 
@@ -169,30 +261,45 @@ ffi::Error Gemm(int ordinal, const GemmArgs& g, void* workspace,
                 bool only_if_new) {
   if (g.m == 0 || g.n == 0) return ffi::Error::Success();
   const int align = Alignment(g);
+  const PlanKey key{ordinal, static_cast<int>(g.dtype), g.m, g.n, g.k, g.ldx,
+                    g.ldw, g.c ? g.ldc : 0, g.ldd, g.c != nullptr, align};
   cublasLtHandle_t handle;
   Plan plan;
+  bool known = false;
+  TimingEvents events;
+  const TimingEvents* tune = nullptr;
   {
     std::lock_guard<std::mutex> lock(g_mu);
     auto h = Handle(ordinal);
     if (h.has_error()) return h.error();
     handle = *h;
-    PlanKey key{ordinal, static_cast<int>(g.dtype), g.m, g.n, g.k, g.ldx,
-                g.ldw, g.c ? g.ldc : 0, g.ldd, g.c != nullptr, align};
     auto it = g_plans.find(key);
-    if (it == g_plans.end()) {
-      only_if_new = false;
-      auto made = MakePlan(handle, g, align);
-      if (made.has_error()) return made.error();
-      it = g_plans.emplace(key, *made).first;
+    known = it != g_plans.end();
+    if (known) {
+      plan = it->second;
+    } else if (AutotuneRequested()) {
+      auto ev = TimingEventsFor(ordinal);
+      if (ev.has_error()) return ev.error();
+      events = *ev;
+      tune = &events;
     }
-    plan = it->second;
+  }
+  if (!known) {
+    // Outside g_mu: tuning waits for this device's stream, and another
+    // device's thread must not block on the lock meanwhile. The key holds
+    // the ordinal and a device runs one call at a time, so no other thread
+    // makes this plan.
+    only_if_new = false;
+    auto made = MakePlan(handle, g, align, tune, workspace, workspace_bytes,
+                         stream);
+    if (made.has_error()) return made.error();
+    plan = *made;
+    std::lock_guard<std::mutex> lock(g_mu);
+    g_plans.emplace(key, plan);
   }
   if (only_if_new) return ffi::Error::Success();
-  const float alpha = 1.0f, beta = g.c ? 1.0f : 0.0f;
-  JFO_LT_RETURN_IF_ERROR(g_api->Matmul(
-      handle, plan.desc, &alpha, g.w, plan.a, g.x, plan.b, &beta,
-      g.c ? g.c : g.d, plan.c, g.d, plan.d, &plan.algo, workspace,
-      workspace_bytes, stream));
+  JFO_LT_RETURN_IF_ERROR(
+      Launch(handle, plan, plan.algo, g, workspace, workspace_bytes, stream));
   return ffi::Error::Success();
 }
 
