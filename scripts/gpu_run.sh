@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels train all
-#                                               stall, nvshmem (only when named; not in all)
+#                                               profile, stall, nvshmem (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS and JFO_TRAIN_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
@@ -77,6 +77,18 @@ if want train; then
   # shellcheck disable=SC2086
   step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
     ${JFO_TRAIN_ARGS:-}
+fi
+# Opt-in: a jax.profiler trace of 3 training steps (1B model, TP=2 with
+# sequence parallelism, sequence 8192: the benchmark's config) and its device
+# time per kernel category. JFO_PROFILE_MODEL (transformer), JFO_PROFILE_IMPL (auto),
+# JFO_PROFILE_ARGS (the model flags).
+if [[ " ${stages[*]} " == *" profile "* ]]; then
+  rm -rf /tmp/jfo_profile
+  # shellcheck disable=SC2086
+  step profile$tag $PY -P -m jax_flashoverlap.train --model "${JFO_PROFILE_MODEL:-transformer}" \
+    ${JFO_PROFILE_ARGS:---size 1b --mesh 1x2 --batch 1 --seq-len 8192} --steps 6 \
+    --impl "${JFO_PROFILE_IMPL:-auto}" --no-progress --profile /tmp/jfo_profile \
+    && step profile_summary$tag $PY benchmarks/kernel_times.py trace /tmp/jfo_profile --iterations 3
 fi
 # Opt-in: the unrolled Mamba-2 skeleton with impl="cuda" in fresh processes
 # (JFO_STALL_RUNS, default 10), each bounded; the lazy-loading stall of
