@@ -42,6 +42,12 @@ def _driver(monkeypatch, mode):
     monkeypatch.setattr(_module_loading, "driver_mode", lambda: mode)
 
 
+def _assert_silent(op):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _module_loading.warn_if_lazy(op)
+
+
 def test_the_driver_mode_is_one_of_three():
     # "unknown" on hosts without a CUDA driver, such as CI.
     assert _module_loading.driver_mode() in ("lazy", "eager", "unknown")
@@ -52,17 +58,13 @@ def test_lazy_loading_warns_once_with_the_fix(fresh_warning):
     fresh_warning.setenv(_module_loading.ENV, "LAZY")
     with pytest.warns(RuntimeWarning, match="CUDA_MODULE_LOADING=EAGER"):
         _module_loading.warn_if_lazy("all_gather_matmul")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _module_loading.warn_if_lazy("all_gather_matmul")
+    _assert_silent("all_gather_matmul")
 
 
 def test_eager_in_the_environment_does_not_warn_where_the_driver_is_unknown(fresh_warning):
     _driver(fresh_warning, "unknown")
     fresh_warning.setenv(_module_loading.ENV, "EAGER")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _module_loading.warn_if_lazy("all_reduce")
+    _assert_silent("all_reduce")
 
 
 def test_the_driver_decides_over_the_environment(fresh_warning):
@@ -74,6 +76,4 @@ def test_the_driver_decides_over_the_environment(fresh_warning):
     fresh_warning.setattr(_module_loading, "_warned", False)
     _driver(fresh_warning, "eager")
     fresh_warning.setenv(_module_loading.ENV, "LAZY")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        _module_loading.warn_if_lazy("matmul_reduce_scatter")
+    _assert_silent("matmul_reduce_scatter")
