@@ -4,7 +4,8 @@
 
 bf16 messages of 4 KiB to 256 MiB per rank (powers of 4, plus 2, 8 and
 32 MiB) over the local GPUs (``--devices N``: the first N), in one process:
-impl="cuda" with each kernel ("one_shot", "two_shot"), impl="auto" (what
+impl="cuda" with each kernel ("one_shot", "two_shot", and "lamport" up to
+256 KiB), impl="auto" (what
 users get by default) and XLA's psum ("xla"). Every implementation's result
 is checked against psum before it is timed.
 
@@ -30,6 +31,7 @@ MODES = {"loop": 1, "unrolled": 8}  # mode -> ops per loop iteration
 IMPLS = {  # name -> keyword arguments of jax_flashoverlap.all_reduce
     "one_shot": {"impl": "cuda", "algorithm": "one_shot"},
     "two_shot": {"impl": "cuda", "algorithm": "two_shot"},
+    "lamport": {"impl": "cuda", "algorithm": "lamport"},  # up to LAMPORT_MAX_BYTES
     "auto": {"impl": "auto"},
     "xla": {"impl": "xla"},
 }
@@ -69,6 +71,7 @@ def run(sizes, impls, modes, reps, devices=None):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashoverlap as jfo
+    from jax_flashoverlap import dispatch
     from jax_flashoverlap.benchmarking import first_devices_mesh
 
     mesh = first_devices_mesh(devices)
@@ -90,6 +93,8 @@ def run(sizes, impls, modes, reps, devices=None):
         guess_us = 10 + size / 200e9 * 1e6
         k2 = int(min(500, max(10, 20_000 / guess_us)))
         for name in impls:
+            if name == "lamport" and size > dispatch.LAMPORT_MAX_BYTES:
+                continue
             op = functools.partial(jfo.all_reduce, axis_name="tp", **IMPLS[name])
             try:
                 got = np.asarray(per_rank(op)(x).astype(jnp.float32))
@@ -126,7 +131,7 @@ def table(rows, n, mode) -> str:
              + " | xla / best cuda | NVLink floor µs |",
              "|---|" + "---|" * (len(cols) + 2)]
     for size, t in sorted(by.items()):
-        cuda = [t[c] for c in ("one_shot", "two_shot") if c in t]
+        cuda = [t[c] for c in ("one_shot", "two_shot", "lamport") if c in t]
         speedup = f"{t['xla'] / min(cuda):.2f}" if cuda and "xla" in t else "–"
         lines.append(f"| {_label(size)} | "
                      + " | ".join(f"{t[c]:.1f}" if c in t else "–" for c in cols)

@@ -202,6 +202,8 @@ def _make_primitive(op: OpDef) -> Primitive:
             "n": np.int32(n),
             "timeout_ms": np.int32(opts.pop("timeout_ms", timeout_ms())),
         }
+        if op.name == "all_reduce":
+            _check_lamport_size(ctx.avals_in[0], opts["algorithm"])
         if op.name == "matmul_all_reduce":
             out = ctx.avals_out[0]
             nbytes = math.prod(out.shape) * out.dtype.itemsize
@@ -214,6 +216,16 @@ def _make_primitive(op: OpDef) -> Primitive:
     mlir.register_lowering(prim, lower_portable)
     mlir.register_lowering(prim, lower_cuda, platform="cuda")
     return prim
+
+
+def _check_lamport_size(aval, algorithm: str) -> None:
+    """The Lamport kernel's slots hold dispatch.LAMPORT_MAX_BYTES per rank."""
+    nbytes = math.prod(aval.shape) * aval.dtype.itemsize
+    if algorithm == "lamport" and nbytes > dispatch.LAMPORT_MAX_BYTES:
+        raise ValueError(
+            f"all_reduce(impl='cuda', algorithm='lamport') takes up to "
+            f"{dispatch.LAMPORT_MAX_BYTES >> 10} KiB per rank, got {aval.shape} "
+            f"{aval.dtype} ({nbytes} bytes); use algorithm='one_shot' or None")
 
 
 def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):

@@ -26,8 +26,12 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
       impl: "xla" (psum), "decomposed" (pure-JAX ring of ppermutes), "cuda"
         (NVLink kernels), or "auto".
       algorithm: the CUDA kernel: "one_shot" (every rank sums all ranks'
-        data), "two_shot" (reduce-scatter, then all-gather), or None to pick
-        by message size (:func:`jax_flashoverlap.dispatch.all_reduce_algorithm`).
+        data), "two_shot" (reduce-scatter, then all-gather), "lamport" (the
+        one-shot without flags, for messages up to
+        :data:`~jax_flashoverlap.dispatch.LAMPORT_MAX_BYTES` per rank; it
+        sends -0.0 as +0.0, and in float32 one denormal, -4.6e-41, as -0.0;
+        not yet measured, so never chosen by size), or None to pick by
+        message size (:func:`jax_flashoverlap.dispatch.all_reduce_algorithm`).
         The other implementations ignore it.
 
     Returns:

@@ -135,9 +135,9 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
     all_reduce takes with the workspace of this process.
 
     The all-reduce region is a quarter of the workspace after its fixed
-    parts, with two buffers for each other local GPU
-    (ffi/src/transport/peer_region.cu); messages above it raise an error
-    that names ``JAX_FLASHOVERLAP_WORKSPACE_MB``.
+    parts, with the Lamport kernel's slots and then two buffers for each
+    other local GPU (ffi/src/transport/peer_region.cu); messages above it
+    raise an error that names ``JAX_FLASHOVERLAP_WORKSPACE_MB``.
 
     Args:
       workspace_mb: default: ``JAX_FLASHOVERLAP_WORKSPACE_MB`` or 1024.
@@ -149,7 +149,7 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
         local_devices = jax.local_device_count()
     senders = max(local_devices - 1, 1)
     # 64 MiB covers the GEMM workspace, the control words and rounding.
-    slot = max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders
+    slot = max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders - LAMPORT_MAX_BYTES
     # Each of the kernel's 128 blocks has a 1/128 stripe of the slot and takes
     # up to 16 KiB of a small message (ffi/src/all_reduce.cu): below that the
     # region holds no message reliably.
@@ -198,14 +198,20 @@ def resolved_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
 
 
 # The CUDA all-reduce's kernels; the position is the handler's `algorithm`
-# attribute (ffi/src/all_reduce.cu).
-ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot")
+# attribute (ffi/src/all_reduce.cu). "lamport", the one-shot without flags,
+# is chosen only by name: it has not been measured yet.
+ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "lamport")
 
 # Largest message (bytes per rank) that runs one-shot; two-shot above it.
 # Measured (benchmarks/results/all_reduce_2xh200.json, bf16, 2 H200s):
 # one-shot was faster up to 4 MiB, even at 8 MiB (35.4 vs 35.8 us) and
 # slower from 16 MiB (71.4 vs 62.3 us).
 ONE_SHOT_MAX_BYTES = 8 << 20
+
+
+# The flagless one-shot ("lamport") takes messages up to this many bytes per
+# rank (kLamportMaxBytes of ffi/src/transport/transport.h).
+LAMPORT_MAX_BYTES = 256 << 10
 
 
 def all_reduce_algorithm(nbytes: int) -> str:

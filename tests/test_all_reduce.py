@@ -42,7 +42,7 @@ def test_gradients(impl, n, rng):
 
 
 @pytest.mark.parametrize("impl", ["xla", "decomposed", "auto"])
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "lamport"])
 def test_algorithm_is_ignored_off_cuda(impl, algorithm, rng):
     check_against_reference(OP, 2, "float32", rng, impl=impl, algorithm=algorithm)
 
@@ -52,7 +52,8 @@ def test_unknown_algorithm_is_rejected(algorithm):
     mesh = cpu_mesh(2)
     f = jax.shard_map(lambda x: jfo.all_reduce(x, "tensor", algorithm=algorithm), mesh=mesh,
                       in_specs=P("tensor"), out_specs=P())
-    with pytest.raises(ValueError, match=r"algorithm must be None.*'one_shot', 'two_shot'.*got"):
+    with pytest.raises(ValueError,
+                       match=r"algorithm must be None.*'one_shot', 'two_shot', 'lamport'.*got"):
         f(np.ones((2, 4), np.float32))
 
 
@@ -68,11 +69,23 @@ def test_cuda_attribute_names_the_kernel():
     attrs = _primitives.OPS[OP].cuda_attrs
     assert attrs(2, {"algorithm": "one_shot"}) == {"algorithm": 0}
     assert attrs(2, {"algorithm": "two_shot"}) == {"algorithm": 1}
+    assert attrs(2, {"algorithm": "lamport"}) == {"algorithm": 2}
+
+
+def test_lamport_size_limit_applies_to_the_cuda_kernel_only(rng):
+    """impl="xla" ignores the algorithm, so a message over the Lamport limit runs."""
+    mesh = cpu_mesh(2)
+    x = rng.standard_normal((2, dispatch.LAMPORT_MAX_BYTES // 4 + 8)).astype(np.float32)
+    f = jax.jit(jax.shard_map(lambda v: jfo.all_reduce(v[0], "tensor", impl="xla",
+                                                       algorithm="lamport"),
+                              mesh=mesh, in_specs=P("tensor"), out_specs=P()))
+    np.testing.assert_allclose(np.asarray(f(x)), x.sum(0), rtol=1e-6)
 
 
 @pytest.mark.parametrize("algorithm, nbytes, expected", [
     (None, 4 * 16, "one_shot"), (None, 4 * (4 << 20), "two_shot"),
-    ("two_shot", 4 * 16, "two_shot"), ("one_shot", 4 * (1 << 20), "one_shot")])
+    ("two_shot", 4 * 16, "two_shot"), ("one_shot", 4 * (1 << 20), "one_shot"),
+    ("lamport", 4 * 16, "lamport")])
 def test_resolved_algorithm_reaches_the_primitive(algorithm, nbytes, expected):
     """None is resolved from the per-rank message size, an explicit choice is kept."""
     mesh = cpu_mesh(2)

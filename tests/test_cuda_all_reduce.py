@@ -9,7 +9,10 @@ all_gather), besides a float64 comparison.
 
 import functools
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,7 @@ import pytest
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from support import assert_close, f64, gpu_layout_mesh, poison_allocator
+from support import assert_close, child_env, f64, gpu_layout_mesh, poison_allocator
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import _extension
@@ -26,7 +29,8 @@ from jax_flashoverlap import _extension
 pytestmark = pytest.mark.gpu
 
 IMPL = "cuda"
-ALGORITHMS = ("one_shot", "two_shot")
+ALGORITHMS = ("one_shot", "two_shot", "lamport")
+LAMPORT_MAX_BYTES = 256 << 10  # dispatch.LAMPORT_MAX_BYTES
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_BYTES = 64 << 20  # the largest message, per rank
 # bf16 element counts of the stress test: single elements, odd tails,
@@ -109,11 +113,12 @@ def _host_calls() -> int:
     return _extension._module().debug_counters().get("all_reduce_host_calls", 0)
 
 
-def _sizes(rng, dtype):
-    """Element counts from 1 to MAX_BYTES: tiny, odd, around the packs, random, largest."""
-    top = MAX_BYTES // jnp.dtype(dtype).itemsize
-    return [1, 3, 8, 9, 4097, int(rng.integers(1 << 10, 1 << 16)),
-            int(rng.integers(1 << 16, 1 << 22)) | 1, top]
+def _sizes(rng, dtype, algorithm):
+    """Element counts from 1 to the algorithm's largest message: tiny, odd,
+    around the packs, random, largest."""
+    top = (LAMPORT_MAX_BYTES if algorithm == "lamport" else MAX_BYTES) // jnp.dtype(dtype).itemsize
+    return [1, 3, 8, 9, 4097, int(rng.integers(1 << 10, min(1 << 16, top))),
+            int(rng.integers(min(1 << 16, top - 1), min(1 << 22, top))) | 1, top]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -122,7 +127,7 @@ def test_rank_order_sum_with_the_same_bits_on_every_rank(dtype, algorithm, rng):
     mesh, n = _mesh()
     f = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL,
                                     algorithm=algorithm), mesh)
-    for size in _sizes(rng, dtype):
+    for size in _sizes(rng, dtype, algorithm):
         x = np.asarray(jnp.asarray(rng.standard_normal((n, size), dtype=np.float32), dtype))
         placed = jax.device_put(x, NamedSharding(mesh, P("tp")))
         poison_allocator(size * x.dtype.itemsize, devices=mesh.devices.flat)
@@ -187,7 +192,8 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
             return _wrong(jfo.all_reduce(x, "tp", impl=IMPL, algorithm=algorithm), x)
         return run
 
-    branches = [case(s, a) for s in STRESS_SIZES for a in ALGORITHMS]
+    branches = [case(s, a) for s in STRESS_SIZES for a in ALGORITHMS
+                if a != "lamport" or 2 * s <= LAMPORT_MAX_BYTES]
 
     def count_wrong(key):
         def body(i, wrong):
@@ -200,6 +206,39 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
     for call in range(STRESS_CALLS):
         _assert_none_wrong(f(jax.random.key(call)), f"call {call}:")
     jfo.check_device_errors()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lamport_sends_negative_zero_as_positive_zero(dtype, rng):
+    """The Lamport slots' empty pattern is -0.0 (16-bit) or one fp32 denormal:
+    such inputs travel as +0.0 / -0.0, and every rank still gets the same bits."""
+    mesh, n = _mesh()
+    size = 5003  # packs and a scalar tail
+    x = np.asarray(jnp.asarray(rng.standard_normal((n, size), dtype=np.float32), dtype))
+    bits = x.view(f"u{x.dtype.itemsize}")
+    empty = 0x8000 if x.dtype.itemsize == 2 else 0x80008000
+    bits[:, ::7] = empty
+    canonical = bits.copy()
+    canonical[canonical == empty] = 0 if x.dtype.itemsize == 2 else 0x80000000
+    f = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL,
+                                    algorithm="lamport"), mesh)
+    per_rank = np.asarray(f(jax.device_put(x, NamedSharding(mesh, P("tp")))))
+    jfo.check_device_errors()
+    expected = _bits(_rank_order_sum(canonical.view(x.dtype)))
+    for r in range(n):
+        np.testing.assert_array_equal(_bits(per_rank[r]), expected, err_msg=f"rank {r}")
+
+
+def test_lamport_timeout_poisons_the_lamport_kernel_on_every_gpu():
+    """In a fresh process (tests/lamport_timeout_child.py): a late message may
+    still land in a Lamport slot its reader gave up on, so after a timeout
+    every later Lamport call returns NaN; the classic kernels stay exact."""
+    child = Path(__file__).with_name("lamport_timeout_child.py")
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(child)],
+                          env=child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"),
+                          cwd=child.parent, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "LAMPORT TIMEOUT OK" in proc.stdout, out[-6000:]
 
 
 @pytest.mark.parametrize("layout", ["reversed", "data_x_tensor"])

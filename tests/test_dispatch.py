@@ -55,7 +55,9 @@ def _kernel_accepts(nbytes, workspace_mb, devices):
     data = (max(workspace_mb, 64) << 20) - (32 << 20) - (64 << 10)
     region = data // 4 // 256 * 256
     line = 128 * 256
-    slot = region // (2 * max(devices - 1, 1)) // line * line
+    senders = max(devices - 1, 1)
+    lamport = senders * 2 * (256 << 10)  # the Lamport slots come first
+    slot = (region - lamport) // (2 * senders) // line * line
     elements = nbytes // 2
     blocks = min(max(math.ceil(nbytes / (16 << 10)), 1), 128)
     chunk = math.ceil(math.ceil(elements / blocks) / 8) * 8

@@ -177,3 +177,16 @@ def test_an_unknown_reduce_scatter_fold_names_the_choices(monkeypatch):
     fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
     with pytest.raises(ValueError, match="gemm_input"):
         _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], (P(None, "tp"), P("tp", None)), P("tp"))
+
+
+def _lamport_text(elements):
+    fn = functools.partial(jfo.all_reduce, axis_name="tp", impl="cuda", algorithm="lamport")
+    return _cuda_text(fn, _mesh(), [(2 * elements,)], (P("tp"),), P(), dtype=jnp.float32)
+
+
+def test_lamport_lowers_to_algorithm_2_up_to_its_limit():
+    text = _lamport_text(dispatch.LAMPORT_MAX_BYTES // 4)
+    assert _custom_calls(text) == ["jfo_all_reduce"]
+    assert "algorithm = 2 : i32" in text
+    with pytest.raises(ValueError, match=r"algorithm='lamport'\) takes up to 256 KiB.*one_shot"):
+        _lamport_text(dispatch.LAMPORT_MAX_BYTES // 4 + 1)

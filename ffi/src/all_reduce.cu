@@ -40,11 +40,31 @@
 //
 // A wait that times out records who was missing (check_device_errors()),
 // writes NaN over its block's chunk and returns: nothing hangs.
+//
+// Lamport one-shot (algorithm 2, messages up to kLamportMaxBytes): the same
+// sum without flags. Every word of its slots holds kLamportEmpty while no
+// message is in flight; a rank stores its canonical data (an input half
+// equal to 0x8000, i.e. -0.0, is sent as +0.0; an fp32 word equal to
+// kLamportEmpty, a denormal, as -0.0) into its peers' slots, and a peer
+// polls each 16-byte pack of its own copy until no lane is empty, adds it
+// and writes the empty pattern back. That saves the fence, the flag store
+// and the flag's round trip of the one-shot. Slot reuse: the kernel of call
+// s + 2 on rank q writes parity s & 1 again only after its call s + 1
+// kernel read our call-(s + 1) data, which our call-(s + 1) kernel sent
+// after our call-s kernel had emptied parity s & 1. Its grid is always
+// kLamportBlocks blocks, so the per-block call counters that pick the parity
+// stay in step. The argument holds for whole kernels (which block covers
+// which bytes depends on the size), with at least one element per call (a
+// call of none launches nothing on any rank). A timeout breaks it: a late
+// message may fill a slot its reader gave up on. So a Lamport wait that
+// times out sets a sticky poison word on its device and on its peers, and
+// every later Lamport kernel there writes NaN instead of reading its slots.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <algorithm>
 #include <atomic>
+#include <type_traits>
 
 #include "handlers.h"
 #include "ops_common.h"
@@ -59,7 +79,7 @@ constexpr int kThreads = 512;
 // Bytes per block before another block joins (up to kArMaxBlocks): few
 // spinning CTAs for small messages. To be measured.
 constexpr size_t kMinBlockBytes = 16u << 10;
-enum Algorithm : int32_t { kOneShot = 0, kTwoShot = 1 };
+enum Algorithm : int32_t { kOneShot = 0, kTwoShot = 1, kLamport = 2 };
 
 std::atomic<uint64_t> g_host_calls{0};
 
@@ -196,6 +216,222 @@ __global__ void __launch_bounds__(kThreads) AllReduceKernel(Args a) {
   }
 }
 
+// Lamport slots, per 16-byte pack: empty lanes, canonical data, loads and
+// stores that go to memory every time (the slots are written over NVLink).
+template <typename T>
+__device__ __forceinline__ bool HasEmptyLane(uint4 v) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+  bool empty = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (sizeof(T) == 2) {
+      empty |= (w[i] & 0xffffu) == 0x8000u || (w[i] >> 16) == 0x8000u;
+    } else {
+      empty |= w[i] == kLamportEmpty;
+    }
+  }
+  return empty;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t CanonicalWord(uint32_t w) {
+  if constexpr (sizeof(T) == 2) {
+    uint32_t lo = w & 0xffffu, hi = w >> 16;
+    if (lo == 0x8000u) lo = 0;  // -0.0 -> +0.0
+    if (hi == 0x8000u) hi = 0;
+    return lo | (hi << 16);
+  } else {
+    return w == kLamportEmpty ? 0x80000000u : w;  // that denormal -> -0.0
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 Canonical(uint4 v) {
+  return {CanonicalWord<T>(v.x), CanonicalWord<T>(v.y), CanonicalWord<T>(v.z),
+          CanonicalWord<T>(v.w)};
+}
+
+__device__ __forceinline__ uint4 LoadVolatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreVolatile(uint4* p, uint4 v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p),
+               "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// The bits of one element as a 16-byte-pack lane would hold them, for the
+// scalar tail: 16-bit elements in the low half of a word.
+template <typename T>
+using Bits = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
+
+template <typename T>
+__device__ __forceinline__ Bits<T> CanonicalBits(Bits<T> b) {
+  if constexpr (sizeof(T) == 2) {
+    return b == 0x8000u ? Bits<T>(0) : b;
+  } else {
+    return CanonicalWord<T>(b);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ bool IsEmptyBits(Bits<T> b) {
+  if constexpr (sizeof(T) == 2) {
+    return b == 0x8000u;
+  } else {
+    return b == kLamportEmpty;
+  }
+}
+
+// Polls until `ready(value)` or the deadline; on a timeout (or another
+// thread's) sets *failed and returns the last value read. A timeout poisons
+// the Lamport slots of this device and of every peer (see the top).
+template <typename V, typename Load, typename Ready>
+__device__ __forceinline__ V Poll(Load load, Ready ready, const Args& a, int q,
+                                  uint32_t expected, uint64_t deadline,
+                                  int* failed) {
+  for (;;) {
+    const V v = load();
+    if (ready(v)) return v;
+    if (*reinterpret_cast<volatile int*>(failed)) return v;
+    if (signal::GlobalTimerNs() > deadline) {
+      *reinterpret_cast<volatile int*>(failed) = 1;
+      signal::StoreRelease(a.region.lamport_poison, 1u);
+      for (int p = 0; p < a.n; ++p) {
+        if (p != a.rank) signal::StoreRelease(a.region.lamport_poison_peer[p], 1u);
+      }
+      TimeoutRecord info = a.info;
+      info.op = static_cast<int32_t>(OpId::kAllReduceLamport);
+      signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
+                            a.region.ordinals[q], expected, 0);
+      return v;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float BitsToFloat(Bits<T> b) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __bfloat162float(__ushort_as_bfloat16(b));
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __half2float(__ushort_as_half(b));
+  } else {
+    return __uint_as_float(b);
+  }
+}
+
+template <typename T, bool kVector>
+__global__ void __launch_bounds__(kThreads) LamportAllReduceKernel(Args a) {
+  constexpr int kN = 16 / sizeof(T);
+  __shared__ uint32_t seq[kArMaxRanks];
+  __shared__ int failed;
+  const int b = blockIdx.x;
+  const uint64_t deadline = signal::GlobalTimerNs() + a.timeout_ns;
+  if (threadIdx.x == 0) {
+    failed = *reinterpret_cast<volatile uint32_t*>(a.region.lamport_poison) != 0;
+  }
+  if (IsPeer(a, threadIdx.x)) {
+    const int q = threadIdx.x;
+    seq[q] = a.region.lamport_seq[q][b] + 1;
+    a.region.lamport_seq[q][b] = seq[q];
+  }
+  __syncthreads();
+
+  const size_t lo = min(b * a.chunk, a.elements);
+  const size_t count = min(a.elements, lo + a.chunk) - lo;
+  if (count == 0) return;  // the whole block: its counters moved on anyway
+  const T* x = static_cast<const T*>(a.x) + lo;
+  T* y = static_cast<T*>(a.y) + lo;
+  const T nan = static_cast<T>(__int_as_float(0x7fc00000));
+  if (failed) {  // poisoned by an earlier timeout: the slots are not to be read
+    for (size_t i = threadIdx.x; i < count; i += blockDim.x) y[i] = nan;
+    return;
+  }
+  auto slot = [&](const char* base, int q) {
+    return reinterpret_cast<T*>(const_cast<char*>(base) +
+                                (seq[q] & 1) * a.region.lamport_parity_bytes) +
+           lo;
+  };
+  const size_t packs = kVector ? count / kN : 0;
+  const uint4 empty = {kLamportEmpty, kLamportEmpty, kLamportEmpty,
+                       kLamportEmpty};
+
+  // 1. Our canonical data into every peer's slot.
+  if constexpr (kVector) {
+    for (size_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      const uint4 v =
+          Canonical<T>(__ldg(reinterpret_cast<const uint4*>(x) + p));
+      for (int q = 0; q < a.n; ++q) {
+        if (q == a.rank) continue;
+        StoreVolatile(
+            reinterpret_cast<uint4*>(slot(a.region.lamport_send[q], q)) + p, v);
+      }
+    }
+  }
+  for (size_t i = packs * kN + threadIdx.x; i < count; i += blockDim.x) {
+    const Bits<T> v = CanonicalBits<T>(reinterpret_cast<const Bits<T>*>(x)[i]);
+    for (int q = 0; q < a.n; ++q) {
+      if (q == a.rank) continue;
+      reinterpret_cast<volatile Bits<T>*>(slot(a.region.lamport_send[q], q))[i] = v;
+    }
+  }
+
+  // 2. Every rank's data in rank order, each peer's slot emptied after.
+  if constexpr (kVector) {
+    for (size_t p = threadIdx.x; p < packs; p += blockDim.x) {
+      float acc[kN];
+      for (int q = 0; q < a.n; ++q) {
+        uint4 v;
+        if (q == a.rank) {
+          v = Canonical<T>(__ldg(reinterpret_cast<const uint4*>(x) + p));
+        } else {
+          uint4* src =
+              reinterpret_cast<uint4*>(slot(a.region.lamport_recv[q], q)) + p;
+          v = Poll<uint4>([&] { return LoadVolatile(src); },
+                          [](uint4 u) { return !HasEmptyLane<T>(u); }, a, q,
+                          seq[q], deadline, &failed);
+          StoreVolatile(src, empty);
+        }
+        if (q == 0) {
+          reduce::Pack16<T>::Load(v, acc);
+        } else {
+          reduce::Pack16<T>::Add(v, acc);
+        }
+      }
+      reinterpret_cast<uint4*>(y)[p] = reduce::Pack16<T>::Round(acc);
+    }
+  }
+  for (size_t i = packs * kN + threadIdx.x; i < count; i += blockDim.x) {
+    float acc = 0.0f;
+    for (int q = 0; q < a.n; ++q) {
+      Bits<T> v;
+      if (q == a.rank) {
+        v = CanonicalBits<T>(reinterpret_cast<const Bits<T>*>(x)[i]);
+      } else {
+        volatile Bits<T>* src = reinterpret_cast<volatile Bits<T>*>(
+                                    slot(a.region.lamport_recv[q], q)) + i;
+        v = Poll<Bits<T>>([&] { return *src; },
+                          [](Bits<T> u) { return !IsEmptyBits<T>(u); }, a, q,
+                          seq[q], deadline, &failed);
+        *src = static_cast<Bits<T>>(kLamportEmpty);
+      }
+      const float f = BitsToFloat<T>(v);
+      acc = q == 0 ? f : acc + f;
+    }
+    y[i] = static_cast<T>(acc);
+  }
+  __syncthreads();
+  if (failed) {  // a peer is missing: make the wrong result visible
+    for (size_t i = threadIdx.x; i < count; i += blockDim.x) y[i] = nan;
+  }
+}
+
 using KernelFn = void (*)(Args);
 
 // [vector][algorithm]
@@ -204,7 +440,18 @@ constexpr KernelFn kKernels[2][2] = {
     {AllReduceKernel<T, false, kOneShot>, AllReduceKernel<T, false, kTwoShot>},
     {AllReduceKernel<T, true, kOneShot>, AllReduceKernel<T, true, kTwoShot>}};
 
+template <typename T>
+constexpr KernelFn kLamportKernels[2] = {LamportAllReduceKernel<T, false>,
+                                         LamportAllReduceKernel<T, true>};
+
 KernelFn PickKernel(ffi::DataType dtype, bool vector, int algorithm) {
+  if (algorithm == kLamport) {
+    switch (dtype) {
+      case ffi::DataType::BF16: return kLamportKernels<__nv_bfloat16>[vector];
+      case ffi::DataType::F16: return kLamportKernels<__half>[vector];
+      default: return kLamportKernels<float>[vector];
+    }
+  }
   switch (dtype) {
     case ffi::DataType::BF16: return kKernels<__nv_bfloat16>[vector][algorithm];
     case ffi::DataType::F16: return kKernels<__half>[vector][algorithm];
@@ -221,7 +468,7 @@ ffi::Error AllReduceSetup(int ordinal) {
   for (auto dtype : {ffi::DataType::BF16, ffi::DataType::F16,
                      ffi::DataType::F32}) {
     for (bool vector : {false, true}) {
-      for (int algorithm : {kOneShot, kTwoShot}) {
+      for (int algorithm : {kOneShot, kTwoShot, kLamport}) {
         JFO_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
             &attrs, PickKernel(dtype, vector, algorithm)));
       }
@@ -241,10 +488,12 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   JFO_RETURN_IF_ERROR(CheckCommon(kOp, timeout_ms, 1));
   const auto dtype = x.element_type();
   JFO_RETURN_IF_ERROR(CheckDtypes(kOp, {dtype, y->element_type()}));
-  if (algorithm != kOneShot && algorithm != kTwoShot) {
+  if (algorithm != kOneShot && algorithm != kTwoShot &&
+      algorithm != kLamport) {
     return ffi::Error::InvalidArgument(
-        "jax_flashoverlap all_reduce: algorithm must be 0 (one-shot) or 1 "
-        "(two-shot), got " + std::to_string(algorithm));
+        "jax_flashoverlap all_reduce: algorithm must be 0 (one-shot), 1 "
+        "(two-shot) or 2 (Lamport one-shot), got " +
+        std::to_string(algorithm));
   }
   const size_t elements = x.element_count();
   if (y->element_count() != elements) {
@@ -259,16 +508,30 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   // The split depends on nothing rank-specific (see the top of the file).
   const size_t es = DataTypeBytes(dtype);
   const size_t pack = 16 / es;
+  if (algorithm == kLamport) {
+    if (elements * es > kLamportMaxBytes) {
+      return ffi::Error::InvalidArgument(
+          "jax_flashoverlap all_reduce: the Lamport one-shot takes messages "
+          "up to " + std::to_string(kLamportMaxBytes >> 10) + " KiB per rank, "
+          "got " + std::to_string(elements * es) +
+          " bytes; use algorithm='one_shot'");
+    }
+  }
   const size_t want = (elements * es + kMinBlockBytes - 1) / kMinBlockBytes;
   const size_t blocks0 =
-      std::min<size_t>(std::max<size_t>(want, 1), kArMaxBlocks);
+      algorithm == kLamport
+          ? kLamportBlocks
+          : std::min<size_t>(std::max<size_t>(want, 1), kArMaxBlocks);
   Args a{};
   a.chunk = RoundUp((elements + blocks0 - 1) / blocks0, pack);
-  // Recounted so that no block is empty.
+  // Recounted so that no block is empty; the Lamport grid never changes
+  // (its per-block counters must move together), empty blocks included.
   const unsigned blocks =
-      static_cast<unsigned>((elements + a.chunk - 1) / a.chunk);
+      algorithm == kLamport
+          ? kLamportBlocks
+          : static_cast<unsigned>((elements + a.chunk - 1) / a.chunk);
   a.slice = RoundUp((a.chunk + n - 1) / n, pack);
-  if (a.chunk * es > region->stripe_bytes) {
+  if (algorithm != kLamport && a.chunk * es > region->stripe_bytes) {
     return ffi::Error::InvalidArgument(
         "jax_flashoverlap all_reduce: " + std::to_string(elements * es) +
         " bytes per rank need slots of " +
@@ -316,7 +579,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<I32Span>("group_ordinals")  // [G*n] CUDA ordinals by rank
         .Attr<int32_t>("n")               // ranks per group
         .Attr<int32_t>("timeout_ms")      // bound of every wait
-        .Attr<int32_t>("algorithm"),      // 0: one-shot, 1: two-shot
+        .Attr<int32_t>("algorithm"),      // 0: one-shot, 1: two-shot, 2: Lamport
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jfo

@@ -40,6 +40,7 @@ constexpr size_t kGemmWorkspaceBytes = 32u << 20;
 constexpr int kEventsPerCall = 1024;
 
 using internal::FillIfFailedKernel;
+using internal::FillWordsKernel;
 using internal::WaitFlagKernel;
 
 using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
@@ -134,6 +135,13 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
       cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint32_t>));
   JFO_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
+  const size_t lamport_words =
+      static_cast<size_t>(std::max(st->num_devices - 1, 1)) * 2 *
+      kLamportMaxBytes / sizeof(uint32_t);
+  FillWordsKernel<<<256, 256, 0, st->copy_stream>>>(
+      reinterpret_cast<uint32_t*>(st->lamport_slots), lamport_words,
+      kLamportEmpty);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st->copy_stream));
   DeviceState* raw = st.get();
   g_devices[ordinal] = std::move(st);
@@ -163,14 +171,19 @@ ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
 }
 
 std::string FormatTimeout(const TimeoutRecord& r) {
-  return std::string("jax_flashoverlap ") + OpName(static_cast<OpId>(r.op)) +
-         ": rank " + std::to_string(r.rank) + " (CUDA device " +
-         std::to_string(r.ordinal) + ") timed out after " +
-         std::to_string(r.timeout_ms) + " ms waiting for rank " +
-         std::to_string(r.peer_rank) + " (CUDA device " +
-         std::to_string(r.peer_ordinal) + "), epoch " +
-         std::to_string(r.expected) + " (flag holds " +
-         std::to_string(r.seen) + ")";
+  const OpId op = static_cast<OpId>(r.op);
+  const std::string what =
+      op == OpId::kAllReduceLamport
+          ? "its data of call " + std::to_string(r.expected) +
+                " of the pair (Lamport calls on this device now return NaN "
+                "until the process restarts)"
+          : "epoch " + std::to_string(r.expected) + " (flag holds " +
+                std::to_string(r.seen) + ")";
+  return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
+         std::to_string(r.rank) + " (CUDA device " + std::to_string(r.ordinal) +
+         ") timed out after " + std::to_string(r.timeout_ms) +
+         " ms waiting for rank " + std::to_string(r.peer_rank) +
+         " (CUDA device " + std::to_string(r.peer_ordinal) + "), " + what;
 }
 
 }  // namespace
@@ -196,6 +209,7 @@ const char* OpName(OpId op) {
     case OpId::kMatmulReduceScatter: return "matmul_reduce_scatter";
     case OpId::kMatmulAllReduce: return "matmul_all_reduce";
     case OpId::kAllReduce: return "all_reduce";
+    case OpId::kAllReduceLamport: return "all_reduce (lamport)";
   }
   return "?";
 }

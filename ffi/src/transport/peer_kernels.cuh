@@ -29,6 +29,15 @@ __global__ void WaitFlagKernel(const uint32_t* flag, uint32_t expected,
                         info.peer_ordinal, expected, seen);
 }
 
+// Sets `words` 32-bit words to `value` (the Lamport slots' empty pattern).
+__global__ void FillWordsKernel(uint32_t* p, size_t words, uint32_t value) {
+  size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < words;
+       i += stride) {
+    p[i] = value;
+  }
+}
+
 template <typename T>
 __global__ void FillIfFailedKernel(T* a, size_t na, T* b, size_t nb, T value,
                                    const uint32_t* fail_call,

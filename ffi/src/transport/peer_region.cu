@@ -6,7 +6,11 @@
 //   control area (zeroed with the rest of the control words):
 //     seq  [num_devices][kArMaxBlocks]            calls of pair (this, peer)
 //     flags[kArFlagKinds][num_devices][kArMaxBlocks]   written by the sender
-//   data: [num_devices - 1 senders][2 parities] slots of ar_slot_bytes, each
+//     lamport_seq[num_devices][kLamportBlocks]      calls of the Lamport kernel
+//     lamport_poison                                 one word, see PeerRegion
+//   data: Lamport slots [num_devices - 1 senders][2 parities] of
+//     kLamportMaxBytes (kept at kLamportEmpty, filled at allocation), then
+//     [num_devices - 1 senders][2 parities] slots of ar_slot_bytes, each
 //     cut into kArMaxBlocks stripes of ar_slot_bytes / kArMaxBlocks.
 // Everything is device memory that lives as long as the process, so a
 // kernel captured into a CUDA graph keeps valid pointers across replays.
@@ -19,7 +23,9 @@ namespace jfo {
 ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
                                  size_t bytes) {
   const size_t words = static_cast<size_t>(st->num_devices) * kArMaxBlocks;
-  if ((1 + kArFlagKinds) * words * sizeof(uint32_t) >
+  const size_t lamport_words =
+      static_cast<size_t>(st->num_devices) * kLamportBlocks;
+  if (((1 + kArFlagKinds) * words + lamport_words + 1) * sizeof(uint32_t) >
       kControlBytes - kArControlOffset) {
     return ffi::Error::Internal(
         "jax_flashoverlap: " + std::to_string(st->num_devices) +
@@ -27,11 +33,20 @@ ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
   }
   st->ar_seq = reinterpret_cast<uint32_t*>(control + kArControlOffset);
   st->ar_flags = st->ar_seq + words;
-  st->ar_slots = base;
+  st->lamport_seq = st->ar_flags + kArFlagKinds * words;
+  st->lamport_poison = st->lamport_seq + lamport_words;
   const size_t senders = static_cast<size_t>(std::max(st->num_devices - 1, 1));
+  const size_t lamport_bytes = senders * 2 * kLamportMaxBytes;
+  if (lamport_bytes >= bytes) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap: the all-reduce region (" + std::to_string(bytes >> 20) +
+        " MiB) is too small; raise JAX_FLASHOVERLAP_WORKSPACE_MB");
+  }
+  st->lamport_slots = base;
+  st->ar_slots = base + lamport_bytes;
   // Stripes of whole 256-byte lines, so every block's data stays aligned.
   const size_t line = kArMaxBlocks * 256;
-  st->ar_slot_bytes = bytes / (2 * senders) / line * line;
+  st->ar_slot_bytes = (bytes - lamport_bytes) / (2 * senders) / line * line;
   return ffi::Error::Success();
 }
 
@@ -71,7 +86,16 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
     r.send_flag[q] = peer->ar_flags + static_cast<size_t>(self) * kArMaxBlocks;
     r.recv_flag[q] = me->ar_flags + static_cast<size_t>(other) * kArMaxBlocks;
     r.seq[q] = me->ar_seq + static_cast<size_t>(other) * kArMaxBlocks;
+    r.lamport_send[q] = peer->lamport_slots +
+                        peer->SenderIndex(self) * 2 * kLamportMaxBytes;
+    r.lamport_recv[q] = me->lamport_slots +
+                        me->SenderIndex(other) * 2 * kLamportMaxBytes;
+    r.lamport_seq[q] =
+        me->lamport_seq + static_cast<size_t>(other) * kLamportBlocks;
+    r.lamport_poison_peer[q] = peer->lamport_poison;
   }
+  r.lamport_parity_bytes = kLamportMaxBytes;
+  r.lamport_poison = me->lamport_poison;
   r.parity_bytes = me->ar_slot_bytes;
   r.stripe_bytes = me->ar_slot_bytes / kArMaxBlocks;
   r.flag_kind_stride = kind_stride;

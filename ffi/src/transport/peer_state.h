@@ -35,6 +35,9 @@ struct DeviceState {
   uint32_t* ar_flags = nullptr;  // [kind][sender ordinal][block]
   char* ar_slots = nullptr;      // [sender index][parity], ar_slot_bytes each
   size_t ar_slot_bytes = 0;
+  uint32_t* lamport_seq = nullptr;     // [peer ordinal][kLamportBlocks]
+  uint32_t* lamport_poison = nullptr;  // one word, see PeerRegion
+  char* lamport_slots = nullptr;       // [sender index][parity], kLamportMaxBytes
   TimeoutRecord* record = nullptr;  // host-mapped pinned memory
   std::vector<cudaStream_t> send_streams, wait_streams;  // per peer ordinal
   cudaStream_t copy_stream = nullptr;

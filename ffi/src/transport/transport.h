@@ -24,6 +24,7 @@ enum class OpId : int32_t {
   kMatmulReduceScatter = 2,
   kMatmulAllReduce = 3,
   kAllReduce = 4,
+  kAllReduceLamport = 5,  // in timeout records only: the flagless kernel
 };
 const char* OpName(OpId op);
 
@@ -69,6 +70,14 @@ struct TimeoutRecord {
 constexpr int kArMaxRanks = 8;
 constexpr int kArMaxBlocks = 128;
 enum ArFlagKind : int { kArData = 0, kArGathered = 1, kArFlagKinds = 2 };
+// The flagless one-shot ("Lamport") all-reduce: its own slots (two parities
+// of kLamportMaxBytes per sender), held at kLamportEmpty in every 32-bit word
+// (0x8000 in every 16-bit half: -0.0 in bf16/fp16, a negative denormal in
+// fp32) except while a message is in flight, and its own call counters for a
+// grid of kLamportBlocks blocks. See all_reduce.cu.
+constexpr int kLamportBlocks = 16;
+constexpr size_t kLamportMaxBytes = 256u << 10;
+constexpr uint32_t kLamportEmpty = 0x80008000u;
 
 // One device's view of the region for one group, indexed by group rank
 // (entries of the own rank are null). Plain data: passed to kernels by value.
@@ -84,6 +93,17 @@ struct PeerRegion {
   size_t flag_kind_stride;  // words from kind k's flags to kind k + 1's
   TimeoutRecord* record;    // this device's timeout record (host-mapped)
   uint32_t* record_lock;    // device word: one writer of the record at a time
+  // Lamport slots: ours on rank q / rank q's here; call counters of the pair
+  // (us, q), one per block of the fixed grid.
+  char* lamport_send[kArMaxRanks];
+  const char* lamport_recv[kArMaxRanks];
+  uint32_t* lamport_seq[kArMaxRanks];
+  size_t lamport_parity_bytes;
+  // Sticky "do not trust the Lamport slots" words: this device's, and each
+  // peer's (in its memory). A Lamport wait that times out sets its own and
+  // its peers'; a late message may still land in a slot after that.
+  uint32_t* lamport_poison;
+  uint32_t* lamport_poison_peer[kArMaxRanks];
 };
 // The region of `group` for this device. Waits (bounded) for the group like
 // EnsureGroupReady, and reports a timeout recorded by an earlier call. Host
