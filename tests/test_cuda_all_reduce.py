@@ -24,13 +24,12 @@ from jax.sharding import PartitionSpec as P
 from support import assert_close, child_env, f64, gpu_layout_mesh, poison_allocator
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import _extension
+from jax_flashoverlap import _extension, dispatch
 
 pytestmark = pytest.mark.gpu
 
 IMPL = "cuda"
 ALGORITHMS = ("one_shot", "two_shot", "lamport")
-LAMPORT_MAX_BYTES = 256 << 10  # dispatch.LAMPORT_MAX_BYTES
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_BYTES = 64 << 20  # the largest message, per rank
 # bf16 element counts of the stress test: single elements, odd tails,
@@ -116,7 +115,8 @@ def _host_calls() -> int:
 def _sizes(rng, dtype, algorithm):
     """Element counts from 1 to the algorithm's largest message: tiny, odd,
     around the packs, random, largest."""
-    top = (LAMPORT_MAX_BYTES if algorithm == "lamport" else MAX_BYTES) // jnp.dtype(dtype).itemsize
+    top = ((dispatch.LAMPORT_MAX_BYTES if algorithm == "lamport" else MAX_BYTES)
+           // jnp.dtype(dtype).itemsize)
     return [1, 3, 8, 9, 4097, int(rng.integers(1 << 10, min(1 << 16, top))),
             int(rng.integers(min(1 << 16, top - 1), min(1 << 22, top))) | 1, top]
 
@@ -193,7 +193,7 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
         return run
 
     branches = [case(s, a) for s in STRESS_SIZES for a in ALGORITHMS
-                if a != "lamport" or 2 * s <= LAMPORT_MAX_BYTES]
+                if a != "lamport" or 2 * s <= dispatch.LAMPORT_MAX_BYTES]
 
     def count_wrong(key):
         def body(i, wrong):
