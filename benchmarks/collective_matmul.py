@@ -275,7 +275,8 @@ def main():
         rows += _windowed(args)
     import jax
     meta = dict(devices=len(jax.devices()[:args.devices]), device_kind=jax.devices()[0].device_kind,
-                jax=jax.__version__, dtype="bfloat16", protocol="DESIGN.md §4")
+                jax=jax.__version__, dtype="bfloat16", protocol="DESIGN.md §4",
+                gemm_autotune=os.environ.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "unset (on)"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

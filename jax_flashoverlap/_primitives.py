@@ -204,6 +204,9 @@ def _make_primitive(op: OpDef) -> Primitive:
         }
         if op.name == "all_reduce":
             _check_lamport_size(ctx.avals_in[0], opts["algorithm"])
+        if "chunks" in opts and opts["chunks"] is None:  # picked by shape
+            opts["chunks"] = dispatch.collective_matmul_chunks(
+                op.name, [a.shape for a in ctx.avals_in], n)
         if op.name == "matmul_all_reduce":
             out = ctx.avals_out[0]
             nbytes = math.prod(out.shape) * out.dtype.itemsize
@@ -238,8 +241,9 @@ def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):
         nbytes = y.size * y.dtype.itemsize
         call = jax.ffi.ffi_call(OPS["all_reduce"].ffi_target,
                                 jax.ShapeDtypeStruct(y.shape, y.dtype))
+        n = int(transport["n"])
         return [call(y, **transport, **_ar_attrs(
-            int(transport["n"]), {"algorithm": dispatch.all_reduce_algorithm(nbytes)}))]
+            n, {"algorithm": dispatch.all_reduce_algorithm(nbytes, n)}))]
 
     return mlir.lower_fun(gemm_then_all_reduce, multiple_results=True)(ctx, x, w)
 

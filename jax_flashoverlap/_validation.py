@@ -32,6 +32,14 @@ def check_impl(op: str, impl: str) -> None:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
 
 
+def check_chunks(op: str, chunks) -> None:
+    """``chunks`` is None (picked by shape) or a positive int."""
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
+                               or chunks < 1):
+        raise ValueError(f"{op}: chunks must be None (picked by shape) or a positive int, "
+                         f"got {chunks!r}")
+
+
 def check_dtypes(op: str, **arrays: jax.Array) -> None:
     """All operands share one supported floating dtype."""
     dtypes = {name: jnp.dtype(a.dtype) for name, a in arrays.items()}

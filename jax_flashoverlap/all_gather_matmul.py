@@ -17,7 +17,7 @@ _OP = "all_gather_matmul"
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
                       gather_axis: int = 0, impl: str = "auto",
-                      topology: Topology = "ring", chunks: int = 1) -> jax.Array:
+                      topology: Topology = "ring", chunks: int | None = None) -> jax.Array:
     """Returns ``all_gather(x, axis_name, axis=gather_axis, tiled=True) @ w``.
 
     The column-parallel linear layer of sequence parallelism: activations
@@ -37,7 +37,9 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
         schedule, local shard first), "cuda" (fused FFI kernel), or "auto".
       topology: schedule of the "decomposed" path ("ring" or
         "bidirectional"); the CUDA kernel always sends straight to each peer.
-      chunks: row chunks per shard in the CUDA kernel.
+      chunks: row chunks per shard in the CUDA kernel (each signalled on its
+        own, so that work starts on the first rows to arrive); None picks by
+        shape (:func:`jax_flashoverlap.dispatch.collective_matmul_chunks`).
 
     Returns:
       [..., n * m_local, ..., n_out]: x's shape with ``gather_axis`` grown n
@@ -45,6 +47,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
       :func:`~jax_flashoverlap.matmul_reduce_scatter` with the same ``impl``.
     """
     _validation.check_impl(_OP, impl)
+    _validation.check_chunks(_OP, chunks)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     gather_axis = _validation.normalize_axis(_OP, "gather_axis", gather_axis, x.ndim)

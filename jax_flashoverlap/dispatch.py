@@ -19,26 +19,31 @@ import numpy as np
 from . import _extension
 
 __all__ = ["choose_impl", "all_reduce_algorithm", "all_reduce_region_bytes",
-           "all_reduce_across_processes",
+           "all_reduce_across_processes", "collective_matmul_chunks",
            "matmul_all_reduce_kernel", "ALL_REDUCE_ALGORITHMS"]
 
 Shapes = Sequence[tuple[int, ...]]
 
-# op -> predicate(shapes, dtype, n): True where impl="cuda" was measured at
-# least 5% faster than impl="xla" (bf16, 2 H200s, DESIGN.md §4 protocol;
-# run-to-run spread is a few percent, so smaller wins are not counted). Only
+# op -> predicate(shapes, dtype, n): True from the size where impl="cuda" was
+# measured faster than impl="xla" on every listed shape, and by at least 5% on
+# most (bf16, 2 H200s, DESIGN.md §4 protocol; run-to-run spread is a few
+# percent, so smaller wins alone are not counted). Only
 # what was measured: 2 ranks and 16-bit dtypes (fp16 runs the same kernels as
 # bf16). An op missing here runs "xla".
 #
 # Collective matmuls (benchmarks/results/collective_matmul_2xh200.json): the
 # rows per shard from which the fused op won on every listed shape.
-# matmul_reduce_scatter is absent: it won by 5% on one shape only.
-_MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096}
-# matmul_all_reduce below 4096 rows, where impl="cuda" is XLA's dot + the
-# all-reduce kernel (matmul_all_reduce_kernel): from this many rows, if the
-# result fits that path. Measured (collective_matmul_mar_2xh200.json) at one
-# such shape, 1024x4096x4096: 82.1 us against XLA's 99.0 (1.21x); at 128 rows
-# (128x8192x8192) it was 63.7 against 62.2, so not there.
+# matmul_reduce_scatter (rows = the result's rows per rank) from 1024 rows,
+# with the chunks of chunks=None (collective_matmul_chunks: two there) and
+# autotuned GEMMs (collective_matmul_rs_fold_autotune_2xh200.json): 1.33x XLA at
+# 1024x4096x4096, 1.03x at 2048x8192x7168, 1.10x at 2048x8192x14336, 1.14x at
+# 4096x8192x4096, 1.09x at 8192x8192x14336; at 128 rows 1.03x with one chunk.
+# Without autotuning: 1.32x, 1.05x, 0.99x (1.03x with one chunk), 1.10x, 1.05x.
+# With one chunk everywhere (the earlier benchmarks) it won by 5% on one shape
+# and lost at 2048x8192x7168 (846 vs 818 us), so an explicit chunks=1 is not
+# covered by this rule.
+_MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096,
+             "matmul_reduce_scatter": 1024}
 _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 1024
 
 # all_reduce (benchmarks/results/all_reduce_2xh200.json): the kernel "auto"
@@ -62,9 +67,16 @@ _NVSHMEM_MEASURED_PROCESSES = 2
 _NVSHMEM_MEASURED_NODE_SIZE = 1
 
 
+def _rows_per_rank(op: str, shapes: Shapes, n: int) -> int:
+    """Rows of the GEMM each rank computes per block: x's rows, except for
+    matmul_reduce_scatter, whose x holds all ``n`` blocks."""
+    return shapes[0][0] // n if op == "matmul_reduce_scatter" else shapes[0][0]
+
+
 def _measured_faster(op: str) -> Callable[[Shapes, np.dtype, int], bool]:
     def faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
-        return n == 2 and dtype.itemsize == 2 and shapes[0][0] >= _MIN_ROWS[op]
+        return (n == 2 and dtype.itemsize == 2
+                and _rows_per_rank(op, shapes, n) >= _MIN_ROWS[op])
     return faster
 
 
@@ -86,6 +98,7 @@ def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
 
 _CUDA_IS_FASTER: dict[str, Callable[[Shapes, np.dtype, int], bool]] = {
     "all_gather_matmul": _measured_faster("all_gather_matmul"),
+    "matmul_reduce_scatter": _measured_faster("matmul_reduce_scatter"),
     "matmul_all_reduce": _matmul_all_reduce_faster, "all_reduce": _all_reduce_faster}
 
 
@@ -198,8 +211,7 @@ def resolved_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
 
 
 # The CUDA all-reduce's kernels; the position is the handler's `algorithm`
-# attribute (ffi/src/all_reduce.cu). "lamport", the one-shot without flags,
-# is chosen only by name: it has not been measured yet.
+# attribute (ffi/src/all_reduce.cu).
 ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "lamport")
 
 # Largest message (bytes per rank) that runs one-shot; two-shot above it.
@@ -208,26 +220,44 @@ ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "lamport")
 # slower from 16 MiB (71.4 vs 62.3 us).
 ONE_SHOT_MAX_BYTES = 8 << 20
 
-
 # The flagless one-shot ("lamport") takes messages up to this many bytes per
 # rank (kLamportMaxBytes of ffi/src/transport/transport.h).
 LAMPORT_MAX_BYTES = 256 << 10
 
+# Largest message (bytes per rank) for which the size rule picks "lamport".
+# Measured (benchmarks/results/all_reduce_lamport_2xh200.json, bf16, 2 H200s),
+# lamport against one-shot: with 8 all-reduces per loop iteration 3.6 vs
+# 6.1 us at 4 KiB, 4.0 vs 7.2 at 16 KiB, 4.2 vs 7.4 at 64 KiB, 5.2 vs 7.7 at
+# 256 KiB; with one per iteration (host-bound) 15.0 vs 16.1, 14.6 vs 16.7,
+# 16.1 vs 16.1, and 16.5 vs 12.7 at 256 KiB, where it is not picked.
+LAMPORT_AUTO_MAX_BYTES = 64 << 10
+_LAMPORT_MEASURED_DEVICES = 2
 
-def all_reduce_algorithm(nbytes: int) -> str:
+
+def all_reduce_algorithm(nbytes: int, n: int = _LAMPORT_MEASURED_DEVICES) -> str:
     """The CUDA all-reduce kernel for a message of ``nbytes`` bytes per rank.
 
+    Args:
+      nbytes: message bytes per rank.
+      n: ranks (local GPUs) in the all-reduce.
+
     Returns:
-      "one_shot" up to :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
+      "lamport" up to :data:`LAMPORT_AUTO_MAX_BYTES` where it was measured (2
+      GPUs), "one_shot" up to :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
     """
+    if nbytes <= LAMPORT_AUTO_MAX_BYTES and n == _LAMPORT_MEASURED_DEVICES:
+        return "lamport"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
 
 
 # How impl="cuda" matmul_reduce_scatter folds the peers' partials into the
 # rank's own block: "gemm_input" (cuBLASLt's C input; each chunk's GEMM waits
 # for that chunk from every peer) or "add_after" (the own GEMM at once, then
-# one elementwise add, FlashOverlap's order). "gemm_input" is what every
-# committed benchmark ran; "add_after" is not yet measured against it.
+# one elementwise add, FlashOverlap's order). Measured against each other
+# (collective_matmul_rs_fold_2xh200.json and ..._autotune_2xh200.json, 2 runs
+# of 6 shapes): "add_after" was faster at 1024x4096x4096 (120 vs 133 us) and
+# within a few percent either way elsewhere, while two chunks with
+# "gemm_input" beat both on 4 of the 5 shapes from 1024 rows.
 REDUCE_SCATTER_FOLDS = ("gemm_input", "add_after")
 REDUCE_SCATTER_FOLD = "gemm_input"
 
@@ -252,3 +282,34 @@ def matmul_all_reduce_kernel(nbytes: int) -> str:
     if nbytes <= min(MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES, all_reduce_region_bytes()):
         return "gemm_then_all_reduce"
     return "fused"
+
+
+# Row chunks per block that impl="cuda" all_gather_matmul and
+# matmul_reduce_scatter run when called with chunks=None, from these rows per
+# rank (2 GPUs; one chunk elsewhere). Measured with one and two chunks in two
+# runs (collective_matmul_rs_fold_2xh200.json, without and with GEMM
+# autotuning): matmul_reduce_scatter with two was faster at 1024x4096x4096
+# (113 vs 133 us; 112 vs 132), 2048x8192x7168 (776 vs 846; 816 vs 830),
+# 4096x8192x4096 (818 vs 895; 805 vs 882) and 8192x8192x14336 (5866 vs 6075;
+# 5731 vs 6044), slower at 2048x8192x14336 in one run (1601 vs 1544; 1473 vs
+# 1473) and at 128x8192x8192 (153 vs 97; 157 vs 93). all_gather_matmul with
+# two was faster only at 8192x8192x14336 (5572 vs 5629; 5486 vs 5684).
+_TWO_CHUNKS_FROM_ROWS = {"all_gather_matmul": 8192, "matmul_reduce_scatter": 1024}
+_CHUNKS_MEASURED_DEVICES = 2
+
+
+def collective_matmul_chunks(op: str, shapes: Shapes, n: int) -> int:
+    """Row chunks per block for impl="cuda" ``op`` called with chunks=None.
+
+    Args:
+      op: "all_gather_matmul" or "matmul_reduce_scatter".
+      shapes: shapes of the 2-D operands, per device (x, w).
+      n: ranks along the axis.
+
+    Returns:
+      2 from the measured rows per rank on 2 GPUs, else 1.
+    """
+    rows = _rows_per_rank(op, shapes, n)
+    if n == _CHUNKS_MEASURED_DEVICES and rows >= _TWO_CHUNKS_FROM_ROWS[op]:
+        return 2
+    return 1

@@ -17,7 +17,7 @@ _OP = "matmul_reduce_scatter"
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
                           scatter_dimension: int = 0, impl: str = "auto",
-                          topology: Topology = "ring", chunks: int = 1) -> jax.Array:
+                          topology: Topology = "ring", chunks: int | None = None) -> jax.Array:
     """Returns ``psum_scatter(x @ w, axis_name, scatter_dimension, tiled=True)``.
 
     The row-parallel linear layer of sequence parallelism: each rank holds a
@@ -37,13 +37,16 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
         schedule, own block last), "cuda" (fused FFI kernel), or "auto".
       topology: schedule of the "decomposed" path ("ring" or
         "bidirectional"); the CUDA kernel always sends straight to the owner.
-      chunks: row chunks per block in the CUDA kernel.
+      chunks: row chunks per block in the CUDA kernel (each signalled on its
+        own, so that work starts on the first rows to arrive); None picks by
+        shape (:func:`jax_flashoverlap.dispatch.collective_matmul_chunks`).
 
     Returns:
       [..., m, ..., n_out]: this rank's block of the sum. Its gradient runs
       :func:`~jax_flashoverlap.all_gather_matmul` with the same ``impl``.
     """
     _validation.check_impl(_OP, impl)
+    _validation.check_chunks(_OP, chunks)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     scatter_dimension = _validation.normalize_axis(_OP, "scatter_dimension",

@@ -57,12 +57,16 @@ def test_unknown_algorithm_is_rejected(algorithm):
         f(np.ones((2, 4), np.float32))
 
 
-def test_algorithm_by_message_size():
-    limit = dispatch.ONE_SHOT_MAX_BYTES
-    assert dispatch.all_reduce_algorithm(1) == "one_shot"
-    assert dispatch.all_reduce_algorithm(limit) == "one_shot"
-    assert dispatch.all_reduce_algorithm(limit + 1) == "two_shot"
-    assert dispatch.all_reduce_algorithm(256 << 20) == "two_shot"
+def test_algorithm_by_message_size_and_ranks():
+    lamport, limit = dispatch.LAMPORT_AUTO_MAX_BYTES, dispatch.ONE_SHOT_MAX_BYTES
+    assert lamport <= dispatch.LAMPORT_MAX_BYTES
+    assert dispatch.all_reduce_algorithm(1, 2) == "lamport"
+    assert dispatch.all_reduce_algorithm(lamport, 2) == "lamport"
+    assert dispatch.all_reduce_algorithm(lamport + 1, 2) == "one_shot"
+    assert dispatch.all_reduce_algorithm(1, 4) == "one_shot"  # Lamport measured on 2 GPUs only
+    assert dispatch.all_reduce_algorithm(limit, 4) == "one_shot"
+    assert dispatch.all_reduce_algorithm(limit + 1, 2) == "two_shot"
+    assert dispatch.all_reduce_algorithm(256 << 20, 2) == "two_shot"
 
 
 def test_cuda_attribute_names_the_kernel():
@@ -83,7 +87,8 @@ def test_lamport_size_limit_applies_to_the_cuda_kernel_only(rng):
 
 
 @pytest.mark.parametrize("algorithm, nbytes, expected", [
-    (None, 4 * 16, "one_shot"), (None, 4 * (4 << 20), "two_shot"),
+    (None, 4 * 16, "lamport"), (None, 4 * (1 << 20), "one_shot"),
+    (None, 4 * (4 << 20), "two_shot"),
     ("two_shot", 4 * 16, "two_shot"), ("one_shot", 4 * (1 << 20), "one_shot"),
     ("lamport", 4 * 16, "lamport")])
 def test_resolved_algorithm_reaches_the_primitive(algorithm, nbytes, expected):

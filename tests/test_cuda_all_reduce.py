@@ -214,7 +214,7 @@ def test_lamport_sends_negative_zero_as_positive_zero(dtype, rng):
     such inputs travel as +0.0 / -0.0, and every rank still gets the same bits."""
     mesh, n = _mesh()
     size = 5003  # packs and a scalar tail
-    x = np.asarray(jnp.asarray(rng.standard_normal((n, size), dtype=np.float32), dtype))
+    x = np.array(jnp.asarray(rng.standard_normal((n, size), dtype=np.float32), dtype))
     bits = x.view(f"u{x.dtype.itemsize}")
     empty = 0x8000 if x.dtype.itemsize == 2 else 0x80008000
     bits[:, ::7] = empty

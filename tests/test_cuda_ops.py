@@ -116,14 +116,18 @@ def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monke
     assert "add_after = 1" in lowered.as_text()  # the fold under test ran
 
 
+@pytest.mark.parametrize("autotune,shapes", [
+    ("1", [(384, 640, 448), (136, 520, 264)]), ("0", [(392, 648, 456), (144, 528, 272)])])
 @pytest.mark.parametrize("op", MATMUL_OPS)
-def test_autotuned_gemms_match_float64(op, rng, monkeypatch):
-    """JAX_FLASHOVERLAP_GEMM_AUTOTUNE=1 times the heuristic's candidates for
-    every new problem; shapes no other test uses, so the plans are new."""
-    monkeypatch.setenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "1")
+def test_gemm_plans_with_and_without_autotuning_match_float64(op, autotune, shapes, rng,
+                                                              monkeypatch):
+    """JAX_FLASHOVERLAP_GEMM_AUTOTUNE (default on) times the heuristic's
+    candidates for every new problem; "0" takes its first. Shapes no other
+    test uses, so the plans are new."""
+    monkeypatch.setenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", autotune)
     monkeypatch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", -1)  # fused kernel
     _, n = _mesh()
-    for shape in [(384, 640, 448), (136, 520, 264)]:
+    for shape in shapes:
         xs, ws = _global_shapes(op, n, *shape)
         x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
         w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)

@@ -24,7 +24,11 @@ def cuda_built(monkeypatch):
     ("matmul_all_reduce", [(1024, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
     ("matmul_all_reduce", [(1024, 4096), (4096, 4104)], np.dtype("bfloat16"), 2, "xla"),
     ("matmul_all_reduce", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
-    ("matmul_reduce_scatter", [(8192, 8192), (8192, 4096)], np.dtype("bfloat16"), 2, "xla"),
+    ("matmul_reduce_scatter", [(2048, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
+    ("matmul_reduce_scatter", [(2040, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "xla"),
+    ("matmul_reduce_scatter", [(256, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
+    ("matmul_reduce_scatter", [(8192, 8192), (8192, 4096)], np.dtype("float32"), 2, "xla"),
+    ("matmul_reduce_scatter", [(8192, 8192), (8192, 4096)], np.dtype("bfloat16"), 4, "xla"),
     ("all_reduce", [(1, 1 << 20)], np.dtype("bfloat16"), 2, "cuda"),
     ("all_reduce", [(1, 3)], np.dtype("float16"), 2, "cuda"),
     ("all_reduce", [(1, 1 << 20)], np.dtype("float32"), 2, "xla"),
@@ -124,3 +128,14 @@ def test_all_reduce_across_processes_with_cuda_names_the_fix():
         dispatch.all_reduce_across_processes(4096, np.dtype("float32"), "cuda", None)
     with pytest.raises(ValueError, match=r"larger heap_mb"):
         dispatch.all_reduce_across_processes(4096, np.dtype("float32"), "cuda", 1024)
+
+
+@pytest.mark.parametrize("op,shapes,n,want", [
+    ("matmul_reduce_scatter", [(2048, 64), (64, 32)], 2, 2),  # 1024 rows per rank
+    ("matmul_reduce_scatter", [(2046, 64), (64, 32)], 2, 1),
+    ("matmul_reduce_scatter", [(4096, 64), (64, 32)], 4, 1),  # not measured on 4
+    ("all_gather_matmul", [(8192, 64), (64, 32)], 2, 2),
+    ("all_gather_matmul", [(4096, 64), (64, 32)], 2, 1),
+])
+def test_collective_matmul_chunks(op, shapes, n, want):
+    assert dispatch.collective_matmul_chunks(op, shapes, n) == want

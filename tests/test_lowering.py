@@ -50,7 +50,7 @@ def test_small_matmul_all_reduce_is_dot_then_the_all_reduce_kernel():
     text = _matmul_all_reduce_text(128, 256, "cuda")
     assert _custom_calls(text) == ["jfo_all_reduce"]
     assert "stablehlo.dot_general" in text
-    assert "algorithm = 0" in text  # one-shot for 64 KiB
+    assert "algorithm = 2" in text  # the Lamport one-shot for 64 KiB on 2 GPUs
 
 
 def test_the_fused_kernel_from_just_above_the_limit():
@@ -190,3 +190,24 @@ def test_lamport_lowers_to_algorithm_2_up_to_its_limit():
     assert "algorithm = 2 : i32" in text
     with pytest.raises(ValueError, match=r"algorithm='lamport'\) takes up to 256 KiB.*one_shot"):
         _lamport_text(dispatch.LAMPORT_MAX_BYTES // 4 + 1)
+
+
+def _chunks_attribute(op, rows_per_rank, chunks):
+    """The ``chunks`` attribute impl="cuda" ``op`` lowers to on 2 GPUs."""
+    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda", chunks=chunks)
+    if op == "all_gather_matmul":
+        shapes, specs = [(2 * rows_per_rank, 64), (64, 32)], (P("tp"), P(None, "tp"))
+        out = P(None, "tp")
+    else:
+        shapes, specs = [(2 * rows_per_rank, 64), (64, 32)], (P(None, "tp"), P("tp", None))
+        out = P("tp")
+    text = _cuda_text(fn, _mesh(), shapes, specs, out)
+    return int(re.search(r"chunks = (\d+) : i32", text).group(1))
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+def test_chunks_none_is_picked_by_shape_and_an_int_is_kept(op):
+    rows = dispatch._TWO_CHUNKS_FROM_ROWS[op]
+    assert _chunks_attribute(op, rows, None) == 2
+    assert _chunks_attribute(op, rows - 8, None) == 1
+    assert _chunks_attribute(op, rows, 3) == 3

@@ -69,6 +69,14 @@ def test_unknown_impl(rng):
         _in_shard_map(jfo.all_gather_matmul, x, w, (P("tensor"), P()), impl="nccl")
 
 
+@pytest.mark.parametrize("op", [jfo.all_gather_matmul, jfo.matmul_reduce_scatter])
+@pytest.mark.parametrize("chunks", [0, 1.5, True])
+def test_bad_chunks_name_the_choices(op, chunks, rng):
+    x, w = random(rng, (8, 4), "float32"), random(rng, (4, 4), "float32")
+    with pytest.raises(ValueError, match=r"chunks must be None \(picked by shape\) or a positive"):
+        _in_shard_map(op, x, w, (P("tensor"), P()), chunks=chunks)
+
+
 @pytest.mark.skipif(jfo.build_info()["cuda"] and bool(jax.devices()[0].platform == "gpu"),
                     reason="CUDA build on a GPU: impl='cuda' is valid here")
 def test_cuda_impl_without_gpu_build(rng):
