@@ -9,8 +9,12 @@ XLA's dot on the same per-device work, and reports per call and per
 category the kernel time on the first GPU. The GEMM row answers the issue's
 question "does the GEMM inside the fused op run at the stand-alone GEMM's
 throughput" (the fused op's GEMM kernels, summed, against the dot's; copy
-engines and peer waits run beside them). Wall time is the timing protocol's
-business (``collective_matmul.py``); a trace only splits device time.
+engines and peer waits run beside them). For all_gather_matmul and
+matmul_reduce_scatter a third loop runs XLA's dot on the fused op's own row
+blocks, one after another and without transfers: if the fused op's GEMMs
+match it, the smaller problems cost the throughput; if they are slower, the
+transfers beside them do. Wall time is the timing protocol's business
+(``collective_matmul.py``); a trace only splits device time.
 
 ``trace``: the same table for a trace written elsewhere, e.g. by
 ``jax-flashoverlap-train --profile DIR``.
@@ -124,6 +128,36 @@ def _collective_matmul():
     return module
 
 
+def dot_in_row_blocks(blocks: int):
+    """``x @ w`` as XLA dots on ``blocks`` equal row blocks of x, one after
+    another: an optimization barrier orders each block after the previous
+    dot, so XLA cannot merge them back into one GEMM."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    def fn(x, w):
+        outs = []
+        for xb in jnp.split(x, blocks):
+            if outs:
+                outs[-1], xb = lax.optimization_barrier((outs[-1], xb))
+            outs.append(jnp.dot(xb, w))
+        return jnp.concatenate(outs)
+    return fn
+
+
+def gemm_blocks(op: str, fn, shapes_op, n: int) -> int | None:
+    """Row blocks of the fused op's GEMMs: n blocks of ``chunks`` chunks
+    each for all_gather_matmul and matmul_reduce_scatter (None for others)."""
+    from jax_flashoverlap import dispatch
+
+    if op not in ("all_gather_matmul", "matmul_reduce_scatter"):
+        return None
+    chunks = getattr(fn, "keywords", {}).get("chunks")
+    if chunks is None:
+        chunks = dispatch.collective_matmul_chunks(op, shapes_op, n)
+    return n * chunks
+
+
 def run_ops(ops, shapes, iterations: int, devices: int | None = None,
             impl: str = "cuda") -> list[dict]:
     """Kernel times of ``impl`` and of XLA's dot per (op, shape); see the module doc."""
@@ -144,6 +178,10 @@ def run_ops(ops, shapes, iterations: int, devices: int | None = None,
             fn, overrides = cm._op_fn(op, impl)
             runs = {impl: (fn, [put(s) for s in shapes_op]),
                     "gemm_alone": (lambda x, w: jnp.dot(x, w), [put(s) for s in gemm_shapes])}
+            blocks = gemm_blocks(op, fn, shapes_op, n)
+            if blocks is not None and gemm_shapes[0][0] % blocks == 0:
+                runs["gemm_in_blocks"] = (dot_in_row_blocks(blocks),
+                                          [put(s) for s in gemm_shapes])
             row = {"op": op, "shape": [m, k, cols], "iterations": iterations}
             for label, (f, args) in runs.items():
                 loop = looped(f, mesh, (P("tp"),) * len(args), iterations)
@@ -155,10 +193,14 @@ def run_ops(ops, shapes, iterations: int, devices: int | None = None,
             fused = row[impl].get("gemm", {}).get("us", 0.0)
             alone = row["gemm_alone"].get("gemm", {}).get("us", 0.0)
             row["gemm_throughput_vs_alone"] = alone / fused if fused else None
+            in_blocks = row.get("gemm_in_blocks", {}).get("gemm", {}).get("us")
+            row["gemm_blocks"] = blocks if in_blocks is not None else None
             rows.append(row)
             print(f"{op:22s} {m}x{k}x{cols:<6d} GEMM kernels {fused:9.1f} us in the fused op, "
                   f"{alone:9.1f} alone: {row['gemm_throughput_vs_alone'] or 0:.3f} of the "
-                  "stand-alone throughput", flush=True)
+                  "stand-alone throughput"
+                  + (f"; XLA's dot in its {blocks} row blocks, no transfers: {in_blocks:.1f} us"
+                     if in_blocks is not None else ""), flush=True)
     return rows
 
 
@@ -203,6 +245,8 @@ def main(argv=None):
     for r in rows:
         print(f"\n{r['op']} {'×'.join(map(str, r['shape']))}, impl={args.impl!r}, GPU 0\n"
               + table(r[args.impl]) + "\n\nXLA's dot alone\n" + table(r["gemm_alone"]))
+        if "gemm_in_blocks" in r:
+            print(f"\nXLA's dot in {r['gemm_blocks']} row blocks\n" + table(r["gemm_in_blocks"]))
 
 
 if __name__ == "__main__":

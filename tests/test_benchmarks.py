@@ -153,3 +153,27 @@ def test_kernel_times_ops_mode_runs_up_to_the_trace():
     with pytest.raises(SystemExit, match="no GPU kernels"):
         kt.main(["ops", "--ops", "matmul_reduce_scatter", "--shapes", "16x32x8",
                  "--iterations", "2", "--devices", "2", "--impl", "xla"])
+
+
+def test_dot_in_row_blocks_is_the_dot_and_keeps_its_blocks():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    kt = _load("kernel_times")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((12, 5)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
+    f = jax.jit(kt.dot_in_row_blocks(4))
+    np.testing.assert_allclose(np.asarray(f(x, w)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+    assert f.lower(x, w).as_text().count("dot_general") == 4
+
+
+def test_gemm_blocks_follow_the_ops_chunks():
+    import functools
+    kt = _load("kernel_times")
+    rs = functools.partial(lambda *a, **k: None, chunks=3)
+    assert kt.gemm_blocks("matmul_reduce_scatter", rs, [(4096, 64), (64, 8)], 2) == 6
+    default = functools.partial(lambda *a, **k: None)
+    assert kt.gemm_blocks("matmul_reduce_scatter", default, [(4096, 64), (64, 8)], 2) == 4
+    assert kt.gemm_blocks("all_gather_matmul", default, [(1024, 64), (64, 8)], 2) == 2
+    assert kt.gemm_blocks("matmul_all_reduce", default, [(1024, 64), (64, 8)], 2) is None
