@@ -31,6 +31,7 @@ import collections
 import gzip
 import importlib.util
 import json
+import os
 import re
 import sys
 import tempfile
@@ -145,12 +146,15 @@ def dot_in_row_blocks(blocks: int):
     return fn
 
 
-def gemm_blocks(op: str, fn, shapes_op, n: int) -> int | None:
-    """Row blocks of the fused op's GEMMs: n blocks of ``chunks`` chunks
-    each for all_gather_matmul and matmul_reduce_scatter (None for others)."""
+def gemm_blocks(op: str, impl: str, fn, shapes_op, n: int) -> int | None:
+    """Equal row blocks of the fused op's GEMMs: n blocks of ``chunks``
+    chunks each for impl="cuda" all_gather_matmul and matmul_reduce_scatter.
+    None for other ops and impls, and for the "add_after" fold (its own
+    block is one GEMM, the others chunked)."""
     from jax_flashoverlap import dispatch
 
-    if op not in ("all_gather_matmul", "matmul_reduce_scatter"):
+    fused = impl == "cuda" or impl.startswith("cuda_chunks")
+    if op not in ("all_gather_matmul", "matmul_reduce_scatter") or not fused:
         return None
     chunks = getattr(fn, "keywords", {}).get("chunks")
     if chunks is None:
@@ -178,7 +182,7 @@ def run_ops(ops, shapes, iterations: int, devices: int | None = None,
             fn, overrides = cm._op_fn(op, impl)
             runs = {impl: (fn, [put(s) for s in shapes_op]),
                     "gemm_alone": (lambda x, w: jnp.dot(x, w), [put(s) for s in gemm_shapes])}
-            blocks = gemm_blocks(op, fn, shapes_op, n)
+            blocks = gemm_blocks(op, impl, fn, shapes_op, n)
             if blocks is not None and gemm_shapes[0][0] % blocks == 0:
                 runs["gemm_in_blocks"] = (dot_in_row_blocks(blocks),
                                           [put(s) for s in gemm_shapes])
@@ -241,7 +245,9 @@ def main(argv=None):
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     rows = run_ops(args.ops, shapes, args.iterations, args.devices, args.impl)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        meta = {"impl": args.impl, "iterations": args.iterations,
+                "gemm_autotune": os.environ.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "unset (on)")}
+        Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     for r in rows:
         print(f"\n{r['op']} {'×'.join(map(str, r['shape']))}, impl={args.impl!r}, GPU 0\n"
               + table(r[args.impl]) + "\n\nXLA's dot alone\n" + table(r["gemm_alone"]))

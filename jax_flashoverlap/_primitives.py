@@ -185,7 +185,7 @@ def _make_primitive(op: OpDef) -> Primitive:
         groups = None
         if impl == "auto":
             impl = dispatch.choose_impl(op.name, op.ffi_target, [a.shape for a in ctx.avals_in],
-                                        ctx.avals_in[0].dtype, n)
+                                        ctx.avals_in[0].dtype, n, dict(opts).get("chunks"))
             if impl == "cuda":
                 try:
                     groups = _group_ordinals(ctx, op.name, axis_name, n)
@@ -243,7 +243,7 @@ def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):
                                 jax.ShapeDtypeStruct(y.shape, y.dtype))
         n = int(transport["n"])
         return [call(y, **transport, **_ar_attrs(
-            n, {"algorithm": dispatch.all_reduce_algorithm(nbytes, n)}))]
+            n, {"algorithm": dispatch.all_reduce_algorithm(nbytes, n, y.dtype)}))]
 
     return mlir.lower_fun(gemm_then_all_reduce, multiple_results=True)(ctx, x, w)
 

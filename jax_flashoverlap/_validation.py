@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -32,12 +33,20 @@ def check_impl(op: str, impl: str) -> None:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
 
 
-def check_chunks(op: str, chunks) -> None:
-    """``chunks`` is None (picked by shape) or a positive int."""
-    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int)
-                               or chunks < 1):
-        raise ValueError(f"{op}: chunks must be None (picked by shape) or a positive int, "
-                         f"got {chunks!r}")
+# Row chunks the CUDA kernels take per block (CheckCommon, ffi/src/ops_common.cu).
+MAX_CHUNKS = 64
+
+
+def check_chunks(op: str, chunks) -> int | None:
+    """Returns ``chunks`` as a Python int (or None: picked by shape); raises
+    unless it is an integer from 1 to :data:`MAX_CHUNKS`."""
+    if chunks is None:
+        return None
+    if (isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral)
+            or not 1 <= chunks <= MAX_CHUNKS):
+        raise ValueError(f"{op}: chunks must be None (picked by shape) or an int from 1 to "
+                         f"{MAX_CHUNKS}, got {chunks!r}")
+    return int(chunks)
 
 
 def check_dtypes(op: str, **arrays: jax.Array) -> None:

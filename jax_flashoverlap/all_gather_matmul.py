@@ -47,7 +47,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
       :func:`~jax_flashoverlap.matmul_reduce_scatter` with the same ``impl``.
     """
     _validation.check_impl(_OP, impl)
-    _validation.check_chunks(_OP, chunks)
+    chunks = _validation.check_chunks(_OP, chunks)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     gather_axis = _validation.normalize_axis(_OP, "gather_axis", gather_axis, x.ndim)

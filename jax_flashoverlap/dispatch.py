@@ -24,7 +24,7 @@ __all__ = ["choose_impl", "all_reduce_algorithm", "all_reduce_region_bytes",
 
 Shapes = Sequence[tuple[int, ...]]
 
-# op -> predicate(shapes, dtype, n): True from the size where impl="cuda" was
+# op -> predicate(shapes, dtype, n, chunks): True from the size where impl="cuda" was
 # measured faster than impl="xla" on every listed shape, and by at least 5% on
 # most (bf16, 2 H200s, DESIGN.md §4 protocol; run-to-run spread is a few
 # percent, so smaller wins alone are not counted). Only
@@ -40,8 +40,8 @@ Shapes = Sequence[tuple[int, ...]]
 # 4096x8192x4096, 1.09x at 8192x8192x14336; at 128 rows 1.03x with one chunk.
 # Without autotuning: 1.32x, 1.05x, 0.99x (1.03x with one chunk), 1.10x, 1.05x.
 # With one chunk everywhere (the earlier benchmarks) it won by 5% on one shape
-# and lost at 2048x8192x7168 (846 vs 818 us), so an explicit chunks=1 is not
-# covered by this rule.
+# and lost at 2048x8192x7168 (846 vs 818 us), so "auto" keeps XLA when the
+# caller asks for chunks other than those of chunks=None.
 _MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096,
              "matmul_reduce_scatter": 1024}
 _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 1024
@@ -73,20 +73,34 @@ def _rows_per_rank(op: str, shapes: Shapes, n: int) -> int:
     return shapes[0][0] // n if op == "matmul_reduce_scatter" else shapes[0][0]
 
 
-def _measured_faster(op: str) -> Callable[[Shapes, np.dtype, int], bool]:
-    def faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
+Predicate = Callable[[Shapes, np.dtype, int, "int | None"], bool]
+
+
+def _measured_faster(op: str) -> Predicate:
+    def faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
+        del chunks  # measured with the op's default and explicit chunks alike
         return (n == 2 and dtype.itemsize == 2
                 and _rows_per_rank(op, shapes, n) >= _MIN_ROWS[op])
     return faster
 
 
-def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
+def _reduce_scatter_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
+    """Measured with the chunks of chunks=None only (see _MIN_ROWS)."""
+    picked = collective_matmul_chunks("matmul_reduce_scatter", shapes, n)
+    return (_measured_faster("matmul_reduce_scatter")(shapes, dtype, n, None)
+            and chunks in (None, picked))
+
+
+def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
+    del chunks
     nbytes = math.prod(shapes[0]) * dtype.itemsize
     return (n == _ALL_REDUCE_MEASURED_DEVICES and dtype.itemsize == 2
             and nbytes <= all_reduce_region_bytes())
 
 
-def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
+def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int,
+                              chunks: int | None) -> bool:
+    del chunks  # the composed path has none; the fused one was measured with its default
     (rows, _), (_, cols) = shapes
     if n != 2 or dtype.itemsize != 2:
         return False
@@ -96,9 +110,9 @@ def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int) -> bool:
             and matmul_all_reduce_kernel(rows * cols * dtype.itemsize) == "gemm_then_all_reduce")
 
 
-_CUDA_IS_FASTER: dict[str, Callable[[Shapes, np.dtype, int], bool]] = {
+_CUDA_IS_FASTER: dict[str, Predicate] = {
     "all_gather_matmul": _measured_faster("all_gather_matmul"),
-    "matmul_reduce_scatter": _measured_faster("matmul_reduce_scatter"),
+    "matmul_reduce_scatter": _reduce_scatter_faster,
     "matmul_all_reduce": _matmul_all_reduce_faster, "all_reduce": _all_reduce_faster}
 
 
@@ -183,7 +197,8 @@ def _workspace_mb_from_env() -> int:
     return max(int(digits or 0), 64)
 
 
-def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int) -> str:
+def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
+                chunks: int | None = None) -> str:
     """The implementation "auto" runs on a CUDA GPU.
 
     Args:
@@ -192,22 +207,25 @@ def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int) -> str:
       shapes: shapes of the 2-D operands, per device.
       dtype: operand dtype.
       n: ranks along the axis.
+      chunks: the op's ``chunks`` argument (None: picked by shape).
 
     Returns:
       "cuda" where it is built and measured faster, else "xla".
     """
     faster = _CUDA_IS_FASTER.get(op)
     if n > 1 and faster is not None and _extension.cuda_ops_available(ffi_target):
-        if faster(shapes, np.dtype(dtype), n):
+        if faster(shapes, np.dtype(dtype), n, chunks):
             return "cuda"
     return "xla"
 
 
 def resolved_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
-                  platform: str | None = None) -> str:
+                  platform: str | None = None, chunks: int | None = None) -> str:
     """What ``impl="auto"`` becomes on ``platform`` (default: JAX's default backend)."""
     platform = platform or jax.default_backend()
-    return choose_impl(op, ffi_target, shapes, dtype, n) if platform in ("gpu", "cuda") else "xla"
+    if platform not in ("gpu", "cuda"):
+        return "xla"
+    return choose_impl(op, ffi_target, shapes, dtype, n, chunks)
 
 
 # The CUDA all-reduce's kernels; the position is the handler's `algorithm`
@@ -234,18 +252,21 @@ LAMPORT_AUTO_MAX_BYTES = 64 << 10
 _LAMPORT_MEASURED_DEVICES = 2
 
 
-def all_reduce_algorithm(nbytes: int, n: int = _LAMPORT_MEASURED_DEVICES) -> str:
+def all_reduce_algorithm(nbytes: int, n: int, dtype) -> str:
     """The CUDA all-reduce kernel for a message of ``nbytes`` bytes per rank.
 
     Args:
       nbytes: message bytes per rank.
       n: ranks (local GPUs) in the all-reduce.
+      dtype: the message's dtype.
 
     Returns:
       "lamport" up to :data:`LAMPORT_AUTO_MAX_BYTES` where it was measured (2
-      GPUs), "one_shot" up to :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
+      GPUs, 16-bit dtypes; in float32 it would send one denormal as -0.0),
+      "one_shot" up to :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
     """
-    if nbytes <= LAMPORT_AUTO_MAX_BYTES and n == _LAMPORT_MEASURED_DEVICES:
+    if (nbytes <= LAMPORT_AUTO_MAX_BYTES and n == _LAMPORT_MEASURED_DEVICES
+            and np.dtype(dtype).itemsize == 2):
         return "lamport"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
 
@@ -257,7 +278,9 @@ def all_reduce_algorithm(nbytes: int, n: int = _LAMPORT_MEASURED_DEVICES) -> str
 # (collective_matmul_rs_fold_2xh200.json and ..._autotune_2xh200.json, 2 runs
 # of 6 shapes): "add_after" was faster at 1024x4096x4096 (120 vs 133 us) and
 # within a few percent either way elsewhere, while two chunks with
-# "gemm_input" beat both on 4 of the 5 shapes from 1024 rows.
+# "gemm_input" beat both on 4 of the 5 shapes from 1024 rows in the first
+# run and on 3 of 5 in the autotuned one (add_after won at 2048x8192x7168,
+# one chunk tied at 2048x8192x14336).
 REDUCE_SCATTER_FOLDS = ("gemm_input", "add_after")
 REDUCE_SCATTER_FOLD = "gemm_input"
 

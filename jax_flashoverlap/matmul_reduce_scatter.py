@@ -46,7 +46,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
       :func:`~jax_flashoverlap.all_gather_matmul` with the same ``impl``.
     """
     _validation.check_impl(_OP, impl)
-    _validation.check_chunks(_OP, chunks)
+    chunks = _validation.check_chunks(_OP, chunks)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     scatter_dimension = _validation.normalize_axis(_OP, "scatter_dimension",

@@ -1,4 +1,5 @@
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -60,13 +61,16 @@ def test_unknown_algorithm_is_rejected(algorithm):
 def test_algorithm_by_message_size_and_ranks():
     lamport, limit = dispatch.LAMPORT_AUTO_MAX_BYTES, dispatch.ONE_SHOT_MAX_BYTES
     assert lamport <= dispatch.LAMPORT_MAX_BYTES
-    assert dispatch.all_reduce_algorithm(1, 2) == "lamport"
-    assert dispatch.all_reduce_algorithm(lamport, 2) == "lamport"
-    assert dispatch.all_reduce_algorithm(lamport + 1, 2) == "one_shot"
-    assert dispatch.all_reduce_algorithm(1, 4) == "one_shot"  # Lamport measured on 2 GPUs only
-    assert dispatch.all_reduce_algorithm(limit, 4) == "one_shot"
-    assert dispatch.all_reduce_algorithm(limit + 1, 2) == "two_shot"
-    assert dispatch.all_reduce_algorithm(256 << 20, 2) == "two_shot"
+    bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
+    assert dispatch.all_reduce_algorithm(1, 2, bf16) == "lamport"
+    assert dispatch.all_reduce_algorithm(lamport, 2, np.float16) == "lamport"
+    assert dispatch.all_reduce_algorithm(lamport + 2, 2, bf16) == "one_shot"
+    # Lamport was measured on 2 GPUs in bf16 only.
+    assert dispatch.all_reduce_algorithm(2, 4, bf16) == "one_shot"
+    assert dispatch.all_reduce_algorithm(4, 2, f32) == "one_shot"
+    assert dispatch.all_reduce_algorithm(limit, 4, bf16) == "one_shot"
+    assert dispatch.all_reduce_algorithm(limit + 2, 2, bf16) == "two_shot"
+    assert dispatch.all_reduce_algorithm(256 << 20, 2, f32) == "two_shot"
 
 
 def test_cuda_attribute_names_the_kernel():
@@ -87,7 +91,7 @@ def test_lamport_size_limit_applies_to_the_cuda_kernel_only(rng):
 
 
 @pytest.mark.parametrize("algorithm, nbytes, expected", [
-    (None, 4 * 16, "lamport"), (None, 4 * (1 << 20), "one_shot"),
+    (None, 4 * 16, "one_shot"), (None, 4 * (1 << 20), "one_shot"),
     (None, 4 * (4 << 20), "two_shot"),
     ("two_shot", 4 * 16, "two_shot"), ("one_shot", 4 * (1 << 20), "one_shot"),
     ("lamport", 4 * 16, "lamport")])
@@ -98,3 +102,11 @@ def test_resolved_algorithm_reaches_the_primitive(algorithm, nbytes, expected):
                       mesh=mesh, in_specs=P("tensor"), out_specs=P())
     jaxpr = jax.make_jaxpr(f)(np.ones((2, nbytes // 4), np.float32))
     assert f"('algorithm', '{expected}')" in str(jaxpr)
+
+
+def test_small_16_bit_messages_resolve_to_lamport_on_two_ranks():
+    mesh = cpu_mesh(2)
+    f = jax.shard_map(lambda x: jfo.all_reduce(x[0], "tensor"),
+                      mesh=mesh, in_specs=P("tensor"), out_specs=P())
+    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 16), jnp.bfloat16))
+    assert "('algorithm', 'lamport')" in str(jaxpr)

@@ -165,15 +165,23 @@ def test_dot_in_row_blocks_is_the_dot_and_keeps_its_blocks():
     w = jnp.asarray(rng.standard_normal((5, 3)), jnp.float32)
     f = jax.jit(kt.dot_in_row_blocks(4))
     np.testing.assert_allclose(np.asarray(f(x, w)), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
-    assert f.lower(x, w).as_text().count("dot_general") == 4
+    text = f.lower(x, w).as_text()
+    assert text.count("dot_general") == 4
+    # Each block after the first enters through a barrier with the dot before it.
+    assert text.count("optimization_barrier") == 3
 
 
 def test_gemm_blocks_follow_the_ops_chunks():
     import functools
     kt = _load("kernel_times")
     rs = functools.partial(lambda *a, **k: None, chunks=3)
-    assert kt.gemm_blocks("matmul_reduce_scatter", rs, [(4096, 64), (64, 8)], 2) == 6
+    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda_chunks3", rs,
+                          [(4096, 64), (64, 8)], 2) == 6
     default = functools.partial(lambda *a, **k: None)
-    assert kt.gemm_blocks("matmul_reduce_scatter", default, [(4096, 64), (64, 8)], 2) == 4
-    assert kt.gemm_blocks("all_gather_matmul", default, [(1024, 64), (64, 8)], 2) == 2
-    assert kt.gemm_blocks("matmul_all_reduce", default, [(1024, 64), (64, 8)], 2) is None
+    rs_shapes, ag_shapes = [(4096, 64), (64, 8)], [(1024, 64), (64, 8)]
+    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda", default, rs_shapes, 2) == 4
+    assert kt.gemm_blocks("all_gather_matmul", "cuda", default, ag_shapes, 2) == 2
+    assert kt.gemm_blocks("matmul_all_reduce", "cuda", default, ag_shapes, 2) is None
+    assert kt.gemm_blocks("matmul_reduce_scatter", "xla", default, rs_shapes, 2) is None
+    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda_add_after", default, rs_shapes,
+                          2) is None

@@ -40,6 +40,14 @@ def test_rule(cuda_built, op, shapes, dtype, n, want, monkeypatch):
     assert dispatch.choose_impl(op, "jfo_" + op, shapes, dtype, n) == want
 
 
+@pytest.mark.parametrize("chunks,want", [(None, "cuda"), (2, "cuda"), (1, "xla"), (3, "xla")])
+def test_auto_reduce_scatter_only_with_the_measured_chunks(cuda_built, chunks, want):
+    shapes = [(4096, 8192), (8192, 4096)]
+    got = dispatch.choose_impl("matmul_reduce_scatter", "t", shapes, np.dtype("bfloat16"), 2,
+                               chunks)
+    assert got == want
+
+
 def test_never_cuda_when_not_built(monkeypatch):
     monkeypatch.setattr(_extension, "cuda_ops_available", lambda target=None: False)
     shapes = [(8192, 8192), (8192, 14336)]

@@ -211,3 +211,22 @@ def test_chunks_none_is_picked_by_shape_and_an_int_is_kept(op):
     assert _chunks_attribute(op, rows, None) == 2
     assert _chunks_attribute(op, rows - 8, None) == 1
     assert _chunks_attribute(op, rows, 3) == 3
+
+
+def test_backward_ops_pick_chunks_by_their_own_shapes():
+    """all_gather_matmul's backward is a matmul_reduce_scatter: its chunks
+    follow that op's rule for the same rows per rank."""
+    rows = dispatch._TWO_CHUNKS_FROM_ROWS["matmul_reduce_scatter"]
+    assert rows < dispatch._TWO_CHUNKS_FROM_ROWS["all_gather_matmul"]
+
+    def loss(x, w):
+        return jfo.all_gather_matmul(x, w, "tp", impl="cuda").astype(jnp.float32).sum()
+
+    mesh, specs = _mesh(), (P("tp"), P(None, "tp"))
+    f = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=specs,
+                              out_specs=specs))
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+            for s, spec in zip([(2 * rows, 64), (64, 32)], specs)]
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert _custom_calls(text) == ["jfo_all_gather_matmul", "jfo_matmul_reduce_scatter"]
+    assert re.findall(r"chunks = (\d+) : i32", text) == ["1", "2"]

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 from support import cpu_mesh, put, random
@@ -70,11 +71,18 @@ def test_unknown_impl(rng):
 
 
 @pytest.mark.parametrize("op", [jfo.all_gather_matmul, jfo.matmul_reduce_scatter])
-@pytest.mark.parametrize("chunks", [0, 1.5, True])
+@pytest.mark.parametrize("chunks", [0, 65, 1.5, True])
 def test_bad_chunks_name_the_choices(op, chunks, rng):
     x, w = random(rng, (8, 4), "float32"), random(rng, (4, 4), "float32")
-    with pytest.raises(ValueError, match=r"chunks must be None \(picked by shape\) or a positive"):
+    with pytest.raises(ValueError, match=r"chunks must be None \(picked by shape\) or an int "
+                                         r"from 1 to 64, got"):
         _in_shard_map(op, x, w, (P("tensor"), P()), chunks=chunks)
+
+
+def test_numpy_int_chunks_are_taken(rng):
+    x, w = random(rng, (8, 4), "float32"), random(rng, (4, 4), "float32")
+    _in_shard_map(jfo.all_gather_matmul, x, w, (P("tensor"), P()), chunks=np.int64(2),
+                  impl="decomposed")
 
 
 @pytest.mark.skipif(jfo.build_info()["cuda"] and bool(jax.devices()[0].platform == "gpu"),
