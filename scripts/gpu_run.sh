@@ -8,6 +8,9 @@
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
 # JFO_DEVICES=N runs everything on the first N GPUs (CUDA_VISIBLE_DEVICES) and
 # names the JSON files *_tpN.json, so runs at TP=2/4/8 can share one $OUT.
+# JFO_SAMPLE_CLOCKS=1 samples each GPU's SM clock and power every 100 ms
+# during every stage (read-only nvidia-smi queries) and prints their range:
+# whether a benchmark ran power-throttled.
 #
 # Logs and JSON go under $OUT (the device tool brings that folder back); the
 # last thing printed is the summary table. The NVLink-multicast switches stay
@@ -28,12 +31,40 @@ stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 want() { [[ " ${stages[*]} " == *" $1 "* || " ${stages[*]} " == *" all "* ]]; }
 status=0
+# Per GPU: the range of the SM clock and power samples in file $1 (lines
+# "index, clock, power").
+clock_summary() {
+  $PY - "$1" <<'PYEOF'
+import collections, statistics, sys
+samples = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    try:
+        gpu, clock, power = (float(v) for v in line.split(","))
+    except ValueError:
+        continue  # "[N/A]" or a partial last line
+    samples[int(gpu)].append((clock, power))
+for gpu, rows in sorted(samples.items()):
+    clocks, powers = [c for c, _ in rows], [p for _, p in rows]
+    print(f"GPU {gpu}: {len(rows)} samples, SM clock {min(clocks):.0f} / "
+          f"{statistics.median(clocks):.0f} / {max(clocks):.0f} MHz (min / median / max), "
+          f"power {statistics.median(powers):.0f} / {max(powers):.0f} W (median / max)")
+PYEOF
+}
 step() {  # step NAME CMD...: runs CMD, logs it, remembers failures
   local name=$1; shift
   echo "=== $name: $*"
-  local t0=$SECONDS
+  local t0=$SECONDS sampler=""
+  if [ -n "${JFO_SAMPLE_CLOCKS:-}" ]; then
+    nvidia-smi --query-gpu=index,clocks.sm,power.draw --format=csv,noheader,nounits \
+      -lms 100 > "/tmp/jfo_clocks_$name.csv" 2>/dev/null &
+    sampler=$!
+  fi
   "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
+  if [ -n "$sampler" ]; then
+    kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
+    clock_summary "/tmp/jfo_clocks_$name.csv" | tee -a "$OUT/$name.log"
+  fi
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
   [ "$rc" -eq 0 ] || status=1
   return "$rc"
