@@ -84,11 +84,13 @@ def _measured_faster(op: str) -> Predicate:
     return faster
 
 
+_reduce_scatter_rows_faster = _measured_faster("matmul_reduce_scatter")
+
+
 def _reduce_scatter_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
     """Measured with the chunks of chunks=None only (see _MIN_ROWS)."""
     picked = collective_matmul_chunks("matmul_reduce_scatter", shapes, n)
-    return (_measured_faster("matmul_reduce_scatter")(shapes, dtype, n, None)
-            and chunks in (None, picked))
+    return _reduce_scatter_rows_faster(shapes, dtype, n, None) and chunks in (None, picked)
 
 
 def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:

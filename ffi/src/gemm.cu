@@ -290,9 +290,9 @@ ffi::Error Gemm(int ordinal, const GemmArgs& g, void* workspace,
     // Outside g_mu: tuning waits for this device's stream, and another
     // device's thread must not block on the lock meanwhile. That wait ends
     // because every device has its own launch thread (PjRt's), so the peer
-    // sends that earlier waits on this stream need are enqueued regardless. The key holds
-    // the ordinal and a device runs one call at a time, so no other thread
-    // makes this plan.
+    // sends that earlier waits on this stream need are enqueued regardless.
+    // The key holds the ordinal and a device runs one call at a time, so no
+    // other thread makes this plan.
     only_if_new = false;
     auto made = MakePlan(handle, g, align, tune, workspace, workspace_bytes,
                          stream);
