@@ -45,16 +45,26 @@ def _operands(op, n, m, k, cols):
     return ((m, k), (k, cols)), ("psum", (m, cols)), ((m, k), (k, cols))
 
 
+# Rows that run impl="cuda" with a dispatch setting changed, "<prefix>" or
+# "<prefix>_chunksC": prefix -> (the ops it applies to, the overrides).
+VARIANTS = {
+    "cuda_add_after": (("matmul_reduce_scatter",), {"REDUCE_SCATTER_FOLD": "add_after"}),
+    "cuda_xla_waits": (("all_gather_matmul", "matmul_reduce_scatter"),
+                       {"PEER_WAIT_STREAM": "xla"}),
+}
+
+
 def _op_fn(op, impl):
     """(per-device function, dispatch overrides) of ``impl``, an entry of
-    IMPLS, "cuda_chunksC", "cuda_add_after" or "cuda_add_after_chunksC"; None
-    where it does not apply.
+    IMPLS, "cuda_chunksC", or a VARIANTS prefix with an optional "_chunksC";
+    None where it does not apply.
 
     The overrides patch :mod:`jax_flashoverlap.dispatch` while the function is
     lowered: matmul_all_reduce must run its fused kernel, which impl="cuda"
     replaces by dot + all-reduce for small results ("cuda_fused" and the
-    chunked rows time the fused kernel; "cuda" times what users get), and
-    "cuda_add_after" runs matmul_reduce_scatter's other fold.
+    chunked rows time the fused kernel; "cuda" times what users get);
+    "cuda_add_after" runs matmul_reduce_scatter's other fold and
+    "cuda_xla_waits" the peer waits on XLA's stream.
     """
     import jax_flashoverlap as jfo
 
@@ -65,11 +75,13 @@ def _op_fn(op, impl):
             return None
         return functools.partial(call, impl="cuda"), fused
     overrides = {}
-    if impl.startswith("cuda_add_after"):
-        if op != "matmul_reduce_scatter":
-            return None
-        overrides = {"REDUCE_SCATTER_FOLD": "add_after"}
-        impl = "cuda" + impl[len("cuda_add_after"):]  # "cuda" or "cuda_chunksC"
+    for prefix, (variant_ops, variant_overrides) in VARIANTS.items():
+        if impl.startswith(prefix):
+            if op not in variant_ops:
+                return None
+            overrides = dict(variant_overrides)
+            impl = "cuda" + impl[len(prefix):]  # "cuda" or "cuda_chunksC"
+            break
     if impl.startswith("cuda_chunks"):
         chunks = int(impl[len("cuda_chunks"):])
         return functools.partial(call, impl="cuda", chunks=chunks), {**fused, **overrides}
@@ -195,8 +207,8 @@ def table(rows) -> str:
         by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
     present = {r["impl"] for r in rows}
     chunked = sorted(c for c in present if c.startswith("cuda_chunks"))
-    added_after = sorted(c for c in present if c.startswith("cuda_add_after"))
-    cols = [c for c in ("cuda", "cuda_fused", *chunked, *added_after, "auto", "xla",
+    variants = sorted(c for c in present if c.startswith(tuple(VARIANTS)))
+    cols = [c for c in ("cuda", "cuda_fused", *chunked, *variants, "auto", "xla",
                         "xla_windowed", "decomposed", "decomposed_bidirectional", "gemm", "comm")
             if c in present]
     lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
@@ -252,6 +264,10 @@ def main():
     parser.add_argument("--add-after", action="store_true",
                         help="also time matmul_reduce_scatter folding the partials in "
                              "after its own GEMM (rows 'cuda_add_after', with each --chunks)")
+    parser.add_argument("--xla-waits", action="store_true",
+                        help="also time the fused all_gather_matmul and matmul_reduce_scatter "
+                             "waiting for peers on XLA's stream (rows 'cuda_xla_waits', with "
+                             "each --chunks)")
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N local devices (default: all)")
     parser.add_argument("--reps", type=int, default=5)
@@ -270,6 +286,8 @@ def main():
     impls = args.impls + [f"cuda_chunks{c}" for c in args.chunks]
     if args.add_after:
         impls += ["cuda_add_after"] + [f"cuda_add_after_chunks{c}" for c in args.chunks]
+    if args.xla_waits:
+        impls += ["cuda_xla_waits"] + [f"cuda_xla_waits_chunks{c}" for c in args.chunks]
     rows = run(args.ops, shapes, impls, args.reps, args.devices)
     if not args.no_windowed:
         rows += _windowed(args)

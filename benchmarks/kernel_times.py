@@ -153,7 +153,7 @@ def gemm_blocks(op: str, impl: str, fn, shapes_op, n: int) -> int | None:
     block is one GEMM, the others chunked)."""
     from jax_flashoverlap import dispatch
 
-    fused = impl == "cuda" or impl.startswith("cuda_chunks")
+    fused = impl == "cuda" or impl.startswith(("cuda_chunks", "cuda_xla_waits"))
     if op not in ("all_gather_matmul", "matmul_reduce_scatter") or not fused:
         return None
     chunks = getattr(fn, "keywords", {}).get("chunks")

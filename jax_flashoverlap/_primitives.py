@@ -86,18 +86,30 @@ def _as_tuple(fn):
 
 # The CUDA kernels send straight to every peer over NVLink: they always run
 # the "direct" schedule, whatever topology the pure-JAX path was given.
+def _dispatch_choice(name: str, choices: tuple[str, ...]) -> str:
+    """dispatch.<name>, checked against its choices (users may set it)."""
+    value = getattr(dispatch, name)
+    if value not in choices:
+        raise ValueError(f"dispatch.{name} must be one of {choices}, got {value!r}")
+    return value
+
+
+def _waits_on_xla_stream() -> np.int32:
+    return np.int32(_dispatch_choice("PEER_WAIT_STREAM", dispatch.PEER_WAIT_STREAMS) == "xla")
+
+
 def _ag_attrs(n, opts):
     sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
-    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks)}
+    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
+            "waits_on_xla_stream": _waits_on_xla_stream()}
 
 
 def _rs_attrs(n, opts):
     sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
-    if dispatch.REDUCE_SCATTER_FOLD not in dispatch.REDUCE_SCATTER_FOLDS:
-        raise ValueError(f"dispatch.REDUCE_SCATTER_FOLD must be one of "
-                         f"{dispatch.REDUCE_SCATTER_FOLDS}, got {dispatch.REDUCE_SCATTER_FOLD!r}")
+    fold = _dispatch_choice("REDUCE_SCATTER_FOLD", dispatch.REDUCE_SCATTER_FOLDS)
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
-            "add_after": np.int32(dispatch.REDUCE_SCATTER_FOLD == "add_after")}
+            "add_after": np.int32(fold == "add_after"),
+            "waits_on_xla_stream": _waits_on_xla_stream()}
 
 
 def _mar_attrs(n, opts):

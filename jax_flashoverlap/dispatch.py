@@ -286,6 +286,18 @@ def all_reduce_algorithm(nbytes: int, n: int, dtype) -> str:
 REDUCE_SCATTER_FOLDS = ("gemm_input", "add_after")
 REDUCE_SCATTER_FOLD = "gemm_input"
 
+# Where impl="cuda" all_gather_matmul and matmul_reduce_scatter wait for a
+# peer's message: "side" (a one-thread wait kernel on a side stream from the
+# call start) or "xla" (the same kernel on XLA's stream, just before the GEMM
+# or add that reads the message). A spinning wait CTA holds an SM slot that a
+# GEMM CTA could use: in matmul_reduce_scatter at 4096x8192x4096 the GEMM
+# running beside the waits took 369.5 us of kernel time against 347.0 for
+# the same-sized GEMM after them (kernel_times_2xh200.json), with no transfer
+# running during the first. "xla" is not yet measured: the benchmark's
+# "cuda_xla_waits" rows compare it.
+PEER_WAIT_STREAMS = ("side", "xla")
+PEER_WAIT_STREAM = "side"
+
 # impl="cuda" matmul_all_reduce up to this result size (bytes per rank): XLA's
 # dot, then the one-kernel all-reduce on the same stream, instead of the fused
 # op. A message this small is latency-bound, so chunking hides little, while

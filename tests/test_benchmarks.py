@@ -58,11 +58,14 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
     bench = _load("collective_matmul")
     fused = {"MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES": -1}
     add_after = {"REDUCE_SCATTER_FOLD": "add_after"}
+    xla_waits = {"PEER_WAIT_STREAM": "xla"}
     cases = [("matmul_all_reduce", "cuda_fused", None, fused),
              ("matmul_all_reduce", "cuda_chunks2", 2, fused),
              ("matmul_reduce_scatter", "cuda_chunks4", 4, {}),
              ("matmul_reduce_scatter", "cuda_add_after", None, add_after),
              ("matmul_reduce_scatter", "cuda_add_after_chunks2", 2, add_after),
+             ("all_gather_matmul", "cuda_xla_waits", None, xla_waits),
+             ("matmul_reduce_scatter", "cuda_xla_waits_chunks2", 2, xla_waits),
              ("all_gather_matmul", "cuda", None, {}),
              ("matmul_all_reduce", "cuda", None, {})]  # what users get: no override
     for op, impl, chunks, overrides in cases:
@@ -72,6 +75,7 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
         assert got == overrides, (op, impl, got)
     assert bench._op_fn("all_gather_matmul", "cuda_fused") is None
     assert bench._op_fn("matmul_all_reduce", "cuda_add_after") is None
+    assert bench._op_fn("matmul_all_reduce", "cuda_xla_waits") is None
 
 
 def test_dispatch_overrides_are_restored():
@@ -182,6 +186,7 @@ def test_gemm_blocks_follow_the_ops_chunks():
     assert kt.gemm_blocks("matmul_reduce_scatter", "cuda", default, rs_shapes, 2) == 4
     assert kt.gemm_blocks("all_gather_matmul", "cuda", default, ag_shapes, 2) == 2
     assert kt.gemm_blocks("matmul_all_reduce", "cuda", default, ag_shapes, 2) is None
+    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda_xla_waits", default, rs_shapes, 2) == 4
     assert kt.gemm_blocks("matmul_reduce_scatter", "xla", default, rs_shapes, 2) is None
     assert kt.gemm_blocks("matmul_reduce_scatter", "cuda_add_after", default, rs_shapes,
                           2) is None

@@ -116,6 +116,43 @@ def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monke
     assert "add_after = 1" in lowered.as_text()  # the fold under test ran
 
 
+@pytest.mark.parametrize("fold", ["gemm_input", "add_after"])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_waits_on_the_xla_stream(chunks, fold, rng, monkeypatch):
+    """dispatch.PEER_WAIT_STREAM = "xla": each peer wait runs on XLA's stream
+    just before its GEMM or add; forward, gradients and back-to-back calls
+    (epochs over several calls) equal the reference."""
+    monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", "xla")
+    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", fold)
+    mesh, n = _mesh()
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        in_specs, out_specs = SPECS[op]
+        fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda", chunks=chunks)
+        f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+        xs, ws = _global_shapes(op, n, 64, 96, 32)  # test_cuda_gradients_match_xla's
+        for _ in range(3):
+            x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+            w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+            poison_allocator(4 * int(np.prod(xs)) * 4)
+            y = f(x, w)
+            jfo.check_device_errors()
+            assert_close(y, f64(x) @ f64(w), "bfloat16")
+        assert "waits_on_xla_stream = 1" in f.lower(x, w).as_text()
+        probe = jnp.asarray(rng.standard_normal(y.shape, dtype=np.float32))
+
+        def loss(impl, x, w, op=op, in_specs=in_specs, out_specs=out_specs, probe=probe):
+            g = functools.partial(getattr(jfo, op), axis_name="tp", impl=impl, chunks=chunks)
+            y = jax.shard_map(g, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, w)
+            return jnp.sum(y.astype(jnp.float32) * probe)
+
+        x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
+        got = jax.jit(jax.grad(functools.partial(loss, "cuda"), argnums=(0, 1)))(x32, w32)
+        want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1)))(x32, w32)
+        jfo.check_device_errors()
+        for g, ref in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=2e-4, atol=2e-3)
+
+
 @pytest.mark.parametrize("autotune,shapes", [
     ("1", [(384, 640, 448), (136, 520, 264)]), ("0", [(392, 648, 456), (144, 528, 272)])])
 @pytest.mark.parametrize("op", MATMUL_OPS)

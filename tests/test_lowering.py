@@ -172,6 +172,28 @@ def test_reduce_scatter_fold_is_an_attribute(monkeypatch, fold, flag):
     assert re.search(rf"add_after = {flag} : i32", text), text[-2000:]
 
 
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+@pytest.mark.parametrize("where, flag", [("side", 0), ("xla", 1)])
+def test_peer_wait_stream_is_an_attribute(monkeypatch, op, where, flag):
+    monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", where)
+    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda")
+    if op == "all_gather_matmul":
+        specs, out = (P("tp"), P(None, "tp")), P(None, "tp")
+    else:
+        specs, out = (P(None, "tp"), P("tp", None)), P("tp")
+    text = _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], specs, out)
+    assert _custom_calls(text) == ["jfo_" + op]
+    assert re.search(rf"waits_on_xla_stream = {flag} : i32", text), text[-2000:]
+
+
+def test_an_unknown_peer_wait_stream_names_the_choices(monkeypatch):
+    monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", "nearby")
+    fn = functools.partial(jfo.all_gather_matmul, axis_name="tp", impl="cuda")
+    with pytest.raises(ValueError, match=r"PEER_WAIT_STREAM must be one of \('side', 'xla'\)"):
+        _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], (P("tp"), P(None, "tp")),
+                   P(None, "tp"))
+
+
 def test_an_unknown_reduce_scatter_fold_names_the_choices(monkeypatch):
     monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", "sideways")
     fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")

@@ -14,11 +14,13 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
                                Buffer_Type x, Buffer_Type w, Result_Type y,
                                Result_Type x_gathered, I32Span group_ordinals,
                                int32_t n, int32_t timeout_ms, I32Span order,
-                               int32_t chunks) {
+                               int32_t chunks, int32_t waits_on_xla_stream) {
   auto group = FindGroup(kOp, group_ordinals, n, ordinal);
   if (group.has_error()) return group.error();
   JFO_RETURN_IF_ERROR(CheckCommon(kOp, timeout_ms, chunks));
   JFO_RETURN_IF_ERROR(CheckOrder(kOp, order, n, /*own_first=*/true));
+  JFO_RETURN_IF_ERROR(
+      CheckSwitch(kOp, "waits_on_xla_stream", waits_on_xla_stream));
   const auto dtype = x.element_type();
   JFO_RETURN_IF_ERROR(CheckDtypes(kOp, {dtype, w.element_type(),
                                         y->element_type(),
@@ -40,6 +42,8 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
 
   Channel ch;
   JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
+  // Every wait here precedes the XLA-stream GEMM that reads its chunk.
+  ch.set_waits_on_xla_stream(waits_on_xla_stream != 0);
   const size_t es = DataTypeBytes(dtype);
   const size_t row_x = k * es, row_y = cols * es;
   JFO_RETURN_IF_ERROR(ch.CheckCapacity(m * row_x, 0));
@@ -109,6 +113,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("n")             // ranks per group
         .Attr<int32_t>("timeout_ms")    // bound of every wait
         .Attr<I32Span>("order")         // [n*n] row r: shards rank r computes
-        .Attr<int32_t>("chunks"));      // row chunks (signals) per shard
+        .Attr<int32_t>("chunks")        // row chunks (signals) per shard
+        .Attr<int32_t>("waits_on_xla_stream"));  // 1: see Channel::Arrival
 
 }  // namespace jfo

@@ -18,16 +18,15 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
                                    Buffer_Type x, Buffer_Type w, Result_Type y,
                                    I32Span group_ordinals, int32_t n,
                                    int32_t timeout_ms, I32Span order,
-                                   int32_t chunks, int32_t add_after) {
+                                   int32_t chunks, int32_t add_after,
+                                   int32_t waits_on_xla_stream) {
   auto group = FindGroup(kOp, group_ordinals, n, ordinal);
   if (group.has_error()) return group.error();
   JFO_RETURN_IF_ERROR(CheckCommon(kOp, timeout_ms, chunks));
   JFO_RETURN_IF_ERROR(CheckOrder(kOp, order, n, /*own_first=*/false));
-  if (add_after != 0 && add_after != 1) {
-    return ffi::Error::InvalidArgument(
-        "jax_flashoverlap matmul_reduce_scatter: add_after must be 0 or 1, got " +
-        std::to_string(add_after));
-  }
+  JFO_RETURN_IF_ERROR(CheckSwitch(kOp, "add_after", add_after));
+  JFO_RETURN_IF_ERROR(
+      CheckSwitch(kOp, "waits_on_xla_stream", waits_on_xla_stream));
   const auto dtype = x.element_type();
   JFO_RETURN_IF_ERROR(
       CheckDtypes(kOp, {dtype, w.element_type(), y->element_type()}));
@@ -44,6 +43,8 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
 
   Channel ch;
   JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
+  // Every wait here precedes the XLA-stream GEMM or add that reads it.
+  ch.set_waits_on_xla_stream(waits_on_xla_stream != 0);
   const size_t es = DataTypeBytes(dtype);
   const size_t row_x = k * es, row_y = cols * es;
   // Staging holds the partial for each peer, by position in the schedule.
@@ -115,6 +116,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("timeout_ms")    // bound of every wait
         .Attr<I32Span>("order")         // [n*n] row r: blocks, own block last
         .Attr<int32_t>("chunks")        // row chunks (signals) per block
-        .Attr<int32_t>("add_after"));   // 1: add the partials after the own GEMM
+        .Attr<int32_t>("add_after")     // 1: add the partials after the own GEMM
+        .Attr<int32_t>("waits_on_xla_stream"));  // 1: see Channel::Arrival
 
 }  // namespace jfo

@@ -94,6 +94,12 @@ ffi::Error CheckCommon(OpId op, int32_t timeout_ms, int32_t chunks) {
   return ffi::Error::Success();
 }
 
+ffi::Error CheckSwitch(OpId op, const char* name, int32_t value) {
+  if (value == 0 || value == 1) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(Where(op) + name + " must be 0 or 1, got " +
+                                     std::to_string(value));
+}
+
 ffi::Error OpInitialize(OpId op, OpSetup setup, int ordinal,
                         ffi::Dictionary attrs) {
   auto ordinals = attrs.get<I32Span>("group_ordinals");

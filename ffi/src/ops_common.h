@@ -39,6 +39,8 @@ ffi::Error CheckShape(OpId op, const char* name, const Buffer_Type& b,
 // (own_first) or last.
 ffi::Error CheckOrder(OpId op, I32Span order, int n, bool own_first);
 ffi::Error CheckCommon(OpId op, int32_t timeout_ms, int32_t chunks);
+// A 0/1 switch attribute `name`.
+ffi::Error CheckSwitch(OpId op, const char* name, int32_t value);
 
 // Rows [begin, end) of a row-major matrix.
 struct Rows {

@@ -418,9 +418,11 @@ ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
 ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
   if (rehearsal_) return start_;
   const int peer = group_->ordinals[peer_rank];
-  cudaStream_t s = dev_->wait_streams[peer];
-  // A wait starts its clock with the call, not while the stream runs ahead.
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, start_, 0));
+  cudaStream_t s = waits_on_xla_stream_ ? stream_ : dev_->wait_streams[peer];
+  if (!waits_on_xla_stream_) {
+    // A wait starts its clock with the call, not while the stream runs ahead.
+    JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, start_, 0));
+  }
   TimeoutRecord info{};
   info.op = static_cast<int32_t>(op_);
   info.rank = group_->rank;

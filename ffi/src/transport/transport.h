@@ -151,7 +151,14 @@ class Channel {
   ffi::ErrorOr<int> Send(int peer_rank, size_t offset, const void* src,
                          size_t bytes, cudaEvent_t after);
   // An event that completes when message `index` from `peer_rank` landed.
+  // Its wait kernel runs on a side stream from the call start, or, after
+  // set_waits_on_xla_stream(true), on the XLA stream after the work enqueued
+  // there so far: then it holds no SM while earlier GEMMs run (a spinning
+  // CTA takes an SM slot a GEMM CTA could use), but what follows it on the
+  // XLA stream waits for the message. Only for schedules whose XLA-stream
+  // work after a wait needs that message anyway.
   ffi::ErrorOr<cudaEvent_t> Arrival(int peer_rank, int index);
+  void set_waits_on_xla_stream(bool on) { waits_on_xla_stream_ = on; }
   // Device-local copy on a copy engine, ordered after `after` (nullptr: the
   // call start); joined into the XLA stream by End.
   ffi::Error CopyLocal(void* dst, const void* src, size_t bytes,
@@ -181,6 +188,7 @@ class Channel {
   int events_used_ = 0;
   uint32_t call_id_ = 0;
   bool rehearsal_ = false;
+  bool waits_on_xla_stream_ = false;
   std::vector<int> sent_;    // messages sent to each rank in this call
   std::vector<int> parity_;  // receive-slot parity per rank in this call
   std::unique_lock<std::mutex> lock_;  // one call at a time per device
