@@ -77,14 +77,16 @@ def ag_local(x, w, chunks, **kw):
         jax.ShapeDtypeStruct((N * m, k), x.dtype),
     )
     return jax.ffi.ffi_call("jfo_all_gather_matmul", out)(
-        x, w, order=ag_order(), chunks=np.int32(chunks), **_common(**kw)
+        x, w, order=ag_order(), chunks=np.int32(chunks),
+        waits_on_xla_stream=np.int32(0), **_common(**kw)
     )
 
 
 def rs_local(x, w, chunks, **kw):
     out = jax.ShapeDtypeStruct((x.shape[0] // N, w.shape[1]), x.dtype)
     return jax.ffi.ffi_call("jfo_matmul_reduce_scatter", out)(
-        x, w, order=rs_order(), chunks=np.int32(chunks), **_common(**kw)
+        x, w, order=rs_order(), chunks=np.int32(chunks), add_after=np.int32(0),
+        waits_on_xla_stream=np.int32(0), **_common(**kw)
     )
 
 
