@@ -146,17 +146,20 @@ def dot_in_row_blocks(blocks: int):
     return fn
 
 
-def gemm_blocks(op: str, impl: str, fn, shapes_op, n: int) -> int | None:
-    """Equal row blocks of the fused op's GEMMs: n blocks of ``chunks``
-    chunks each for impl="cuda" all_gather_matmul and matmul_reduce_scatter.
-    None for other ops and impls, and for the "add_after" fold (its own
-    block is one GEMM, the others chunked)."""
+def gemm_blocks(op: str, fn, overrides: dict, shapes_op, n: int) -> int | None:
+    """Equal row blocks of the fused op's GEMMs, from ``collective_matmul._op_fn``'s
+    function and dispatch overrides: n blocks of ``chunks`` chunks each for
+    impl="cuda" all_gather_matmul and matmul_reduce_scatter. None for other
+    ops and impls, and for the "add_after" fold (its own block is one GEMM,
+    the others chunked)."""
     from jax_flashoverlap import dispatch
 
-    fused = impl == "cuda" or impl.startswith(("cuda_chunks", "cuda_xla_waits"))
-    if op not in ("all_gather_matmul", "matmul_reduce_scatter") or not fused:
+    fold = overrides.get("REDUCE_SCATTER_FOLD", dispatch.REDUCE_SCATTER_FOLD)
+    if (op not in ("all_gather_matmul", "matmul_reduce_scatter")
+            or fn.keywords.get("impl") != "cuda"
+            or (op == "matmul_reduce_scatter" and fold == "add_after")):
         return None
-    chunks = getattr(fn, "keywords", {}).get("chunks")
+    chunks = fn.keywords.get("chunks")
     if chunks is None:
         chunks = dispatch.collective_matmul_chunks(op, shapes_op, n)
     return n * chunks
@@ -182,7 +185,7 @@ def run_ops(ops, shapes, iterations: int, devices: int | None = None,
             fn, overrides = cm._op_fn(op, impl)
             runs = {impl: (fn, [put(s) for s in shapes_op]),
                     "gemm_alone": (lambda x, w: jnp.dot(x, w), [put(s) for s in gemm_shapes])}
-            blocks = gemm_blocks(op, impl, fn, shapes_op, n)
+            blocks = gemm_blocks(op, fn, overrides, shapes_op, n)
             if blocks is not None and gemm_shapes[0][0] % blocks == 0:
                 runs["gemm_in_blocks"] = (dot_in_row_blocks(blocks),
                                           [put(s) for s in gemm_shapes])

@@ -84,8 +84,6 @@ def _as_tuple(fn):
     return wrapped
 
 
-# The CUDA kernels send straight to every peer over NVLink: they always run
-# the "direct" schedule, whatever topology the pure-JAX path was given.
 def _dispatch_choice(name: str, choices: tuple[str, ...]) -> str:
     """dispatch.<name>, checked against its choices (users may set it)."""
     value = getattr(dispatch, name)
@@ -98,6 +96,8 @@ def _waits_on_xla_stream() -> np.int32:
     return np.int32(_dispatch_choice("PEER_WAIT_STREAM", dispatch.PEER_WAIT_STREAMS) == "xla")
 
 
+# The CUDA kernels send straight to every peer over NVLink: they always run
+# the "direct" schedule, whatever topology the pure-JAX path was given.
 def _ag_attrs(n, opts):
     sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),

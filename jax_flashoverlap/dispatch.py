@@ -24,6 +24,10 @@ __all__ = ["choose_impl", "all_reduce_algorithm", "all_reduce_region_bytes",
 
 Shapes = Sequence[tuple[int, ...]]
 
+# Every rule below was measured on one machine, 2 H200s: each holds for this
+# many ranks (local GPUs) only; elsewhere the untuned choice runs.
+_MEASURED_RANKS = 2
+
 # op -> predicate(shapes, dtype, n, chunks): True from the size where impl="cuda" was
 # measured faster than impl="xla" on every listed shape, and by at least 5% on
 # most (bf16, 2 H200s, DESIGN.md §4 protocol; run-to-run spread is a few
@@ -54,7 +58,6 @@ _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 1024
 # exception is kept, as noise of a host-bound loop, and is to be re-measured.
 # "auto" keeps to messages the all-reduce region holds, so that it never
 # fails where psum would not.
-_ALL_REDUCE_MEASURED_DEVICES = 2
 
 # all_reduce over an axis of processes, one GPU each
 # (benchmarks/results/hierarchical_all_reduce_2xh200.json): the NVSHMEM
@@ -79,7 +82,7 @@ Predicate = Callable[[Shapes, np.dtype, int, "int | None"], bool]
 def _measured_faster(op: str) -> Predicate:
     def faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
         del chunks  # measured with the op's default and explicit chunks alike
-        return (n == 2 and dtype.itemsize == 2
+        return (n == _MEASURED_RANKS and dtype.itemsize == 2
                 and _rows_per_rank(op, shapes, n) >= _MIN_ROWS[op])
     return faster
 
@@ -96,7 +99,7 @@ def _reduce_scatter_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int 
 def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
     del chunks
     nbytes = math.prod(shapes[0]) * dtype.itemsize
-    return (n == _ALL_REDUCE_MEASURED_DEVICES and dtype.itemsize == 2
+    return (n == _MEASURED_RANKS and dtype.itemsize == 2
             and nbytes <= all_reduce_region_bytes())
 
 
@@ -104,7 +107,7 @@ def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int,
                               chunks: int | None) -> bool:
     del chunks  # the composed path has none; the fused one was measured with its default
     (rows, _), (_, cols) = shapes
-    if n != 2 or dtype.itemsize != 2:
+    if n != _MEASURED_RANKS or dtype.itemsize != 2:
         return False
     if rows >= _MIN_ROWS["matmul_all_reduce"]:  # the fused kernel, or dot + all-reduce
         return True
@@ -251,7 +254,6 @@ LAMPORT_MAX_BYTES = 256 << 10
 # 256 KiB; with one per iteration (host-bound) 15.0 vs 16.1, 14.6 vs 16.7,
 # 16.1 vs 16.1, and 16.5 vs 12.7 at 256 KiB, where it is not picked.
 LAMPORT_AUTO_MAX_BYTES = 64 << 10
-_LAMPORT_MEASURED_DEVICES = 2
 
 
 def all_reduce_algorithm(nbytes: int, n: int, dtype) -> str:
@@ -267,7 +269,7 @@ def all_reduce_algorithm(nbytes: int, n: int, dtype) -> str:
       GPUs, 16-bit dtypes; in float32 it would send one denormal as -0.0),
       "one_shot" up to :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
     """
-    if (nbytes <= LAMPORT_AUTO_MAX_BYTES and n == _LAMPORT_MEASURED_DEVICES
+    if (nbytes <= LAMPORT_AUTO_MAX_BYTES and n == _MEASURED_RANKS
             and np.dtype(dtype).itemsize == 2):
         return "lamport"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
@@ -332,7 +334,6 @@ def matmul_all_reduce_kernel(nbytes: int) -> str:
 # 1473) and at 128x8192x8192 (153 vs 97; 157 vs 93). all_gather_matmul with
 # two was faster only at 8192x8192x14336 (5572 vs 5629; 5486 vs 5684).
 _TWO_CHUNKS_FROM_ROWS = {"all_gather_matmul": 8192, "matmul_reduce_scatter": 1024}
-_CHUNKS_MEASURED_DEVICES = 2
 
 
 def collective_matmul_chunks(op: str, shapes: Shapes, n: int) -> int:
@@ -347,6 +348,6 @@ def collective_matmul_chunks(op: str, shapes: Shapes, n: int) -> int:
       2 from the measured rows per rank on 2 GPUs, else 1.
     """
     rows = _rows_per_rank(op, shapes, n)
-    if n == _CHUNKS_MEASURED_DEVICES and rows >= _TWO_CHUNKS_FROM_ROWS[op]:
+    if n == _MEASURED_RANKS and rows >= _TWO_CHUNKS_FROM_ROWS[op]:
         return 2
     return 1

@@ -176,17 +176,16 @@ def test_dot_in_row_blocks_is_the_dot_and_keeps_its_blocks():
 
 
 def test_gemm_blocks_follow_the_ops_chunks():
-    import functools
-    kt = _load("kernel_times")
-    rs = functools.partial(lambda *a, **k: None, chunks=3)
-    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda_chunks3", rs,
-                          [(4096, 64), (64, 8)], 2) == 6
-    default = functools.partial(lambda *a, **k: None)
+    kt, bench = _load("kernel_times"), _load("collective_matmul")
     rs_shapes, ag_shapes = [(4096, 64), (64, 8)], [(1024, 64), (64, 8)]
-    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda", default, rs_shapes, 2) == 4
-    assert kt.gemm_blocks("all_gather_matmul", "cuda", default, ag_shapes, 2) == 2
-    assert kt.gemm_blocks("matmul_all_reduce", "cuda", default, ag_shapes, 2) is None
-    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda_xla_waits", default, rs_shapes, 2) == 4
-    assert kt.gemm_blocks("matmul_reduce_scatter", "xla", default, rs_shapes, 2) is None
-    assert kt.gemm_blocks("matmul_reduce_scatter", "cuda_add_after", default, rs_shapes,
-                          2) is None
+
+    def blocks(op, impl, shapes):
+        return kt.gemm_blocks(op, *bench._op_fn(op, impl), shapes, 2)
+
+    assert blocks("matmul_reduce_scatter", "cuda_chunks3", rs_shapes) == 6
+    assert blocks("matmul_reduce_scatter", "cuda", rs_shapes) == 4
+    assert blocks("all_gather_matmul", "cuda", ag_shapes) == 2
+    assert blocks("matmul_all_reduce", "cuda", ag_shapes) is None
+    assert blocks("matmul_reduce_scatter", "cuda_xla_waits", rs_shapes) == 4
+    assert blocks("matmul_reduce_scatter", "xla", rs_shapes) is None
+    assert blocks("matmul_reduce_scatter", "cuda_add_after", rs_shapes) is None

@@ -163,42 +163,48 @@ def test_a_cuda_op_lowered_under_lazy_loading_warns(monkeypatch):
         _matmul_all_reduce_text(128, 256, "cuda")
 
 
+# Per collective matmul: the specs of its global (x, w) and of its result.
+_MATMUL_SPECS = {
+    "all_gather_matmul": ((P("tp"), P(None, "tp")), P(None, "tp")),
+    "matmul_reduce_scatter": ((P(None, "tp"), P("tp", None)), P("tp")),
+}
+
+
+def _collective_matmul_text(op, rows=256, **kwargs):
+    """``op`` with impl="cuda" lowered for CUDA on 2 devices, global x
+    [rows, 128] and w [128, 64]."""
+    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda", **kwargs)
+    in_specs, out_spec = _MATMUL_SPECS[op]
+    return _cuda_text(fn, _mesh(), [(rows, 128), (128, 64)], in_specs, out_spec)
+
+
 @pytest.mark.parametrize("fold, flag", [("gemm_input", 0), ("add_after", 1)])
 def test_reduce_scatter_fold_is_an_attribute(monkeypatch, fold, flag):
     monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", fold)
-    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
-    text = _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], (P(None, "tp"), P("tp", None)), P("tp"))
+    text = _collective_matmul_text("matmul_reduce_scatter")
     assert _custom_calls(text) == ["jfo_matmul_reduce_scatter"]
     assert re.search(rf"add_after = {flag} : i32", text), text[-2000:]
 
 
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+@pytest.mark.parametrize("op", list(_MATMUL_SPECS))
 @pytest.mark.parametrize("where, flag", [("side", 0), ("xla", 1)])
 def test_peer_wait_stream_is_an_attribute(monkeypatch, op, where, flag):
     monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", where)
-    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda")
-    if op == "all_gather_matmul":
-        specs, out = (P("tp"), P(None, "tp")), P(None, "tp")
-    else:
-        specs, out = (P(None, "tp"), P("tp", None)), P("tp")
-    text = _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], specs, out)
+    text = _collective_matmul_text(op)
     assert _custom_calls(text) == ["jfo_" + op]
     assert re.search(rf"waits_on_xla_stream = {flag} : i32", text), text[-2000:]
 
 
 def test_an_unknown_peer_wait_stream_names_the_choices(monkeypatch):
     monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", "nearby")
-    fn = functools.partial(jfo.all_gather_matmul, axis_name="tp", impl="cuda")
     with pytest.raises(ValueError, match=r"PEER_WAIT_STREAM must be one of \('side', 'xla'\)"):
-        _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], (P("tp"), P(None, "tp")),
-                   P(None, "tp"))
+        _collective_matmul_text("all_gather_matmul")
 
 
 def test_an_unknown_reduce_scatter_fold_names_the_choices(monkeypatch):
     monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", "sideways")
-    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
     with pytest.raises(ValueError, match="gemm_input"):
-        _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], (P(None, "tp"), P("tp", None)), P("tp"))
+        _collective_matmul_text("matmul_reduce_scatter")
 
 
 def _lamport_text(elements):
@@ -216,18 +222,11 @@ def test_lamport_lowers_to_algorithm_2_up_to_its_limit():
 
 def _chunks_attribute(op, rows_per_rank, chunks):
     """The ``chunks`` attribute impl="cuda" ``op`` lowers to on 2 GPUs."""
-    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda", chunks=chunks)
-    if op == "all_gather_matmul":
-        shapes, specs = [(2 * rows_per_rank, 64), (64, 32)], (P("tp"), P(None, "tp"))
-        out = P(None, "tp")
-    else:
-        shapes, specs = [(2 * rows_per_rank, 64), (64, 32)], (P(None, "tp"), P("tp", None))
-        out = P("tp")
-    text = _cuda_text(fn, _mesh(), shapes, specs, out)
+    text = _collective_matmul_text(op, rows=2 * rows_per_rank, chunks=chunks)
     return int(re.search(r"chunks = (\d+) : i32", text).group(1))
 
 
-@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
+@pytest.mark.parametrize("op", list(_MATMUL_SPECS))
 def test_chunks_none_is_picked_by_shape_and_an_int_is_kept(op):
     rows = dispatch._TWO_CHUNKS_FROM_ROWS[op]
     assert _chunks_attribute(op, rows, None) == 2
@@ -244,7 +243,7 @@ def test_backward_ops_pick_chunks_by_their_own_shapes():
     def loss(x, w):
         return jfo.all_gather_matmul(x, w, "tp", impl="cuda").astype(jnp.float32).sum()
 
-    mesh, specs = _mesh(), (P("tp"), P(None, "tp"))
+    mesh, (specs, _) = _mesh(), _MATMUL_SPECS["all_gather_matmul"]
     f = jax.jit(jax.shard_map(jax.grad(loss, argnums=(0, 1)), mesh=mesh, in_specs=specs,
                               out_specs=specs))
     args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
