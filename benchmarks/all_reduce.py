@@ -5,8 +5,8 @@
 bf16 messages of 4 KiB to 256 MiB per rank (powers of 4, plus 2, 8 and
 32 MiB) over the local GPUs (``--devices N``: the first N), in one process:
 impl="cuda" with each kernel ("one_shot", "two_shot", and "lamport" up to
-256 KiB), impl="auto" (what
-users get by default) and XLA's psum ("xla"). Every implementation's result
+``dispatch.lamport_max_bytes()``, 2 MiB on 2 GPUs), impl="auto" (what users
+get by default) and XLA's psum ("xla"). Every implementation's result
 is checked against psum before it is timed.
 
 Two loop modes (``--modes``), the baseline timed alike in each:
@@ -31,7 +31,7 @@ MODES = {"loop": 1, "unrolled": 8}  # mode -> ops per loop iteration
 IMPLS = {  # name -> keyword arguments of jax_flashoverlap.all_reduce
     "one_shot": {"impl": "cuda", "algorithm": "one_shot"},
     "two_shot": {"impl": "cuda", "algorithm": "two_shot"},
-    "lamport": {"impl": "cuda", "algorithm": "lamport"},  # up to LAMPORT_MAX_BYTES
+    "lamport": {"impl": "cuda", "algorithm": "lamport"},  # up to lamport_max_bytes()
     "auto": {"impl": "auto"},
     "xla": {"impl": "xla"},
 }
@@ -93,7 +93,7 @@ def run(sizes, impls, modes, reps, devices=None):
         guess_us = 10 + size / 200e9 * 1e6
         k2 = int(min(500, max(10, 20_000 / guess_us)))
         for name in impls:
-            if name == "lamport" and size > dispatch.LAMPORT_MAX_BYTES:
+            if name == "lamport" and size > dispatch.lamport_max_bytes():
                 continue
             op = functools.partial(jfo.all_reduce, axis_name="tp", **IMPLS[name])
             try:

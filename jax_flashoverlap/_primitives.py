@@ -234,13 +234,15 @@ def _make_primitive(op: OpDef) -> Primitive:
 
 
 def _check_lamport_size(aval, algorithm: str) -> None:
-    """The Lamport kernel's slots hold dispatch.LAMPORT_MAX_BYTES per rank."""
+    """The Lamport kernel's slots hold dispatch.lamport_max_bytes() per rank."""
     nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-    if algorithm == "lamport" and nbytes > dispatch.LAMPORT_MAX_BYTES:
+    limit = dispatch.lamport_max_bytes()
+    if algorithm == "lamport" and nbytes > limit:
         raise ValueError(
             f"all_reduce(impl='cuda', algorithm='lamport') takes up to "
-            f"{dispatch.LAMPORT_MAX_BYTES >> 10} KiB per rank, got {aval.shape} "
-            f"{aval.dtype} ({nbytes} bytes); use algorithm='one_shot' or None")
+            f"{limit >> 10} KiB per rank with {jax.local_device_count()} local "
+            f"devices, got {aval.shape} {aval.dtype} ({nbytes} bytes); use "
+            f"algorithm='one_shot' or None")
 
 
 def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):

@@ -181,7 +181,8 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
         local_devices = jax.local_device_count()
     senders = max(local_devices - 1, 1)
     # 64 MiB covers the GEMM workspace, the control words and rounding.
-    slot = max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders - LAMPORT_MAX_BYTES
+    slot = (max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders
+            - lamport_max_bytes(local_devices))
     # Each of the kernel's 128 blocks has a 1/128 stripe of the slot and takes
     # up to 16 KiB of a small message (ffi/src/all_reduce.cu): below that the
     # region holds no message reliably.
@@ -244,32 +245,56 @@ ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "lamport")
 ONE_SHOT_MAX_BYTES = 8 << 20
 
 # The flagless one-shot ("lamport") takes messages up to this many bytes per
-# rank (kLamportMaxBytes of ffi/src/transport/transport.h).
-LAMPORT_MAX_BYTES = 256 << 10
+# rank in a process with 2 GPUs (kLamportMaxBytes of
+# ffi/src/transport/transport.h); less with more, see lamport_max_bytes.
+LAMPORT_MAX_BYTES = 2 << 20
+_LAMPORT_PARITY_BUDGET = 4 << 20  # kLamportParityBudget
+
+
+def lamport_max_bytes(local_devices: int | None = None) -> int:
+    """The largest message (bytes per rank) of ``algorithm="lamport"``.
+
+    One parity of every other local GPU's Lamport slot shares a fixed 4 MiB
+    (LamportSlotBytes of ffi/src/transport/transport.h): 2 MiB with 2 GPUs,
+    1344 KiB with 4, 576 KiB with 8.
+
+    Args:
+      local_devices: CUDA devices of this process; default: JAX's count.
+    """
+    if local_devices is None:
+        local_devices = jax.local_device_count()
+    senders = max(local_devices - 1, 1)
+    fit = _LAMPORT_PARITY_BUDGET // senders // (64 << 10) * (64 << 10)
+    return min(fit, LAMPORT_MAX_BYTES)
 
 # Largest message (bytes per rank) for which the size rule picks "lamport".
-# Measured (benchmarks/results/all_reduce_lamport_2xh200.json, bf16, 2 H200s),
-# lamport against one-shot: with 8 all-reduces per loop iteration 3.6 vs
-# 6.1 us at 4 KiB, 4.0 vs 7.2 at 16 KiB, 4.2 vs 7.4 at 64 KiB, 5.2 vs 7.7 at
-# 256 KiB; with one per iteration (host-bound) 15.0 vs 16.1, 14.6 vs 16.7,
-# 16.1 vs 16.1, and 16.5 vs 12.7 at 256 KiB, where it is not picked.
-LAMPORT_AUTO_MAX_BYTES = 64 << 10
+# Measured (benchmarks/results/all_reduce_lamport_2mib_2xh200.json, bf16, 2
+# H200s, 8 all-reduces per loop iteration), lamport / one-shot / psum in us:
+# 4.5 / 5.9 / 13.8 at 4 KiB, 5.1 / 8.1 / 12.7 at 256 KiB, 6.2 / 8.8 / 17.4 at
+# 512 KiB, 7.6 / 11.3 / 18.6 at 1 MiB, 10.1 / 14.8 / 23.4 at 2 MiB. With one
+# per iteration (host-bound, spreads of several us) 14.5 vs 13.5 one-shot at
+# 1 MiB and 14.3 vs 17.2 at 2 MiB.
+LAMPORT_AUTO_MAX_BYTES = 2 << 20
 
 
-def all_reduce_algorithm(nbytes: int, n: int, dtype) -> str:
+def all_reduce_algorithm(nbytes: int, n: int, dtype, local_devices: int | None = None) -> str:
     """The CUDA all-reduce kernel for a message of ``nbytes`` bytes per rank.
 
     Args:
       nbytes: message bytes per rank.
       n: ranks (local GPUs) in the all-reduce.
       dtype: the message's dtype.
+      local_devices: CUDA devices of this process (they size the Lamport
+        slots); default: JAX's count.
 
     Returns:
       "lamport" up to :data:`LAMPORT_AUTO_MAX_BYTES` where it was measured (2
-      GPUs, 16-bit dtypes; in float32 it would send one denormal as -0.0),
-      "one_shot" up to :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
+      ranks, 16-bit dtypes; in float32 it would send one denormal as -0.0) and
+      its slots hold the message (:func:`lamport_max_bytes`), "one_shot" up to
+      :data:`ONE_SHOT_MAX_BYTES`, else "two_shot".
     """
-    if (nbytes <= LAMPORT_AUTO_MAX_BYTES and n == _MEASURED_RANKS
+    lamport_bytes = min(LAMPORT_AUTO_MAX_BYTES, lamport_max_bytes(local_devices))
+    if (nbytes <= lamport_bytes and n == _MEASURED_RANKS
             and np.dtype(dtype).itemsize == 2):
         return "lamport"
     return "one_shot" if nbytes <= ONE_SHOT_MAX_BYTES else "two_shot"
@@ -295,8 +320,10 @@ REDUCE_SCATTER_FOLD = "gemm_input"
 # GEMM CTA could use: in matmul_reduce_scatter at 4096x8192x4096 the GEMM
 # running beside the waits took 369.5 us of kernel time against 347.0 for
 # the same-sized GEMM after them (kernel_times_2xh200.json), with no transfer
-# running during the first. "xla" is not yet measured: the benchmark's
-# "cuda_xla_waits" rows compare it.
+# running during the first. Measured against each other in one run
+# (collective_matmul_xla_waits_2xh200.json, 12 shapes): "xla" was slower on 9
+# of 12, by up to 42% (158.4 vs 111.4 us for matmul_reduce_scatter at
+# 1024x4096x4096), and faster by 1.5% and 2.5% on two: "side" stays.
 PEER_WAIT_STREAMS = ("side", "xla")
 PEER_WAIT_STREAM = "side"
 

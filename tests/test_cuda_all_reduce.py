@@ -115,7 +115,7 @@ def _host_calls() -> int:
 def _sizes(rng, dtype, algorithm):
     """Element counts from 1 to the algorithm's largest message: tiny, odd,
     around the packs, random, largest."""
-    top = ((dispatch.LAMPORT_MAX_BYTES if algorithm == "lamport" else MAX_BYTES)
+    top = ((dispatch.lamport_max_bytes() if algorithm == "lamport" else MAX_BYTES)
            // jnp.dtype(dtype).itemsize)
     return [1, 3, 8, 9, 4097, int(rng.integers(1 << 10, min(1 << 16, top))),
             int(rng.integers(min(1 << 16, top - 1), min(1 << 22, top))) | 1, top]
@@ -193,7 +193,7 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
         return run
 
     branches = [case(s, a) for s in STRESS_SIZES for a in ALGORITHMS
-                if a != "lamport" or 2 * s <= dispatch.LAMPORT_MAX_BYTES]
+                if a != "lamport" or 2 * s <= dispatch.lamport_max_bytes()]
 
     def count_wrong(key):
         def body(i, wrong):

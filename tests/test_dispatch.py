@@ -68,7 +68,8 @@ def _kernel_accepts(nbytes, workspace_mb, devices):
     region = data // 4 // 256 * 256
     line = 128 * 256
     senders = max(devices - 1, 1)
-    lamport = senders * 2 * (256 << 10)  # the Lamport slots come first
+    # The Lamport slots come first (their size: test_lamport_limit_shrinks_...).
+    lamport = senders * 2 * dispatch.lamport_max_bytes(devices)
     slot = (region - lamport) // (2 * senders) // line * line
     elements = nbytes // 2
     blocks = min(max(math.ceil(nbytes / (16 << 10)), 1), 128)

@@ -213,11 +213,19 @@ def _lamport_text(elements):
 
 
 def test_lamport_lowers_to_algorithm_2_up_to_its_limit():
-    text = _lamport_text(dispatch.LAMPORT_MAX_BYTES // 4)
+    limit = dispatch.lamport_max_bytes()
+    text = _lamport_text(limit // 4)
     assert _custom_calls(text) == ["jfo_all_reduce"]
     assert "algorithm = 2 : i32" in text
-    with pytest.raises(ValueError, match=r"algorithm='lamport'\) takes up to 256 KiB.*one_shot"):
-        _lamport_text(dispatch.LAMPORT_MAX_BYTES // 4 + 1)
+    with pytest.raises(ValueError,
+                       match=rf"algorithm='lamport'\) takes up to {limit >> 10} KiB.*one_shot"):
+        _lamport_text(limit // 4 + 1)
+
+
+def test_lamport_limit_shrinks_with_more_local_gpus():
+    """Mirrors LamportSlotBytes: one parity of every sender's slot in 4 MiB."""
+    assert [dispatch.lamport_max_bytes(d) >> 10 for d in (1, 2, 4, 8, 16)] == [
+        2048, 2048, 1344, 576, 256]
 
 
 def _chunks_attribute(op, rows_per_rank, chunks):

@@ -41,7 +41,7 @@
 // A wait that times out records who was missing (check_device_errors()),
 // writes NaN over its block's chunk and returns: nothing hangs.
 //
-// Lamport one-shot (algorithm 2, messages up to kLamportMaxBytes): the same
+// Lamport one-shot (algorithm 2, messages up to LamportSlotBytes): the same
 // sum without flags. Every word of its slots holds kLamportEmpty while no
 // message is in flight; a rank stores its canonical data (an input half
 // equal to 0x8000, i.e. -0.0, is sent as +0.0; an fp32 word equal to
@@ -75,10 +75,18 @@ namespace jfo {
 namespace {
 
 constexpr OpId kOp = OpId::kAllReduce;
-constexpr int kThreads = 512;
+// Threads per block: the flag kernels' blocks each stream a chunk over
+// NVLink, so more warps keep more stores in flight; the Lamport kernel's
+// blocks poll.
+constexpr int kFlagThreads = 1024;
+constexpr int kLamportThreads = 512;
 // Bytes per block before another block joins (up to kArMaxBlocks): few
 // spinning CTAs for small messages. To be measured.
 constexpr size_t kMinBlockBytes = 16u << 10;
+// The Lamport kernel spreads a message over at least this many of its
+// kLamportBlocks blocks (the measured split up to 256 KiB), more from
+// kMinBlockBytes per block.
+constexpr size_t kLamportMinActiveBlocks = 16;
 enum Algorithm : int32_t { kOneShot = 0, kTwoShot = 1, kLamport = 2 };
 
 std::atomic<uint64_t> g_host_calls{0};
@@ -136,7 +144,7 @@ __device__ void Wait(const Args& a, int kind, const uint32_t* seq,
 }
 
 template <typename T, bool kVector, int kAlgorithm>
-__global__ void __launch_bounds__(kThreads) AllReduceKernel(Args a) {
+__global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
   __shared__ uint32_t seq[kArMaxRanks];
   __shared__ int failed;
   const int b = blockIdx.x;
@@ -327,7 +335,7 @@ __device__ __forceinline__ float BitsToFloat(Bits<T> b) {
 }
 
 template <typename T, bool kVector>
-__global__ void __launch_bounds__(kThreads) LamportAllReduceKernel(Args a) {
+__global__ void __launch_bounds__(kLamportThreads) LamportAllReduceKernel(Args a) {
   constexpr int kN = 16 / sizeof(T);
   __shared__ uint32_t seq[kArMaxRanks];
   __shared__ int failed;
@@ -508,19 +516,17 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   // The split depends on nothing rank-specific (see the top of the file).
   const size_t es = DataTypeBytes(dtype);
   const size_t pack = 16 / es;
-  if (algorithm == kLamport) {
-    if (elements * es > kLamportMaxBytes) {
-      return ffi::Error::InvalidArgument(
-          "jax_flashoverlap all_reduce: the Lamport one-shot takes messages "
-          "up to " + std::to_string(kLamportMaxBytes >> 10) + " KiB per rank, "
-          "got " + std::to_string(elements * es) +
-          " bytes; use algorithm='one_shot'");
-    }
+  if (algorithm == kLamport && elements * es > region->lamport_parity_bytes) {
+    return ffi::Error::InvalidArgument(
+        "jax_flashoverlap all_reduce: the Lamport one-shot takes messages up "
+        "to " + std::to_string(region->lamport_parity_bytes >> 10) +
+        " KiB per rank in a process with this many CUDA devices, got " +
+        std::to_string(elements * es) + " bytes; use algorithm='one_shot'");
   }
   const size_t want = (elements * es + kMinBlockBytes - 1) / kMinBlockBytes;
   const size_t blocks0 =
       algorithm == kLamport
-          ? kLamportBlocks
+          ? std::clamp<size_t>(want, kLamportMinActiveBlocks, kLamportBlocks)
           : std::min<size_t>(std::max<size_t>(want, 1), kArMaxBlocks);
   Args a{};
   a.chunk = RoundUp((elements + blocks0 - 1) / blocks0, pack);
@@ -556,7 +562,8 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   // Ranks may differ here: both variants split, place and round alike.
   const bool vector = reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
-  PickKernel(dtype, vector, algorithm)<<<blocks, kThreads, 0, stream>>>(a);
+  const int threads = algorithm == kLamport ? kLamportThreads : kFlagThreads;
+  PickKernel(dtype, vector, algorithm)<<<blocks, threads, 0, stream>>>(a);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }

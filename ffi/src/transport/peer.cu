@@ -137,7 +137,7 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
       cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
   const size_t lamport_words =
       static_cast<size_t>(std::max(st->num_devices - 1, 1)) * 2 *
-      kLamportMaxBytes / sizeof(uint32_t);
+      LamportSlotBytes(st->num_devices) / sizeof(uint32_t);
   FillWordsKernel<<<256, 256, 0, st->copy_stream>>>(
       reinterpret_cast<uint32_t*>(st->lamport_slots), lamport_words,
       kLamportEmpty);

@@ -9,7 +9,8 @@
 //     lamport_seq[num_devices][kLamportBlocks]      calls of the Lamport kernel
 //     lamport_poison                                 one word, see PeerRegion
 //   data: Lamport slots [num_devices - 1 senders][2 parities] of
-//     kLamportMaxBytes (kept at kLamportEmpty, filled at allocation), then
+//     LamportSlotBytes(num_devices) (kept at kLamportEmpty, filled at
+//     allocation), then
 //     [num_devices - 1 senders][2 parities] slots of ar_slot_bytes, each
 //     cut into kArMaxBlocks stripes of ar_slot_bytes / kArMaxBlocks.
 // Everything is device memory that lives as long as the process, so a
@@ -36,7 +37,7 @@ ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
   st->lamport_seq = st->ar_flags + kArFlagKinds * words;
   st->lamport_poison = st->lamport_seq + lamport_words;
   const size_t senders = static_cast<size_t>(std::max(st->num_devices - 1, 1));
-  const size_t lamport_bytes = senders * 2 * kLamportMaxBytes;
+  const size_t lamport_bytes = senders * 2 * LamportSlotBytes(st->num_devices);
   if (lamport_bytes >= bytes) {
     return ffi::Error::Internal(
         "jax_flashoverlap: the all-reduce region (" + std::to_string(bytes >> 20) +
@@ -65,6 +66,7 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
   if (!pending.empty()) return ffi::Error::Internal(WithTimeoutHint(pending));
 
   PeerRegion r{};
+  const size_t lamport_slot = LamportSlotBytes(me->num_devices);
   const size_t kind_stride =
       static_cast<size_t>(me->num_devices) * kArMaxBlocks;
   for (int q = 0; q < group.n; ++q) {
@@ -86,15 +88,15 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
     r.send_flag[q] = peer->ar_flags + static_cast<size_t>(self) * kArMaxBlocks;
     r.recv_flag[q] = me->ar_flags + static_cast<size_t>(other) * kArMaxBlocks;
     r.seq[q] = me->ar_seq + static_cast<size_t>(other) * kArMaxBlocks;
-    r.lamport_send[q] = peer->lamport_slots +
-                        peer->SenderIndex(self) * 2 * kLamportMaxBytes;
-    r.lamport_recv[q] = me->lamport_slots +
-                        me->SenderIndex(other) * 2 * kLamportMaxBytes;
+    r.lamport_send[q] =
+        peer->lamport_slots + peer->SenderIndex(self) * 2 * lamport_slot;
+    r.lamport_recv[q] =
+        me->lamport_slots + me->SenderIndex(other) * 2 * lamport_slot;
     r.lamport_seq[q] =
         me->lamport_seq + static_cast<size_t>(other) * kLamportBlocks;
     r.lamport_poison_peer[q] = peer->lamport_poison;
   }
-  r.lamport_parity_bytes = kLamportMaxBytes;
+  r.lamport_parity_bytes = lamport_slot;
   r.lamport_poison = me->lamport_poison;
   r.parity_bytes = me->ar_slot_bytes;
   r.stripe_bytes = me->ar_slot_bytes / kArMaxBlocks;

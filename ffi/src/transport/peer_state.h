@@ -37,7 +37,7 @@ struct DeviceState {
   size_t ar_slot_bytes = 0;
   uint32_t* lamport_seq = nullptr;     // [peer ordinal][kLamportBlocks]
   uint32_t* lamport_poison = nullptr;  // one word, see PeerRegion
-  char* lamport_slots = nullptr;       // [sender index][parity], kLamportMaxBytes
+  char* lamport_slots = nullptr;       // [sender index][parity], LamportSlotBytes
   TimeoutRecord* record = nullptr;  // host-mapped pinned memory
   std::vector<cudaStream_t> send_streams, wait_streams;  // per peer ordinal
   cudaStream_t copy_stream = nullptr;

@@ -71,13 +71,25 @@ constexpr int kArMaxRanks = 8;
 constexpr int kArMaxBlocks = 128;
 enum ArFlagKind : int { kArData = 0, kArGathered = 1, kArFlagKinds = 2 };
 // The flagless one-shot ("Lamport") all-reduce: its own slots (two parities
-// of kLamportMaxBytes per sender), held at kLamportEmpty in every 32-bit word
+// of LamportSlotBytes per sender), held at kLamportEmpty in every 32-bit word
 // (0x8000 in every 16-bit half: -0.0 in bf16/fp16, a negative denormal in
 // fp32) except while a message is in flight, and its own call counters for a
 // grid of kLamportBlocks blocks. See all_reduce.cu.
-constexpr int kLamportBlocks = 16;
-constexpr size_t kLamportMaxBytes = 256u << 10;
+constexpr int kLamportBlocks = 128;
+constexpr size_t kLamportMaxBytes = 2u << 20;       // per sender, one peer
+constexpr size_t kLamportParityBudget = 4u << 20;   // one parity, all senders
 constexpr uint32_t kLamportEmpty = 0x80008000u;
+
+// Largest Lamport message (bytes per rank) on a device of a process with
+// `num_devices` CUDA devices: kLamportMaxBytes shrunk so that one parity of
+// every sender's slot fits kLamportParityBudget (2 MiB with one peer, 1344
+// KiB with three, 576 KiB with seven), in whole 64 KiB.
+// dispatch.lamport_max_bytes mirrors it.
+constexpr size_t LamportSlotBytes(int num_devices) {
+  const size_t senders = num_devices > 2 ? num_devices - 1 : 1;
+  const size_t fit = kLamportParityBudget / senders / (64u << 10) * (64u << 10);
+  return fit < kLamportMaxBytes ? fit : kLamportMaxBytes;
+}
 
 // One device's view of the region for one group, indexed by group rank
 // (entries of the own rank are null). Plain data: passed to kernels by value.
