@@ -46,6 +46,7 @@ CATEGORIES = (
     ("gemm", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|matmul|dot_general", re.I)),
     ("copy", re.compile(r"memcpy|memset", re.I)),
 )
+WAIT_KERNEL = re.compile(r"WaitFlagKernel")  # spins until a peer's flag arrives
 DEVICE_PROCESS = re.compile(r"^/device:GPU:(\d+)")
 KERNEL_THREAD = re.compile(r"^Stream\b")
 
@@ -76,8 +77,9 @@ def load_events(path: str | Path) -> list[dict]:
     return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def device_kernels(events: list[dict]) -> dict[int, list[tuple[str, float]]]:
-    """GPU index -> [(kernel or copy name, duration in µs)] on its stream threads."""
+def device_kernels(events: list[dict]) -> dict[int, list[tuple[str, float, float]]]:
+    """GPU index -> [(kernel or copy name, start, duration)] on its stream
+    threads, in µs."""
     devices, kernel_threads = {}, set()
     for e in events:
         if e.get("ph") != "M":
@@ -87,18 +89,36 @@ def device_kernels(events: list[dict]) -> dict[int, list[tuple[str, float]]]:
             devices[e["pid"]] = int(m.group(1))
         elif e.get("name") == "thread_name" and KERNEL_THREAD.match(name):
             kernel_threads.add((e["pid"], e["tid"]))
-    out: dict[int, list[tuple[str, float]]] = collections.defaultdict(list)
+    out: dict[int, list[tuple[str, float, float]]] = collections.defaultdict(list)
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in devices and (e["pid"], e.get("tid")) in \
                 kernel_threads:
-            out[devices[e["pid"]]].append((e["name"], float(e.get("dur", 0.0))))
+            out[devices[e["pid"]]].append(
+                (e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))))
     return dict(out)
 
 
-def summarize(kernels: list[tuple[str, float]], iterations: int = 1) -> dict[str, dict]:
+def occupancy(kernels: list[tuple[str, float, float]], iterations: int = 1) -> dict:
+    """Per iteration: the span from the first kernel's start to the last one's
+    end, and the part of it some kernel or copy other than a peer-wait kernel
+    runs (a wait kernel only spins): span minus busy is where the GPU idles,
+    e.g. while the host launches."""
+    work = sorted((ts, ts + dur) for name, ts, dur in kernels if not WAIT_KERNEL.search(name))
+    if not work:
+        return {"span_us": 0.0, "busy_us": 0.0, "idle_fraction": 0.0}
+    busy, end = 0.0, work[0][0]
+    for lo, hi in work:
+        busy += max(0.0, hi - max(lo, end))
+        end = max(end, hi)
+    span = max(ts + dur for _, ts, dur in kernels) - min(ts for _, ts, _ in kernels)
+    return {"span_us": span / iterations, "busy_us": busy / iterations,
+            "idle_fraction": 1.0 - busy / span if span else 0.0}
+
+
+def summarize(kernels: list[tuple[str, float, float]], iterations: int = 1) -> dict[str, dict]:
     """Per category: µs and kernel count per iteration, and the top kernels."""
     by_cat: dict[str, dict] = {}
-    for name, dur in kernels:
+    for name, _, dur in kernels:
         c = by_cat.setdefault(category(name), {"us": 0.0, "count": 0,
                                                 "names": collections.Counter()})
         c["us"] += dur / iterations
@@ -243,7 +263,10 @@ def main(argv=None):
         if not per_device:
             raise SystemExit(f"no GPU kernels in {args.path}")
         for device, kernels in sorted(per_device.items()):
-            print(f"\nGPU {device}\n" + table(summarize(kernels, args.iterations)))
+            o = occupancy(kernels, args.iterations)
+            print(f"\nGPU {device}: span {o['span_us']:.1f} µs per iteration, busy "
+                  f"{o['busy_us']:.1f} (kernels and copies other than peer waits), idle "
+                  f"{o['idle_fraction']:.1%}\n" + table(summarize(kernels, args.iterations)))
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     rows = run_ops(args.ops, shapes, args.iterations, args.devices, args.impl)

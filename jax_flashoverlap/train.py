@@ -305,11 +305,16 @@ def train(args: argparse.Namespace) -> TrainResult:
     # Trace steady-state steps: from this run's second step, if it has one.
     first = start + 1 if args.steps - start > 1 else start
     profiling = range(first, min(first + PROFILE_STEPS, args.steps)) if args.profile else range(0)
-    progress = _Progress(trainer, start)
+    # Traced steps, and the one whose interval holds stop_trace, run slower
+    # or faster than training does: left out of the step time.
+    progress = _Progress(trainer, start,
+                         untimed=range(profiling.start, profiling.stop + 1) if profiling else ())
     with jax.set_mesh(trainer.mesh):
         pending = None
         for i in range(start, args.steps):
             if i == profiling.start:
+                # Earlier steps (the first runs long) must not leak into the trace.
+                jax.block_until_ready(trainer.state)
                 jax.profiler.start_trace(str(args.profile))
             trainer.state, loss, grad_norm = trainer.step(trainer.state,
                                                           trainer.tokens(corpus, i))
@@ -339,8 +344,10 @@ def train(args: argparse.Namespace) -> TrainResult:
 class _Progress:
     """Per-step loss and timing, the tqdm bar, and the final numbers."""
 
-    def __init__(self, trainer: Trainer, start: int):
+    def __init__(self, trainer: Trainer, start: int, untimed=()):
         self.trainer = trainer
+        self.start = start
+        self.untimed = set(untimed)  # steps left out of the summary's step time
         self.losses: list[float] = []
         self.times: list[float] = []
         self.t_last = time.perf_counter()
@@ -380,14 +387,19 @@ class _Progress:
 
     def summary(self) -> dict[str, Any]:
         args, trainer = self.trainer.args, self.trainer
-        steady = self.times[1:] or self.times  # The first step compiles.
+        # The first step compiles.
+        untraced = [t for i, t in enumerate(self.times[1:], self.start + 1)
+                    if i not in self.untimed]
+        steady = untraced or self.times[1:] or self.times
         step_s = statistics.median(steady) if steady else float("nan")
         return {
             "model": args.model, "size": args.size, "params": trainer.num_params,
             "impl": args.impl, "steps": len(self.losses),
             "first_loss": self.losses[0] if self.losses else None,
             "final_loss": self.losses[-1] if self.losses else None,
-            "step_time_s": step_s, "tokens_per_s": self._tokens_per_s(step_s),
+            "step_time_s": step_s, "timed_steps": len(steady),
+            "traced_steps_untimed": bool(self.untimed and untraced),
+            "tokens_per_s": self._tokens_per_s(step_s),
             "mfu": trainer.flops_per_step / step_s / trainer.peak_flops
             if trainer.peak_flops else None,
         }
@@ -400,7 +412,8 @@ def _format_summary(trainer: Trainer, s: dict[str, Any]) -> str:
            if s["mfu"] is not None else "n/a (no GPU)")
     return (f"done: {s['steps']} steps of {s['model']}/{s['size']}, impl {s['impl']}: "
             f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}\n"
-            f"  step time {s['step_time_s'] * 1e3:.1f} ms (median after the first), "
+            f"  step time {s['step_time_s'] * 1e3:.1f} ms (median of {s['timed_steps']} steps "
+            f"after the first{', untraced' if s['traced_steps_untimed'] else ''}), "
             f"{s['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
 
 

@@ -112,13 +112,14 @@ fi
 # Opt-in: a jax.profiler trace of 3 training steps (1B model, TP=2 with
 # sequence parallelism, sequence 8192: the benchmark's config) and its device
 # time per kernel category. JFO_PROFILE_MODEL (transformer), JFO_PROFILE_IMPL (auto),
-# JFO_PROFILE_ARGS (the model flags). At lr 1e-4: 6 steps at the default 1e-3
-# diverge, and a diverged step ran faster (benchmarks/NOTES.md, session 11).
+# JFO_PROFILE_ARGS (the model flags). 10 steps at lr 1e-4 (the loss falls
+# steadily): steps 1-3 are traced; the printed step time leaves them and step
+# 4 (which holds stop_trace) out.
 if [[ " ${stages[*]} " == *" profile "* ]]; then
   rm -rf /tmp/jfo_profile
   # shellcheck disable=SC2086
   step profile$tag $PY -P -m jax_flashoverlap.train --model "${JFO_PROFILE_MODEL:-transformer}" \
-    ${JFO_PROFILE_ARGS:---size 1b --mesh 1x2 --batch 1 --seq-len 8192} --steps 6 --lr 1e-4 \
+    ${JFO_PROFILE_ARGS:---size 1b --mesh 1x2 --batch 1 --seq-len 8192} --steps 10 --lr 1e-4 \
     --impl "${JFO_PROFILE_IMPL:-auto}" --no-progress --profile /tmp/jfo_profile \
     && step profile_summary$tag $PY benchmarks/kernel_times.py trace /tmp/jfo_profile --iterations 3
 fi

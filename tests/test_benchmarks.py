@@ -121,13 +121,22 @@ def test_kernel_times_reads_stream_threads_of_each_gpu(tmp_path):
     _synthetic_trace(tmp_path / "plugins" / "profile" / "run")
     per_device = kt.device_kernels(kt.load_events(tmp_path))
     assert sorted(per_device) == [0, 1]
-    assert len(per_device[0]) == 6 and per_device[1] == [("nvjet_x", 50.0)]
+    assert len(per_device[0]) == 6 and per_device[1] == [("nvjet_x", 0.0, 50.0)]
     summary = kt.summarize(per_device[0], iterations=2)
     assert summary["gemm"]["us"] == 80.0 and summary["gemm"]["count"] == 1
     assert summary["jfo"]["us"] == 15.0
     assert summary["copy"]["us"] == 10.0
     assert summary["nccl"]["us"] == 2.0 and summary["other"]["us"] == 4.0
     assert "| gemm | 80.0 | 1 |" in kt.table(summary)
+
+
+def test_kernel_times_occupancy_leaves_out_peer_waits_and_overlaps():
+    kt = _load("kernel_times")
+    kernels = [("gemm", 0.0, 10.0), ("MemcpyP2P", 5.0, 10.0),  # overlapping: busy 0-15
+               ("void jfo::internal::WaitFlagKernel(unsigned int const*)", 15.0, 20.0),
+               ("loop_add_fusion", 25.0, 5.0), ("gemm", 36.0, 4.0)]  # idle 15-25, 30-36
+    o = kt.occupancy(kernels, iterations=2)
+    assert o == {"span_us": 20.0, "busy_us": 12.0, "idle_fraction": 0.4}
 
 
 def test_kernel_times_categories():

@@ -72,6 +72,15 @@ def test_summary_reports_throughput(transformer_run):
     assert summary["params"] > 0 and summary["final_loss"] == result.losses[-1]
 
 
+def test_traced_steps_stay_out_of_the_step_time(transformer_run):
+    """Steps 1-3 are traced and step 4 ends the trace: the median is over 5..23."""
+    _, result = transformer_run
+    summary = result.summary
+    assert summary["traced_steps_untimed"] and summary["timed_steps"] == STEPS - 5
+    expected = np.median(result.step_times[5:])
+    assert summary["tokens_per_s"] == pytest.approx(4 * 64 / expected)
+
+
 def test_bad_flags_name_the_fix():
     with pytest.raises(SystemExit):
         train.parse_args(["--mesh", "2by4"])
