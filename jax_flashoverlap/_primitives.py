@@ -240,8 +240,8 @@ def _check_lamport_size(aval, algorithm: str) -> None:
     if algorithm == "lamport" and nbytes > limit:
         raise ValueError(
             f"all_reduce(impl='cuda', algorithm='lamport') takes up to "
-            f"{limit >> 10} KiB per rank with {jax.local_device_count()} local "
-            f"devices, got {aval.shape} {aval.dtype} ({nbytes} bytes); use "
+            f"{limit >> 10} KiB per rank with {dispatch.process_cuda_devices()} CUDA "
+            f"devices in the process, got {aval.shape} {aval.dtype} ({nbytes} bytes); use "
             f"algorithm='one_shot' or None")
 
 

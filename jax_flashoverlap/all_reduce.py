@@ -29,11 +29,11 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
         data), "two_shot" (reduce-scatter, then all-gather), "lamport" (the
         one-shot without flags, for messages up to
         :func:`~jax_flashoverlap.dispatch.lamport_max_bytes` per rank (2 MiB
-        with 2 local GPUs); it
+        with 2 CUDA devices in the process); it
         sends -0.0 as +0.0, and in float32 one denormal, -4.6e-41, as -0.0),
         or None to pick by message size and rank count
         (:func:`jax_flashoverlap.dispatch.all_reduce_algorithm`: "lamport"
-        up to 2 MiB of a 16-bit dtype on 2 GPUs, where it was measured
+        up to 2 MiB of a 16-bit dtype on 2 ranks, where it was measured
         fastest).
         The other implementations ignore it.
 

@@ -8,6 +8,8 @@ XLA, so "auto" never picks a slower path than the one users have today.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
 import re
@@ -19,8 +21,8 @@ import numpy as np
 from . import _extension
 
 __all__ = ["choose_impl", "all_reduce_algorithm", "all_reduce_region_bytes",
-           "all_reduce_across_processes", "collective_matmul_chunks",
-           "matmul_all_reduce_kernel", "ALL_REDUCE_ALGORITHMS"]
+           "all_reduce_across_processes", "collective_matmul_chunks", "lamport_max_bytes",
+           "matmul_all_reduce_kernel", "process_cuda_devices", "ALL_REDUCE_ALGORITHMS"]
 
 Shapes = Sequence[tuple[int, ...]]
 
@@ -56,6 +58,9 @@ _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 1024
 # loop iteration (both bound by XLA's host) at every size but one: 16 KiB,
 # one-shot 16.3 us (range 14.0-24.4 over 7 runs) against psum 13.7 us. That
 # exception is kept, as noise of a host-bound loop, and is to be re-measured.
+# Since then "auto" runs Lamport up to 2 MiB (see LAMPORT_AUTO_MAX_BYTES;
+# all_reduce_lamport_auto_2xh200.json: faster than psum at every measured
+# size in both modes, 16 KiB was not in that run).
 # "auto" keeps to messages the all-reduce region holds, so that it never
 # fails where psum would not.
 
@@ -173,12 +178,13 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
 
     Args:
       workspace_mb: default: ``JAX_FLASHOVERLAP_WORKSPACE_MB`` or 1024.
-      local_devices: CUDA devices of this process; default: JAX's count.
+      local_devices: CUDA devices of this process; default:
+        :func:`process_cuda_devices`.
     """
     if workspace_mb is None:
         workspace_mb = _workspace_mb_from_env()
     if local_devices is None:
-        local_devices = jax.local_device_count()
+        local_devices = process_cuda_devices()
     senders = max(local_devices - 1, 1)
     # 64 MiB covers the GEMM workspace, the control words and rounding.
     slot = (max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders
@@ -192,6 +198,28 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
 
 
 _AR_BLOCK_BYTES = 16 << 10  # kMinBlockBytes of ffi/src/all_reduce.cu
+
+
+@functools.cache
+def process_cuda_devices() -> int:
+    """The CUDA devices the extension lays its workspace out for.
+
+    The extension counts them with ``cudaGetDeviceCount`` (which honours
+    ``CUDA_VISIBLE_DEVICES``), and that count sizes its all-reduce slots. It
+    can exceed JAX's local devices, e.g. under ``jax_cuda_visible_devices``
+    or ``jax.distributed.initialize(local_device_ids=...)``. Asks the CUDA
+    driver the same question; JAX's count where the default backend is not a
+    GPU or no driver loads.
+    """
+    if jax.default_backend() in ("gpu", "cuda"):
+        try:
+            driver = ctypes.CDLL("libcuda.so.1")
+            count = ctypes.c_int(0)
+            if driver.cuInit(0) == 0 and driver.cuDeviceGetCount(ctypes.byref(count)) == 0:
+                return max(count.value, 1)
+        except OSError:
+            pass
+    return jax.local_device_count()
 
 
 def _workspace_mb_from_env() -> int:
@@ -259,10 +287,11 @@ def lamport_max_bytes(local_devices: int | None = None) -> int:
     1344 KiB with 4, 576 KiB with 8.
 
     Args:
-      local_devices: CUDA devices of this process; default: JAX's count.
+      local_devices: CUDA devices of this process; default:
+        :func:`process_cuda_devices`.
     """
     if local_devices is None:
-        local_devices = jax.local_device_count()
+        local_devices = process_cuda_devices()
     senders = max(local_devices - 1, 1)
     fit = _LAMPORT_PARITY_BUDGET // senders // (64 << 10) * (64 << 10)
     return min(fit, LAMPORT_MAX_BYTES)
@@ -285,7 +314,7 @@ def all_reduce_algorithm(nbytes: int, n: int, dtype, local_devices: int | None =
       n: ranks (local GPUs) in the all-reduce.
       dtype: the message's dtype.
       local_devices: CUDA devices of this process (they size the Lamport
-        slots); default: JAX's count.
+        slots); default: :func:`process_cuda_devices`.
 
     Returns:
       "lamport" up to :data:`LAMPORT_AUTO_MAX_BYTES` where it was measured (2

@@ -305,14 +305,15 @@ def train(args: argparse.Namespace) -> TrainResult:
     # Trace steady-state steps: from this run's second step, if it has one.
     first = start + 1 if args.steps - start > 1 else start
     profiling = range(first, min(first + PROFILE_STEPS, args.steps)) if args.profile else range(0)
-    # Traced steps, and the one whose interval holds stop_trace, run slower
-    # or faster than training does: left out of the step time.
+    # Left out of the step time: the traced steps (the last one's interval
+    # also holds stop_trace) and the first after them, which starts on an
+    # idle device.
     progress = _Progress(trainer, start,
                          untimed=range(profiling.start, profiling.stop + 1) if profiling else ())
     with jax.set_mesh(trainer.mesh):
         pending = None
         for i in range(start, args.steps):
-            if i == profiling.start:
+            if profiling and i == profiling.start:
                 # Earlier steps (the first runs long) must not leak into the trace.
                 jax.block_until_ready(trainer.state)
                 jax.profiler.start_trace(str(args.profile))
@@ -412,7 +413,8 @@ def _format_summary(trainer: Trainer, s: dict[str, Any]) -> str:
            if s["mfu"] is not None else "n/a (no GPU)")
     return (f"done: {s['steps']} steps of {s['model']}/{s['size']}, impl {s['impl']}: "
             f"loss {s['first_loss']:.3f} -> {s['final_loss']:.3f}\n"
-            f"  step time {s['step_time_s'] * 1e3:.1f} ms (median of {s['timed_steps']} steps "
+            f"  step time {s['step_time_s'] * 1e3:.1f} ms (median of {s['timed_steps']} "
+            f"step{'s' if s['timed_steps'] != 1 else ''} "
             f"after the first{', untraced' if s['traced_steps_untimed'] else ''}), "
             f"{s['tokens_per_s']:,.0f} tokens/s, MFU {mfu}")
 

@@ -114,7 +114,7 @@ fi
 # time per kernel category. JFO_PROFILE_MODEL (transformer), JFO_PROFILE_IMPL (auto),
 # JFO_PROFILE_ARGS (the model flags). 10 steps at lr 1e-4 (the loss falls
 # steadily): steps 1-3 are traced; the printed step time leaves them and step
-# 4 (which holds stop_trace) out.
+# 4 (which starts on a device idle after stop_trace) out.
 if [[ " ${stages[*]} " == *" profile "* ]]; then
   rm -rf /tmp/jfo_profile
   # shellcheck disable=SC2086

@@ -2,6 +2,7 @@
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -148,3 +149,28 @@ def test_all_reduce_across_processes_with_cuda_names_the_fix():
 ])
 def test_collective_matmul_chunks(op, shapes, n, want):
     assert dispatch.collective_matmul_chunks(op, shapes, n) == want
+
+
+def test_process_cuda_devices_asks_the_driver_on_gpus(monkeypatch):
+    """The extension sizes its slots by cudaGetDeviceCount, which can exceed
+    JAX's local devices; off GPUs (or without a driver) JAX's count stands."""
+    count_devices = dispatch.process_cuda_devices.__wrapped__  # uncached
+    assert count_devices() == jax.local_device_count()  # CPU backend
+
+    class FakeDriver:
+        def cuInit(self, flags):
+            return 0
+
+        def cuDeviceGetCount(self, ref):
+            ref._obj.value = 8
+            return 0
+
+    monkeypatch.setattr(dispatch.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(dispatch.ctypes, "CDLL", lambda name: FakeDriver())
+    assert count_devices() == 8
+
+    def no_driver(name):
+        raise OSError(name)
+
+    monkeypatch.setattr(dispatch.ctypes, "CDLL", no_driver)
+    assert count_devices() == jax.local_device_count()

@@ -73,12 +73,21 @@ def test_summary_reports_throughput(transformer_run):
 
 
 def test_traced_steps_stay_out_of_the_step_time(transformer_run):
-    """Steps 1-3 are traced and step 4 ends the trace: the median is over 5..23."""
+    """Steps 1-3 are traced and step 4 starts on an idle device after the
+    trace: the median is over steps 5..23."""
     _, result = transformer_run
     summary = result.summary
     assert summary["traced_steps_untimed"] and summary["timed_steps"] == STEPS - 5
     expected = np.median(result.step_times[5:])
     assert summary["tokens_per_s"] == pytest.approx(4 * 64 / expected)
+
+
+def test_a_run_without_profile_starts_no_trace(tmp_path):
+    """A profiler session left open would make the next start_trace raise."""
+    args = train.parse_args([*RUN, "--model", "transformer", "--mesh", "1x2", "--steps", "2"])
+    train.train(args)
+    jax.profiler.start_trace(str(tmp_path))
+    jax.profiler.stop_trace()
 
 
 def test_bad_flags_name_the_fix():
