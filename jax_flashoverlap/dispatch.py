@@ -296,6 +296,7 @@ def lamport_max_bytes(local_devices: int | None = None) -> int:
     fit = _LAMPORT_PARITY_BUDGET // senders // (64 << 10) * (64 << 10)
     return min(fit, LAMPORT_MAX_BYTES)
 
+
 # Largest message (bytes per rank) for which the size rule picks "lamport".
 # Measured (benchmarks/results/all_reduce_lamport_2mib_2xh200.json, bf16, 2
 # H200s, 8 all-reduces per loop iteration), lamport / one-shot / psum in us:
