@@ -292,9 +292,11 @@ def main():
     if not args.no_windowed:
         rows += _windowed(args)
     import jax
+
+    from jax_flashoverlap.benchmarking import gemm_autotune_setting
     meta = dict(devices=len(jax.devices()[:args.devices]), device_kind=jax.devices()[0].device_kind,
                 jax=jax.__version__, dtype="bfloat16", protocol="DESIGN.md §4",
-                gemm_autotune=os.environ.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "unset (on)"))
+                gemm_autotune=gemm_autotune_setting())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

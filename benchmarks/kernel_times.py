@@ -31,7 +31,6 @@ import collections
 import gzip
 import importlib.util
 import json
-import os
 import re
 import sys
 import tempfile
@@ -271,8 +270,10 @@ def main(argv=None):
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     rows = run_ops(args.ops, shapes, args.iterations, args.devices, args.impl)
     if args.json:
+        from jax_flashoverlap.benchmarking import gemm_autotune_setting
+
         meta = {"impl": args.impl, "iterations": args.iterations,
-                "gemm_autotune": os.environ.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "unset (on)")}
+                "gemm_autotune": gemm_autotune_setting()}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     for r in rows:
         print(f"\n{r['op']} {'×'.join(map(str, r['shape']))}, impl={args.impl!r}, GPU 0\n"

@@ -12,6 +12,7 @@ such shortcuts, so without the barriers the comparison flatters XLA).
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Timing", "time_per_op", "first_devices_mesh", "looped"]
+__all__ = ["Timing", "time_per_op", "first_devices_mesh", "looped", "gemm_autotune_setting"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,3 +118,9 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
 
     estimates = sorted((wall(k2) - wall(k1)) / (k2 - k1) for _ in range(reps))
     return Timing(statistics.median(estimates), estimates[0], estimates[-1], reps)
+
+
+def gemm_autotune_setting() -> str:
+    """``JAX_FLASHOVERLAP_GEMM_AUTOTUNE`` as a benchmark's JSON records it:
+    the value, or "unset (on)" (the extension autotunes by default)."""
+    return os.environ.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "unset (on)")
