@@ -276,15 +276,15 @@ ONE_SHOT_MAX_BYTES = 8 << 20
 # rank in a process with 2 GPUs (kLamportMaxBytes of
 # ffi/src/transport/transport.h); less with more, see lamport_max_bytes.
 LAMPORT_MAX_BYTES = 2 << 20
-_LAMPORT_PARITY_BUDGET = 4 << 20  # kLamportParityBudget
+_LAMPORT_PARITY_BUDGET = 3 << 20  # kLamportParityBudget
 
 
 def lamport_max_bytes(local_devices: int | None = None) -> int:
     """The largest message (bytes per rank) of ``algorithm="lamport"``.
 
-    One parity of every other local GPU's Lamport slot shares a fixed 4 MiB
+    One parity of every other local GPU's Lamport slot shares a fixed 3 MiB
     (LamportSlotBytes of ffi/src/transport/transport.h): 2 MiB with 2 GPUs,
-    1344 KiB with 4, 576 KiB with 8.
+    1024 KiB with 4, 384 KiB with 8.
 
     Args:
       local_devices: CUDA devices of this process; default:

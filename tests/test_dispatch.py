@@ -65,7 +65,7 @@ def test_auto_is_xla_off_gpu(cuda_built):
 def _kernel_accepts(nbytes, workspace_mb, devices):
     """Whether ffi/src/all_reduce.cu takes a bf16 message of nbytes per rank:
     the layout of peer.cu / peer_region.cu and the grid of AllReduceImpl, redone."""
-    data = (max(workspace_mb, 64) << 20) - (32 << 20) - (64 << 10)
+    data = (max(workspace_mb, 64) << 20) - (32 << 20) - (128 << 10)
     region = data // 4 // 256 * 256
     line = 128 * 256
     senders = max(devices - 1, 1)
@@ -174,3 +174,15 @@ def test_process_cuda_devices_asks_the_driver_on_gpus(monkeypatch):
 
     monkeypatch.setattr(dispatch.ctypes, "CDLL", no_driver)
     assert count_devices() == jax.local_device_count()
+
+
+def test_smallest_workspace_lays_out_for_any_device_count():
+    """peer.cu / peer_region.cu, redone: at the 64 MiB floor the Lamport slots
+    leave room in the all-reduce region, and the control area holds the
+    counters, for up to 45 CUDA devices per process."""
+    region = ((64 << 20) - (32 << 20) - (128 << 10)) // 4 // 256 * 256
+    control_words = ((128 << 10) - (36 << 10)) // 4
+    for devices in range(1, 46):
+        senders = max(devices - 1, 1)
+        assert senders * 2 * dispatch.lamport_max_bytes(devices) < region, devices
+        assert 4 * 128 * devices + 1 <= control_words, devices

@@ -223,9 +223,9 @@ def test_lamport_lowers_to_algorithm_2_up_to_its_limit():
 
 
 def test_lamport_limit_shrinks_with_more_local_gpus():
-    """Mirrors LamportSlotBytes: one parity of every sender's slot in 4 MiB."""
+    """Mirrors LamportSlotBytes: one parity of every sender's slot in 3 MiB."""
     assert [dispatch.lamport_max_bytes(d) >> 10 for d in (1, 2, 4, 8, 16)] == [
-        2048, 2048, 1344, 576, 256]
+        2048, 2048, 1024, 384, 192]
 
 
 def _chunks_attribute(op, rows_per_rank, chunks):

@@ -13,7 +13,9 @@
 namespace jfo {
 
 // Control words at the start of the control area (zeroed at allocation).
-constexpr size_t kControlBytes = 64u << 10;
+// 128 KiB: the all-reduce counters from kArControlOffset take
+// (4 * 128 * num_devices + 1) words, so this fits 45 devices per process.
+constexpr size_t kControlBytes = 128u << 10;
 // Channel flags use the bytes below kFailWordOffset.
 constexpr size_t kFailWordOffset = 32u << 10;
 constexpr size_t kRecordLockOffset = kFailWordOffset + 4;

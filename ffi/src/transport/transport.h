@@ -77,13 +77,15 @@ enum ArFlagKind : int { kArData = 0, kArGathered = 1, kArFlagKinds = 2 };
 // grid of kLamportBlocks blocks. See all_reduce.cu.
 constexpr int kLamportBlocks = 128;
 constexpr size_t kLamportMaxBytes = 2u << 20;       // per sender, one peer
-constexpr size_t kLamportParityBudget = 4u << 20;   // one parity, all senders
+// 3 MiB: both parities of every sender's slots (6 MiB) stay below the
+// all-reduce region of the smallest workspace (about 8 MiB, peer.cu).
+constexpr size_t kLamportParityBudget = 3u << 20;   // one parity, all senders
 constexpr uint32_t kLamportEmpty = 0x80008000u;
 
 // Largest Lamport message (bytes per rank) on a device of a process with
 // `num_devices` CUDA devices: kLamportMaxBytes shrunk so that one parity of
-// every sender's slot fits kLamportParityBudget (2 MiB with one peer, 1344
-// KiB with three, 576 KiB with seven), in whole 64 KiB.
+// every sender's slot fits kLamportParityBudget (2 MiB with one peer, 1024
+// KiB with three, 384 KiB with seven), in whole 64 KiB.
 // dispatch.lamport_max_bytes mirrors it.
 constexpr size_t LamportSlotBytes(int num_devices) {
   const size_t senders = num_devices > 2 ? num_devices - 1 : 1;
