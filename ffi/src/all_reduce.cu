@@ -224,33 +224,51 @@ __global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
   }
 }
 
-// Lamport slots, per 16-byte pack: empty lanes, canonical data, loads and
-// stores that go to memory every time (the slots are written over NVLink).
+// Lamport slots. One element's bits (16-bit elements in the low half of a
+// word) are "empty" when they hold kLamportEmpty's lane; canonical data never
+// does: -0.0 in 16 bits becomes +0.0, and the fp32 denormal becomes -0.0.
 template <typename T>
-__device__ __forceinline__ bool HasEmptyLane(uint4 v) {
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-  bool empty = false;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (sizeof(T) == 2) {
-      empty |= (w[i] & 0xffffu) == 0x8000u || (w[i] >> 16) == 0x8000u;
-    } else {
-      empty |= w[i] == kLamportEmpty;
-    }
+using Bits = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
+
+template <typename T>
+__device__ __forceinline__ bool IsEmptyBits(Bits<T> b) {
+  return b == static_cast<Bits<T>>(kLamportEmpty);
+}
+
+template <typename T>
+__device__ __forceinline__ Bits<T> CanonicalBits(Bits<T> b) {
+  if constexpr (sizeof(T) == 2) {
+    return IsEmptyBits<T>(b) ? Bits<T>(0) : b;
+  } else {
+    return IsEmptyBits<T>(b) ? 0x80000000u : b;
   }
-  return empty;
+}
+
+// The same per 32-bit word and per 16-byte pack.
+template <typename T>
+__device__ __forceinline__ bool IsEmptyWord(uint32_t w) {
+  if constexpr (sizeof(T) == 2) {
+    return IsEmptyBits<T>(w & 0xffffu) | IsEmptyBits<T>(w >> 16);
+  } else {
+    return IsEmptyBits<T>(w);
+  }
 }
 
 template <typename T>
 __device__ __forceinline__ uint32_t CanonicalWord(uint32_t w) {
   if constexpr (sizeof(T) == 2) {
-    uint32_t lo = w & 0xffffu, hi = w >> 16;
-    if (lo == 0x8000u) lo = 0;  // -0.0 -> +0.0
-    if (hi == 0x8000u) hi = 0;
-    return lo | (hi << 16);
+    return CanonicalBits<T>(w & 0xffffu) |
+           (static_cast<uint32_t>(CanonicalBits<T>(w >> 16)) << 16);
   } else {
-    return w == kLamportEmpty ? 0x80000000u : w;  // that denormal -> -0.0
+    return CanonicalBits<T>(w);
   }
+}
+
+template <typename T>
+__device__ __forceinline__ bool HasEmptyLane(uint4 v) {
+  // `|`, not `||`: no branch per lane.
+  return IsEmptyWord<T>(v.x) | IsEmptyWord<T>(v.y) | IsEmptyWord<T>(v.z) |
+         IsEmptyWord<T>(v.w);
 }
 
 template <typename T>
@@ -259,6 +277,8 @@ __device__ __forceinline__ uint4 Canonical(uint4 v) {
           CanonicalWord<T>(v.w)};
 }
 
+// Loads and stores that go to memory every time: the slots are written over
+// NVLink.
 __device__ __forceinline__ uint4 LoadVolatile(const uint4* p) {
   uint4 v;
   asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -272,29 +292,6 @@ __device__ __forceinline__ void StoreVolatile(uint4* p, uint4 v) {
   asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p),
                "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
-}
-
-// The bits of one element as a 16-byte-pack lane would hold them, for the
-// scalar tail: 16-bit elements in the low half of a word.
-template <typename T>
-using Bits = std::conditional_t<sizeof(T) == 2, uint16_t, uint32_t>;
-
-template <typename T>
-__device__ __forceinline__ Bits<T> CanonicalBits(Bits<T> b) {
-  if constexpr (sizeof(T) == 2) {
-    return b == 0x8000u ? Bits<T>(0) : b;
-  } else {
-    return CanonicalWord<T>(b);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ bool IsEmptyBits(Bits<T> b) {
-  if constexpr (sizeof(T) == 2) {
-    return b == 0x8000u;
-  } else {
-    return b == kLamportEmpty;
-  }
 }
 
 // Polls until `ready(value)` or the deadline; on a timeout (or another

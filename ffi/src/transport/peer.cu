@@ -100,9 +100,8 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   st->staging = ar + ar_bytes;
   st->staging_bytes = (data - ar_bytes) / 3 / 256 * 256;
   st->recv = st->staging + st->staging_bytes;
-  const int peers = std::max(st->num_devices - 1, 1);
-  st->slot_bytes =
-      (data - ar_bytes - st->staging_bytes) / (2 * peers) / 256 * 256;
+  st->slot_bytes = (data - ar_bytes - st->staging_bytes) /
+                   (2 * SenderCount(st->num_devices)) / 256 * 256;
   JFO_CUDA_RETURN_IF_ERROR(cudaHostAlloc(
       &st->record, sizeof(TimeoutRecord),
       cudaHostAllocMapped | cudaHostAllocPortable));
@@ -135,12 +134,9 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
       cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint32_t>));
   JFO_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
-  const size_t lamport_words =
-      static_cast<size_t>(std::max(st->num_devices - 1, 1)) * 2 *
-      LamportSlotBytes(st->num_devices) / sizeof(uint32_t);
   FillWordsKernel<<<256, 256, 0, st->copy_stream>>>(
-      reinterpret_cast<uint32_t*>(st->lamport_slots), lamport_words,
-      kLamportEmpty);
+      reinterpret_cast<uint32_t*>(st->lamport_slots),
+      st->lamport_slots_bytes / sizeof(uint32_t), kLamportEmpty);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st->copy_stream));
   DeviceState* raw = st.get();

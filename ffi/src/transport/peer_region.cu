@@ -36,7 +36,7 @@ ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
   st->ar_flags = st->ar_seq + words;
   st->lamport_seq = st->ar_flags + kArFlagKinds * words;
   st->lamport_poison = st->lamport_seq + lamport_words;
-  const size_t senders = static_cast<size_t>(std::max(st->num_devices - 1, 1));
+  const size_t senders = SenderCount(st->num_devices);
   const size_t lamport_bytes = senders * 2 * LamportSlotBytes(st->num_devices);
   if (lamport_bytes >= bytes) {
     return ffi::Error::Internal(
@@ -44,6 +44,7 @@ ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
         " MiB) is too small; raise JAX_FLASHOVERLAP_WORKSPACE_MB");
   }
   st->lamport_slots = base;
+  st->lamport_slots_bytes = lamport_bytes;
   st->ar_slots = base + lamport_bytes;
   // Stripes of whole 256-byte lines, so every block's data stays aligned.
   const size_t line = kArMaxBlocks * 256;

@@ -40,6 +40,7 @@ struct DeviceState {
   uint32_t* lamport_seq = nullptr;     // [peer ordinal][kLamportBlocks]
   uint32_t* lamport_poison = nullptr;  // one word, see PeerRegion
   char* lamport_slots = nullptr;       // [sender index][parity], LamportSlotBytes
+  size_t lamport_slots_bytes = 0;      // all of them
   TimeoutRecord* record = nullptr;  // host-mapped pinned memory
   std::vector<cudaStream_t> send_streams, wait_streams;  // per peer ordinal
   cudaStream_t copy_stream = nullptr;

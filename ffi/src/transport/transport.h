@@ -82,13 +82,19 @@ constexpr size_t kLamportMaxBytes = 2u << 20;       // per sender, one peer
 constexpr size_t kLamportParityBudget = 3u << 20;   // one parity, all senders
 constexpr uint32_t kLamportEmpty = 0x80008000u;
 
+// Senders with slots in a device's memory: every other device of the
+// process, and one slot when it is alone, so every layout has the same parts.
+constexpr int SenderCount(int num_devices) {
+  return num_devices > 1 ? num_devices - 1 : 1;
+}
+
 // Largest Lamport message (bytes per rank) on a device of a process with
 // `num_devices` CUDA devices: kLamportMaxBytes shrunk so that one parity of
 // every sender's slot fits kLamportParityBudget (2 MiB with one peer, 1024
 // KiB with three, 384 KiB with seven), in whole 64 KiB.
 // dispatch.lamport_max_bytes mirrors it.
 constexpr size_t LamportSlotBytes(int num_devices) {
-  const size_t senders = num_devices > 2 ? num_devices - 1 : 1;
+  const size_t senders = SenderCount(num_devices);
   const size_t fit = kLamportParityBudget / senders / (64u << 10) * (64u << 10);
   return fit < kLamportMaxBytes ? fit : kLamportMaxBytes;
 }
