@@ -47,10 +47,21 @@ _MEASURED_RANKS = 2
 # Without autotuning: 1.32x, 1.05x, 0.99x (1.03x with one chunk), 1.10x, 1.05x.
 # With one chunk everywhere (the earlier benchmarks) it won by 5% on one shape
 # and lost at 2048x8192x7168 (846 vs 818 us), so "auto" keeps XLA when the
-# caller asks for chunks other than those of chunks=None.
-_MIN_ROWS = {"all_gather_matmul": 1024, "matmul_all_reduce": 4096,
+# caller asks for chunks other than those of chunks=None. A later run at
+# 2048x8192x7168 (collective_matmul_rs_chunks_2xh200.json) measured 0.96x
+# (826 vs 795 us; 777 vs 826 in collective_matmul_xla_waits_2xh200.json): the
+# spread there is about 4% either way.
+#
+# all_gather_matmul below 1024 rows, at x8192x8192
+# (collective_matmul_small_rows_2xh200.json): 1.04x XLA at 128 rows (80.9 vs
+# 93.7 and 80.8 vs 83.9 us in two earlier runs: faster in all three), 1.21x at
+# 256, 1.29x at 512. matmul_all_reduce as XLA's dot + the all-reduce kernel
+# (Lamport up to 2 MiB, one-shot above): 1.18x at 128 rows (1.07x in the run
+# before), 1.06x at 256, 1.11x at 512; 0.98x at 128 rows when the all-reduce
+# there was the flag one-shot.
+_MIN_ROWS = {"all_gather_matmul": 128, "matmul_all_reduce": 4096,
              "matmul_reduce_scatter": 1024}
-_MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 1024
+_MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 128
 
 # all_reduce (benchmarks/results/all_reduce_2xh200.json): the kernel "auto"
 # runs (one-shot to 8 MiB, two-shot above) was faster than psum at every size

@@ -17,14 +17,16 @@ def cuda_built(monkeypatch):
 
 @pytest.mark.parametrize("op,shapes,dtype,n,want", [
     ("all_gather_matmul", [(1024, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
-    ("all_gather_matmul", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
+    ("all_gather_matmul", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "cuda"),
+    ("all_gather_matmul", [(64, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
     ("all_gather_matmul", [(4096, 8192), (8192, 4096)], np.dtype("float32"), 2, "xla"),
     ("all_gather_matmul", [(4096, 8192), (8192, 4096)], np.dtype("bfloat16"), 4, "xla"),
     ("matmul_all_reduce", [(4096, 8192), (8192, 4096)], np.dtype("float16"), 2, "cuda"),
     ("matmul_all_reduce", [(2048, 8192), (8192, 7168)], np.dtype("bfloat16"), 2, "xla"),
     ("matmul_all_reduce", [(1024, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
     ("matmul_all_reduce", [(1024, 4096), (4096, 4104)], np.dtype("bfloat16"), 2, "xla"),
-    ("matmul_all_reduce", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
+    ("matmul_all_reduce", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "cuda"),
+    ("matmul_all_reduce", [(64, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
     ("matmul_reduce_scatter", [(2048, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
     ("matmul_reduce_scatter", [(2040, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "xla"),
     ("matmul_reduce_scatter", [(256, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),

@@ -61,13 +61,14 @@ def test_the_fused_kernel_from_just_above_the_limit():
 
 
 def test_auto_keeps_to_measured_kernels():
-    # From 1024 rows with a result of at most 8 MiB: dot + the all-reduce kernel;
+    # From 128 rows with a result of at most 8 MiB: dot + the all-reduce kernel;
     # from 4096 rows with a larger result: the fused kernel; else XLA.
     assert _custom_calls(_matmul_all_reduce_text(1024, 4096, "auto")) == ["jfo_all_reduce"]
     assert _custom_calls(_matmul_all_reduce_text(4096, 256, "auto")) == ["jfo_all_reduce"]
     assert _custom_calls(_matmul_all_reduce_text(4096, 2048, "auto")) == ["jfo_matmul_all_reduce"]
     assert _custom_calls(_matmul_all_reduce_text(2048, 4096, "auto")) == []
-    assert _custom_calls(_matmul_all_reduce_text(128, 256, "auto")) == []
+    assert _custom_calls(_matmul_all_reduce_text(128, 256, "auto")) == ["jfo_all_reduce"]
+    assert _custom_calls(_matmul_all_reduce_text(64, 256, "auto")) == []
 
 
 @pytest.mark.parametrize("dtype,want", [(jnp.bfloat16, ["jfo_all_reduce"]), (jnp.float32, [])])
