@@ -7,7 +7,11 @@ bf16 messages of 4 KiB to 256 MiB per rank (powers of 4, plus 2, 8 and
 impl="cuda" with each kernel ("one_shot", "two_shot", and "lamport" up to
 ``dispatch.lamport_max_bytes()``, 2 MiB on 2 GPUs), impl="auto" (what users
 get by default) and XLA's psum ("xla"). Every implementation's result
-is checked against psum before it is timed.
+is checked against psum before it is timed. "transfer" is no all-reduce:
+two dependent ``lax.ppermute`` steps to the next rank, each moving the
+(n - 1) / n of the message a two-shot's reduce-scatter or all-gather sends
+per GPU (checked against the input two ranks back): the time NCCL's
+point-to-point needs for a two-shot's NVLink traffic, a measured floor.
 
 Two loop modes (``--modes``), the baseline timed alike in each:
   loop      one op per fori_loop iteration: XLA's host launches every
@@ -34,6 +38,7 @@ IMPLS = {  # name -> keyword arguments of jax_flashoverlap.all_reduce
     "lamport": {"impl": "cuda", "algorithm": "lamport"},  # up to lamport_max_bytes()
     "auto": {"impl": "auto"},
     "xla": {"impl": "xla"},
+    "transfer": None,  # not jfo.all_reduce: see _transfer
 }
 NVLINK_BYTES_PER_S = 450e9  # per direction, DESIGN.md §2
 
@@ -54,6 +59,17 @@ def time_modes(op, args, *, mesh, in_specs, ops, modes, reps):
                         k2=whole + 2 * unroll, reps=reps, unroll=unroll)
         yield mode, dict(mode=mode, unroll=unroll, us=t.median_us, min_us=t.min_s * 1e6,
                          max_us=t.max_s * 1e6, reps=t.reps, k2=whole)
+
+
+def _transfer(x, n: int):
+    """A two-shot's NVLink traffic without its sums: ppermute to the next rank
+    of (n - 1) / n of ``x``, twice in a row (the second moves the first's
+    result). Returns x[:k] of the rank two back."""
+    from jax import lax
+
+    perm = [(i, (i + 1) % n) for i in range(n)]
+    k = x.shape[0] * (n - 1) // n
+    return lax.ppermute(lax.ppermute(x[:k], "tp", perm), "tp", perm)
 
 
 def _label(size: int) -> str:
@@ -95,16 +111,24 @@ def run(sizes, impls, modes, reps, devices=None):
         for name in impls:
             if name == "lamport" and size > dispatch.lamport_max_bytes():
                 continue
-            op = functools.partial(jfo.all_reduce, axis_name="tp", **IMPLS[name])
+            if name == "transfer":
+                op = functools.partial(_transfer, n=n)
+                moved = data.reshape(n, elements)[:, :elements * (n - 1) // n]
+                expect = np.roll(moved, 2, axis=0).reshape(-1)  # bf16 in, bf16 out
+                expect = np.asarray(jnp.asarray(expect, jnp.bfloat16).astype(jnp.float32))
+            else:
+                op = functools.partial(jfo.all_reduce, axis_name="tp", **IMPLS[name])
+                expect = want
             try:
                 got = np.asarray(per_rank(op)(x).astype(jnp.float32))
                 jfo.check_device_errors()
             except (jax.errors.JaxRuntimeError, NotImplementedError, RuntimeError) as e:
                 print(f"skip {name} at {_label(size)}: {str(e).splitlines()[0]}", flush=True)
                 continue
-            err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            err = float(np.linalg.norm(got - expect) / np.linalg.norm(expect))
             if not err < 1e-2:
-                raise SystemExit(f"{name} at {_label(size)}: relative error {err:.3g} vs psum")
+                raise SystemExit(f"{name} at {_label(size)}: relative error {err:.3g} vs "
+                                 + ("the input two ranks back" if name == "transfer" else "psum"))
             for mode, fields in time_modes(op, [x], mesh=mesh, in_specs=(P("tp"),), ops=k2,
                                            modes=modes, reps=reps):
                 jfo.check_device_errors()

@@ -8,8 +8,10 @@ For each model and ``impl`` it builds the training step of
 parallelism), runs ``--warmup`` steps (compilation, autotuning), then times
 ``--reps`` runs of ``--steps`` back-to-back steps, each run blocked at its end
 (so dispatch overlaps the device as in training); a step's time is the median
-over the runs. Every loss must be finite. An impl that raises
-``NotImplementedError`` (no CUDA kernel for an op) is skipped with a message.
+over the runs, and "host dispatch" the median time per step until the host
+had dispatched a run's last step (near the step time, the host bounds it).
+Every loss must be finite. An impl that raises ``NotImplementedError`` (no
+CUDA kernel for an op) is skipped with a message.
 Results go to ``--json`` after each row; a markdown table is printed last.
 MFU is against the H200's 989 TFLOP/s dense bf16 datasheet peak per GPU.
 The Transformer's attention is ``--attention`` (default auto: cuDNN flash
@@ -44,17 +46,23 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
     losses = []
 
-    def run(count: int) -> float:
+    def run(count: int) -> tuple[float, float]:
+        """Seconds for ``count`` steps, and of them the seconds until the host
+        had dispatched the last (where it nears the first, the host bounds the
+        step)."""
         start = time.perf_counter()
         for i in range(count):
             trainer.state, loss, _ = trainer.step(trainer.state, batches[i % len(batches)])
             losses.append(loss)
+        dispatched = time.perf_counter() - start
         jax.block_until_ready((trainer.state, losses[-1]))
-        return time.perf_counter() - start
+        return time.perf_counter() - start, dispatched
 
     with jax.set_mesh(trainer.mesh):
-        warmup_s = run(args.warmup)  # Mostly compilation.
-        per_step = sorted(run(args.steps) / args.steps for _ in range(args.reps))
+        warmup_s, _ = run(args.warmup)  # Mostly compilation.
+        runs = [run(args.steps) for _ in range(args.reps)]
+    per_step = sorted(total / args.steps for total, _ in runs)
+    dispatch_s = statistics.median(dispatched / args.steps for _, dispatched in runs)
     losses = [float(v) for v in losses]
     if not all(math.isfinite(v) for v in losses):
         raise FloatingPointError(f"{model} impl={impl}: non-finite loss {losses}")
@@ -67,6 +75,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "dtype": trainer.config.dtype, "device": jax.devices()[0].device_kind,
         "step_ms": step_s * 1e3, "step_ms_min": per_step[0] * 1e3,
         "step_ms_max": per_step[-1] * 1e3, "reps": args.reps, "steps_per_rep": args.steps,
+        "dispatch_ms": dispatch_s * 1e3,
         "tokens_per_s": args.batch * args.seq_len / step_s,
         "mfu": trainer.flops_per_step / step_s / trainer.peak_flops
         if trainer.peak_flops else None,
@@ -76,14 +85,16 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
 
 def _table(rows: list[dict]) -> str:
     xla = {r["model"]: r["step_ms"] for r in rows if r["impl"] == "xla"}
-    lines = ["| model | params | impl | attention | step (ms), median [min, max] | tokens/s | "
-             "MFU | speed-up vs xla |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | params | impl | attention | step (ms), median [min, max] | "
+             "host dispatch (ms) | tokens/s | MFU | speed-up vs xla |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         speedup = f"{xla[r['model']] / r['step_ms']:.3f}x" if r["model"] in xla else "–"
         lines.append(f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['impl']} | "
                      f"{r.get('attention') or '–'} | "
                      f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
+                     f"{r['dispatch_ms']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {speedup} |")
     return "\n".join(lines)
 

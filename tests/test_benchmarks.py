@@ -198,3 +198,38 @@ def test_gemm_blocks_follow_the_ops_chunks():
     assert blocks("matmul_reduce_scatter", "cuda_xla_waits", rs_shapes) == 4
     assert blocks("matmul_reduce_scatter", "xla", rs_shapes) is None
     assert blocks("matmul_reduce_scatter", "cuda_add_after", rs_shapes) is None
+
+
+def test_all_reduce_benchmark_checks_and_times_the_transfer_floor():
+    """The "transfer" row is checked against the input two ranks back, then timed."""
+    bench = _load("all_reduce")
+    rows, n = bench.run([4096, 16384], ["xla", "transfer"], ["loop"], reps=1, devices=4)
+    assert n == 4
+    assert sorted((r["size_bytes"], r["impl"]) for r in rows) == [
+        (4096, "transfer"), (4096, "xla"), (16384, "transfer"), (16384, "xla")]
+    assert all(r["us"] > 0 for r in rows)
+    assert "transfer µs" in bench.table(rows, n, "loop")
+
+
+def test_all_reduce_benchmark_rejects_a_wrong_transfer(monkeypatch):
+    bench = _load("all_reduce")
+    from jax import lax
+
+    def one_step(x, n):  # the data one rank back, not two
+        return lax.ppermute(x[:x.shape[0] * (n - 1) // n], "tp",
+                            [(i, (i + 1) % n) for i in range(n)])
+    monkeypatch.setattr(bench, "_transfer", one_step)
+    with pytest.raises(SystemExit, match="the input two ranks back"):
+        bench.run([4096], ["transfer"], ["loop"], reps=1, devices=4)
+
+
+def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
+    """A tiny model on the CPUs: every row has a dispatch time within its step time."""
+    bench = _load("train_step")
+    out = tmp_path / "t.json"
+    assert bench.main(["--json", str(out), "--models", "transformer", "--impls", "xla",
+                       "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
+                       "--reps", "2", "--dtype", "float32"]) == 0
+    (row,) = json.loads(out.read_text())
+    assert 0 < row["dispatch_ms"] <= row["step_ms_max"]
+    assert "host dispatch (ms)" in capsys.readouterr().out
