@@ -52,14 +52,15 @@ _MEASURED_RANKS = 2
 # (826 vs 795 us; 777 vs 826 in collective_matmul_xla_waits_2xh200.json): the
 # spread there is about 4% either way.
 #
-# all_gather_matmul below 1024 rows, at x8192x8192
-# (collective_matmul_small_rows_2xh200.json): 1.04x XLA at 128 rows (80.9 vs
-# 93.7 and 80.8 vs 83.9 us in two earlier runs: faster in all three), 1.21x at
-# 256, 1.29x at 512. matmul_all_reduce as XLA's dot + the all-reduce kernel
-# (Lamport up to 2 MiB, one-shot above): 1.18x at 128 rows (1.07x in the run
-# before), 1.06x at 256, 1.11x at 512; 0.98x at 128 rows when the all-reduce
-# there was the flag one-shot.
-_MIN_ROWS = {"all_gather_matmul": 128, "matmul_all_reduce": 4096,
+# Below 1024 rows, at x8192x8192, two runs (collective_matmul_small_rows_2xh200.json,
+# then ..._small_rows_auto_2xh200.json): all_gather_matmul 1.21x and 1.19x XLA
+# at 256 rows, 1.29x and 1.22x at 512; at 128 rows 1.04x, then 0.96x (1.16x
+# and 1.04x in two earlier runs), so it starts at 256. matmul_all_reduce as
+# XLA's dot + the all-reduce kernel (Lamport up to 2 MiB, one-shot above):
+# 1.18x and 1.20x at 128 rows (1.07x in an earlier run; 0.98x when the
+# all-reduce there was the flag one-shot), 1.06x and 0.99x at 256 (where
+# "auto", the same path, ran 1.08x in the second run), 1.11x and 1.08x at 512.
+_MIN_ROWS = {"all_gather_matmul": 256, "matmul_all_reduce": 4096,
              "matmul_reduce_scatter": 1024}
 _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 128
 

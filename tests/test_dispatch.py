@@ -17,8 +17,8 @@ def cuda_built(monkeypatch):
 
 @pytest.mark.parametrize("op,shapes,dtype,n,want", [
     ("all_gather_matmul", [(1024, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
-    ("all_gather_matmul", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "cuda"),
-    ("all_gather_matmul", [(64, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
+    ("all_gather_matmul", [(256, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "cuda"),
+    ("all_gather_matmul", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
     ("all_gather_matmul", [(4096, 8192), (8192, 4096)], np.dtype("float32"), 2, "xla"),
     ("all_gather_matmul", [(4096, 8192), (8192, 4096)], np.dtype("bfloat16"), 4, "xla"),
     ("matmul_all_reduce", [(4096, 8192), (8192, 4096)], np.dtype("float16"), 2, "cuda"),
