@@ -12,7 +12,9 @@ alone ("gemm") and the collective alone ("comm"); XLA's windowed einsum
 start-up. Every implementation's result is checked against "xla" before it is
 timed. ``--chunks 2 4`` adds impl="cuda" with those chunk counts (the data
 for choosing it automatically); ``--add-after`` adds matmul_reduce_scatter
-with the partials added after the own GEMM instead of fed to it.
+with the partials added after the own GEMM instead of fed to it;
+``--part-aligns 8 256`` adds the fused matmul_all_reduce with those row
+alignments of each rank's part of a chunk.
 ``--devices N`` runs on the first N local GPUs (TP=N); the CUDA kernels
 always send directly to every peer (NVLink/NVSwitch), so the ring and
 bidirectional variants are schedules of the pure-JAX path.
@@ -63,8 +65,9 @@ def _op_fn(op, impl):
     lowered: matmul_all_reduce must run its fused kernel, which impl="cuda"
     replaces by dot + all-reduce for small results ("cuda_fused" and the
     chunked rows time the fused kernel; "cuda" times what users get);
-    "cuda_add_after" runs matmul_reduce_scatter's other fold and
-    "cuda_xla_waits" the peer waits on XLA's stream.
+    "cuda_add_after" runs matmul_reduce_scatter's other fold,
+    "cuda_xla_waits" the peer waits on XLA's stream and "cuda_part_alignA"
+    the fused matmul_all_reduce with parts aligned to A rows.
     """
     import jax_flashoverlap as jfo
 
@@ -82,6 +85,12 @@ def _op_fn(op, impl):
             overrides = dict(variant_overrides)
             impl = "cuda" + impl[len(prefix):]  # "cuda" or "cuda_chunksC"
             break
+    if impl.startswith("cuda_part_align"):
+        if op != "matmul_all_reduce":
+            return None
+        align = int(impl[len("cuda_part_align"):])
+        return (functools.partial(call, impl="cuda"),
+                {**fused, "MATMUL_ALL_REDUCE_PART_ALIGN": align})
     if impl.startswith("cuda_chunks"):
         chunks = int(impl[len("cuda_chunks"):])
         return functools.partial(call, impl="cuda", chunks=chunks), {**fused, **overrides}
@@ -268,6 +277,9 @@ def main():
                         help="also time the fused all_gather_matmul and matmul_reduce_scatter "
                              "waiting for peers on XLA's stream (rows 'cuda_xla_waits', with "
                              "each --chunks)")
+    parser.add_argument("--part-aligns", nargs="+", type=int, default=[],
+                        help="also time the fused matmul_all_reduce with each of these "
+                             "dispatch.MATMUL_ALL_REDUCE_PART_ALIGN (rows 'cuda_part_alignA')")
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N local devices (default: all)")
     parser.add_argument("--reps", type=int, default=5)
@@ -288,6 +300,7 @@ def main():
         impls += ["cuda_add_after"] + [f"cuda_add_after_chunks{c}" for c in args.chunks]
     if args.xla_waits:
         impls += ["cuda_xla_waits"] + [f"cuda_xla_waits_chunks{c}" for c in args.chunks]
+    impls += [f"cuda_part_align{a}" for a in args.part_aligns]
     rows = run(args.ops, shapes, impls, args.reps, args.devices)
     if not args.no_windowed:
         rows += _windowed(args)

@@ -380,6 +380,15 @@ PEER_WAIT_STREAM = "side"
 MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = 8 << 20
 
 
+# impl="cuda" and "decomposed" matmul_all_reduce cut the rows into chunks
+# whose rows, but for the first chunk's, are a multiple of n times this: each
+# rank's part of a chunk (the fused kernel splits every chunk into n parts, one
+# GEMM each) then fills whole GEMM tiles of 128 rows. With 8-row chunks, 2048
+# rows in 2 chunks on 2 GPUs made parts of 684 and 340 rows: 6 and 3 tiles
+# high, the work of 768 and 384 rows.
+MATMUL_ALL_REDUCE_PART_ALIGN = 128
+
+
 def matmul_all_reduce_kernel(nbytes: int) -> str:
     """How impl="cuda" runs a GEMM→AllReduce whose result has ``nbytes`` per rank.
 

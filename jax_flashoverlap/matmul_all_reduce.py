@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from . import _layout, _primitives, _validation, schedule
+from . import _layout, _primitives, _validation, dispatch, schedule
 
 __all__ = ["matmul_all_reduce"]
 
@@ -43,7 +43,8 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     rows = x.size // x.shape[-1]
-    chunk_rows = schedule.all_reduce_chunk_rows(rows, chunks) if rows else (0,)
+    align = n * dispatch.MATMUL_ALL_REDUCE_PART_ALIGN
+    chunk_rows = schedule.all_reduce_chunk_rows(rows, chunks, align=align) if rows else (0,)
     varying = (_layout.varying(x), _layout.varying(w))
     return _matmul_all_reduce(x, w, (axis_name, n, impl, chunk_rows, varying))
 

@@ -66,6 +66,8 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
              ("matmul_reduce_scatter", "cuda_add_after_chunks2", 2, add_after),
              ("all_gather_matmul", "cuda_xla_waits", None, xla_waits),
              ("matmul_reduce_scatter", "cuda_xla_waits_chunks2", 2, xla_waits),
+             ("matmul_all_reduce", "cuda_part_align8", None,
+              {**fused, "MATMUL_ALL_REDUCE_PART_ALIGN": 8}),
              ("all_gather_matmul", "cuda", None, {}),
              ("matmul_all_reduce", "cuda", None, {})]  # what users get: no override
     for op, impl, chunks, overrides in cases:
@@ -76,6 +78,7 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
     assert bench._op_fn("all_gather_matmul", "cuda_fused") is None
     assert bench._op_fn("matmul_all_reduce", "cuda_add_after") is None
     assert bench._op_fn("matmul_all_reduce", "cuda_xla_waits") is None
+    assert bench._op_fn("matmul_reduce_scatter", "cuda_part_align8") is None
 
 
 def test_dispatch_overrides_are_restored():

@@ -60,6 +60,16 @@ def test_the_fused_kernel_from_just_above_the_limit():
     assert _custom_calls(text) == ["jfo_matmul_all_reduce"]
 
 
+@pytest.mark.parametrize("rows,cols,chunk_rows", [
+    (2048, 8192, "[1280, 768]"), (4096, 8192, "[2816, 1280]"),
+    (200, 32768, "200")])  # too few rows for 2 aligned chunks: one
+def test_fused_matmul_all_reduce_parts_fill_whole_tiles(rows, cols, chunk_rows):
+    # 2 chunks on 2 GPUs: every chunk but the first a multiple of 2 * 128 rows.
+    text = _matmul_all_reduce_text(rows, cols, "cuda")
+    assert _custom_calls(text) == ["jfo_matmul_all_reduce"]
+    assert f"chunk_rows = dense<{chunk_rows}> : tensor<" in text
+
+
 def test_auto_keeps_to_measured_kernels():
     # From 128 rows with a result of at most 8 MiB: dot + the all-reduce kernel;
     # from 4096 rows with a larger result: the fused kernel; else XLA.
