@@ -60,7 +60,10 @@ _MEASURED_RANKS = 2
 # 1.18x and 1.20x at 128 rows (1.07x in an earlier run; 0.98x when the
 # all-reduce there was the flag one-shot), 1.06x and 0.99x at 256 (where
 # "auto", the same path, ran 1.08x in the second run), 1.11x and 1.08x at 512.
-_MIN_ROWS = {"all_gather_matmul": 256, "matmul_all_reduce": 4096,
+# The fused matmul_all_reduce from 2048 rows since its chunks hold whole tiles
+# (MATMUL_ALL_REDUCE_PART_ALIGN, three runs): 1.03-1.08x XLA at
+# 2048x8192x7168, 1.05-1.15x at 2048x8192x14336, 1.11-1.12x at 4096x8192x4096.
+_MIN_ROWS = {"all_gather_matmul": 256, "matmul_all_reduce": 2048,
              "matmul_reduce_scatter": 1024}
 _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 128
 
@@ -383,10 +386,15 @@ MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = 8 << 20
 # impl="cuda" and "decomposed" matmul_all_reduce cut the rows into chunks
 # whose rows, but for the first chunk's, are a multiple of n times this: each
 # rank's part of a chunk (the fused kernel splits every chunk into n parts, one
-# GEMM each) then fills whole GEMM tiles of 128 rows. With 8-row chunks, 2048
-# rows in 2 chunks on 2 GPUs made parts of 684 and 340 rows: 6 and 3 tiles
-# high, the work of 768 and 384 rows.
-MATMUL_ALL_REDUCE_PART_ALIGN = 128
+# GEMM each) then fills whole GEMM tiles. With 8-row chunks, 2048 rows in 2
+# chunks on 2 GPUs made parts of 684 and 340 rows (6 and 3 tiles of 128
+# rows); 256 makes them 768 and 256. The fused kernel in three runs
+# (collective_matmul_mar_align*_2xh200.json, us, alignment 8 / 128 / 256,
+# XLA): 2048x8192x7168 457-452 / 422-427 / 433-445, XLA 458-466;
+# 2048x8192x14336 849-954 / 872-912 / 758-818, XLA 847-870; 4096x8192x4096
+# 448-450 / 457-474 / 448-461, XLA 504-512; one run at 1024x4096x4096:
+# 136.3 / 144.4 / 123.1. 256 is the best or within 3% of it everywhere.
+MATMUL_ALL_REDUCE_PART_ALIGN = 256
 
 
 def matmul_all_reduce_kernel(nbytes: int) -> str:

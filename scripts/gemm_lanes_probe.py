@@ -1,49 +1,97 @@
-"""Probe: do row-block GEMMs lose less when consecutive blocks run on alternating streams?"""
-import statistics, torch, json, os
-torch.manual_seed(0)
-dev = torch.device("cuda:0")
-def bench(fn, reps=7, iters=10):
-    for _ in range(3): fn()
+"""Probe (torch on the GPU machine): do row-block GEMMs get back what cutting costs
+when consecutive blocks run on two alternating streams?
+
+    python3 scripts/gemm_lanes_probe.py      # writes $OUT/gemm_lanes_probe.json
+
+The fused collective matmuls run a GEMM per row block, one after another on
+XLA's stream, and lose throughput to the cut (benchmarks/NOTES.md). If the
+loss were the last, partly empty wave of each block, a second stream could
+fill it with the next block. For each shape it times, with CUDA events
+(median of 7 runs of 10), the whole GEMM, its row blocks in sequence, and the
+blocks alternating over two streams, after checking both block variants
+against the whole product in float32.
+"""
+
+import json
+import os
+import statistics
+
+import torch
+
+SHAPES = [(4096, 8192, 7168, 4), (4096, 8192, 7168, 2), (4096, 8192, 4096, 4),
+          (8192, 8192, 4096, 4), (4096, 8192, 14336, 2)]  # M, K, N, row blocks
+
+
+def median_us(fn, reps=7, iters=10):
+    for _ in range(3):
+        fn()
     torch.cuda.synchronize()
-    ts = []
+    times = []
     for _ in range(reps):
-        s = torch.cuda.Event(enable_timing=True); e = torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters): fn()
-        e.record(); torch.cuda.synchronize()
-        ts.append(s.elapsed_time(e) * 1000 / iters)
-    return statistics.median(ts)
-main = torch.cuda.current_stream()
-aux = [torch.cuda.Stream() for _ in range(3)]
-rows_out = []
-for (M, K, N, blocks) in [(4096, 8192, 7168, 4), (4096, 8192, 7168, 2), (4096, 8192, 4096, 4), (8192, 8192, 4096, 4), (4096, 8192, 14336, 2)]:
-    x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
-    w = torch.randn(K, N, device=dev, dtype=torch.bfloat16)
-    y = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
-    b = M // blocks
-    def whole(): torch.mm(x, w, out=y)
-    def seq():
-        for i in range(blocks): torch.mm(x[i*b:(i+1)*b], w, out=y[i*b:(i+1)*b])
-    def lanes(k):
-        def f():
-            ev = torch.cuda.Event(); ev.record(main)
-            for s in aux[:k-1]: s.wait_event(ev)
-            streams = [main] + aux[:k-1]
-            for i in range(blocks):
-                s = streams[i % k]
-                with torch.cuda.stream(s):
-                    torch.mm(x[i*b:(i+1)*b], w, out=y[i*b:(i+1)*b])
-            for s in aux[:k-1]:
-                e2 = torch.cuda.Event(); e2.record(s); main.wait_event(e2)
-        return f
-    ref = (x.float() @ w.float())
-    for name, fn in [("whole", whole), ("seq", seq), ("2 lanes", lanes(2))]:
-        y.zero_(); fn(); torch.cuda.synchronize()
-        err = ((y.float() - ref).norm() / ref.norm()).item()
-        assert err < 1e-2, (name, err)
-    r = dict(shape=[M, K, N], blocks=blocks, whole=bench(whole), seq=bench(seq), lanes2=bench(lanes(2)))
-    r["seq_over_whole"] = r["seq"] / r["whole"]; r["lanes2_over_whole"] = r["lanes2"] / r["whole"]
-    rows_out.append(r)
-    print(f"{M}x{K}x{N} blocks {blocks}: whole {r['whole']:.1f} us, seq {r['seq']:.1f} ({r['seq_over_whole']:.3f}), 2 lanes {r['lanes2']:.1f} ({r['lanes2_over_whole']:.3f})", flush=True)
-out = os.environ.get("OUT", "/tmp")
-json.dump(dict(torch=torch.__version__, device=torch.cuda.get_device_name(0), rows=rows_out), open(f"{out}/gemm_lanes_probe.json", "w"), indent=1)
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) * 1000 / iters)
+    return statistics.median(times)
+
+
+def measure(m, k, n, blocks, main_stream, aux_stream):
+    """One shape's row: the three variants, checked, then timed."""
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    b = m // blocks
+
+    def whole():
+        torch.mm(x, w, out=y)
+
+    def sequence():
+        for i in range(blocks):
+            torch.mm(x[i * b:(i + 1) * b], w, out=y[i * b:(i + 1) * b])
+
+    def two_streams():
+        forked = torch.cuda.Event()
+        forked.record(main_stream)
+        aux_stream.wait_event(forked)
+        for i in range(blocks):
+            with torch.cuda.stream((main_stream, aux_stream)[i % 2]):
+                torch.mm(x[i * b:(i + 1) * b], w, out=y[i * b:(i + 1) * b])
+        joined = torch.cuda.Event()
+        joined.record(aux_stream)
+        main_stream.wait_event(joined)
+
+    want = x.float() @ w.float()
+    for name, fn in (("whole", whole), ("sequence", sequence), ("two_streams", two_streams)):
+        y.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        err = ((y.float() - want).norm() / want.norm()).item()
+        if not err < 1e-2:
+            raise SystemExit(f"{name} {m}x{k}x{n}: relative error {err:.3g}")
+    return dict(shape=[m, k, n], blocks=blocks, whole_us=median_us(whole),
+                sequence_us=median_us(sequence), two_streams_us=median_us(two_streams))
+
+
+def main():
+    torch.manual_seed(0)
+    main_stream = torch.cuda.current_stream()
+    aux_stream = torch.cuda.Stream()
+    rows = []
+    for m, k, n, blocks in SHAPES:
+        row = measure(m, k, n, blocks, main_stream, aux_stream)
+        rows.append(row)
+        print(f"{m}x{k}x{n} in {blocks} blocks: whole {row['whole_us']:.1f} us, in sequence "
+              f"{row['sequence_us']:.1f} ({row['sequence_us'] / row['whole_us']:.3f}), "
+              f"two streams {row['two_streams_us']:.1f} "
+              f"({row['two_streams_us'] / row['whole_us']:.3f})", flush=True)
+    out = os.environ.get("OUT", "/tmp")
+    with open(os.path.join(out, "gemm_lanes_probe.json"), "w") as f:
+        json.dump(dict(torch=torch.__version__, device=torch.cuda.get_device_name(0),
+                       rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
