@@ -390,7 +390,7 @@ MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES = 8 << 20
 # chunks on 2 GPUs made parts of 684 and 340 rows (6 and 3 tiles of 128
 # rows); 256 makes them 768 and 256. The fused kernel in three runs
 # (collective_matmul_mar_align*_2xh200.json, us, alignment 8 / 128 / 256,
-# XLA): 2048x8192x7168 457-452 / 422-427 / 433-445, XLA 458-466;
+# XLA): 2048x8192x7168 452-457 / 422-427 / 433-445, XLA 458-466;
 # 2048x8192x14336 849-954 / 872-912 / 758-818, XLA 847-870; 4096x8192x4096
 # 448-450 / 457-474 / 448-461, XLA 504-512; one run at 1024x4096x4096:
 # 136.3 / 144.4 / 123.1. 256 is the best or within 3% of it everywhere.

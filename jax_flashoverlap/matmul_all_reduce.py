@@ -33,7 +33,11 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
         :data:`jax_flashoverlap.dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES`
         per rank, XLA's dot then the one-kernel all-reduce), or "auto".
       chunks: number of row chunks of the fused kernel and the "decomposed"
-        path (see :func:`jax_flashoverlap.schedule.all_reduce_chunk_rows`).
+        path (see :func:`jax_flashoverlap.schedule.all_reduce_chunk_rows`);
+        every chunk but the first holds a multiple of ``n`` ×
+        :data:`jax_flashoverlap.dispatch.MATMUL_ALL_REDUCE_PART_ALIGN` rows,
+        so there are at most ``rows // (n * MATMUL_ALL_REDUCE_PART_ALIGN)``
+        chunks (and at least one).
 
     Returns:
       [..., n_out], identical on every rank and typed as such (like

@@ -203,7 +203,7 @@ def test_gemm_blocks_follow_the_ops_chunks():
     assert blocks("matmul_reduce_scatter", "cuda_add_after", rs_shapes) is None
 
 
-def test_all_reduce_benchmark_checks_and_times_the_transfer_floor():
+def test_all_reduce_benchmark_checks_and_times_the_transfer_row():
     """The "transfer" row is checked against the input two ranks back, then timed."""
     bench = _load("all_reduce")
     rows, n = bench.run([4096, 16384], ["xla", "transfer"], ["loop"], reps=1, devices=4)

@@ -101,4 +101,3 @@ def test_bad_arguments(bad):
 
 def test_order_is_int32_for_the_kernels():
     assert schedule.reduce_scatter_schedule(4, "direct").order().dtype == np.int32
-
