@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -234,5 +235,19 @@ def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
                        "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
                        "--reps", "2", "--dtype", "float32"]) == 0
     (row,) = json.loads(out.read_text())
-    assert 0 < row["dispatch_ms"] <= row["step_ms_max"]
+    assert row["dispatch_ms"] > 0 and row["step_ms_from_idle"] > 0
+    assert math.isfinite(row["step_ms"]) and row["step_ms_min"] <= row["step_ms_max"]
     assert "host dispatch (ms)" in capsys.readouterr().out
+
+
+def test_train_step_times_are_the_difference_of_two_run_lengths():
+    """A run pays 30 ms once (an empty queue) and 10 ms per step: the difference
+    finds the 10, T(k) / k does not."""
+    bench = _load("train_step")
+    k = 5
+    runs = [((0.030 + k * 0.010, 0.02), (0.030 + 2 * k * 0.010, 0.06)),
+            ((0.032 + k * 0.011, 0.02), (0.032 + 2 * k * 0.011, 0.08))]
+    per_step, from_idle, dispatch = bench.step_times(runs, k)
+    assert per_step == pytest.approx([0.010, 0.011])
+    assert from_idle == pytest.approx((0.080 + 0.087) / 2 / k)
+    assert dispatch == pytest.approx((0.006 + 0.008) / 2)
