@@ -89,6 +89,9 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     if not all(math.isfinite(v) for v in losses):
         raise FloatingPointError(f"{model} impl={impl}: non-finite loss {losses}")
     step_s = statistics.median(per_step)
+    if not step_s > 0:
+        raise RuntimeError(f"{model} impl={impl}: T(2k) - T(k) = {step_s * k:.3g} s, the runs' "
+                           f"spread exceeds {k} steps; raise --steps")
     return {
         "model": model, "size": args.size, "params": trainer.num_params, "impl": impl,
         "attention": trainer.attention,
