@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels train all
-#                                               profile, stall, nvshmem (only when named)
+#                                               profile, stall, nvshmem, nvlink (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS and JFO_TRAIN_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
@@ -108,6 +108,21 @@ if want train; then
   # shellcheck disable=SC2086
   step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
     ${JFO_TRAIN_ARGS:-}
+fi
+# Opt-in: the NVLink ceilings between GPUs 0 and 1 (copy engine, SM push and
+# pull, the two-shot's pattern without flags; scripts/nvlink_probe.cu).
+nvlink_probe() {
+  nvcc -O3 -arch=sm_90 -o /tmp/jfo_nvlink_probe scripts/nvlink_probe.cu \
+    && /tmp/jfo_nvlink_probe > "$OUT/nvlink_probe$tag.json" \
+    && $PY - "$OUT/nvlink_probe$tag.json" <<'PYEOF'
+import json, sys
+for r in json.load(open(sys.argv[1]))["rows"]:
+    grid = f"{r['blocks']}x{r['threads']}" if r["blocks"] else "-"
+    print(f"{r['name']:20s} {r['bytes'] >> 20:4d} MiB  {grid:9s} {r['us']:8.1f} us  {r['gb_per_s']:6.1f} GB/s")
+PYEOF
+}
+if [[ " ${stages[*]} " == *" nvlink "* ]]; then
+  step nvlink$tag nvlink_probe
 fi
 # Opt-in: a jax.profiler trace of 3 training steps (1B model, TP=2 with
 # sequence parallelism, sequence 8192: the benchmark's config) and its device

@@ -280,24 +280,28 @@ def test_message_over_the_region_names_the_setting():
     jfo.check_device_errors()
 
 
-def test_missing_peer_times_out_with_nan_and_a_named_error():
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+def test_missing_peer_times_out_with_nan_and_a_named_error(algorithm):
     """Device 0 runs the kernel alone: its wait for rank 1 must give up after
     timeout_ms, fill the output with NaN and leave an error naming rank 1.
 
     Device 0 then counted a call device 1 never made; device 1 makes it
     alone afterwards (rank 0's signal is there, so it does not wait), which
     brings the pair back in step, as the exact all-reduce at the end checks.
-    Other tests in this process (e.g. the composed matmul_all_reduce) run the
-    same kernels after this one.
+    The one-shot sums rank 0's data; the two-shot finds that rank 0 gave up
+    (so rank 0's y, which it would store into, is no longer an output) and
+    returns NaN with an error naming rank 0. Other tests in this process
+    (e.g. the composed matmul_all_reduce) run the same kernels after this one.
     """
     mesh, n = _mesh()
     ordinals = np.asarray([d.local_hardware_id for d in mesh.devices.flat], np.int32)
     warm = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL), mesh)
     warm(jnp.ones((n, 8), jnp.float32)).block_until_ready()  # group set up
     jfo.check_device_errors()
+    code = np.int32(dispatch.ALL_REDUCE_ALGORITHMS.index(algorithm))
     call = jax.ffi.ffi_call("jfo_all_reduce", jax.ShapeDtypeStruct((1000,), jnp.float32))
     alone = jax.jit(lambda x: call(x, group_ordinals=ordinals, n=np.int32(n),
-                                   timeout_ms=np.int32(300), algorithm=np.int32(0)))
+                                   timeout_ms=np.int32(300), algorithm=code))
     on_device = [jax.device_put(jnp.ones((1000,), jnp.float32), d) for d in mesh.devices.flat]
     start = time.perf_counter()
     y = np.asarray(alone(on_device[0]))
@@ -309,6 +313,51 @@ def test_missing_peer_times_out_with_nan_and_a_named_error():
 
     missed = [alone(x) for x in on_device[1:]]  # dispatched together: they wait on each other
     jax.block_until_ready(missed)
+    if algorithm == "two_shot":
+        assert all(np.all(np.isnan(np.asarray(m))) for m in missed)
+        with pytest.raises(RuntimeError, match=r"all_reduce: rank 1 \(CUDA device \d+\) found "
+                                               r"that rank 0 \(CUDA device \d+\) had given up"):
+            jfo.check_device_errors()
+    else:
+        np.testing.assert_array_equal(np.asarray(missed[0]), float(n))
     jfo.check_device_errors()
     x = jnp.arange(n * 8, dtype=jnp.float32).reshape(n, 8)
     np.testing.assert_array_equal(np.asarray(warm(x)), np.broadcast_to(x.sum(0), (n, 8)))
+
+
+def _direct_gathers() -> int:
+    return _extension._module().debug_counters()["all_reduce_direct_gathers"]
+
+
+def test_two_shot_stores_into_the_peers_output_directly(rng):
+    """XLA's allocators map their memory into every local GPU, so every
+    two-shot call's peers store their sums straight into y. (The fallback
+    through the slots runs in tests/two_shot_slots_child.py.)"""
+    if os.environ.get("JAX_FLASHOVERLAP_PEER_STORES") == "0":
+        pytest.skip("JAX_FLASHOVERLAP_PEER_STORES=0 turns the direct stores off")
+    mesh, n = _mesh()
+    f = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL,
+                                    algorithm="two_shot"), mesh)
+    calls, direct = _host_calls(), _direct_gathers()
+    for size in (4097, (3 << 20) + 5):
+        x = np.asarray(jnp.asarray(rng.standard_normal((n, size), dtype=np.float32),
+                                   jnp.bfloat16))
+        poison_allocator(size * 2, devices=mesh.devices.flat)
+        per_rank = np.asarray(f(jax.device_put(x, NamedSharding(mesh, P("tp")))))
+        jfo.check_device_errors()
+        for r in range(n):
+            np.testing.assert_array_equal(_bits(per_rank[r]), _bits(_rank_order_sum(x)))
+    calls, direct = _host_calls() - calls, _direct_gathers() - direct
+    assert calls >= n and direct == calls, (calls, direct)
+
+
+def test_two_shot_gathers_through_the_slots_when_peer_stores_are_off():
+    """In a fresh process with JAX_FLASHOVERLAP_PEER_STORES=0
+    (tests/two_shot_slots_child.py): the path for outputs the peers cannot
+    reach, gathering through the receive slots, sums exactly."""
+    child = Path(__file__).with_name("two_shot_slots_child.py")
+    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(child)],
+                          env=child_env(JAX_FLASHOVERLAP_PEER_STORES="0"),
+                          cwd=child.parent, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "TWO-SHOT SLOTS OK" in proc.stdout, out[-6000:]

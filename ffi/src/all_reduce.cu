@@ -12,8 +12,10 @@
 //   one-shot: push the chunk of x into every peer's slot, signal; wait for
 //     every peer's chunk; sum all ranks' chunks.
 //   two-shot: push slice q of the chunk to rank q (reduce-scatter), signal,
-//     wait; sum own slice r, write it to y and push it to every peer
-//     (all-gather), signal, wait; copy the peers' reduced slices into y.
+//     wait; sum own slice r, write it to y and store it into every peer's y
+//     (all-gather), signal, wait. A peer whose y its peers cannot reach
+//     (memory that peer access does not map) gets the slice in its slot and
+//     copies it into y itself after the wait.
 //
 // Every sum runs over ranks 0, 1, ..., n-1 in fp32 and rounds once, so the
 // result is bitwise identical on every rank and from run to run.
@@ -90,6 +92,7 @@ constexpr size_t kLamportMinActiveBlocks = 16;
 enum Algorithm : int32_t { kOneShot = 0, kTwoShot = 1, kLamport = 2 };
 
 std::atomic<uint64_t> g_host_calls{0};
+std::atomic<uint64_t> g_direct_gathers{0};
 
 struct Args {
   const void* x;
@@ -98,6 +101,8 @@ struct Args {
   size_t chunk;     // elements per block; a multiple of 16 bytes
   size_t slice;     // two-shot: elements per rank within a chunk, likewise
   int n, rank;
+  // Two-shot: what this rank's mailboxes on its peers say (see Mailbox).
+  unsigned long long gather_to;
   uint64_t timeout_ns;
   TimeoutRecord info;  // op, rank, ordinal, timeout_ms of a timeout report
   PeerRegion region;
@@ -141,6 +146,26 @@ __device__ void Wait(const Args& a, int kind, const uint32_t* seq,
     }
   }
   __syncthreads();
+}
+
+// Two-shot mailboxes: how a rank tells each peer where to store its slice
+// of the result. Before its reduce-scatter signal, lane q writes `gather_to`
+// (this call's y, which the peers then store into directly, or
+// kGatherIntoSlot) into the last bytes of this rank's stripe on peer q.
+// After its wait, the peer's lane takes it with an atomic swap to
+// kMailboxTaken. A rank whose call failed swaps kMailboxTaken into its own
+// mailboxes: finding kMailboxTaken there, it knows that the peer took its y
+// and may still be storing into it, so it waits (bounded) for that peer's
+// all-gather signal before the kernel ends and XLA may reuse y; a peer that
+// comes later finds kMailboxTaken and gives up without touching y.
+constexpr unsigned long long kMailboxTaken = 0;
+constexpr unsigned long long kGatherIntoSlot = 1;
+constexpr size_t kMailboxBytes = 16;  // keeps the stripe's data 16-byte aligned
+
+__device__ __forceinline__ unsigned long long* Mailbox(const char* stripe,
+                                                       const Args& a) {
+  return reinterpret_cast<unsigned long long*>(
+      const_cast<char*>(stripe) + a.region.stripe_bytes - kMailboxBytes);
 }
 
 template <typename T, bool kVector, int kAlgorithm>
@@ -189,34 +214,68 @@ __global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
   } else {
     // Slice q of the chunk: [begin(q), begin(q + 1)), possibly empty.
     auto begin = [&](int q) { return min(q * a.slice, count); };
+    auto slot_base = [&](const char* slot, int q) {
+      return reinterpret_cast<const char*>(stripe(slot, q));
+    };
+    __shared__ T* gather_dst[kArMaxRanks];  // where our slice goes on rank q
     for (int q = 0; q < a.n; ++q) {
       if (q == a.rank) continue;
       const T* src = x + begin(q);
       T* dst = out(q) + begin(q);
       reduce::ReduceRange<T, kVector>(&src, 1, &dst, 1, begin(q + 1) - begin(q));
     }
+    const int q = threadIdx.x;
+    if (IsPeer(a, q)) *Mailbox(slot_base(a.region.send[q], q), a) = a.gather_to;
     Signal(a, kArData, seq);
     Wait(a, kArData, seq, deadline, &failed);
+    if (!failed && IsPeer(a, q)) {
+      const unsigned long long to = atomicExch_system(
+          Mailbox(slot_base(a.region.recv[q], q), a), kMailboxTaken);
+      if (to == kMailboxTaken) {  // q gave up: its y is no longer its output
+        failed = 1;
+        TimeoutRecord info = a.info;
+        info.op = static_cast<int32_t>(OpId::kAllReduceAbandoned);
+        signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
+                              a.region.ordinals[q], seq[q], seq[q]);
+      } else if (to == kGatherIntoSlot) {
+        gather_dst[q] = out(q);
+      } else {
+        gather_dst[q] = reinterpret_cast<T*>(to) + lo;
+      }
+    }
+    __syncthreads();
     const size_t own = begin(a.rank);
     if (!failed) {
       int nd = 0;
       dsts[nd++] = y + own;
-      for (int q = 0; q < a.n; ++q) {
-        srcs[q] = in(q) + own;
-        if (q != a.rank) dsts[nd++] = out(q) + own;
+      for (int p = 0; p < a.n; ++p) {
+        srcs[p] = in(p) + own;
+        if (p != a.rank) dsts[nd++] = gather_dst[p] + own;
       }
       reduce::ReduceRange<T, kVector>(srcs, a.n, dsts, nd, begin(a.rank + 1) - own);
       Signal(a, kArGathered, seq);
       Wait(a, kArGathered, seq, deadline, &failed);
     }
-    if (!failed) {
-      for (int q = 0; q < a.n; ++q) {
-        if (q == a.rank) continue;
-        const T* src = in(q) + begin(q);
-        T* dst = y + begin(q);
-        reduce::ReduceRange<T, kVector>(&src, 1, &dst, 1, begin(q + 1) - begin(q));
+    if (!failed && a.gather_to == kGatherIntoSlot) {
+      for (int p = 0; p < a.n; ++p) {
+        if (p == a.rank) continue;
+        const T* src = in(p) + begin(p);
+        T* dst = y + begin(p);
+        reduce::ReduceRange<T, kVector>(&src, 1, &dst, 1, begin(p + 1) - begin(p));
       }
     }
+    if (failed && IsPeer(a, q) && a.gather_to != kGatherIntoSlot &&
+        atomicExch_system(Mailbox(slot_base(a.region.send[q], q), a),
+                          kMailboxTaken) == kMailboxTaken) {
+      // q took our y: let its stores land before XLA may reuse y.
+      const uint32_t* flag = a.region.recv_flag[q] +
+                             kArGathered * a.region.flag_kind_stride + b;
+      const uint64_t again = signal::GlobalTimerNs() + a.timeout_ns;
+      while (!signal::Reached(signal::LoadAcquire(flag), seq[q]) &&
+             signal::GlobalTimerNs() < again) {
+      }
+    }
+    __syncthreads();
   }
   if (failed) {  // a peer is missing: make the wrong result visible
     const T nan = static_cast<T>(__int_as_float(0x7fc00000));
@@ -534,7 +593,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
           ? kLamportBlocks
           : static_cast<unsigned>((elements + a.chunk - 1) / a.chunk);
   a.slice = RoundUp((a.chunk + n - 1) / n, pack);
-  if (algorithm != kLamport && a.chunk * es > region->stripe_bytes) {
+  if (algorithm != kLamport && a.chunk * es + kMailboxBytes > region->stripe_bytes) {
     return ffi::Error::InvalidArgument(
         "jax_flashoverlap all_reduce: " + std::to_string(elements * es) +
         " bytes per rank need slots of " +
@@ -556,6 +615,16 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   a.info.ordinal = ordinal;
   a.info.timeout_ms = timeout_ms;
   a.region = *region;
+  // The peers' vector stores into y need it 16-byte aligned, whatever their
+  // own buffers are.
+  a.gather_to = algorithm == kTwoShot &&
+                        reinterpret_cast<uintptr_t>(a.y) % 16 == 0 &&
+                        PeerStoresAllowed(a.y, *group)
+                    ? reinterpret_cast<uintptr_t>(a.y)
+                    : kGatherIntoSlot;
+  if (a.gather_to != kGatherIntoSlot) {
+    g_direct_gathers.fetch_add(1, std::memory_order_relaxed);
+  }
   // Ranks may differ here: both variants split, place and round alike.
   const bool vector = reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
@@ -569,6 +638,10 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
 
 uint64_t AllReduceHostCalls() {
   return g_host_calls.load(std::memory_order_relaxed);
+}
+
+uint64_t AllReduceDirectGathers() {
+  return g_direct_gathers.load(std::memory_order_relaxed);
 }
 
 JFO_DEFINE_INITIALIZE(JfoAllReduceInitialize, kOp, AllReduceSetup);

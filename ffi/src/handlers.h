@@ -19,6 +19,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllReduce);
 // Host-side calls of the all-reduce execute handler so far: a test sees a
 // call captured into a CUDA graph replay without its host code running.
 uint64_t AllReduceHostCalls();
+// Host-side two-shot calls whose peers store the result straight into this
+// device's y (the rest gather through the receive slots).
+uint64_t AllReduceDirectGathers();
 #endif
 
 }  // namespace jfo

@@ -100,6 +100,7 @@ nb::dict DebugCounters() {
   nb::dict d;
 #ifdef JFO_WITH_CUBLASLT
   d["all_reduce_host_calls"] = jfo::AllReduceHostCalls();
+  d["all_reduce_direct_gathers"] = jfo::AllReduceDirectGathers();
 #endif
   return d;
 }
@@ -130,7 +131,9 @@ NB_MODULE(_ffi, m) {
         "(no driver, or CUDA not initialised).");
   m.def("debug_counters", &DebugCounters,
         "Dict of counters for tests: all_reduce_host_calls (how often the "
-        "all-reduce handler's host code ran; CUDA graph replays skip it).");
+        "all-reduce handler's host code ran; CUDA graph replays skip it), "
+        "all_reduce_direct_gathers (of those, two-shot calls whose peers "
+        "store into y directly).");
   m.def("set_cublaslt_path", &SetCublasLtPath, nb::arg("path"),
         "dlopen cuBLASLt from this path if it is not loaded yet.");
 }

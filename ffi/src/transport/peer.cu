@@ -168,6 +168,15 @@ ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
 
 std::string FormatTimeout(const TimeoutRecord& r) {
   const OpId op = static_cast<OpId>(r.op);
+  if (op == OpId::kAllReduceAbandoned) {
+    return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
+           std::to_string(r.rank) + " (CUDA device " +
+           std::to_string(r.ordinal) + ") found that rank " +
+           std::to_string(r.peer_rank) + " (CUDA device " +
+           std::to_string(r.peer_ordinal) + ") had given up on epoch " +
+           std::to_string(r.expected) + " after its " +
+           std::to_string(r.timeout_ms) + " ms timeout";
+  }
   const std::string what =
       op == OpId::kAllReduceLamport
           ? "its data of call " + std::to_string(r.expected) +
@@ -206,6 +215,7 @@ const char* OpName(OpId op) {
     case OpId::kMatmulAllReduce: return "matmul_all_reduce";
     case OpId::kAllReduce: return "all_reduce";
     case OpId::kAllReduceLamport: return "all_reduce (lamport)";
+    case OpId::kAllReduceAbandoned: return "all_reduce";
   }
   return "?";
 }
@@ -283,6 +293,43 @@ std::string TakePendingError() {
     if (!msg.empty()) all += (all.empty() ? "" : "\n") + msg;
   }
   return all.empty() ? all : WithTimeoutHint(all);
+}
+
+bool PeerStoresAllowed(const void* ptr, const GroupSpec& group) {
+  static const bool disabled = [] {
+    const char* env = std::getenv("JAX_FLASHOVERLAP_PEER_STORES");
+    return env != nullptr && std::string(env) == "0";
+  }();
+  using GetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+  static const GetAttributeFn get_attribute = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000,
+                                         cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetAttributeFn>(fn);
+  }();
+  if (disabled || get_attribute == nullptr) return false;
+  // XLA's allocators map their memory into every local GPU (virtual memory
+  // with access set per device, or pools with peer access), but a user's
+  // allocator need not: ask each peer's context, whose access the attribute
+  // reports.
+  for (int q = 0; q < group.n; ++q) {
+    if (q == group.rank) continue;
+    DeviceGuard on_peer(group.ordinals[q]);
+    unsigned int flags = 0;
+    if (get_attribute(&flags, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+                      reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS ||
+        flags != CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE) {
+      cudaGetLastError();
+      return false;
+    }
+  }
+  return true;
 }
 
 std::string ModuleLoadingMode() {

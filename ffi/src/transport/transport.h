@@ -25,6 +25,8 @@ enum class OpId : int32_t {
   kMatmulAllReduce = 3,
   kAllReduce = 4,
   kAllReduceLamport = 5,  // in timeout records only: the flagless kernel
+  // In timeout records only: a two-shot peer had given up on the call.
+  kAllReduceAbandoned = 6,
 };
 const char* OpName(OpId op);
 
@@ -49,6 +51,11 @@ std::string TakePendingError();
 // The CUDA driver's module loading mode in this process: "lazy", "eager",
 // or "unknown" (no driver, or CUDA not initialised yet).
 std::string ModuleLoadingMode();
+
+// Whether every other member of `group` may load and store `ptr` (this
+// device's memory) directly, as its CUDA context reports. False for all
+// pointers while JAX_FLASHOVERLAP_PEER_STORES=0 (a switch for debugging).
+bool PeerStoresAllowed(const void* ptr, const GroupSpec& group);
 
 // What a wait that timed out leaves for the host (host-mapped memory, written
 // by the device under PeerRegion::record_lock, read by TakePendingError).
