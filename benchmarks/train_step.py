@@ -12,7 +12,9 @@ step's time is the median of (T(2k) - T(k)) / k, DESIGN.md §4's difference:
 it leaves out what a run pays once, such as starting on an empty queue,
 which T(k) / k ("from idle", also recorded) spreads over its k steps.
 "host dispatch" is the median time per step until the host had dispatched
-a 2k-run's last step (near the step time, the host bounds it).
+a 2k-run's last step; "first call" the median time the first step's call of
+a run took to return, on an idle device: the host's own cost of a step
+(near the step time, the host bounds it).
 Every loss must be finite. An impl that raises ``NotImplementedError`` (no
 CUDA kernel for an op) is skipped with a message.
 Results go to ``--json`` after each row; a markdown table is printed last.
@@ -68,14 +70,20 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
     losses = []
 
+    first_calls = []
+
     def run(count: int) -> tuple[float, float]:
         """Seconds for ``count`` steps, and of them the seconds until the host
         had dispatched the last (where it nears the first, the host bounds the
-        step)."""
+        step). Records how long the first step's call took to return, on an
+        idle device: the host's own cost of one step, before a full launch
+        queue makes it wait for the device."""
         start = time.perf_counter()
         for i in range(count):
             trainer.state, loss, _ = trainer.step(trainer.state, batches[i % len(batches)])
             losses.append(loss)
+            if i == 0:
+                first_calls.append(time.perf_counter() - start)
         dispatched = time.perf_counter() - start
         jax.block_until_ready((trainer.state, losses[-1]))
         return time.perf_counter() - start, dispatched
@@ -83,6 +91,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     k = args.steps
     with jax.set_mesh(trainer.mesh):
         warmup_s, _ = run(args.warmup)  # Mostly compilation.
+        del first_calls[:]
         runs = [(run(k), run(2 * k)) for _ in range(args.reps)]
     per_step, from_idle_s, dispatch_s = step_times(runs, k)
     losses = [float(v) for v in losses]
@@ -101,6 +110,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "step_ms": step_s * 1e3, "step_ms_min": per_step[0] * 1e3,
         "step_ms_max": per_step[-1] * 1e3, "reps": args.reps, "steps_per_rep": args.steps,
         "step_ms_from_idle": from_idle_s * 1e3, "dispatch_ms": dispatch_s * 1e3,
+        "first_call_ms": statistics.median(first_calls) * 1e3,
         "tokens_per_s": args.batch * args.seq_len / step_s,
         "mfu": trainer.flops_per_step / step_s / trainer.peak_flops
         if trainer.peak_flops else None,
@@ -111,8 +121,9 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
 def _table(rows: list[dict]) -> str:
     xla = {r["model"]: r["step_ms"] for r in rows if r["impl"] == "xla"}
     lines = ["| model | params | impl | attention | step (ms), median [min, max] | "
-             "from idle (ms) | host dispatch (ms) | tokens/s | MFU | speed-up vs xla |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "from idle (ms) | host dispatch (ms) | first call (ms) | tokens/s | MFU | "
+             "speed-up vs xla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         speedup = f"{xla[r['model']] / r['step_ms']:.3f}x" if r["model"] in xla else "–"
@@ -120,6 +131,7 @@ def _table(rows: list[dict]) -> str:
                      f"{r.get('attention') or '–'} | "
                      f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
                      f"{r['step_ms_from_idle']:.1f} | {r['dispatch_ms']:.1f} | "
+                     f"{r.get('first_call_ms', float('nan')):.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {speedup} |")
     return "\n".join(lines)
 
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5,
+    parser.add_argument("--steps", type=int, default=10,
                         help="k: steps of the shorter timed run (the longer has 2k)")
     parser.add_argument("--reps", type=int, default=5, help="pairs of timed runs")
     args = parser.parse_args(argv)

@@ -236,8 +236,10 @@ def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
                        "--reps", "2", "--dtype", "float32"]) == 0
     (row,) = json.loads(out.read_text())
     assert row["dispatch_ms"] > 0 and row["step_ms_from_idle"] > 0
+    assert row["first_call_ms"] > 0
     assert math.isfinite(row["step_ms"]) and row["step_ms_min"] <= row["step_ms_max"]
-    assert "host dispatch (ms)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "host dispatch (ms)" in printed and "first call (ms)" in printed
 
 
 def test_train_step_times_are_the_difference_of_two_run_lengths():
