@@ -14,7 +14,8 @@ which T(k) / k ("from idle", also recorded) spreads over its k steps.
 "host dispatch" is the median time per step until the host had dispatched
 a 2k-run's last step; "first call" the median time the first step's call of
 a run took to return, on an idle device: the host's own cost of a step
-(near the step time, the host bounds it).
+(near the step time, the host bounds it), where the step is unrolled; in a
+scanned one the host may also wait on the device for loop conditions.
 Every loss must be finite. An impl that raises ``NotImplementedError`` (no
 CUDA kernel for an op) is skipped with a message.
 Results go to ``--json`` after each row; a markdown table is printed last.

@@ -8,21 +8,24 @@ XLA, so "auto" never picks a slower path than the one users have today.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 from . import _extension
 
-__all__ = ["choose_impl", "all_reduce_algorithm", "all_reduce_region_bytes",
-           "all_reduce_across_processes", "collective_matmul_chunks", "lamport_max_bytes",
-           "matmul_all_reduce_kernel", "process_cuda_devices", "ALL_REDUCE_ALGORITHMS"]
+__all__ = ["choose_impl", "prefer_xla", "AUTO_OPS", "all_reduce_algorithm",
+           "all_reduce_region_bytes", "all_reduce_across_processes", "collective_matmul_chunks",
+           "lamport_max_bytes", "matmul_all_reduce_kernel", "process_cuda_devices",
+           "ALL_REDUCE_ALGORITHMS"]
 
 Shapes = Sequence[tuple[int, ...]]
 
@@ -246,6 +249,37 @@ def _workspace_mb_from_env() -> int:
     return max(int(digits or 0), 64)
 
 
+_PREFERRED_XLA: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "jax_flashoverlap_preferred_xla", default=frozenset())
+# The ops whose impl="auto" this module resolves.
+AUTO_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce")
+
+
+@contextlib.contextmanager
+def prefer_xla(ops: Iterable[str]) -> Iterator[None]:
+    """Within this context, ``impl="auto"`` lowers the named ops through XLA.
+
+    "auto" follows measurements of each op alone; a model can measure
+    otherwise in its own training step (Mamba-2's, see
+    ``models.MambaConfig.auto_xla_ops``). "auto" decides when a program is
+    lowered, i.e. at the first call of a jitted function for its shapes, so
+    enter the context around that call: jit's cache does not know of it, and
+    a function compiled outside it keeps its choice.
+
+    Args:
+      ops: names among :data:`AUTO_OPS` (empty: no change).
+    """
+    ops = frozenset(ops)
+    unknown = sorted(ops - set(AUTO_OPS))
+    if unknown:
+        raise ValueError(f"prefer_xla: unknown ops {unknown}; expected names among {AUTO_OPS}")
+    token = _PREFERRED_XLA.set(_PREFERRED_XLA.get() | ops)
+    try:
+        yield
+    finally:
+        _PREFERRED_XLA.reset(token)
+
+
 def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
                 chunks: int | None = None) -> str:
     """The implementation "auto" runs on a CUDA GPU.
@@ -259,8 +293,11 @@ def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
       chunks: the op's ``chunks`` argument (None: picked by shape).
 
     Returns:
-      "cuda" where it is built and measured faster, else "xla".
+      "cuda" where it is built and measured faster, and ``op`` is not in an
+      enclosing :func:`prefer_xla`, else "xla".
     """
+    if op in _PREFERRED_XLA.get():
+        return "xla"
     faster = _CUDA_IS_FASTER.get(op)
     if n > 1 and faster is not None and _extension.cuda_ops_available(ffi_target):
         if faster(shapes, np.dtype(dtype), n, chunks):

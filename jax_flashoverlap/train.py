@@ -20,6 +20,7 @@ import importlib.util
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from . import dispatch
 from ._devices import ensure_cpu_devices
 from .models import (
     ATTENTION_IMPLS,
@@ -175,6 +177,8 @@ class Trainer:
       state: the current ``(model, optimizer)`` state, sharded as the
         parameters' metadata says.
       step: ``step(state, tokens [b, s+1]) -> (state, loss, grad_norm)``; donates state.
+        Lowered (at its first call) inside ``dispatch.prefer_xla`` of the
+        config's ``auto_xla_ops``.
       flops_per_step: model FLOPs of one step (for MFU).
       peak_flops: the mesh's peak FLOP/s on GPUs (H200 bf16 datasheet), else None.
       platform: where it runs, in words.
@@ -199,6 +203,19 @@ class Trainer:
                          seed=self.args.seed)
         return jax.device_put(batch, NamedSharding(self.mesh,
                                                    P(self.config.sharding.data, None)))
+
+
+def with_preferred_xla(fn: Callable, ops: Sequence[str]) -> Callable:
+    """``fn`` called inside :func:`jax_flashoverlap.dispatch.prefer_xla` of
+    ``ops``, so that its lowering (at its first call) leaves them to XLA."""
+    if not ops:
+        return fn
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with dispatch.prefer_xla(ops):
+            return fn(*args, **kwargs)
+    return call
 
 
 def build(args: argparse.Namespace) -> Trainer:
@@ -239,11 +256,13 @@ def build(args: argparse.Namespace) -> Trainer:
     shardings = nnx.get_named_sharding(state, mesh)
 
     @functools.partial(jax.jit, donate_argnums=0, out_shardings=(shardings, None, None))
-    def step(state, tokens):
+    def jitted_step(state, tokens):
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(loss_fn)(model, tokens)
         optimizer.update(model, grads)
         return nnx.state((model, optimizer)), loss, optax.tree.norm(grads)
+
+    step = with_preferred_xla(jitted_step, config.auto_xla_ops)
 
     platform = (f"{len(devices)} GPU(s)" if on_gpu
                 else f"{len(devices)} CPU devices (no GPU found)")

@@ -10,6 +10,7 @@ import dataclasses
 from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap._validation import IMPLS
+from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
            "ATTENTION_IMPLS"]
@@ -82,9 +83,13 @@ class _Presets:
         return dataclasses.replace(getattr(cls, SIZES[name])(), **overrides)
 
 
-def _check_impl(model: str, impl: str) -> None:
+def _check_impl(model: str, impl: str, auto_xla_ops: tuple[str, ...]) -> None:
     if impl not in IMPLS:
         raise ValueError(f"{model}: impl must be one of {IMPLS}, got {impl!r}")
+    unknown = sorted(set(auto_xla_ops) - set(AUTO_OPS))
+    if unknown:
+        raise ValueError(f"{model}: auto_xla_ops {unknown} are not ops; expected names "
+                         f"among {AUTO_OPS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +117,9 @@ class TransformerConfig(_Presets):
         when the attention is cuDNN's, scanned otherwise (see
         :func:`models.transformer.resolve_scan_layers`).
       sharding: how it maps onto the mesh.
+      auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
+        training step (``jax_flashoverlap.dispatch.prefer_xla``); none: each
+        op as :mod:`jax_flashoverlap.dispatch` measured it.
     """
 
     vocab_size: int = 256
@@ -129,9 +137,10 @@ class TransformerConfig(_Presets):
     remat: bool = False
     scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()
+    auto_xla_ops: tuple[str, ...] = ()
 
     def __post_init__(self):
-        _check_impl("TransformerConfig", self.impl)
+        _check_impl("TransformerConfig", self.impl, self.auto_xla_ops)
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"TransformerConfig: attention_impl must be one of "
                              f"{ATTENTION_IMPLS}, got {self.attention_impl!r}")
@@ -203,6 +212,14 @@ class MambaConfig(_Presets):
       remat: recompute each block in the backward pass.
       scan_layers: run the blocks as one ``lax.scan``; False unrolls them.
       sharding: how it maps onto the mesh.
+      auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
+        training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
+        ``jax_flashoverlap.train``). matmul_reduce_scatter by default: the
+        1b step on 2 H200s (scanned blocks, bf16, sequence 8192) took 455.5
+        ms with it fused against 416.6 under impl="xla" in one process, and
+        389.0 with it left to XLA against 416.4 in another
+        (benchmarks/NOTES.md, session 14), although the fused op alone beats
+        XLA at the block's shape. Why is not known yet.
     """
 
     vocab_size: int = 256
@@ -222,9 +239,10 @@ class MambaConfig(_Presets):
     remat: bool = False
     scan_layers: bool = True
     sharding: ShardingConfig = ShardingConfig()
+    auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
     def __post_init__(self):
-        _check_impl("MambaConfig", self.impl)
+        _check_impl("MambaConfig", self.impl, self.auto_xla_ops)
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")

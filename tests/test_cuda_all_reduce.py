@@ -233,12 +233,19 @@ def test_lamport_timeout_poisons_the_lamport_kernel_on_every_gpu():
     """In a fresh process (tests/lamport_timeout_child.py): a late message may
     still land in a Lamport slot its reader gave up on, so after a timeout
     every later Lamport call returns NaN; the classic kernels stay exact."""
-    child = Path(__file__).with_name("lamport_timeout_child.py")
+    _run_child("lamport_timeout_child.py", "LAMPORT TIMEOUT OK",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false")
+
+
+def _run_child(script: str, marker: str, **env: str) -> None:
+    """Runs tests/``script`` in a fresh process with ``env`` added; it must
+    exit 0 after printing ``marker``."""
+    child = Path(__file__).with_name(script)
     proc = subprocess.run([sys.executable, "-X", "faulthandler", str(child)],
-                          env=child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false"),
-                          cwd=child.parent, capture_output=True, text=True, timeout=300)
+                          env=child_env(**env), cwd=child.parent, capture_output=True,
+                          text=True, timeout=300)
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "LAMPORT TIMEOUT OK" in proc.stdout, out[-6000:]
+    assert proc.returncode == 0 and marker in proc.stdout, out[-6000:]
 
 
 @pytest.mark.parametrize("layout", ["reversed", "data_x_tensor"])
@@ -355,9 +362,4 @@ def test_two_shot_gathers_through_the_slots_when_peer_stores_are_off():
     """In a fresh process with JAX_FLASHOVERLAP_PEER_STORES=0
     (tests/two_shot_slots_child.py): the path for outputs the peers cannot
     reach, gathering through the receive slots, sums exactly."""
-    child = Path(__file__).with_name("two_shot_slots_child.py")
-    proc = subprocess.run([sys.executable, "-X", "faulthandler", str(child)],
-                          env=child_env(JAX_FLASHOVERLAP_PEER_STORES="0"),
-                          cwd=child.parent, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and "TWO-SHOT SLOTS OK" in proc.stdout, out[-6000:]
+    _run_child("two_shot_slots_child.py", "TWO-SHOT SLOTS OK", JAX_FLASHOVERLAP_PEER_STORES="0")

@@ -52,6 +52,26 @@ def test_auto_reduce_scatter_only_with_the_measured_chunks(cuda_built, chunks, w
     assert got == want
 
 
+def test_prefer_xla_leaves_the_named_ops_to_xla_inside_the_context(cuda_built):
+    rs = ("matmul_reduce_scatter", "t", [(8192, 2048), (2048, 2048)], np.dtype("bfloat16"), 2)
+    ag = ("all_gather_matmul", "t", [(4096, 2048), (2048, 5152)], np.dtype("bfloat16"), 2)
+    assert dispatch.choose_impl(*rs) == dispatch.choose_impl(*ag) == "cuda"
+    with dispatch.prefer_xla(["matmul_reduce_scatter"]):
+        assert dispatch.choose_impl(*rs) == "xla"
+        assert dispatch.choose_impl(*ag) == "cuda"
+        with dispatch.prefer_xla(["all_gather_matmul"]):  # nested: both
+            assert dispatch.choose_impl(*rs) == dispatch.choose_impl(*ag) == "xla"
+        assert dispatch.choose_impl(*ag) == "cuda"
+    assert dispatch.choose_impl(*rs) == "cuda"
+
+
+def test_prefer_xla_names_the_ops_it_knows():
+    with pytest.raises(ValueError, match=r"unknown ops \['matmul_reducescatter'\].*"
+                                         r"matmul_reduce_scatter"):
+        with dispatch.prefer_xla(["matmul_reducescatter"]):
+            pass
+
+
 def test_never_cuda_when_not_built(monkeypatch):
     monkeypatch.setattr(_extension, "cuda_ops_available", lambda target=None: False)
     shapes = [(8192, 8192), (8192, 14336)]

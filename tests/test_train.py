@@ -1,6 +1,7 @@
 """The training command: learning, checkpoints, profiles, flags, and the CPU fallback."""
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from jax_flashoverlap import train
+from jax_flashoverlap import dispatch, models, train
 
 STEPS = 24
 RUN = ["--size", "tiny", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--no-progress"]
@@ -42,6 +43,33 @@ def test_mamba_loss_decreases():
                              "--steps", str(STEPS)])
     result = train.train(args)
     assert _decreases(result.losses), result.losses
+
+
+def test_the_step_lowers_inside_the_models_auto_xla_ops(monkeypatch):
+    """Mamba-2 leaves matmul_reduce_scatter to XLA under "auto": its first step
+    (where jit lowers it) runs inside dispatch.prefer_xla of those ops."""
+    entered = []
+
+    @contextlib.contextmanager
+    def recording(ops):
+        entered.append(tuple(ops))
+        yield
+
+    monkeypatch.setattr(dispatch, "prefer_xla", recording)
+    args = train.parse_args([*RUN, "--model", "mamba", "--mesh", "1x2", "--steps", "1"])
+    trainer = train.build(args)
+    corpus = train.load_corpus(None, args.seq_len)
+    with jax.set_mesh(trainer.mesh):
+        trainer.step(trainer.state, trainer.tokens(corpus, 0))
+    assert entered == [("matmul_reduce_scatter",)]
+    assert models.MambaConfig().auto_xla_ops == ("matmul_reduce_scatter",)
+    assert models.TransformerConfig().auto_xla_ops == ()
+
+
+def test_auto_xla_ops_must_name_ops():
+    with pytest.raises(ValueError, match=r"MambaConfig: auto_xla_ops \['reduce_scatter'\] are "
+                                         r"not ops.*matmul_reduce_scatter"):
+        models.MambaConfig(auto_xla_ops=("reduce_scatter",))
 
 
 def test_checkpoint_round_trip(transformer_run):
