@@ -2,7 +2,7 @@
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels train all
-#                                               profile, stall, nvshmem, nvlink (only when named)
+#                                               profile, stall, nvshmem, nvlink, cutlass (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS and JFO_TRAIN_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
@@ -123,6 +123,20 @@ PYEOF
 }
 if [[ " ${stages[*]} " == *" nvlink "* ]]; then
   step nvlink$tag nvlink_probe
+fi
+# Opt-in: CUTLASS GEMMs against cuBLAS at the fused ops' whole problems
+# (scripts/cutlass_gemm_probe.cu). CUTLASS is not on the GPU machine: build
+# the probe where it is and carry build/cutlass_gemm_probe.
+cutlass_probe() {
+  if [ ! -x build/cutlass_gemm_probe ]; then
+    echo "build/cutlass_gemm_probe is missing: build it as scripts/cutlass_gemm_probe.cu says and carry it"
+    return 1
+  fi
+  build/cutlass_gemm_probe > "$OUT/cutlass_gemm_probe$tag.json" \
+    && $PY scripts/cutlass_gemm_compare.py "$OUT/cutlass_gemm_probe$tag.json"
+}
+if [[ " ${stages[*]} " == *" cutlass "* ]]; then
+  step cutlass$tag cutlass_probe
 fi
 # Opt-in: a jax.profiler trace of 3 training steps (1B model, TP=2 with
 # sequence parallelism, sequence 8192: the benchmark's config) and its device
