@@ -132,7 +132,7 @@ def _table(rows: list[dict]) -> str:
                      f"{r.get('attention') or '–'} | "
                      f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
                      f"{r['step_ms_from_idle']:.1f} | {r['dispatch_ms']:.1f} | "
-                     f"{r.get('first_call_ms', float('nan')):.1f} | "
+                     f"{r['first_call_ms']:.1f} | "
                      f"{r['tokens_per_s']:,.0f} | {mfu} | {speedup} |")
     return "\n".join(lines)
 

@@ -203,7 +203,7 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
         workspace_mb = _workspace_mb_from_env()
     if local_devices is None:
         local_devices = process_cuda_devices()
-    senders = max(local_devices - 1, 1)
+    senders = _sender_count(local_devices)
     # 64 MiB covers the GEMM workspace, the control words and rounding.
     slot = (max(workspace_mb - 64, 0) * (1 << 20) // 8 // senders
             - lamport_max_bytes(local_devices))
@@ -240,6 +240,12 @@ def process_cuda_devices() -> int:
     return jax.local_device_count()
 
 
+def _sender_count(local_devices: int) -> int:
+    """Local GPUs with slots in a device's memory: every other one, and one
+    when it is alone (SenderCount of ffi/src/transport/transport.h)."""
+    return max(local_devices - 1, 1)
+
+
 def _workspace_mb_from_env() -> int:
     """JAX_FLASHOVERLAP_WORKSPACE_MB as the extension reads it (leading digits, at least 64)."""
     raw = os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB")
@@ -252,7 +258,7 @@ def _workspace_mb_from_env() -> int:
 _PREFERRED_XLA: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "jax_flashoverlap_preferred_xla", default=frozenset())
 # The ops whose impl="auto" this module resolves.
-AUTO_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce")
+AUTO_OPS = tuple(_CUDA_IS_FASTER)
 
 
 @contextlib.contextmanager
@@ -344,7 +350,7 @@ def lamport_max_bytes(local_devices: int | None = None) -> int:
     """
     if local_devices is None:
         local_devices = process_cuda_devices()
-    senders = max(local_devices - 1, 1)
+    senders = _sender_count(local_devices)
     fit = _LAMPORT_PARITY_BUDGET // senders // (64 << 10) * (64 << 10)
     return min(fit, LAMPORT_MAX_BYTES)
 

@@ -28,6 +28,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda_check.cuh"
+
 #include "cute/tensor.hpp"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -37,15 +39,6 @@
 
 using namespace cute;
 
-#define CHECK_CUDA(call)                                                 \
-  do {                                                                   \
-    cudaError_t e = (call);                                              \
-    if (e != cudaSuccess) {                                              \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__,             \
-                   cudaGetErrorString(e));                               \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
 
 namespace {
 

@@ -23,15 +23,8 @@
 #include <string>
 #include <vector>
 
-#define CHECK(call)                                                    \
-  do {                                                                 \
-    cudaError_t e = (call);                                            \
-    if (e != cudaSuccess) {                                            \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__,           \
-                   cudaGetErrorString(e));                             \
-      std::exit(1);                                                    \
-    }                                                                  \
-  } while (0)
+#include "cuda_check.cuh"
+
 
 constexpr int kReps = 20;
 constexpr int kBatches = 8;
@@ -76,19 +69,19 @@ double Time(Gpu* gpus, int ngpus, const std::function<void(int)>& issue) {
   std::vector<double> per;
   for (int batch = 0; batch <= kBatches; ++batch) {
     for (int g = 0; g < 2; ++g) {
-      CHECK(cudaSetDevice(g));
-      CHECK(cudaDeviceSynchronize());
+      CHECK_CUDA(cudaSetDevice(g));
+      CHECK_CUDA(cudaDeviceSynchronize());
     }
     const auto t0 = std::chrono::steady_clock::now();
     for (int r = 0; r < kReps; ++r) {
       for (int g = 0; g < ngpus; ++g) {
-        CHECK(cudaSetDevice(g));
+        CHECK_CUDA(cudaSetDevice(g));
         issue(g);
       }
     }
     for (int g = 0; g < 2; ++g) {
-      CHECK(cudaSetDevice(g));
-      CHECK(cudaStreamSynchronize(gpus[g].stream));
+      CHECK_CUDA(cudaSetDevice(g));
+      CHECK_CUDA(cudaStreamSynchronize(gpus[g].stream));
     }
     const auto t1 = std::chrono::steady_clock::now();
     if (batch > 0) {
@@ -96,13 +89,13 @@ double Time(Gpu* gpus, int ngpus, const std::function<void(int)>& issue) {
                     kReps);
     }
   }
-  CHECK(cudaGetLastError());
+  CHECK_CUDA(cudaGetLastError());
   return Median(per);
 }
 
 int main() {
   int count = 0;
-  CHECK(cudaGetDeviceCount(&count));
+  CHECK_CUDA(cudaGetDeviceCount(&count));
   if (count < 2) {
     std::fprintf(stderr, "nvlink_probe: needs 2 GPUs, found %d\n", count);
     return 1;
@@ -111,13 +104,13 @@ int main() {
   Gpu gpus[2];
   int sms = 0;
   for (int g = 0; g < 2; ++g) {
-    CHECK(cudaSetDevice(g));
-    CHECK(cudaDeviceEnablePeerAccess(1 - g, 0));
-    CHECK(cudaMalloc(&gpus[g].src, kMax));
-    CHECK(cudaMalloc(&gpus[g].dst, kMax));
-    CHECK(cudaMemset(gpus[g].src, 1, kMax));
-    CHECK(cudaStreamCreateWithFlags(&gpus[g].stream, cudaStreamNonBlocking));
-    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g));
+    CHECK_CUDA(cudaSetDevice(g));
+    CHECK_CUDA(cudaDeviceEnablePeerAccess(1 - g, 0));
+    CHECK_CUDA(cudaMalloc(&gpus[g].src, kMax));
+    CHECK_CUDA(cudaMalloc(&gpus[g].dst, kMax));
+    CHECK_CUDA(cudaMemset(gpus[g].src, 1, kMax));
+    CHECK_CUDA(cudaStreamCreateWithFlags(&gpus[g].stream, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, g));
   }
   std::printf("{\"sms\": %d, \"reps\": %d, \"batches\": %d, \"rows\": [\n", sms,
               kReps, kBatches);
@@ -137,7 +130,7 @@ int main() {
     for (int ngpus : {1, 2}) {
       row(ngpus == 1 ? "copy_engine_one_way" : "copy_engine", bytes, 0, 0,
           Time(gpus, ngpus, [&](int g) {
-            CHECK(cudaMemcpyPeerAsync(gpus[1 - g].dst, 1 - g, gpus[g].src, g,
+            CHECK_CUDA(cudaMemcpyPeerAsync(gpus[1 - g].dst, 1 - g, gpus[g].src, g,
                                       bytes, gpus[g].stream));
           }));
     }
