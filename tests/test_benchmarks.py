@@ -232,8 +232,8 @@ def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
     bench = _load("train_step")
     out = tmp_path / "t.json"
     assert bench.main(["--json", str(out), "--models", "transformer", "--impls", "xla",
-                       "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
-                       "--reps", "2", "--dtype", "float32"]) == 0
+                       "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "20",
+                       "--reps", "3", "--dtype", "float32"]) == 0
     (row,) = json.loads(out.read_text())
     assert row["dispatch_ms"] > 0 and row["step_ms_from_idle"] > 0
     assert row["first_call_ms"] > 0
