@@ -114,8 +114,9 @@ def occupancy(kernels: list[tuple[str, float, float]], iterations: int = 1) -> d
             "idle_fraction": 1.0 - busy / span if span else 0.0}
 
 
-def summarize(kernels: list[tuple[str, float, float]], iterations: int = 1) -> dict[str, dict]:
-    """Per category: µs and kernel count per iteration, and the top kernels."""
+def summarize(kernels: list[tuple[str, float, float]], iterations: int = 1,
+              top: int = 3) -> dict[str, dict]:
+    """Per category: µs and kernel count per iteration, and the ``top`` kernels."""
     by_cat: dict[str, dict] = {}
     for name, _, dur in kernels:
         c = by_cat.setdefault(category(name), {"us": 0.0, "count": 0,
@@ -125,7 +126,7 @@ def summarize(kernels: list[tuple[str, float, float]], iterations: int = 1) -> d
         c["names"][name] += dur / iterations
     for c in by_cat.values():
         c["count"] = c["count"] / iterations
-        c["top"] = [(n[:80], round(us, 2)) for n, us in c.pop("names").most_common(3)]
+        c["top"] = [(n[:80], round(us, 2)) for n, us in c.pop("names").most_common(top)]
     return by_cat
 
 
@@ -256,6 +257,7 @@ def main(argv=None):
     tr = sub.add_parser("trace", help="summarise an existing trace")
     tr.add_argument("path", help="the profiler's log dir or a perfetto_trace.json.gz")
     tr.add_argument("--iterations", type=int, default=1, help="divide times by this")
+    tr.add_argument("--top", type=int, default=3, help="kernels named per category")
     args = parser.parse_args(argv)
     if args.mode == "trace":
         per_device = device_kernels(load_events(args.path))
@@ -265,7 +267,7 @@ def main(argv=None):
             o = occupancy(kernels, args.iterations)
             print(f"\nGPU {device}: span {o['span_us']:.1f} µs per iteration, busy "
                   f"{o['busy_us']:.1f} (kernels and copies other than peer waits), idle "
-                  f"{o['idle_fraction']:.1%}\n" + table(summarize(kernels, args.iterations)))
+                  f"{o['idle_fraction']:.1%}\n" + table(summarize(kernels, args.iterations, args.top)))
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     rows = run_ops(args.ops, shapes, args.iterations, args.devices, args.impl)

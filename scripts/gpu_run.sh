@@ -140,17 +140,28 @@ if [[ " ${stages[*]} " == *" cutlass "* ]]; then
 fi
 # Opt-in: a jax.profiler trace of 3 training steps (1B model, TP=2 with
 # sequence parallelism, sequence 8192: the benchmark's config) and its device
-# time per kernel category. JFO_PROFILE_MODEL (transformer), JFO_PROFILE_IMPL (auto),
-# JFO_PROFILE_ARGS (the model flags). 10 steps at lr 1e-4 (the loss falls
-# steadily): steps 1-3 are traced; the printed step time leaves them and step
-# 4 (which starts on a device idle after stop_trace) out.
+# time per kernel category. JFO_PROFILE_MODEL (transformer), JFO_PROFILE_IMPL
+# (auto), JFO_PROFILE_ARGS (the model flags), JFO_PROFILE_TOP (kernels named
+# per category, 3). 10 steps at lr 1e-4 (the loss falls steadily): steps 1-3
+# are traced; the printed step time leaves them and step 4 (which starts on a
+# device idle after stop_trace) out. JFO_PROFILE_HLO=1 also writes the step's
+# optimized HLO (gzipped) under $OUT, to map the trace's fusion names to ops.
 if [[ " ${stages[*]} " == *" profile "* ]]; then
-  rm -rf /tmp/jfo_profile
+  rm -rf /tmp/jfo_profile /tmp/jfo_hlo
+  dump_flags=""
+  [ -n "${JFO_PROFILE_HLO:-}" ] && dump_flags="--xla_dump_to=/tmp/jfo_hlo --xla_dump_hlo_as_text \
+--xla_dump_hlo_module_re=.*step.*"
   # shellcheck disable=SC2086
-  step profile$tag $PY -P -m jax_flashoverlap.train --model "${JFO_PROFILE_MODEL:-transformer}" \
+  XLA_FLAGS="${XLA_FLAGS:-} $dump_flags" step profile$tag $PY -P -m jax_flashoverlap.train --model "${JFO_PROFILE_MODEL:-transformer}" \
     ${JFO_PROFILE_ARGS:---size 1b --mesh 1x2 --batch 1 --seq-len 8192} --steps 10 --lr 1e-4 \
     --impl "${JFO_PROFILE_IMPL:-auto}" --no-progress --profile /tmp/jfo_profile \
-    && step profile_summary$tag $PY benchmarks/kernel_times.py trace /tmp/jfo_profile --iterations 3
+    && step profile_summary$tag $PY benchmarks/kernel_times.py trace /tmp/jfo_profile --iterations 3 \
+      --top "${JFO_PROFILE_TOP:-3}"
+  if [ -n "${JFO_PROFILE_HLO:-}" ]; then
+    # The largest optimized module is the training step.
+    hlo=$(ls -S /tmp/jfo_hlo/*after_optimizations.txt 2>/dev/null | head -1)
+    [ -n "$hlo" ] && gzip -c "$hlo" > "$OUT/profile_hlo$tag.txt.gz" && echo "HLO: $hlo"
+  fi
 fi
 # Opt-in: the unrolled Mamba-2 skeleton with impl="cuda" in fresh processes
 # (JFO_STALL_RUNS, default 10), each bounded; the lazy-loading stall of

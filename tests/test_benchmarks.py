@@ -132,6 +132,8 @@ def test_kernel_times_reads_stream_threads_of_each_gpu(tmp_path):
     assert summary["copy"]["us"] == 10.0
     assert summary["nccl"]["us"] == 2.0 and summary["other"]["us"] == 4.0
     assert "| gemm | 80.0 | 1 |" in kt.table(summary)
+    gemms = [("a_gemm", 0.0, 1.0), ("b_gemm", 1.0, 3.0), ("c_gemm", 4.0, 2.0)]
+    assert kt.summarize(gemms, top=2)["gemm"]["top"] == [("b_gemm", 3.0), ("c_gemm", 2.0)]
 
 
 def test_kernel_times_occupancy_leaves_out_peer_waits_and_overlaps():
