@@ -267,7 +267,8 @@ def main(argv=None):
             o = occupancy(kernels, args.iterations)
             print(f"\nGPU {device}: span {o['span_us']:.1f} µs per iteration, busy "
                   f"{o['busy_us']:.1f} (kernels and copies other than peer waits), idle "
-                  f"{o['idle_fraction']:.1%}\n" + table(summarize(kernels, args.iterations, args.top)))
+                  f"{o['idle_fraction']:.1%}\n"
+                  + table(summarize(kernels, args.iterations, args.top)))
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     rows = run_ops(args.ops, shapes, args.iterations, args.devices, args.impl)
