@@ -152,7 +152,8 @@ if [[ " ${stages[*]} " == *" profile "* ]]; then
   [ -n "${JFO_PROFILE_HLO:-}" ] && dump_flags="--xla_dump_to=/tmp/jfo_hlo --xla_dump_hlo_as_text \
 --xla_dump_hlo_module_re=.*step.*"
   # shellcheck disable=SC2086
-  XLA_FLAGS="${XLA_FLAGS:-} $dump_flags" step profile$tag $PY -P -m jax_flashoverlap.train --model "${JFO_PROFILE_MODEL:-transformer}" \
+  XLA_FLAGS="${XLA_FLAGS:-} $dump_flags" \
+    step profile$tag $PY -P -m jax_flashoverlap.train --model "${JFO_PROFILE_MODEL:-transformer}" \
     ${JFO_PROFILE_ARGS:---size 1b --mesh 1x2 --batch 1 --seq-len 8192} --steps 10 --lr 1e-4 \
     --impl "${JFO_PROFILE_IMPL:-auto}" --no-progress --profile /tmp/jfo_profile \
     && step profile_summary$tag $PY benchmarks/kernel_times.py trace /tmp/jfo_profile --iterations 3 \
