@@ -29,11 +29,16 @@ GPU_COUNT = _gpu_count()
 
 def pytest_collection_modifyitems(config, items):
     if GPU_COUNT and jfo.build_info()["cuda"]:
+        for item in items:
+            needs = item.get_closest_marker("gpus")
+            if needs and GPU_COUNT < needs.args[0]:
+                item.add_marker(pytest.mark.skip(
+                    reason=f"needs {needs.args[0]} GPUs, this machine has {GPU_COUNT}"))
         return
     reason = ("no CUDA GPU" if not GPU_COUNT
               else "jax_flashoverlap built without CUDA (see build_info())")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords or item.get_closest_marker("gpus"):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 

@@ -229,6 +229,7 @@ def test_lamport_sends_negative_zero_as_positive_zero(dtype, rng):
         np.testing.assert_array_equal(_bits(per_rank[r]), expected, err_msg=f"rank {r}")
 
 
+@pytest.mark.gpus(2)
 def test_lamport_timeout_poisons_the_lamport_kernel_on_every_gpu():
     """In a fresh process (tests/lamport_timeout_child.py): a late message may
     still land in a Lamport slot its reader gave up on, so after a timeout
@@ -248,6 +249,7 @@ def _run_child(script: str, marker: str, **env: str) -> None:
     assert proc.returncode == 0 and marker in proc.stdout, out[-6000:]
 
 
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("layout", ["reversed", "data_x_tensor"])
 def test_groups_follow_the_mesh_not_the_ordinals(layout, rng):
     """GPUs in reversed order on "tp", or a (data, tp) mesh ((n/2, 2) from 4
@@ -272,6 +274,7 @@ def test_groups_follow_the_mesh_not_the_ordinals(layout, rng):
                                           err_msg=f"group {g}, rank {r}")
 
 
+@pytest.mark.gpus(2)
 def test_message_over_the_region_names_the_setting():
     """The failing call launches nothing, so the group stays in step."""
     if int(os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB", "1024")) > 1024:
@@ -287,6 +290,7 @@ def test_message_over_the_region_names_the_setting():
     jfo.check_device_errors()
 
 
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 def test_missing_peer_times_out_with_nan_and_a_named_error(algorithm):
     """Device 0 runs the kernel alone: its wait for rank 1 must give up after
@@ -336,6 +340,7 @@ def _direct_gathers() -> int:
     return _extension._module().debug_counters()["all_reduce_direct_gathers"]
 
 
+@pytest.mark.gpus(2)
 def test_two_shot_stores_into_the_peers_output_directly(rng):
     """XLA's allocators map their memory into every local GPU, so every
     two-shot call's peers store their sums straight into y. (The fallback
@@ -358,6 +363,7 @@ def test_two_shot_stores_into_the_peers_output_directly(rng):
     assert calls >= n and direct == calls, (calls, direct)
 
 
+@pytest.mark.gpus(2)
 def test_two_shot_gathers_through_the_slots_when_peer_stores_are_off():
     """In a fresh process with JAX_FLASHOVERLAP_PEER_STORES=0
     (tests/two_shot_slots_child.py): the path for outputs the peers cannot

@@ -258,6 +258,7 @@ def _drop_absent(spec, names):
     return P(*(a if a in names else None for a in spec))
 
 
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("layout", ["reversed", "data_x_tensor"])
 @pytest.mark.parametrize("op", MATMUL_OPS)
 def test_cuda_on_reordered_and_two_axis_meshes(op, layout, rng):
@@ -280,6 +281,7 @@ def test_cuda_on_reordered_and_two_axis_meshes(op, layout, rng):
     assert_close(y, np.einsum("mbk,kc->mbc", f64(x), f64(w)), "bfloat16")
 
 
+@pytest.mark.gpus(2)  # the child's shapes are TP=2's
 @pytest.mark.parametrize("case", ["reduce_scatter_k5152", "unrolled", "scan"])
 def test_mamba_step_shapes_in_a_fresh_process(case):
     """The collective matmuls at the Mamba-2 1B step's shapes, alone and as two
