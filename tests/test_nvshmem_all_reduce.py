@@ -41,21 +41,12 @@ def test_initialize_without_jax_distributed_names_the_launcher(monkeypatch):
         nvshmem.initialize()
 
 
-def _gpus() -> int:
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(line.startswith("GPU ") for line in out.stdout.splitlines())
-
-
 @pytest.mark.gpu
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("node_size", [1, 2], ids=["each-gpu-its-own-node", "one-node"])
 def test_two_processes_match_psum(tmp_path, node_size):
     if not nvshmem.is_built():
         pytest.skip("built without JFO_ENABLE_NVSHMEM=ON")
-    if _gpus() < 2:
-        pytest.skip("needs 2 GPUs")
     # The pytest process may hold most of the GPUs' memory already: no
     # preallocation in the children, so that the NVSHMEM heap fits.
     env = child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
