@@ -12,8 +12,10 @@ such shortcuts, so without the barriers the comparison flatters XLA).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 
@@ -23,7 +25,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["Timing", "time_per_op", "first_devices_mesh", "looped", "gemm_autotune_setting"]
+__all__ = ["Timing", "time_per_op", "first_devices_mesh", "looped", "gemm_autotune_setting",
+           "provenance"]
+
+# Where the protocol above is written down, for the results' metadata.
+PROTOCOL = "jax_flashoverlap/benchmarking.py (module docstring)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +130,51 @@ def gemm_autotune_setting() -> str:
     """``JAX_FLASHOVERLAP_GEMM_AUTOTUNE`` as a benchmark's JSON records it:
     the value, or "unset (on)" (the extension autotunes by default)."""
     return os.environ.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "unset (on)")
+
+
+def provenance(settings: dict | None = None) -> dict:
+    """Where a result comes from, for a benchmark JSON's ``meta``.
+
+    The commit is that of the git checkout the process runs in (with
+    ``dirty`` when tracked files have changes), else
+    ``JFO_COMMIT`` (set it where the tree is a copy without ``.git``, as on
+    the GPU machine), else None.
+
+    Args:
+      settings: the run's non-default settings (its flags).
+
+    Returns:
+      commit, dirty, date (UTC), devices (kind, count, platform), versions
+      (jax, jaxlib, CUDA as the extension saw it), the protocol's location,
+      the environment variables that change behaviour (``JAX_FLASHOVERLAP_*``,
+      ``JFO_*``, ``XLA_FLAGS``) and ``settings``.
+    """
+    import jaxlib
+
+    from ._extension import build_info
+
+    commit, dirty = _git_commit()
+    devices = jax.devices()
+    env = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith(("JAX_FLASHOVERLAP_", "JFO_", "XLA_FLAGS")) and k != "JFO_COMMIT"}
+    return {
+        "commit": commit, "dirty": dirty,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device_kind": devices[0].device_kind, "devices": len(devices),
+        "platform": devices[0].platform, "processes": jax.process_count(),
+        "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+        "cuda": build_info().get("cuda_version"), "protocol": PROTOCOL,
+        "environment": env, "settings": settings or {},
+    }
+
+
+def _git_commit() -> tuple[str | None, bool | None]:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=10,
+                                check=True).stdout
+        return commit, bool(status.strip())
+    except (OSError, subprocess.SubprocessError):
+        return os.environ.get("JFO_COMMIT"), None

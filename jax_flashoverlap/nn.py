@@ -25,6 +25,12 @@ scatters it back inside its GEMM
 replicated over the tensor axis: the column-parallel GEMM needs no
 communication and the row-parallel one ends in an all-reduce
 (:func:`~jax_flashoverlap.matmul_all_reduce`).
+
+Decoding one token at a time has no sequence to split: each layer's
+``decode`` form takes the replicated activations of a few rows, and the
+row-parallel one sums its partial products with
+:func:`~jax_flashoverlap.all_reduce`, whose low-latency kernels serve those
+small messages.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .all_gather_matmul import all_gather_matmul
+from .all_reduce import all_reduce
 from .matmul_all_reduce import matmul_all_reduce
 from .matmul_reduce_scatter import matmul_reduce_scatter
 
@@ -114,6 +121,17 @@ class ColumnParallelLinear(_ParallelLinear):
         return all_gather_matmul(x, w, self.axis_name, gather_axis=self.sequence_axis,
                                  impl=self.impl)
 
+    def decode(self, x: jax.Array) -> jax.Array:
+        """Per device, the decoding form: x whole on every rank, no communication.
+
+        Args:
+          x: [..., k], identical on every rank of ``axis_name``.
+
+        Returns:
+          [..., N/n]: this rank's output features.
+        """
+        return jnp.dot(*self._operands(x))
+
 
 class RowParallelLinear(_ParallelLinear):
     """``y = x @ W`` with W's input features (rows) split over ``axis_name``.
@@ -153,6 +171,23 @@ class RowParallelLinear(_ParallelLinear):
             return matmul_all_reduce(x, w, self.axis_name, impl=self.impl)
         return matmul_reduce_scatter(x, w, self.axis_name,
                                      scatter_dimension=self.sequence_axis, impl=self.impl)
+
+    def decode(self, x: jax.Array) -> jax.Array:
+        """Per device, the decoding form: this rank's partial product, all-reduced.
+
+        A GEMM of a few rows is cheap and its sum is a message of a few KiB,
+        so nothing is worth overlapping: the dot runs alone, then
+        :func:`~jax_flashoverlap.all_reduce` (with ``impl``) sums it, where
+        "auto" picks the low-latency kernels that were measured faster than
+        ``psum`` at that size.
+
+        Args:
+          x: [..., K/n], this rank's input features.
+
+        Returns:
+          [..., N]: the sum, identical on every rank.
+        """
+        return all_reduce(jnp.dot(*self._operands(x)), self.axis_name, impl=self.impl)
 
 
 def shard_map_apply(fn: Callable[..., Any], module: nnx.Module, *args: Any,

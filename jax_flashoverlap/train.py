@@ -218,30 +218,86 @@ def with_preferred_xla(fn: Callable, ops: Sequence[str]) -> Callable:
     return call
 
 
+def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sharding.Mesh:
+    """The (data, tensor) mesh of ``--mesh DATAxTENSOR`` (default: tensor 2, data the rest)."""
+    devices = jax.devices()
+    data, tensor = shape or (max(1, len(devices) // 2), min(2, len(devices)))
+    if data * tensor > len(devices):
+        raise ValueError(f"--mesh {data}x{tensor} needs {data * tensor} devices; "
+                         f"there are {len(devices)}")
+    return jax.sharding.Mesh(np.asarray(devices[:data * tensor]).reshape(data, tensor),
+                             (sharding.data, sharding.tensor))
+
+
+def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None = None,
+                 sharding: ShardingConfig = ShardingConfig(), remat: bool = False,
+                 scan_layers: bool | None = None, attention: str = "auto"):
+    """The config ``--model``/``--size`` and the other flags make, as training uses it.
+
+    ``dtype`` None: bfloat16 on GPUs, float32 elsewhere. The Transformer's
+    ``scan_layers`` is resolved for the attention that runs here.
+    """
+    config_cls, _ = MODELS[model]
+    has_attention = config_cls is TransformerConfig
+    on_gpu = jax.default_backend() == "gpu"
+    config = config_cls.preset(
+        size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
+        sharding=sharding, **({} if scan_layers is None else {"scan_layers": scan_layers}),
+        **({"attention_impl": attention} if has_attention else {}))
+    if has_attention:
+        config = resolve_scan_layers(config, attention_implementation(config))
+    return config
+
+
+def restore_model_state(directory: Path, model: nnx.Module, step: int | None = None) -> int:
+    """Loads a training checkpoint's parameters into ``model``, in place.
+
+    The trainer saves ``(model state, optimizer state)``; this reads the
+    first, placed as ``model``'s variables are. Call it under the model's mesh.
+
+    Args:
+      directory: the trainer's ``--checkpoint-dir``.
+      model: built from the same config as the trained model.
+      step: which checkpoint (default the latest).
+
+    Returns:
+      The step restored.
+
+    Raises:
+      FileNotFoundError: no checkpoint there.
+    """
+    with ocp.CheckpointManager(Path(directory).absolute()) as manager:
+        step = manager.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {directory} (written by "
+                                    f"jax-flashoverlap-train --checkpoint-dir)")
+        state = nnx.state(model)
+        target = {"0": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                                   sharding=x.sharding), state)}
+        restored = manager.restore(step, args=ocp.args.PyTreeRestore(
+            item=target, partial_restore=True,
+            restore_args=jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding),
+                                      target)))
+    nnx.update(model, restored["0"])
+    return step
+
+
 def build(args: argparse.Namespace) -> Trainer:
     """Mesh, model, optimizer and training step for ``args`` (see :func:`parse_args`)."""
     on_gpu = jax.default_backend() == "gpu"
     devices = jax.devices()
-    data, tensor = args.mesh or (max(1, len(devices) // 2), min(2, len(devices)))
-    if data * tensor > len(devices):
-        raise ValueError(f"--mesh {data}x{tensor} needs {data * tensor} devices; "
-                         f"there are {len(devices)}")
     sharding = ShardingConfig(sequence_parallel=args.sequence_parallel)
-    mesh = jax.sharding.Mesh(np.asarray(devices[:data * tensor]).reshape(data, tensor),
-                             (sharding.data, sharding.tensor))
-    config_cls, model_cls = MODELS[args.model]
-    has_attention = config_cls is TransformerConfig
-    config = config_cls.preset(
-        args.size, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"),
-        impl=args.impl, remat=args.remat, sharding=sharding,
-        **({} if args.scan_layers is None else {"scan_layers": args.scan_layers}),
-        **({"attention_impl": args.attention} if has_attention else {}))
+    mesh = make_mesh(args.mesh, sharding)
+    data, tensor = mesh.devices.shape
+    _, model_cls = MODELS[args.model]
+    config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
+                          sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
+                          attention=args.attention)
     # Before compiling anything: a clear error for a shape the mesh cannot split,
     # or for cuDNN attention asked for where it cannot run.
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
-    attention = attention_implementation(config, devices[0]) if has_attention else None
-    if has_attention:
-        config = resolve_scan_layers(config, attention)
+    attention = (attention_implementation(config, devices[0])
+                 if isinstance(config, TransformerConfig) else None)
 
     tx = _optimizer(args)
     with jax.set_mesh(mesh):

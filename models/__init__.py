@@ -11,14 +11,17 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
     with jax.set_mesh(mesh):
         model = Transformer(TransformerConfig.preset("tiny"), rngs=nnx.Rngs(0))
         logits = nnx.jit(lambda m, t: m(t))(model, tokens)   # tokens [b, s]
+        tokens = generate(model, prompt, max_new_tokens=32)   # prompt [b, p]
 """
 
 from .config import ATTENTION_IMPLS, IMPLS, SIZES, MambaConfig, ShardingConfig, TransformerConfig
+from .decoding import Generator, generate
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
 from .transformer import Transformer, attention_implementation, resolve_scan_layers
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
+           "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS",
            "attention_implementation", "resolve_scan_layers"]
 

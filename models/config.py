@@ -6,6 +6,7 @@ Dimension letters in names: b batch, s sequence, d model width, v vocabulary.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jax.sharding import PartitionSpec as P
 
@@ -54,9 +55,10 @@ class ShardingConfig:
         """The residual stream (and logits), [seq, batch, d]."""
         return P(*self.tokens_sb, None)
 
-    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int,
+    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int | None,
               model: str) -> None:
-        """Clear errors for a mesh or a batch shape that cannot be split."""
+        """Clear errors for a mesh or a batch shape that cannot be split
+        (``seq_len`` None: the batch alone)."""
         missing = [a for a in (self.data, self.tensor) if a not in mesh_shape]
         if missing:
             raise ValueError(f"{model}: the mesh has axes {tuple(mesh_shape)} but the "
@@ -66,10 +68,17 @@ class ShardingConfig:
         if batch % dp:
             raise ValueError(f"{model}: batch {batch} does not divide by the {dp} ranks of "
                              f"the data axis {self.data!r}; use a multiple of {dp}.")
-        if self.sequence_parallel and seq_len % tp:
+        if seq_len is not None and self.sequence_parallel and seq_len % tp:
             raise ValueError(f"{model}: sequence length {seq_len} does not divide by the {tp} "
                              f"ranks of the tensor axis {self.tensor!r} (sequence "
                              f"parallelism splits it); use a multiple of {tp}.")
+
+
+def _check_length(model: str, seq_len: int | None, max_seq_len: int) -> None:
+    if seq_len is not None and seq_len > max_seq_len:
+        raise ValueError(f"{model}: sequence length {seq_len} exceeds max_seq_len="
+                         f"{max_seq_len}; use a shorter sequence, or a config with a larger "
+                         f"max_seq_len.")
 
 
 class _Presets:
@@ -107,6 +116,9 @@ class TransformerConfig(_Presets):
       mlp_dim: f, the SwiGLU width; must divide by the tensor-parallel size.
       rope_theta: rotary embedding base.
       norm_eps: RMSNorm epsilon.
+      max_seq_len: the longest sequence the model takes: training's sequence
+        length, and prompt plus generated tokens in
+        :func:`~jax_flashoverlap.models.generate`.
       dtype: compute dtype ("float32", "bfloat16"); parameters stay float32.
       impl: implementation of the overlap ops.
       attention_impl: "auto", "xla" or "cudnn" (see :data:`ATTENTION_IMPLS`
@@ -131,6 +143,7 @@ class TransformerConfig(_Presets):
     mlp_dim: int = 128
     rope_theta: float = 10_000.0
     norm_eps: float = 1e-5
+    max_seq_len: int = 8192
     dtype: str = "float32"
     impl: str = "auto"
     attention_impl: str = "auto"
@@ -164,11 +177,19 @@ class TransformerConfig(_Presets):
     def b1(cls) -> TransformerConfig:
         """~1.0B parameters: Llama-3.2-1B's width and depth, 128-wide heads."""
         return cls(num_layers=16, embed_dim=2048, num_heads=16, num_kv_heads=8,
-                   head_dim=128, mlp_dim=8192, rope_theta=500_000.0, dtype="bfloat16")
+                   head_dim=128, mlp_dim=8192, rope_theta=500_000.0, max_seq_len=131_072,
+                   dtype="bfloat16")
 
-    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int) -> None:
-        """Clear errors for a mesh or batch shape this model cannot be split over."""
+    def sequence_multiple(self, tp: int) -> int:
+        """Sequence lengths must be a multiple of this on ``tp`` tensor ranks."""
+        return tp if self.sharding.sequence_parallel else 1
+
+    def check(self, mesh_shape: dict[str, int], *, batch: int,
+              seq_len: int | None = None) -> None:
+        """Clear errors for a mesh, batch or sequence length this model cannot
+        take (``seq_len`` None: no sequence checks)."""
         self.sharding.check(mesh_shape, batch=batch, seq_len=seq_len, model="Transformer")
+        _check_length("Transformer", seq_len, self.max_seq_len)
         tp = mesh_shape[self.sharding.tensor]
         for name in ("num_kv_heads", "mlp_dim"):
             if getattr(self, name) % tp:
@@ -207,6 +228,9 @@ class MambaConfig(_Presets):
       chunk_size: SSD chunk length; must divide the sequence length.
       dt_min, dt_max: range of the initial time steps.
       norm_eps: RMSNorm epsilon.
+      max_seq_len: the longest sequence the model takes: training's sequence
+        length, and prompt plus generated tokens in
+        :func:`~jax_flashoverlap.models.generate`.
       dtype: compute dtype; parameters stay float32.
       impl: implementation of the overlap ops.
       remat: recompute each block in the backward pass.
@@ -234,6 +258,7 @@ class MambaConfig(_Presets):
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     norm_eps: float = 1e-5
+    max_seq_len: int = 8192
     dtype: str = "float32"
     impl: str = "auto"
     remat: bool = False
@@ -271,11 +296,19 @@ class MambaConfig(_Presets):
     def b1(cls) -> MambaConfig:
         """~1.4B parameters: mamba2-1.3b's width and depth, 8 groups (as Megatron) for TP."""
         return cls(num_layers=48, embed_dim=2048, state_dim=128, head_dim=64, num_groups=8,
-                   chunk_size=256, dtype="bfloat16")
+                   chunk_size=256, max_seq_len=131_072, dtype="bfloat16")
 
-    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int) -> None:
-        """Clear errors for a mesh or batch shape this model cannot be split over."""
+    def sequence_multiple(self, tp: int) -> int:
+        """Sequence lengths must be a multiple of this on ``tp`` tensor ranks:
+        of the chunk, and of ``tp`` under sequence parallelism."""
+        return math.lcm(self.chunk_size, tp if self.sharding.sequence_parallel else 1)
+
+    def check(self, mesh_shape: dict[str, int], *, batch: int,
+              seq_len: int | None = None) -> None:
+        """Clear errors for a mesh, batch or sequence length this model cannot
+        take (``seq_len`` None: no sequence checks)."""
         self.sharding.check(mesh_shape, batch=batch, seq_len=seq_len, model="Mamba2")
+        _check_length("Mamba2", seq_len, self.max_seq_len)
         tp = mesh_shape[self.sharding.tensor]
         if self.num_groups % tp:
             raise ValueError(
@@ -283,7 +316,7 @@ class MambaConfig(_Presets):
                 f"not divide by the tensor-parallel size {tp}: heads and their B/C groups "
                 f"are split over {self.sharding.tensor!r}; use a tensor axis size that "
                 f"divides {self.num_groups}, or more groups.")
-        if seq_len % self.chunk_size:
+        if seq_len is not None and seq_len % self.chunk_size:
             raise ValueError(f"Mamba2: sequence length {seq_len} is not a multiple of "
                              f"chunk_size={self.chunk_size} (the SSD scan works in chunks).")
 

@@ -135,35 +135,110 @@ class CausalLM(nnx.Module):
 
         ``s_local`` is s/tp under sequence parallelism, else s.
         """
-        dtype = jnp.dtype(self.config.dtype)
-        x = jnp.take(self.embedding[...], tokens, axis=0).astype(dtype)
-        x = self._apply_blocks(x)
-        return jnp.dot(self.final_norm(x), self.head[...].astype(dtype))
+        x = self._apply_blocks(self._embed(tokens))
+        return jnp.dot(self.final_norm(x), self.head[...].astype(x.dtype))
+
+    def prefill(self, tokens: jax.Array, *, length: int, cache_len: int):
+        """Per device: the forward over a prompt, keeping what decoding needs.
+
+        Args:
+          tokens: [s_local, b_local] int, the prompt padded to s positions
+            (split as in :meth:`forward`).
+          length: the prompt's real positions (``length <= s``); the rest is
+            padding that decoding overwrites or never reads.
+          cache_len: positions each layer's cache holds (``>= s``).
+
+        Returns:
+          (the caches, a tuple of one per layer; float32 logits [b_local, v]
+          of position ``length - 1``, the same on every tensor rank).
+        """
+        x, caches = self._run_blocks(
+            self._embed(tokens),
+            lambda block, x: block.prefill(x, length=length, cache_len=cache_len))
+        return tuple(caches), self._logits(self._position(x, length - 1))
+
+    def decode_step(self, token: jax.Array, caches: tuple, pos: jax.Array):
+        """Per device: one token through every layer, tensor-parallel without
+        sequence parallelism (each layer ends in an all-reduce).
+
+        Args:
+          token: [b_local] int, the token at position ``pos``.
+          caches: one per layer, as :meth:`prefill` returns them.
+          pos: int32 scalar.
+
+        Returns:
+          (float32 logits [b_local, v] of the next token, the same on every
+          tensor rank; the caches with ``pos`` added).
+        """
+        x = self._embed(token[None])                        # [1, b, d]
+        updated = []
+        # Unrolled even where training scans the layers: a scan would read
+        # each layer's cache out of a stacked one and write it back, a copy
+        # of the whole cache per token.
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.decode(x, cache, pos)
+            updated.append(cache)
+        return self._logits(x[0]), tuple(updated)
+
+    def cache_specs(self) -> tuple:
+        """The caches' ``PartitionSpec``s (global view), one entry per layer."""
+        return (self.layer_cache_spec(),) * len(self.blocks)
+
+    def layer_cache_spec(self):
+        raise NotImplementedError(f"{type(self).__name__} does not decode")
+
+    def _embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [...] int -> [..., d] in the compute dtype."""
+        return jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.dtype(self.config.dtype))
+
+    def _logits(self, x: jax.Array) -> jax.Array:
+        """[..., d] -> float32 [..., v]."""
+        return jnp.dot(self.final_norm(x),
+                       self.head[...].astype(x.dtype)).astype(jnp.float32)
+
+    def _position(self, x: jax.Array, index: int) -> jax.Array:
+        """Per device: row ``index`` of the sequence, [b, d], on every tensor rank.
+
+        Under sequence parallelism x is this rank's [s/tp, b, d] and one rank
+        holds the row: it is summed over the tensor axis with zeros from the
+        others.
+        """
+        tensor = self.config.sharding.tensor
+        if not self.config.sharding.sequence_parallel:
+            return x[index]
+        owner, local = divmod(index, x.shape[0])
+        row = jnp.where(jax.lax.axis_index(tensor) == owner, x[local], jnp.zeros_like(x[local]))
+        return jax.lax.psum(row, tensor)
 
     def _apply_blocks(self, x: jax.Array) -> jax.Array:
-        """Runs the blocks in order; with ``config.scan_layers`` as one ``lax.scan``.
+        return self._run_blocks(x, lambda block, x: (block(x), None))[0]
 
-        The scan traces and compiles one block instead of ``num_layers``
-        unrolled copies (the 1B Mamba-2's training step: 73 s -> 43 s of
-        compilation on CPU); stacking the layers' parameters costs one copy
-        of them per step. Which runs faster on GPUs is not measured yet.
+    def _run_blocks(self, x: jax.Array, call: Callable) -> tuple[jax.Array, list]:
+        """Runs ``call(block, x) -> (x, out)`` over the blocks in order.
+
+        With ``config.scan_layers`` as one ``lax.scan``: it traces and compiles
+        one block instead of ``num_layers`` unrolled copies (the 1B Mamba-2's
+        training step: 73 s -> 43 s of compilation on CPU); stacking the
+        layers' parameters costs one copy of them per call.
+
+        Returns:
+          (x after the last block, [each block's out]).
         """
         if not self.config.scan_layers:
-            def apply(block, x):
-                return block(x)
-
-            if self.config.remat:
-                apply = nnx.remat(apply)
+            apply = nnx.remat(call) if self.config.remat else call
+            outs = []
             for block in self.blocks:
-                x = apply(block, x)
-            return x
+                x, out = apply(block, x)
+                outs.append(out)
+            return x, outs
         graphdef = nnx.graphdef(self.blocks[0])
         stacked = jax.tree.map(lambda *layers: jnp.stack(layers),
                                *(nnx.state(block) for block in self.blocks))
 
         def body(x, layer_state):
-            return nnx.merge(graphdef, layer_state)(x), None
+            return call(nnx.merge(graphdef, layer_state), x)
 
         if self.config.remat:
             body = jax.checkpoint(body)
-        return jax.lax.scan(body, x, stacked)[0]
+        x, outs = jax.lax.scan(body, x, stacked)
+        return x, [jax.tree.map(lambda a, i=i: a[i], outs) for i in range(len(self.blocks))]

@@ -15,17 +15,20 @@ number of groups, and the parameters do not depend on it.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
 from .config import MambaConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
-__all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "ssd", "causal_conv1d"]
+__all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSMCache", "ssd", "ssd_step",
+           "causal_conv1d"]
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
@@ -65,7 +68,7 @@ def _segsum(a: jax.Array) -> jax.Array:
 
 
 def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
-        chunk_size: int) -> jax.Array:
+        chunk_size: int, *, return_final_state: bool = False):
     """The SSD selective scan, chunked (Mamba-2's "minimal SSD" algorithm).
 
     Computes the recurrence ``h_t = exp(dt_t·a) h_{t-1} + dt_t x_t ⊗ b_t``,
@@ -81,9 +84,12 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
       b: [s, batch, g, n].
       c: [s, batch, g, n].
       chunk_size: l; must divide s.
+      return_final_state: also return the state after the last position.
 
     Returns:
-      y: [s, batch, g, heads, p], float32.
+      y: [s, batch, g, heads, p], float32; with ``return_final_state``,
+      ``(y, h)`` with h: [batch, g, heads, p, n], float32, the state
+      :func:`ssd_step` continues from.
     """
     s = x.shape[0]
     if s % chunk_size:
@@ -105,10 +111,47 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
     chunk_decay = jnp.exp(_segsum(jnp.moveaxis(jnp.pad(cum[:, -1], ((1, 0),) + ((0, 0),) * 3),
                                                0, -1)))     # [batch, g, heads, C+1, C+1]
     states = jnp.concatenate([jnp.zeros_like(states[:1]), states])
-    entering = jnp.einsum("bghzc,cbghpn->zbghpn", chunk_decay, states)[:-1]
+    passed = jnp.einsum("bghzc,cbghpn->zbghpn", chunk_decay, states)  # entering, then final
     # 4. The entering state's contribution, decayed to each position.
-    y = y + jnp.einsum("ctbgn,cbghpn,ctbgh->ctbghp", c, entering, jnp.exp(cum))
-    return y.reshape(s, *y.shape[2:])
+    y = y + jnp.einsum("ctbgn,cbghpn,ctbgh->ctbghp", c, passed[:-1], jnp.exp(cum))
+    y = y.reshape(s, *y.shape[2:])
+    return (y, passed[-1]) if return_final_state else y
+
+
+def ssd_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
+             h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One position of the SSD recurrence (decoding): O(1) in the sequence length.
+
+    ``h' = exp(dt·a) h + dt x ⊗ b``, ``y = h' · c``, in float32.
+
+    Args:
+      x: [batch, g, heads, p].
+      dt: [batch, g, heads], positive.
+      a: [g, heads], negative.
+      b: [batch, g, n].
+      c: [batch, g, n].
+      h: [batch, g, heads, p, n] float32, the state before this position.
+
+    Returns:
+      (y [batch, g, heads, p] float32, h').
+    """
+    x, b, c = (t.astype(jnp.float32) for t in (x, b, c))
+    h = (jnp.exp(dt * a)[..., None, None] * h
+         + (dt[..., None] * x)[..., None] * b[:, :, None, None, :])
+    return jnp.einsum("bghpn,bgn->bghp", h, c), h
+
+
+class SSMCache(NamedTuple):
+    """One mixer's states for decoding, per device.
+
+    Attributes:
+      conv: [k-1, b, c], the convolution's last k-1 inputs (this rank's
+        [x, B, C] channels), in the compute dtype.
+      ssm: [b, g, heads/g, p, n] float32, the SSM state of this rank's heads.
+    """
+
+    conv: jax.Array
+    ssm: jax.Array
 
 
 def _dt_bias_init(config: MambaConfig):
@@ -154,23 +197,88 @@ class Mamba2Mixer(nnx.Module):
 
     def __call__(self, u: jax.Array) -> jax.Array:
         """u: [s/tp, b, d] (or [s, b, d] without SP) -> the same."""
-        hpg, p, n = self.heads_per_group, self.head_dim, self.state_dim
-        zxbcdt = self.in_proj(u)                            # [s, b, g/tp * per-group width]
+        return self._mix(u)[0]
+
+    def prefill(self, u: jax.Array, *, length: int, cache_len: int) -> tuple[jax.Array, SSMCache]:
+        """The forward over a prompt, and the states decoding starts from.
+
+        Args:
+          u: as in ``__call__``; the prompt is the whole sequence s, of which
+            positions ``length`` on are padding.
+          length: real positions. Padding gets a zero step size, so it leaves
+            the SSM state as the last real position left it.
+          cache_len: unused (the states do not grow with the sequence).
+
+        Returns:
+          (output as ``__call__``'s, the cache after position ``length - 1``).
+        """
+        del cache_len
+        out, (conv_in, state) = self._mix(u, length)
+        k = self.conv_weight.shape[0]
+        # The convolution's last k-1 inputs, zeros before the sequence's start.
+        conv = jnp.pad(conv_in, ((k - 1, 0), (0, 0), (0, 0)))[length:length + k - 1]
+        return out, SSMCache(conv, state)
+
+    def decode(self, u: jax.Array, cache: SSMCache,
+               pos: jax.Array) -> tuple[jax.Array, SSMCache]:
+        """One token: the recurrent update of the states.
+
+        Args:
+          u: [1, b, d], the same on every tensor rank.
+          cache: this layer's, after position ``pos - 1``.
+          pos: int32 scalar (unused: the states hold all the position says).
+
+        Returns:
+          ([1, b, d] identical on every tensor rank, the cache after ``pos``).
+        """
+        del pos
+        z, conv_in, dt = self._split(self.in_proj.decode(u))
+        window = jnp.concatenate([cache.conv, conv_in])      # [k, b, c]
+        x, bmat, cmat, dt, a = self._ssm_inputs(self._conv(window)[-1:], dt)
+        y, state = ssd_step(x[0], dt[0], a, bmat[0], cmat[0], cache.ssm)
+        return self._output(y[None], x, z, self.out_proj.decode), SSMCache(window[1:], state)
+
+    def _mix(self, u: jax.Array, length: int | None = None):
+        """(output, (the convolution's input [s, b, c], the final SSM state))."""
+        z, conv_in, dt = self._split(self.in_proj(u))
+        x, bmat, cmat, dt, a = self._ssm_inputs(self._conv(conv_in), dt)
+        if length is not None:
+            dt = jnp.where(jnp.arange(dt.shape[0])[:, None, None, None] < length, dt, 0.0)
+        y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True)
+        return self._output(y, x, z, self.out_proj), (conv_in, state)
+
+    def _split(self, zxbcdt: jax.Array):
+        """in_proj's [s, b, g/tp * per-group width] -> z [s, b, g/tp, heads/g * p],
+        the convolution's input [s, b, c] and dt [s, b, g/tp, heads/g]."""
+        hpg, p = self.heads_per_group, self.head_dim
         s, b = zxbcdt.shape[:2]
         zxbcdt = zxbcdt.reshape(s, b, -1, self.group_width)
-        groups = zxbcdt.shape[2]
         z, xbc, dt = jnp.split(zxbcdt, [hpg * p, hpg * p + self.conv_channels], axis=-1)
-        xbc = causal_conv1d(xbc.reshape(s, b, -1), self.conv_weight[...].astype(self.dtype),
-                            self.conv_bias[...].astype(self.dtype))
+        return z, xbc.reshape(s, b, -1), dt
+
+    def _conv(self, conv_in: jax.Array) -> jax.Array:
+        return causal_conv1d(conv_in, self.conv_weight[...].astype(self.dtype),
+                             self.conv_bias[...].astype(self.dtype))
+
+    def _ssm_inputs(self, xbc: jax.Array, dt: jax.Array):
+        """The convolution's output [s, b, c] and in_proj's dt -> the SSD's x, B,
+        C, step sizes and decay rates (see :func:`ssd`)."""
+        hpg, p, n = self.heads_per_group, self.head_dim, self.state_dim
+        s, b, groups = dt.shape[:3]
         x, bmat, cmat = jnp.split(jax.nn.silu(xbc).reshape(s, b, groups, -1),
                                   [hpg * p, hpg * p + n], axis=-1)
         x = x.reshape(s, b, groups, hpg, p)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].reshape(groups, hpg))
         a = -jnp.exp(self.a_log[...].reshape(groups, hpg))
-        y = ssd(x, dt, a, bmat, cmat, self.chunk_size)
+        return x, bmat, cmat, dt, a
+
+    def _output(self, y: jax.Array, x: jax.Array, z: jax.Array, out_proj) -> jax.Array:
+        """The skip, the gated norm and ``out_proj`` (its sequence-parallel form
+        or its ``decode``) of the SSD's y [s, b, g, heads/g, p]."""
+        s, b, groups, hpg = x.shape[:4]
         y = y + self.d_skip[...].reshape(groups, hpg, 1) * x.astype(jnp.float32)
         y = self.norm(y.reshape(s, b, -1).astype(self.dtype), gate=z.reshape(s, b, -1))
-        return self.out_proj(y)
+        return out_proj(y)
 
 
 class Mamba2Block(nnx.Module):
@@ -183,6 +291,16 @@ class Mamba2Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         return x + self.mixer(self.norm(x))
 
+    def prefill(self, x: jax.Array, *, length: int, cache_len: int) -> tuple[jax.Array, SSMCache]:
+        """``__call__`` over a prompt, and this layer's cache (see :meth:`Mamba2Mixer.prefill`)."""
+        h, cache = self.mixer.prefill(self.norm(x), length=length, cache_len=cache_len)
+        return x + h, cache
+
+    def decode(self, x: jax.Array, cache: SSMCache, pos: jax.Array) -> tuple[jax.Array, SSMCache]:
+        """One token, x: [1, b, d] (see :meth:`Mamba2Mixer.decode`)."""
+        h, cache = self.mixer.decode(self.norm(x), cache, pos)
+        return x + h, cache
+
 
 class Mamba2(CausalLM):
     """The Mamba-2 LM: ``Mamba2(config, rngs=...)(tokens [b, s]) -> logits [b, s, v]``.
@@ -193,3 +311,9 @@ class Mamba2(CausalLM):
 
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
         super().__init__(config, lambda rngs: Mamba2Block(config, rngs=rngs), rngs=rngs)
+
+    def layer_cache_spec(self) -> SSMCache:
+        """The ``PartitionSpec`` of each of a layer's cache arrays (global view)."""
+        sharding = self.config.sharding
+        return SSMCache(P(None, sharding.data, sharding.tensor),
+                        P(sharding.data, sharding.tensor, None, None, None))

@@ -20,18 +20,21 @@ interleaved per hidden unit.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
 from .config import TransformerConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
-__all__ = ["Transformer", "Block", "Attention", "MLP", "rope", "attention_implementation",
+__all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope", "attention_implementation",
            "cudnn_attention_unsupported", "resolve_scan_layers"]
 
 
@@ -111,22 +114,38 @@ def resolve_scan_layers(config: TransformerConfig, attention: str) -> Transforme
     return config
 
 
-def rope(x: jax.Array, theta: float) -> jax.Array:
-    """Rotary embeddings ("rotate half" layout), positions 0..s-1.
+def rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+    """Rotary embeddings ("rotate half" layout).
 
     Args:
-      x: [s, b, heads, h], the whole sequence.
+      x: [s, b, heads, h].
       theta: base of the frequencies.
+      positions: [s] int, the position of each row of ``x``; default 0..s-1.
 
     Returns:
       x rotated by position, same shape and dtype.
     """
     h = x.shape[-1]
-    freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)     # [h/2]
-    angle = jnp.arange(x.shape[0], dtype=jnp.float32)[:, None] * freq  # [s, h/2]
+    if positions is None:
+        positions = jnp.arange(x.shape[0])
+    freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)        # [h/2]
+    angle = positions.astype(jnp.float32)[:, None] * freq                 # [s, h/2]
     cos, sin = (f(angle)[:, None, None, :] for f in (jnp.cos, jnp.sin))
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+class KVCache(NamedTuple):
+    """One layer's keys and values for decoding, per device.
+
+    ``k``, ``v``: [b, kv, L, h] in the compute dtype, this rank's key/value
+    heads (split over the tensor axis), rotary embeddings applied to ``k``;
+    L is the cache length, fixed when the prompt fills it. Positions past
+    the current one hold nothing the attention reads.
+    """
+
+    k: jax.Array
+    v: jax.Array
 
 
 class Attention(nnx.Module):
@@ -142,21 +161,83 @@ class Attention(nnx.Module):
                                         **linear_options(config, rngs))
         self.out = RowParallelLinear(config.num_heads * h, d, **linear_options(config, rngs))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [s/tp, b, d] (or [s, b, d] without SP) -> the same."""
-        qkv = self.qkv(x)                                   # [s, b, kv/tp * (q_per_kv+2) * h]
+    def _heads(self, qkv: jax.Array, positions: jax.Array | None = None):
+        """[s, b, kv * (q_per_kv+2) * h] -> q [s, b, heads, h], k and v [s, b, kv, h].
+
+        Query head g*q_per_kv + j uses kv head g: the order GQA in
+        dot_product_attention expects. Rotary embeddings are applied to q, k.
+        """
         s, b = qkv.shape[:2]
         qkv = qkv.reshape(s, b, -1, self.q_per_kv + 2, self.head_dim)
-        # Query head g*q_per_kv + j uses kv head g: the order GQA in
-        # dot_product_attention expects.
-        q = rope(qkv[:, :, :, :-2].reshape(s, b, -1, self.head_dim), self.rope_theta)
-        k = rope(qkv[:, :, :, -2], self.rope_theta)
-        v = qkv[:, :, :, -1]
+        q = rope(qkv[:, :, :, :-2].reshape(s, b, -1, self.head_dim), self.rope_theta, positions)
+        k = rope(qkv[:, :, :, -2], self.rope_theta, positions)
+        return q, k, qkv[:, :, :, -1]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x: [s/tp, b, d] (or [s, b, d] without SP) -> the same."""
+        return self._attend(x)[0]
+
+    def _attend(self, x: jax.Array):
+        """(output, (k, v)): the keys and values [s, b, kv, h] of the whole sequence."""
+        q, k, v = self._heads(self.qkv(x))                  # the whole sequence
+        s, b = q.shape[:2]
         # dot_product_attention (cuDNN too) takes [b, s, heads, h]; with b = 1
         # per device the swaps are bitcasts, else one copy of q, k, v and out.
         out = jax.nn.dot_product_attention(*(t.swapaxes(0, 1) for t in (q, k, v)),
                                            is_causal=True, implementation=self.implementation)
-        return self.out(out.swapaxes(0, 1).reshape(s, b, -1))
+        return self.out(out.swapaxes(0, 1).reshape(s, b, -1)), (k, v)
+
+    def prefill(self, x: jax.Array, cache_len: int) -> tuple[jax.Array, KVCache]:
+        """The forward over a prompt, keeping its keys and values.
+
+        Args:
+          x: as in ``__call__``; the prompt is the whole sequence s.
+          cache_len: L >= s, the positions the cache holds.
+
+        Returns:
+          (output as ``__call__``'s, the cache with positions 0..s-1 filled).
+        """
+        out, (k, v) = self._attend(x)
+        pad = ((0, 0), (0, 0), (0, cache_len - k.shape[0]), (0, 0))
+        return out, KVCache(*(jnp.pad(t.transpose(1, 2, 0, 3), pad) for t in (k, v)))
+
+    def decode(self, x: jax.Array, cache: KVCache,
+               pos: jax.Array) -> tuple[jax.Array, KVCache]:
+        """One token: attends over the cache up to and including ``pos``.
+
+        Args:
+          x: [1, b, d], the same on every tensor rank.
+          cache: this layer's; positions before ``pos`` filled.
+          pos: int32 scalar, this token's position.
+
+        Returns:
+          ([1, b, d] identical on every tensor rank, the cache with ``pos``
+          filled, in place when the caller donates it).
+        """
+        q, k, v = self._heads(self.qkv.decode(x), pos[None])
+        b, kv, length, h = cache.k.shape
+        q = q[0].reshape(b, kv, self.q_per_kv, h)
+        k, v = (t[0][:, :, None, :].astype(cache.k.dtype) for t in (k, v))  # [b, kv, 1, h]
+        # The earlier positions from the cache, this one from k and v: the
+        # cache update below then has no reader in this step, so XLA writes
+        # it in place instead of copying the cache to keep the old one.
+        scores = jnp.concatenate([
+            jnp.where(jnp.arange(length) < pos,
+                      jnp.einsum("bgqh,bglh->bgql", q, cache.k,
+                                 preferred_element_type=jnp.float32), -jnp.inf),
+            jnp.einsum("bgqh,bglh->bgql", q, k, preferred_element_type=jnp.float32)],
+            axis=-1) / math.sqrt(h)
+        probs = jax.nn.softmax(scores, axis=-1).astype(cache.v.dtype)
+        out = (jnp.einsum("bgql,bglh->bgqh", probs[..., :length], cache.v,
+                          preferred_element_type=jnp.float32)
+               + jnp.einsum("bgql,bglh->bgqh", probs[..., length:], v,
+                            preferred_element_type=jnp.float32))
+        # The barrier orders the cache's reads (out) before its update, so
+        # that XLA needs no copy of the old cache to write the new in place.
+        out, cache = jax.lax.optimization_barrier((out, cache))
+        cache = KVCache(*(jax.lax.dynamic_update_slice(c, t, (0, 0, pos, 0))
+                          for c, t in ((cache.k, k), (cache.v, v))))
+        return self.out.decode(out.astype(x.dtype).reshape(1, b, -1)), cache
 
 
 class MLP(nnx.Module):
@@ -169,9 +250,17 @@ class MLP(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [s/tp, b, d] (or [s, b, d] without SP) -> the same."""
-        h = self.gate_up(x)                                 # [s, b, 2 * f/tp]
-        h = h.reshape(*h.shape[:-1], -1, 2)
-        return self.down(jax.nn.silu(h[..., 0]) * h[..., 1])
+        return self.down(_swiglu(self.gate_up(x)))
+
+    def decode(self, x: jax.Array) -> jax.Array:
+        """x: [1, b, d], the same on every tensor rank -> the same."""
+        return self.down.decode(_swiglu(self.gate_up.decode(x)))
+
+
+def _swiglu(h: jax.Array) -> jax.Array:
+    """[..., 2 * f] with gate and up interleaved per unit -> [..., f]."""
+    h = h.reshape(*h.shape[:-1], -1, 2)
+    return jax.nn.silu(h[..., 0]) * h[..., 1]
 
 
 class Block(nnx.Module):
@@ -184,8 +273,25 @@ class Block(nnx.Module):
         self.mlp = MLP(config, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x))
-        return x + self.mlp(self.mlp_norm(x))
+        return self._residual(x, lambda y: (self.attn(y), None), self.mlp)[0]
+
+    def prefill(self, x: jax.Array, *, length: int, cache_len: int) -> tuple[jax.Array, KVCache]:
+        """``__call__`` over a prompt, and this layer's cache (see :meth:`Attention.prefill`).
+
+        Positions from ``length`` on are padding; causal attention keeps them
+        out of the real positions, and decoding overwrites them.
+        """
+        del length
+        return self._residual(x, lambda y: self.attn.prefill(y, cache_len), self.mlp)
+
+    def decode(self, x: jax.Array, cache: KVCache, pos: jax.Array) -> tuple[jax.Array, KVCache]:
+        """One token, x: [1, b, d] (see :meth:`Attention.decode`)."""
+        return self._residual(x, lambda y: self.attn.decode(y, cache, pos), self.mlp.decode)
+
+    def _residual(self, x, attend, mlp):
+        h, cache = attend(self.attn_norm(x))
+        x = x + h
+        return x + mlp(self.mlp_norm(x)), cache
 
 
 class Transformer(CausalLM):
@@ -198,3 +304,9 @@ class Transformer(CausalLM):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         config = resolve_scan_layers(config, attention_implementation(config))
         super().__init__(config, lambda rngs: Block(config, rngs=rngs), rngs=rngs)
+
+    def layer_cache_spec(self) -> KVCache:
+        """The ``PartitionSpec`` of each of a layer's cache arrays (global view)."""
+        sharding = self.config.sharding
+        spec = P(sharding.data, sharding.tensor, None, None)
+        return KVCache(spec, spec)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels train all
+#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels train
+#                                               decode all
 #                                               profile, stall, nvshmem, nvlink, cutlass (only when named)
 #
-# JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS and JFO_TRAIN_ARGS
+# JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_TRAIN_ARGS and
+# JFO_DECODE_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
 # JFO_DEVICES=N runs everything on the first N GPUs (CUDA_VISIBLE_DEVICES) and
 # names the JSON files *_tpN.json, so runs at TP=2/4/8 can share one $OUT.
@@ -108,6 +110,24 @@ if want train; then
   # shellcheck disable=SC2086
   step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
     ${JFO_TRAIN_ARGS:-}
+fi
+# Decoding (benchmarks/decode.py); JFO_DECODE_PROFILE=1 also traces each case's
+# decode loop and prints its kernels per step (JFO_DECODE_STEPS: the loop's
+# steps, i.e. the second --steps value, 48 by default).
+if want decode; then
+  profile_flag=""
+  [ -n "${JFO_DECODE_PROFILE:-}" ] && { rm -rf /tmp/jfo_decode_trace; profile_flag="--profile /tmp/jfo_decode_trace"; }
+  # shellcheck disable=SC2086
+  step decode$tag $PY -P benchmarks/decode.py --json "$OUT/decode$tag.json" \
+    --plot "$OUT/decode$tag.png" $profile_flag ${JFO_DECODE_ARGS:-}
+  if [ -n "$profile_flag" ]; then
+    for trace in /tmp/jfo_decode_trace/*; do
+      [ -d "$trace" ] || continue
+      echo "--- decode loop trace $(basename "$trace")"
+      $PY benchmarks/kernel_times.py trace "$trace" --iterations "${JFO_DECODE_STEPS:-48}" \
+        --top 6 | tee -a "$OUT/decode_profile$tag.log"
+    done
+  fi
 fi
 # Opt-in: the NVLink ceilings between GPUs 0 and 1 (copy engine, SM push and
 # pull, the two-shot's pattern without flags; scripts/nvlink_probe.cu).

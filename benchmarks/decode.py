@@ -1,0 +1,313 @@
+"""Benchmark: prefill time and per-token decode latency of both models, per impl.
+
+    python benchmarks/decode.py --json out.json                  # 1B models, TP=2, one process
+    python benchmarks/decode.py --mesh 1x1 --batches 1 --contexts 512   # one GPU
+    python -m jax_flashoverlap.launch -n 2 --node-size 1 benchmarks/decode.py \\
+        --impls xla auto --json out.json                        # NVSHMEM across 2 processes
+
+For each model, impl, batch and context length it builds a
+:class:`jax_flashoverlap.models.Generator` (random weights, bf16 on GPUs) for
+a prompt of ``context`` tokens, checks its logits against the model's own
+forward pass over the generated tokens (teacher forcing), then times:
+
+- prefill: the prompt through the model and the first token (the time to
+  first token), median of ``--reps`` runs;
+- a decode step: (T(k2) - T(k1)) / (k2 - k1), T(k) the wall time of the
+  compiled loop of k steps (``--steps k1 k2``): the timing protocol of
+  :mod:`jax_flashoverlap.benchmarking` applied to the loop, so that what a
+  call pays once cancels. "from idle" is T(k2) / k2.
+
+Impls: "xla" (psum), "auto", "cuda", and "cuda:ALGORITHM" to force the
+all-reduce kernel ("one_shot", "two_shot", "lamport"). The HBM floor per
+token is the bytes one GPU must read per step, its weights (as decoding
+holds them, in the compute dtype; the embedding table aside, of which a
+step reads b rows) plus its cache (the keys and values up to the average
+position of the timed steps; Mamba-2's convolution and SSM states), over
+``--hbm-tb-s`` (4.8 TB/s, the H200's datasheet bandwidth). Results go to
+``--json`` after each row; a table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_flashoverlap import benchmarking, dispatch, distributed, models, train
+from jax_flashoverlap._devices import ensure_cpu_devices
+
+# H200 HBM3e, datasheet.
+HBM_TB_S = 4.8
+# bf16 relative error (norm over a row's logits) allowed between the decode
+# loop's logits and the forward pass's: two paths through 16-48 bf16 layers.
+CHECK_TOLERANCE = {"bfloat16": 5e-2, "float16": 2e-2, "float32": 1e-4}
+CHECK_TOKENS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    model: str
+    impl: str
+    batch: int
+    context: int
+
+
+def _impl_and_algorithm(name: str) -> tuple[str, str | None]:
+    impl, _, algorithm = name.partition(":")
+    if impl not in models.IMPLS or (algorithm and algorithm not in
+                                    dispatch.ALL_REDUCE_ALGORITHMS):
+        raise argparse.ArgumentTypeError(
+            f"--impls {name!r}: expected one of {models.IMPLS}, or cuda:ALGORITHM with "
+            f"ALGORITHM in {dispatch.ALL_REDUCE_ALGORITHMS}")
+    return impl, algorithm or None
+
+
+@contextlib.contextmanager
+def forced_algorithm(algorithm: str | None):
+    """Within it, every all_reduce lowered picks ``algorithm`` (None: by size)."""
+    if algorithm is None:
+        yield
+        return
+    chosen = dispatch.all_reduce_algorithm
+    dispatch.all_reduce_algorithm = lambda *args, **kwargs: algorithm
+    try:
+        yield
+    finally:
+        dispatch.all_reduce_algorithm = chosen
+
+
+def build_model(name: str, size: str, impl: str, mesh, dtype: str | None):
+    config = train.model_config(name, size, impl=impl, dtype=dtype)
+    _, model_cls = models.MODELS[name]
+    with jax.set_mesh(mesh):
+        return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(0)))()
+
+
+def floor_bytes(generator: models.Generator, steps: tuple[int, int]) -> tuple[int, int]:
+    """(weight bytes, cache bytes) one GPU reads per decode step."""
+    model, shape = generator.model, generator.shape
+    weights = sum(leaf.addressable_shards[0].data.nbytes
+                  for path, leaf in jax.tree_util.tree_leaves_with_path(generator.params)
+                  if "embedding" not in jax.tree_util.keystr(path))
+    config = model.config
+    mesh = jax.sharding.get_mesh()
+    dp, tp = mesh.shape[config.sharding.data], mesh.shape[config.sharding.tensor]
+    rows = shape.batch // dp
+    itemsize = jnp.dtype(config.dtype).itemsize
+    if isinstance(config, models.TransformerConfig):
+        positions = shape.prompt_len + statistics.mean(steps) / 2  # the timed steps' mean
+        cache = (2 * config.num_layers * rows * config.num_kv_heads // tp * config.head_dim
+                 * itemsize * positions)
+    else:
+        heads = config.num_heads // tp
+        conv = (config.conv_width - 1) * (heads * config.head_dim
+                                          + 2 * config.num_groups // tp * config.state_dim)
+        cache = config.num_layers * rows * (conv * itemsize
+                                            + heads * config.head_dim * config.state_dim * 4)
+    return int(weights), int(cache)
+
+
+def check(model, generator_args: dict, prompt: np.ndarray) -> float:
+    """Largest relative error of a short generation's logits against the forward pass.
+
+    The prompt's last ``CHECK_TOKENS`` positions are dropped so that the
+    forward runs over ``context`` tokens (a length the model splits).
+    """
+    context = prompt.shape[1]
+    short = prompt[:, :context - CHECK_TOKENS]
+    generator = models.Generator(model, prompt_len=short.shape[1],
+                                 max_new_tokens=CHECK_TOKENS + 1, return_logits=True,
+                                 **generator_args)
+    tokens, logits = generator(short)
+    forward = nnx.jit(lambda m, t: m(t))(model, tokens[:, :-1])
+    want = np.asarray(forward[:, -(CHECK_TOKENS + 1):], np.float64)
+    got = np.asarray(logits, np.float64)
+    if not np.all(np.isfinite(got)):
+        raise FloatingPointError("non-finite logits in the decode loop")
+    return float(np.max(np.linalg.norm(got - want, axis=-1)
+                        / np.linalg.norm(want, axis=-1)))
+
+
+def measure(model, case: Case, args: argparse.Namespace, rng: np.random.Generator) -> dict:
+    k1, k2 = args.steps
+    prompt = rng.integers(0, model.config.vocab_size, (case.batch, case.context), np.int32)
+    common = dict(batch=case.batch)
+    error = check(model, common, prompt)
+    tolerance = CHECK_TOLERANCE[model.config.dtype]
+    if not error <= tolerance:
+        raise AssertionError(f"{case}: decode logits differ from the forward pass by "
+                             f"{error:.3g} (relative), more than {tolerance}")
+    generator = models.Generator(model, prompt_len=case.context, max_new_tokens=k2 + 1,
+                                 **common)
+
+    def wall(fn):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        return time.perf_counter() - start
+
+    def decode_s(steps: int) -> float:
+        prefilled = jax.block_until_ready(generator.prefill(prompt))
+        return wall(lambda: generator.decode(prefilled, steps=steps))
+
+    for steps in (k1, k2):  # warm-up
+        decode_s(steps)
+    prefill_s, per_step_s, idle_s = [], [], []
+    for _ in range(args.reps):
+        prefill_s.append(wall(lambda: generator.prefill(prompt)))
+        short, long = decode_s(k1), decode_s(k2)
+        per_step_s.append((long - short) / (k2 - k1))
+        idle_s.append(long / k2)
+    if args.profile:
+        prefilled = jax.block_until_ready(generator.prefill(prompt))
+        trace_dir = f"{args.profile}/{case.model}_{case.impl}_b{case.batch}_c{case.context}"
+        with jax.profiler.trace(trace_dir):
+            jax.block_until_ready(generator.decode(prefilled, steps=k2))
+    per_step_s.sort()
+    step = statistics.median(per_step_s)
+    weights, cache = floor_bytes(generator, args.steps)
+    floor_s = (weights + cache) / (args.hbm_tb_s * 1e12)
+    mesh = jax.sharding.get_mesh()
+    return {
+        "model": case.model, "size": args.size, "impl": case.impl, "batch": case.batch,
+        "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
+        "processes": jax.process_count(), "dtype": model.config.dtype,
+        "device": jax.devices()[0].device_kind,
+        "prefill_ms": statistics.median(prefill_s) * 1e3,
+        "prefill_ms_min": min(prefill_s) * 1e3, "prefill_ms_max": max(prefill_s) * 1e3,
+        "per_token_ms": step * 1e3, "per_token_ms_min": per_step_s[0] * 1e3,
+        "per_token_ms_max": per_step_s[-1] * 1e3,
+        "per_token_ms_from_idle": statistics.median(idle_s) * 1e3,
+        "tokens_per_s": case.batch / step, "weight_bytes": weights, "cache_bytes": cache,
+        "hbm_floor_ms": floor_s * 1e3, "x_floor": step / floor_s,
+        "check_error": error, "compile_s": generator.compile_s,
+    }
+
+
+def table(rows: list[dict]) -> str:
+    xla = {(r["model"], r["batch"], r["context"]): r["per_token_ms"]
+           for r in rows if r["impl"] == "xla"}
+    lines = ["| model | impl | batch | context | prefill (ms) | per token (ms), median [min, max] "
+             "| tokens/s | HBM floor (ms) | × floor | vs xla |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        base = xla.get((r["model"], r["batch"], r["context"]))
+        lines.append(
+            f"| {r['model']} | {r['impl']} | {r['batch']} | {r['context']} | "
+            f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
+            f"{r['per_token_ms_max']:.3f}] | {r['tokens_per_s']:,.0f} | "
+            f"{r['hbm_floor_ms']:.3f} | {r['x_floor']:.2f} | "
+            f"{f'{base / r['per_token_ms']:.3f}x' if base else '–'} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    model_names = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4),
+                             squeeze=False)
+    for ax, name in zip(axes[0], model_names):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            for context in sorted({r["context"] for r in rows}):
+                sel = sorted((r["batch"], r["per_token_ms"]) for r in rows
+                             if (r["model"], r["impl"], r["context"]) == (name, impl, context))
+                if sel:
+                    ax.plot(*zip(*sel), marker="o", label=f"{impl}, context {context}")
+        floor = sorted({(r["batch"], r["hbm_floor_ms"]) for r in rows if r["model"] == name})
+        ax.plot(*zip(*floor), "k--", label="HBM floor")
+        ax.set(xscale="log", xlabel="batch", ylabel="ms per decode step", title=name)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--json", help="write the rows here (after each one)")
+    parser.add_argument("--plot", help="write a plot of the rows here (needs matplotlib)")
+    parser.add_argument("--models", nargs="+", default=["transformer", "mamba"],
+                        choices=tuple(models.MODELS))
+    parser.add_argument("--size", default="1b", choices=tuple(models.SIZES))
+    parser.add_argument("--mesh", type=train._mesh_shape, default=(1, 2), metavar="DATAxTENSOR")
+    parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda:lamport",
+                                                       "cuda:one_shot", "cuda:two_shot"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
+    parser.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
+    parser.add_argument("--steps", nargs=2, type=int, default=(16, 48), metavar=("K1", "K2"),
+                        help="decode loop lengths whose difference is timed")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU")
+    parser.add_argument("--hbm-tb-s", type=float, default=HBM_TB_S,
+                        help="HBM bandwidth per GPU for the floor, TB/s")
+    parser.add_argument("--heap-mb", type=int, default=1024,
+                        help="NVSHMEM heap per GPU, when started by the launcher")
+    parser.add_argument("--profile", metavar="DIR", default=None,
+                        help="also trace one decode loop of K2 steps per case, into "
+                             "DIR/MODEL_IMPL_bBATCH_cCONTEXT (benchmarks/kernel_times.py "
+                             "trace summarises one)")
+    args = parser.parse_args(argv)
+    impls = [(name, *_impl_and_algorithm(name)) for name in args.impls]
+    if not 0 < args.steps[0] < args.steps[1]:
+        parser.error(f"--steps: need 0 < K1 < K2, got {args.steps}")
+    if distributed.is_launched():
+        distributed.initialize()
+        from jax_flashoverlap import nvshmem
+
+        if nvshmem.is_built() and jax.default_backend() == "gpu":
+            nvshmem.initialize(heap_mb=args.heap_mb)
+    else:
+        ensure_cpu_devices(train.CPU_DEVICES)  # CPU smoke runs; GPUs are unaffected.
+    lead = jax.process_index() == 0
+    mesh = train.make_mesh(args.mesh, models.ShardingConfig())
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "profile")}
+    meta = benchmarking.provenance(settings)
+    meta["hbm_floor"] = f"(weight + cache bytes per GPU) / {args.hbm_tb_s} TB/s"
+    rows = []
+    rng = np.random.default_rng(0)
+    for model_name in args.models:
+        for label, impl, algorithm in impls:
+            model = build_model(model_name, args.size, impl, mesh, args.dtype)
+            for batch in args.batches:
+                for context in args.contexts:
+                    case = Case(model_name, label, batch, context)
+                    if lead:
+                        print(f"--- {case}", flush=True)
+                    with jax.set_mesh(mesh), forced_algorithm(algorithm):
+                        row = measure(model, case, args, rng)
+                    rows.append(row)
+                    gc.collect()
+                    if lead:
+                        print(json.dumps(row), flush=True)
+                        if args.json:
+                            with open(args.json, "w") as f:
+                                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            del model
+            gc.collect()
+    if lead:
+        print(f"\nDecoding, mesh {args.mesh[0]}x{args.mesh[1]} (data x tensor) in "
+              f"{jax.process_count()} process(es), {rows[0]['dtype'] if rows else ''}; "
+              f"decode step by (T({args.steps[1]}) - T({args.steps[0]})) / "
+              f"{args.steps[1] - args.steps[0]}\n")
+        print(table(rows))
+        if args.plot and rows:
+            plot(rows, args.plot)
+    return 0 if all(math.isfinite(r["per_token_ms"]) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

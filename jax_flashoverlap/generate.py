@@ -1,0 +1,195 @@
+"""Generates text with the Transformer or Mamba-2, tensor-parallel, the per-token all-reduces on NVRAR.
+
+    jax-flashoverlap-generate --model transformer --size tiny --prompt "def main(" \\
+        --max-new-tokens 64
+    jax-flashoverlap-generate --model mamba --size 1b --mesh 1x2 --restore CKPT_DIR \\
+        --prompt-file prompt.txt --max-new-tokens 256 --temperature 0.8 --top-k 40
+    python -m jax_flashoverlap.launch -n 2 --node-size 1 -m jax_flashoverlap.generate ...
+
+Byte-level tokens, as in training. ``--restore DIR`` loads the parameters of
+the latest checkpoint that ``jax-flashoverlap-train --checkpoint-dir DIR``
+wrote (same ``--model`` and ``--size``); without it the weights are random.
+The prompt runs through the model in one pass (prefill), then each new token
+is one decode step, all of them in one compiled loop
+(:mod:`jax_flashoverlap.models.decoding`). It prints each row's text, then
+the time to the first token (prefill and its sampling), the time per decode
+step and tokens/s; compilation is timed apart. Started through the launcher,
+one GPU per process, the decode all-reduce across processes runs on NVSHMEM
+when the package has it (``jax_flashoverlap.nvshmem``). Without a GPU it
+runs on 8 CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from . import distributed
+from ._devices import ensure_cpu_devices
+from .models import IMPLS, MODELS, SIZES, Generator, ShardingConfig
+from .train import CPU_DEVICES, _mesh_shape, make_mesh, model_config, restore_model_state
+
+__all__ = ["main", "parse_args", "run", "encode", "decode_text"]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="jax-flashoverlap-generate",
+                                     description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    parser.add_argument("--restore", type=Path, default=None, metavar="DIR",
+                        help="load the latest checkpoint of jax-flashoverlap-train "
+                             "--checkpoint-dir DIR (default: random weights)")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the prompt text")
+    prompt.add_argument("--prompt-file", type=Path, help="a file holding the prompt")
+    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="rows, each continuing the same prompt")
+    parser.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DATAxTENSOR",
+                        help="mesh shape, e.g. 1x2 (default: data 1, tensor 2, or 1 with "
+                             "one device)")
+    parser.add_argument("--impl", choices=IMPLS, default="auto",
+                        help="implementation of the overlap ops and the all-reduce")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--no-sequence-parallel", dest="sequence_parallel",
+                        action="store_false", help="prefill without sequence parallelism")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the k most likely bytes (default: all)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="parameters (without --restore) and sampling")
+    parser.add_argument("--heap-mb", type=int, default=1024,
+                        help="NVSHMEM symmetric heap per GPU, when started by the launcher")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="write the text and the timings here")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.batch < 1:
+        parser.error(f"--batch must be at least 1, got {args.batch}")
+    if args.temperature < 0:
+        parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.restore is not None and not args.restore.is_dir():
+        parser.error(f"--restore {args.restore}: no such directory")
+    if args.prompt_file is not None and not args.prompt_file.is_file():
+        parser.error(f"--prompt-file {args.prompt_file}: no such file")
+    return args
+
+
+def encode(text: str) -> np.ndarray:
+    """Byte-level tokens of ``text`` (UTF-8), int32 [len]."""
+    return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+
+
+def decode_text(tokens: np.ndarray) -> str:
+    """The text of byte-level tokens; bytes that are not UTF-8 show as U+FFFD."""
+    return bytes(np.asarray(tokens, np.uint8).tolist()).decode(errors="replace")
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Builds the model, generates, prints the text and timings; returns them."""
+    multi_process = distributed.is_launched()
+    if multi_process:
+        distributed.initialize()
+        _start_nvshmem(args.heap_mb)
+    text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
+    prompt = encode(text)
+    if prompt.size == 0:
+        raise SystemExit("jax-flashoverlap-generate: the prompt is empty")
+    sharding = ShardingConfig(sequence_parallel=args.sequence_parallel)
+    mesh = make_mesh(args.mesh or (1, min(2, jax.device_count())), sharding)
+    config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
+                          sharding=sharding)
+    _, model_cls = MODELS[args.model]
+    prompts = np.tile(prompt, (args.batch, 1))
+    lead = jax.process_index() == 0
+    with jax.set_mesh(mesh):
+        model = nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(args.seed)))()
+        if args.restore is not None:
+            step = restore_model_state(args.restore, model)
+            _say(lead, f"restored step {step} from {args.restore}")
+        data, tensor = mesh.devices.shape
+        _say(lead, f"{args.model}/{args.size} on mesh {data}x{tensor} (data x tensor) of "
+                   f"{len(jax.devices())} {jax.devices()[0].platform.upper()} device(s)"
+                   f"{f' in {jax.process_count()} processes' if multi_process else ''}; "
+                   f"impl {args.impl}, dtype {config.dtype}; compiling...")
+        generator = Generator(model, batch=args.batch, prompt_len=prompt.size,
+                              max_new_tokens=args.max_new_tokens,
+                              temperature=args.temperature, top_k=args.top_k)
+        rng = jax.random.key(args.seed)
+        start = time.perf_counter()
+        prefilled = jax.block_until_ready(generator.prefill(prompts, rng))
+        prefill_s = time.perf_counter() - start
+        start = time.perf_counter()
+        tokens, _ = jax.block_until_ready(generator.decode(prefilled, rng))
+        decode_s = time.perf_counter() - start
+    tokens = _to_host(tokens)
+    steps = args.max_new_tokens - 1
+    result = {
+        "model": args.model, "size": args.size, "mesh": f"{data}x{tensor}", "impl": args.impl,
+        "dtype": config.dtype, "batch": args.batch, "prompt_tokens": int(prompt.size),
+        "new_tokens": args.max_new_tokens, "compile_s": generator.compile_s,
+        "time_to_first_token_ms": prefill_s * 1e3,
+        "per_token_ms": decode_s / steps * 1e3 if steps else None,
+        "tokens_per_s": args.batch * steps / decode_s if steps else None,
+        "texts": [decode_text(row[prompt.size:]) for row in tokens],
+    }
+    if lead:
+        for i, continuation in enumerate(result["texts"]):
+            print(f"--- row {i}:\n{text}{continuation}")
+        per_token = (f"{result['per_token_ms']:.3f} ms per token over {steps} decode steps, "
+                     f"{result['tokens_per_s']:,.0f} tokens/s" if steps
+                     else "no decode step (--max-new-tokens 1)")
+        print(f"time to first token {result['time_to_first_token_ms']:.1f} ms "
+              f"({prompt.size} prompt tokens x {args.batch}); {per_token}; "
+              f"compiled in {generator.compile_s:.1f} s", flush=True)
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _start_nvshmem(heap_mb: int) -> None:
+    """NVSHMEM for the decode all-reduce across processes, where it is built."""
+    from . import nvshmem
+
+    if nvshmem.is_built() and jax.default_backend() == "gpu":
+        nvshmem.initialize(heap_mb=heap_mb)
+
+
+def _to_host(a: jax.Array) -> np.ndarray:
+    if a.is_fully_addressable:
+        return np.asarray(a)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+
+
+def _say(lead: bool, message: str) -> None:
+    if lead:
+        print(message, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not distributed.is_launched():  # the launcher gives each process its devices
+        ensure_cpu_devices(CPU_DEVICES)  # Before JAX starts its backends.
+    try:
+        run(args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        print(f"jax-flashoverlap-generate: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""Text generation: the prompt in one pass, then one token per step in one compiled loop.
+
+Prefill runs the prompt through the model's tensor(+sequence)-parallel
+layers (the overlap ops) and keeps what decoding needs: each Transformer
+layer's keys and values, each Mamba-2 mixer's convolution and SSM states.
+Each decode step then runs one token through the layers without sequence
+parallelism, every row-parallel layer ending in
+:func:`jax_flashoverlap.all_reduce`: messages of ``batch × d`` elements, the
+small all-reduces its low-latency kernels are for. The steps run in one
+``lax.fori_loop`` inside one jitted program, with the caches donated and
+updated in place::
+
+    with jax.set_mesh(mesh):
+        tokens = generate(model, prompt, 64)                   # greedy
+        tokens, logits = generate(model, prompt, 64, temperature=0.8, top_k=40,
+                                  rng=jax.random.key(0), return_logits=True)
+
+:class:`Generator` holds the compiled programs of one shape, for callers that
+time prefill and decoding apart (the ``jax-flashoverlap-generate`` command,
+``benchmarks/decode.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import numbers
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jax_flashoverlap import dispatch
+from jax_flashoverlap.nn import shard_map_apply
+
+from .layers import CausalLM
+
+__all__ = ["generate", "Generator", "Prefilled", "sample", "decoding_params"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """Everything static about one generation: the programs' compile-time arguments."""
+
+    batch: int
+    prompt_len: int
+    padded_len: int      # the prompt padded to what the model's layers split
+    cache_len: int
+    max_new_tokens: int
+    temperature: float
+    top_k: int | None
+    return_logits: bool
+
+    @property
+    def total_len(self) -> int:
+        return self.prompt_len + self.max_new_tokens
+
+
+class Prefilled(NamedTuple):
+    """What prefill leaves for the decode loop, all on the mesh.
+
+    Attributes:
+      caches: one per layer (``KVCache`` or ``SSMCache``), sharded over the
+        data and tensor axes.
+      token: int32 [batch], the first new token.
+      tokens: int32 [batch, prompt_len + max_new_tokens]: the prompt and the
+        first new token; decoding fills the rest.
+      logits: float32 [batch, max_new_tokens, vocab] with row 0 filled (the
+        first token's logits), or None without ``return_logits``.
+    """
+
+    caches: tuple
+    token: jax.Array
+    tokens: jax.Array
+    logits: jax.Array | None
+
+
+def sample(logits: jax.Array, rng: jax.Array | None, step: int | jax.Array, *,
+           temperature: float, top_k: int | None) -> jax.Array:
+    """The next token of each row.
+
+    Row i's random draw depends only on (rng, step, i), never on how the
+    batch is split over devices, so the same call samples the same tokens on
+    any mesh.
+
+    Args:
+      logits: float32 [batch, vocab].
+      rng: a PRNG key (unused when greedy).
+      step: which new token this is (0 for the first).
+      temperature: 0 for greedy (argmax), else the softmax temperature.
+      top_k: sample among the k largest logits only (None: all).
+
+    Returns:
+      int32 [batch].
+    """
+    if temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    keys = jax.random.split(jax.random.fold_in(rng, step), logits.shape[0])
+    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+
+
+def decoding_params(model: CausalLM) -> nnx.State:
+    """``model``'s state with every matrix in the compute dtype.
+
+    The layers cast their float32 weights to the compute dtype at every use;
+    once per token, that would read 4 bytes a weight and write 2 before the
+    GEMM reads 2. Cast once, decoding reads only the 2: the same numbers, as
+    the layers cast the same way (vectors, used in float32, stay float32).
+    """
+    dtype = jnp.dtype(model.config.dtype)
+    state = nnx.state(model)
+
+    def cast(a):
+        return a.astype(dtype) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
+
+    return jax.jit(lambda s: jax.tree.map(cast, s))(state)
+
+
+class Generator:
+    """The compiled prefill and decode loop of one model and generation shape.
+
+    Build it under the mesh the model lives on (``jax.set_mesh``); it checks
+    the shape, casts the weights for decoding (:func:`decoding_params`) and
+    compiles both programs, so that calls time only the work.
+
+    Args:
+      model: a :class:`~jax_flashoverlap.models.Transformer` or
+        :class:`~jax_flashoverlap.models.Mamba2`, as the trainer builds it.
+      batch: rows; must divide by the data axis.
+      prompt_len: tokens per prompt (at least 1).
+      max_new_tokens: tokens to generate (at least 1).
+      temperature: 0 for greedy, else the sampling temperature.
+      top_k: sample among the k most likely tokens (None: all).
+      return_logits: also return each new token's logits.
+      cache_len: positions each KV cache holds; default (and minimum) what
+        ``prompt_len + max_new_tokens`` needs. A larger one lets decode loops
+        of different lengths share a cache size (benchmarks).
+
+    Attributes:
+      compile_s: seconds spent compiling the two programs.
+    """
+
+    def __init__(self, model: CausalLM, *, batch: int, prompt_len: int, max_new_tokens: int,
+                 temperature: float = 0.0, top_k: int | None = None,
+                 return_logits: bool = False, cache_len: int | None = None):
+        mesh = _mesh()
+        config = model.config
+        _check_count("max_new_tokens", max_new_tokens, 1)
+        _check_count("prompt length", prompt_len, 1)
+        _check_count("batch", batch, 1)
+        if prompt_len + max_new_tokens > config.max_seq_len:
+            raise ValueError(
+                f"generate: prompt length {prompt_len} + max_new_tokens {max_new_tokens} = "
+                f"{prompt_len + max_new_tokens} exceeds the model's max_seq_len="
+                f"{config.max_seq_len}; shorten the prompt or generate fewer tokens.")
+        if not (isinstance(temperature, numbers.Real) and temperature >= 0
+                and math.isfinite(temperature)):
+            raise ValueError(f"generate: temperature must be a finite number >= 0 (0: greedy), "
+                             f"got {temperature!r}")
+        if top_k is not None:
+            _check_count("top_k", top_k, 1)
+            if top_k > config.vocab_size:
+                raise ValueError(f"generate: top_k={top_k} exceeds the vocabulary "
+                                 f"({config.vocab_size} tokens)")
+        config.check(dict(mesh.shape), batch=batch)
+        multiple = config.sequence_multiple(mesh.shape[config.sharding.tensor])
+        padded_len = -(-prompt_len // multiple) * multiple
+        # Prefill writes every padded position; decoding writes positions
+        # prompt_len .. total-2 (the last token is never fed back).
+        needed = max(padded_len, prompt_len + max_new_tokens - 1)
+        if cache_len is not None and cache_len < needed:
+            raise ValueError(f"Generator: cache_len={cache_len} is shorter than the {needed} "
+                             f"positions this generation writes")
+        self.model = model
+        self.shape = _Shape(batch, prompt_len, padded_len, cache_len or needed, max_new_tokens,
+                            float(temperature), top_k, return_logits)
+        self.params = decoding_params(model)
+        graphdef = nnx.graphdef(model)
+        data = config.sharding.data
+        prompt = jax.ShapeDtypeStruct((batch, padded_len), jnp.int32,
+                                      sharding=NamedSharding(mesh, P(data, None)))
+        key = jax.random.key(0)
+        start = time.perf_counter()
+        # "auto" resolves when a program lowers: inside the model's own
+        # preferences (its training step's, e.g. Mamba-2's reduce-scatter to XLA).
+        with dispatch.prefer_xla(config.auto_xla_ops):
+            self._prefill = jax.jit(
+                functools.partial(_prefill, graphdef, self.shape)).lower(
+                    self.params, prompt, key).compile()
+        prefilled = self._prefill.out_info
+        self._loop = jax.jit(functools.partial(_decode_loop, graphdef, self.shape),
+                             static_argnums=3, donate_argnums=1)
+        self._decode = {}
+        self._decode_args = (prefilled, key)
+        self.decode_steps(max_new_tokens - 1)  # compiles the full loop
+        self.compile_s = time.perf_counter() - start
+
+    def prefill(self, prompt: jax.Array, rng: jax.Array | None = None) -> Prefilled:
+        """The prompt through the model, and the first new token.
+
+        Args:
+          prompt: int [batch, prompt_len], checked as :func:`generate` does.
+          rng: PRNG key for sampling (needed when ``temperature > 0``).
+        """
+        prompt = _check_prompt(prompt, self.shape, self.model.config.vocab_size)
+        padded = np.zeros((self.shape.batch, self.shape.padded_len), np.int32)
+        padded[:, :self.shape.prompt_len] = prompt
+        sharding = NamedSharding(_mesh(), P(self.model.config.sharding.data, None))
+        # Each process places its own rows (the prompt is whole on every one).
+        placed = jax.make_array_from_callback(padded.shape, sharding, lambda index: padded[index])
+        return self._prefill(self.params, placed, self._key(rng))
+
+    def decode(self, prefilled: Prefilled, rng: jax.Array | None = None,
+               steps: int | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """Decodes from ``prefilled`` (whose caches it donates: use it once).
+
+        Args:
+          prefilled: :meth:`prefill`'s result.
+          rng: the key given to :meth:`prefill`.
+          steps: decode steps (default ``max_new_tokens - 1``, the rest of the
+            tokens); fewer leaves the last tokens 0 (for timing loops of
+            several lengths at one cache size).
+
+        Returns:
+          (int32 tokens [batch, prompt_len + max_new_tokens], float32 logits
+          [batch, max_new_tokens, vocab] or None).
+        """
+        steps = self.shape.max_new_tokens - 1 if steps is None else steps
+        done = self.decode_steps(steps)(self.params, prefilled, self._key(rng))
+        return done.tokens, done.logits
+
+    def decode_steps(self, steps: int):
+        """The compiled loop of ``steps`` decode steps:
+        ``(params, prefilled, rng) -> prefilled`` advanced by ``steps`` tokens."""
+        if not 0 <= steps <= self.shape.max_new_tokens - 1:
+            raise ValueError(f"Generator: steps={steps} outside 0..{self.shape.max_new_tokens - 1}")
+        if steps not in self._decode:
+            prefilled, key = self._decode_args
+            self._decode[steps] = self._loop.lower(self.params, prefilled, key, steps).compile()
+        return self._decode[steps]
+
+    def __call__(self, prompt: jax.Array, rng: jax.Array | None = None):
+        """Prefill, then decode: (tokens, logits or None), as :meth:`decode`."""
+        return self.decode(self.prefill(prompt, rng), rng)
+
+    def _key(self, rng):
+        if self.shape.temperature > 0 and rng is None:
+            raise ValueError("generate: temperature > 0 samples tokens and needs "
+                             "rng=jax.random.key(seed)")
+        return jax.random.key(0) if rng is None else rng
+
+
+def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
+             temperature: float = 0.0, top_k: int | None = None, rng: jax.Array | None = None,
+             return_logits: bool = False):
+    """Continues each prompt by ``max_new_tokens`` tokens.
+
+    Call it under the mesh the model was built on (``jax.set_mesh(mesh)``):
+    the batch is split over the data axis, heads and widths over the tensor
+    axis. Prefill runs the prompt through the model's parallel layers (the
+    overlap ops); each new token then takes one decode step, all of them in
+    one compiled loop (see the module docstring).
+
+    Args:
+      model: a :class:`~jax_flashoverlap.models.Transformer` or
+        :class:`~jax_flashoverlap.models.Mamba2`.
+      prompt: int [batch, prompt_len] token ids in ``[0, vocab_size)``;
+        batch must divide by the data axis, and ``prompt_len +
+        max_new_tokens`` must not exceed the config's ``max_seq_len``.
+      max_new_tokens: tokens to generate, at least 1.
+      temperature: 0 (default) picks the most likely token; above 0 samples
+        from the softmax of logits / temperature.
+      top_k: with sampling, only among the k most likely tokens.
+      rng: PRNG key for sampling (``jax.random.key(seed)``); needed when
+        ``temperature > 0``. Row i's draws depend only on ``rng`` and i, not
+        on the mesh.
+      return_logits: also return the logits each new token was chosen from.
+
+    Returns:
+      int32 tokens [batch, prompt_len + max_new_tokens] (the prompt, then the
+      new tokens); with ``return_logits``, ``(tokens, logits)`` with float32
+      logits [batch, max_new_tokens, vocab].
+
+    Raises:
+      TypeError: a prompt that is not integer token ids.
+      ValueError: a shape, a length or an argument out of range, naming it.
+    """
+    shape = np.shape(prompt)
+    if len(shape) != 2:
+        raise ValueError(f"generate: prompt must be 2-D [batch, prompt_len], got shape {shape}")
+    generator = Generator(model, batch=shape[0], prompt_len=shape[1],
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                          return_logits=return_logits)
+    tokens, logits = generator(prompt, rng)
+    return (tokens, logits) if return_logits else tokens
+
+
+def _prefill(graphdef, shape: _Shape, params, prompt, rng) -> Prefilled:
+    model = nnx.merge(graphdef, params)
+    sharding = model.config.sharding
+    caches, logits = shard_map_apply(
+        functools.partial(type(model).prefill, length=shape.prompt_len,
+                          cache_len=shape.cache_len),
+        model, prompt.T, in_specs=(sharding.tokens_sb,),
+        out_specs=(model.cache_specs(), P(sharding.data, None)))
+    token = sample(logits, rng, 0, temperature=shape.temperature, top_k=shape.top_k)
+    tokens = jnp.zeros((shape.batch, shape.total_len), jnp.int32)
+    tokens = tokens.at[:, :shape.prompt_len].set(prompt[:, :shape.prompt_len])
+    tokens = tokens.at[:, shape.prompt_len].set(token)
+    all_logits = None
+    if shape.return_logits:
+        all_logits = jnp.zeros((shape.batch, shape.max_new_tokens, logits.shape[-1]),
+                               jnp.float32).at[:, 0].set(logits)
+    return Prefilled(caches, token, tokens, all_logits)
+
+
+def _decode_loop(graphdef, shape: _Shape, params, prefilled: Prefilled, rng,
+                 steps: int) -> Prefilled:
+    """``steps`` decode steps from ``prefilled``."""
+    model = nnx.merge(graphdef, params)
+    data = model.config.sharding.data
+
+    def step(i, carry: Prefilled) -> Prefilled:
+        pos = shape.prompt_len + i                          # of carry.token
+        logits, caches = shard_map_apply(
+            type(model).decode_step, model, carry.token, carry.caches, pos,
+            in_specs=(P(data), model.cache_specs(), P()),
+            out_specs=(P(data, None), model.cache_specs()))
+        token = sample(logits, rng, i + 1, temperature=shape.temperature, top_k=shape.top_k)
+        tokens = jax.lax.dynamic_update_slice(carry.tokens, token[:, None], (0, pos + 1))
+        all_logits = carry.logits
+        if all_logits is not None:
+            all_logits = jax.lax.dynamic_update_slice(all_logits, logits[:, None],
+                                                      (0, i + 1, 0))
+        return Prefilled(caches, token, tokens, all_logits)
+
+    # Returned whole, so that every donated buffer is updated in place.
+    return jax.lax.fori_loop(0, steps, step, prefilled)
+
+
+def _mesh() -> jax.sharding.Mesh:
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+        raise ValueError("generate: call it under `with jax.set_mesh(mesh):`, the (data, "
+                         "tensor) mesh the model was built on.")
+    return mesh
+
+
+def _check_count(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"generate: {name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_prompt(prompt: Any, shape: _Shape, vocab_size: int) -> np.ndarray:
+    """The prompt as int32 numpy, or a clear error."""
+    array = np.asarray(prompt)
+    if not np.issubdtype(array.dtype, np.integer):
+        raise TypeError(f"generate: prompt must hold integer token ids, got dtype "
+                        f"{array.dtype}; e.g. np.frombuffer(text.encode(), np.uint8)"
+                        f".astype(np.int32) for byte-level tokens.")
+    want = (shape.batch, shape.prompt_len)
+    if array.shape != want:
+        raise ValueError(f"generate: prompt has shape {array.shape}, this generator takes "
+                         f"{want}")
+    if array.size and (array.min() < 0 or array.max() >= vocab_size):
+        bad = array[(array < 0) | (array >= vocab_size)].flat[0]
+        raise ValueError(f"generate: token id {bad} in the prompt is outside the "
+                         f"vocabulary [0, {vocab_size})")
+    return array.astype(np.int32)
+
