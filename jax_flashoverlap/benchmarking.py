@@ -135,10 +135,10 @@ def gemm_autotune_setting() -> str:
 def provenance(settings: dict | None = None) -> dict:
     """Where a result comes from, for a benchmark JSON's ``meta``.
 
-    The commit is that of the git checkout the process runs in (with
-    ``dirty`` when tracked files have changes), else
-    ``JFO_COMMIT`` (set it where the tree is a copy without ``.git``, as on
-    the GPU machine), else None.
+    The commit is ``JFO_COMMIT`` where set (on a machine that runs a copy of
+    the tree, whose ``.git`` may be missing or stale), else that of the git
+    checkout the process runs in (with ``dirty`` when tracked files have
+    changes), else None.
 
     Args:
       settings: the run's non-default settings (its flags).
@@ -169,6 +169,8 @@ def provenance(settings: dict | None = None) -> dict:
 
 
 def _git_commit() -> tuple[str | None, bool | None]:
+    if os.environ.get("JFO_COMMIT"):  # a copy of the tree, whose .git may be stale
+        return os.environ["JFO_COMMIT"], None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
@@ -177,4 +179,4 @@ def _git_commit() -> tuple[str | None, bool | None]:
                                 check=True).stdout
         return commit, bool(status.strip())
     except (OSError, subprocess.SubprocessError):
-        return os.environ.get("JFO_COMMIT"), None
+        return None, None
