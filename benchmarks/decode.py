@@ -73,6 +73,16 @@ def _impl_and_algorithm(name: str) -> tuple[str, str | None]:
     return impl, algorithm or None
 
 
+def _xla_option(text: str) -> tuple[str, bool | int | str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--xla-option {text!r}: expected NAME=VALUE")
+    lowered = value.lower()
+    if lowered in ("true", "false"):
+        return name, lowered == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value
+
+
 @contextlib.contextmanager
 def forced_algorithm(algorithm: str | None):
     """Within it, every all_reduce lowered picks ``algorithm`` (None: by size)."""
@@ -142,7 +152,7 @@ def check(model, generator_args: dict, prompt: np.ndarray) -> float:
 def measure(model, case: Case, args: argparse.Namespace, rng: np.random.Generator) -> dict:
     k1, k2 = args.steps
     prompt = rng.integers(0, model.config.vocab_size, (case.batch, case.context), np.int32)
-    common = dict(batch=case.batch)
+    common = dict(batch=case.batch, compiler_options=args.xla_options)
     error = check(model, common, prompt)
     tolerance = CHECK_TOLERANCE[model.config.dtype]
     if not error <= tolerance:
@@ -256,11 +266,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="HBM bandwidth per GPU for the floor, TB/s")
     parser.add_argument("--heap-mb", type=int, default=1024,
                         help="NVSHMEM heap per GPU, when started by the launcher")
+    parser.add_argument("--xla-option", dest="xla_options", action="append", default=[],
+                        type=_xla_option, metavar="NAME=VALUE",
+                        help="an XLA option for the decode loops (over "
+                             "models.decoding.DECODE_COMPILER_OPTIONS); repeatable")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="also trace one decode loop of K2 steps per case, into "
                              "DIR/MODEL_IMPL_bBATCH_cCONTEXT (benchmarks/kernel_times.py "
                              "trace summarises one)")
     args = parser.parse_args(argv)
+    args.xla_options = dict(args.xla_options)
     impls = [(name, *_impl_and_algorithm(name)) for name in args.impls]
     if not 0 < args.steps[0] < args.steps[1]:
         parser.error(f"--steps: need 0 < K1 < K2, got {args.steps}")
