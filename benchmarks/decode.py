@@ -97,8 +97,9 @@ def forced_algorithm(algorithm: str | None):
         dispatch.all_reduce_algorithm = chosen
 
 
-def build_model(name: str, size: str, impl: str, mesh, dtype: str | None):
-    config = train.model_config(name, size, impl=impl, dtype=dtype)
+def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str):
+    config = train.model_config(name, size, impl=impl, dtype=dtype,
+                                **({"attention": attention} if name == "transformer" else {}))
     _, model_cls = models.MODELS[name]
     with jax.set_mesh(mesh):
         return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(0)))()
@@ -192,6 +193,7 @@ def measure(model, case: Case, args: argparse.Namespace, rng: np.random.Generato
         "model": case.model, "size": args.size, "impl": case.impl, "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
+        "attention": getattr(model.blocks[0], "attn", None) and model.blocks[0].attn.implementation,
         "device": jax.devices()[0].device_kind,
         "prefill_ms": statistics.median(prefill_s) * 1e3,
         "prefill_ms_min": min(prefill_s) * 1e3, "prefill_ms_max": max(prefill_s) * 1e3,
@@ -262,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode loop lengths whose difference is timed")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU")
+    parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
+                        help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--hbm-tb-s", type=float, default=HBM_TB_S,
                         help="HBM bandwidth per GPU for the floor, TB/s")
     parser.add_argument("--heap-mb", type=int, default=1024,
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     for model_name in args.models:
         for label, impl, algorithm in impls:
-            model = build_model(model_name, args.size, impl, mesh, args.dtype)
+            model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention)
             for batch in args.batches:
                 for context in args.contexts:
                     case = Case(model_name, label, batch, context)

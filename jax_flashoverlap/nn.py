@@ -35,6 +35,7 @@ small messages.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -130,7 +131,7 @@ class ColumnParallelLinear(_ParallelLinear):
         Returns:
           [..., N/n]: this rank's output features.
         """
-        return jnp.dot(*self._operands(x))
+        return _dot_rows(*self._operands(x))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -187,7 +188,24 @@ class RowParallelLinear(_ParallelLinear):
         Returns:
           [..., N]: the sum, identical on every rank.
         """
-        return all_reduce(jnp.dot(*self._operands(x)), self.axis_name, impl=self.impl)
+        return all_reduce(_dot_rows(*self._operands(x)), self.axis_name, impl=self.impl)
+
+
+def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.dot(x, w)``, x: [..., k], kept a GEMM when x has a single row.
+
+    XLA on GPUs rewrites a dot whose left side is one row (a vector) of
+    fewer than 10M elements with w into a multiply and a reduction ("dot
+    strength reduction"); for decoding's weight dots it materialised the
+    whole product of the row with the weight matrix, several times slower
+    than the GEMM. Two copies of the row keep it a GEMM (the weight is read
+    once either way); the barriers keep XLA from folding the copy back.
+    """
+    if math.prod(x.shape[:-1]) != 1:
+        return jnp.dot(x, w)
+    rows = jax.lax.optimization_barrier(jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1])))
+    y = jax.lax.optimization_barrier(jnp.dot(rows, w))
+    return y[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
 def shard_map_apply(fn: Callable[..., Any], module: nnx.Module, *args: Any,

@@ -215,29 +215,53 @@ class Attention(nnx.Module):
           filled, in place when the caller donates it).
         """
         q, k, v = self._heads(self.qkv.decode(x), pos[None])
-        b, kv, length, h = cache.k.shape
-        q = q[0].reshape(b, kv, self.q_per_kv, h)
-        k, v = (t[0][:, :, None, :].astype(cache.k.dtype) for t in (k, v))  # [b, kv, 1, h]
-        # The earlier positions from the cache, this one from k and v: the
-        # cache update below then has no reader in this step, so XLA writes
-        # it in place instead of copying the cache to keep the old one.
-        scores = jnp.concatenate([
-            jnp.where(jnp.arange(length) < pos,
-                      jnp.einsum("bgqh,bglh->bgql", q, cache.k,
-                                 preferred_element_type=jnp.float32), -jnp.inf),
-            jnp.einsum("bgqh,bglh->bgql", q, k, preferred_element_type=jnp.float32)],
-            axis=-1) / math.sqrt(h)
-        probs = jax.nn.softmax(scores, axis=-1).astype(cache.v.dtype)
-        out = (jnp.einsum("bgql,bglh->bgqh", probs[..., :length], cache.v,
-                          preferred_element_type=jnp.float32)
-               + jnp.einsum("bgql,bglh->bgqh", probs[..., length:], v,
-                            preferred_element_type=jnp.float32))
-        # The barrier orders the cache's reads (out) before its update, so
-        # that XLA needs no copy of the old cache to write the new in place.
-        out, cache = jax.lax.optimization_barrier((out, cache))
-        cache = KVCache(*(jax.lax.dynamic_update_slice(c, t, (0, 0, pos, 0))
-                          for c, t in ((cache.k, k), (cache.v, v))))
-        return self.out.decode(out.astype(x.dtype).reshape(1, b, -1)), cache
+        b = cache.k.shape[0]
+        q = q.swapaxes(0, 1)                                # [b, 1, heads, h]
+        k, v = (t.transpose(1, 2, 0, 3).astype(cache.k.dtype) for t in (k, v))  # [b, kv, 1, h]
+        if self.implementation == "cudnn":
+            cache = KVCache(*(jax.lax.dynamic_update_slice(c, t, (0, 0, pos, 0))
+                              for c, t in ((cache.k, k), (cache.v, v))))
+            out = jax.nn.dot_product_attention(
+                q, cache.k.swapaxes(1, 2), cache.v.swapaxes(1, 2), implementation="cudnn",
+                key_value_seq_lengths=jnp.full((b,), pos + 1, jnp.int32))
+        else:
+            out, cache = _decode_attention(q, k, v, cache, pos)
+        return self.out.decode(out.swapaxes(0, 1).reshape(1, b, -1)), cache
+
+
+def _decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
+                      pos: jax.Array) -> tuple[jax.Array, KVCache]:
+    """XLA's decode attention of one new position.
+
+    Args:
+      q: [b, 1, heads, h]; k, v: [b, kv, 1, h], this position's.
+      cache: [b, kv, L, h] each, positions before ``pos`` filled.
+      pos: int32 scalar.
+
+    Returns:
+      (out [b, 1, heads, h] in q's dtype, the cache with ``pos`` written).
+    """
+    b, kv, length, h = cache.k.shape
+    q = q[:, 0].reshape(b, kv, -1, h)                       # [b, kv, q_per_kv, h]
+    # The earlier positions from the cache, this one from k and v: the cache
+    # update then has no reader in this step, and the barrier orders the
+    # reads before it, so XLA writes it in place instead of copying the
+    # cache to keep the old one.
+    scores = jnp.concatenate([
+        jnp.where(jnp.arange(length) < pos,
+                  jnp.einsum("bgqh,bglh->bgql", q, cache.k,
+                             preferred_element_type=jnp.float32), -jnp.inf),
+        jnp.einsum("bgqh,bglh->bgql", q, k, preferred_element_type=jnp.float32)],
+        axis=-1) / math.sqrt(h)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cache.v.dtype)
+    out = (jnp.einsum("bgql,bglh->bgqh", probs[..., :length], cache.v,
+                      preferred_element_type=jnp.float32)
+           + jnp.einsum("bgql,bglh->bgqh", probs[..., length:], v,
+                        preferred_element_type=jnp.float32))
+    out, cache = jax.lax.optimization_barrier((out, cache))
+    cache = KVCache(*(jax.lax.dynamic_update_slice(c, t, (0, 0, pos, 0))
+                      for c, t in ((cache.k, k), (cache.v, v))))
+    return out.reshape(b, 1, -1, h).astype(q.dtype), cache
 
 
 class MLP(nnx.Module):

@@ -1,0 +1,267 @@
+"""Generation: decode logits equal the forward pass, tokens equal at every mesh, clear errors."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from model_support import build
+from support import assert_as_accurate, assert_close, cpu_mesh, f64, random
+
+import jax_flashoverlap as jfo
+from jax_flashoverlap import generate as generate_cli
+from jax_flashoverlap import models, train
+
+MODELS = {"transformer": (models.Transformer, models.TransformerConfig.tiny()),
+          "mamba": (models.Mamba2, models.MambaConfig.tiny())}
+# 7 prompt tokens (not a multiple of the tensor axis, nor of Mamba's chunk of
+# 16) and 10 new ones: the forward pass over the 16 tokens fed back checks them.
+PROMPT_LEN, NEW_TOKENS = 7, 10
+
+
+def _prompt(seed: int, batch: int = 2, length: int = PROMPT_LEN) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (batch, length), np.int32)
+
+
+def _with_token(token: int) -> np.ndarray:
+    prompt = _prompt(0)
+    prompt[1, 3] = token
+    return prompt
+
+
+def _forward_logits(model, mesh, tokens):
+    """The model's forward over ``tokens[:, :-1]`` at the generated positions."""
+    with jax.set_mesh(mesh):
+        logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens[:, :-1]))
+    return np.asarray(logits, np.float64)[:, PROMPT_LEN - 1:]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("impl", ["xla", "decomposed"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_equal_the_forward_pass(name, impl, tp, rng):
+    """Teacher forcing: each new token's logits are those of the model's own
+    forward pass over the generated sequence, at that position."""
+    model_cls, config = MODELS[name]
+    config = dataclasses.replace(config, impl=impl)
+    mesh = cpu_mesh(tp=tp, dp=2)
+    model = build(model_cls, config, mesh, nnx.state(_random_model(model_cls, config, rng)))
+    prompt = _prompt(int(rng.integers(1 << 30)))
+    with jax.set_mesh(mesh):
+        tokens, logits = models.generate(model, prompt, NEW_TOKENS, return_logits=True)
+    tokens, logits = np.asarray(tokens), np.asarray(logits, np.float64)
+    assert tokens.shape == (2, PROMPT_LEN + NEW_TOKENS) and tokens.dtype == np.int32
+    assert logits.shape == (2, NEW_TOKENS, 256)
+    np.testing.assert_array_equal(tokens[:, :PROMPT_LEN], prompt)
+    # Greedy: every new token is the argmax of the logits it was chosen from.
+    np.testing.assert_array_equal(tokens[:, PROMPT_LEN:], logits.argmax(-1))
+    want = _forward_logits(model, mesh, tokens)
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def _random_model(model_cls, config, rng):
+    """A model with fresh random parameters (its seed drawn from ``rng``)."""
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        seed = int(rng.integers(1 << 30))
+        return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(seed)))()
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tokens_are_the_same_on_every_mesh(name, rng):
+    """Greedy tokens at TP = 1, 2 and 4, and sampled ones (temperature, top-k)
+    with the data axis split or not: row i's draws depend on the key and i only."""
+    model_cls, config = MODELS[name]
+    state = nnx.state(_random_model(model_cls, config, rng))
+    prompt = _prompt(int(rng.integers(1 << 30)), batch=4)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    runs = {}
+    for tp, dp in ((1, 1), (2, 2), (4, 2), (2, 4)):
+        mesh = cpu_mesh(tp=tp, dp=dp)
+        model = build(model_cls, config, mesh, state)
+        with jax.set_mesh(mesh):
+            greedy = models.generate(model, prompt, NEW_TOKENS)
+            sampled = models.generate(model, prompt, NEW_TOKENS, temperature=0.9, top_k=20,
+                                      rng=key)
+        runs[tp, dp] = np.asarray(greedy), np.asarray(sampled)
+    (greedy, sampled), *others = runs.values()
+    for layout, (g, s) in zip(list(runs)[1:], others):
+        np.testing.assert_array_equal(g, greedy, err_msg=f"greedy, (tp, dp) = {layout}")
+        np.testing.assert_array_equal(s, sampled, err_msg=f"sampled, (tp, dp) = {layout}")
+    assert not np.array_equal(greedy, sampled)
+
+
+def test_sampling_keeps_to_the_top_k(rng):
+    logits = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
+    tokens = np.asarray(models.decoding.sample(logits, jax.random.key(0), 3, temperature=2.0,
+                                               top_k=5))
+    allowed = np.argsort(-np.asarray(logits), axis=-1)[:, :5]
+    assert all(t in row for t, row in zip(tokens, allowed))
+    assert len(set(tokens.tolist())) > 5  # rows draw apart
+
+
+def test_mamba_prefill_state_is_the_recurrence(rng):
+    """ssd's final state, and ssd_step continuing from it, equal the SSM step
+    by step (float64 reference)."""
+    s, batch, g, heads, p, n = 24, 2, 2, 3, 4, 5
+    x, b, c = (random(rng, shape, "float32") for shape in
+               ((s + 1, batch, g, heads, p), (s + 1, batch, g, n), (s + 1, batch, g, n)))
+    dt = jax.nn.softplus(random(rng, (s + 1, batch, g, heads), "float32"))
+    a = -jnp.exp(random(rng, (g, heads), "float32"))
+    h = np.zeros((batch, g, heads, p, n))
+    ys = []
+    for t in range(s + 1):
+        h = (np.exp(f64(dt[t]) * f64(a))[..., None, None] * h
+             + (f64(dt[t])[..., None] * f64(x[t]))[..., None] * f64(b[t])[:, :, None, None, :])
+        ys.append(np.einsum("bghpn,bgn->bghp", h, f64(c[t])))
+        if t == s - 1:
+            state_s = h
+    _, final = models.mamba.ssd(x[:s], dt[:s], a, b[:s], c[:s], 8, return_final_state=True)
+    assert_close(final, state_s, "float32")
+    y, after = models.mamba.ssd_step(x[s], dt[s], a, b[s], c[s], final)
+    assert_close(y, ys[-1], "float32")
+    assert_close(after, h, "float32")
+
+
+def test_a_checkpoint_of_the_training_command_restores(tmp_path):
+    """jax-flashoverlap-train --checkpoint-dir, then generate from it: the
+    parameters are the trained ones, and the generation command runs on them."""
+    ckpt = tmp_path / "ckpt"
+    args = train.parse_args(["--size", "tiny", "--batch", "4", "--seq-len", "32", "--steps",
+                             "3", "--mesh", "2x2", "--no-progress", "--checkpoint-dir",
+                             str(ckpt)])
+    trained = nnx.State(train.train(args).state[0])
+    mesh = cpu_mesh(tp=2)
+    config = train.model_config("transformer", "tiny")
+    with jax.set_mesh(mesh):
+        model = nnx.jit(lambda: models.Transformer(config, rngs=nnx.Rngs(7)))()
+        assert train.restore_model_state(ckpt, model) == 3
+    for got, want in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(trained)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    out = tmp_path / "out.json"
+    assert generate_cli.main(["--restore", str(ckpt), "--prompt", "def f(", "--mesh", "1x2",
+                              "--max-new-tokens", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompt_tokens"] == 6 and result["new_tokens"] == 5
+    assert result["time_to_first_token_ms"] > 0 and result["per_token_ms"] > 0
+
+
+def test_restore_without_a_checkpoint(tmp_path):
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        model = nnx.jit(lambda: models.Transformer(models.TransformerConfig.tiny(),
+                                                   rngs=nnx.Rngs(0)))()
+        with pytest.raises(FileNotFoundError, match="no checkpoint in .*written by "
+                                                    "jax-flashoverlap-train"):
+            train.restore_model_state(tmp_path, model)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    mesh = cpu_mesh(tp=2, dp=2)
+    return build(models.Transformer, models.TransformerConfig.preset("tiny", max_seq_len=32), mesh), mesh
+
+
+@pytest.mark.parametrize("prompt, kwargs, error, message", [
+    (_prompt(0, length=30), dict(max_new_tokens=3), ValueError,
+     r"prompt length 30 \+ max_new_tokens 3 = 33 exceeds the model's max_seq_len=32"),
+    (_prompt(0), dict(max_new_tokens=0), ValueError, r"max_new_tokens must be an int >= 1, got 0"),
+    (_prompt(0), dict(max_new_tokens=2.5), ValueError, r"max_new_tokens must be an int"),
+    (_prompt(0, batch=3), dict(max_new_tokens=2), ValueError,
+     r"batch 3 does not divide by the 2 ranks of the data axis"),
+    (_with_token(-1), dict(max_new_tokens=2), ValueError,
+     r"token id -1 in the prompt is outside the vocabulary \[0, 256\)"),
+    (_with_token(256), dict(max_new_tokens=2), ValueError, r"token id 256 in the prompt"),
+    (_prompt(0).astype(np.float32), dict(max_new_tokens=2), TypeError,
+     r"prompt must hold integer token ids, got dtype float32"),
+    (_prompt(0)[0], dict(max_new_tokens=2), ValueError, r"prompt must be 2-D"),
+    (_prompt(0, length=0), dict(max_new_tokens=2), ValueError, r"prompt length must be"),
+    (_prompt(0), dict(max_new_tokens=2, temperature=-1.0), ValueError,
+     r"temperature must be a finite number >= 0"),
+    (_prompt(0), dict(max_new_tokens=2, temperature=1.0, top_k=0), ValueError,
+     r"top_k must be an int >= 1"),
+    (_prompt(0), dict(max_new_tokens=2, temperature=1.0, top_k=300), ValueError,
+     r"top_k=300 exceeds the vocabulary \(256 tokens\)"),
+    (_prompt(0), dict(max_new_tokens=2, temperature=1.0), ValueError,
+     r"temperature > 0 samples tokens and needs rng=jax.random.key"),
+], ids=["too-long", "no-tokens", "fractional", "batch", "negative-id", "large-id", "float",
+        "1-d", "empty", "temperature", "top-k-0", "top-k-large", "no-rng"])
+def test_bad_input_gets_a_clear_error(tiny, prompt, kwargs, error, message):
+    model, mesh = tiny
+    with jax.set_mesh(mesh), pytest.raises(error, match=message):
+        models.generate(model, prompt, **kwargs)
+
+
+def test_generate_needs_the_mesh(tiny):
+    model, _ = tiny
+    with pytest.raises(ValueError, match=r"call it under `with jax.set_mesh\(mesh\):`"):
+        models.generate(model, _prompt(0), 2)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--restore", "/nonexistent"],
+     "--restore /nonexistent: no such directory"),
+    (["--prompt-file", "/nonexistent", "--max-new-tokens", "2"], "no such file"),
+    (["--max-new-tokens", "2"], "one of the arguments --prompt --prompt-file is required"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--mesh", "3"], "expected DATAxTENSOR"),
+])
+def test_generate_command_rejects_bad_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        generate_cli.parse_args(argv)
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_command_reports_errors_in_one_line(capsys):
+    assert generate_cli.main(["--prompt", "x" * 40, "--max-new-tokens", "8200",
+                              "--mesh", "1x1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("jax-flashoverlap-generate: error: generate: prompt length 40")
+    assert "Traceback" not in err
+
+
+def test_byte_tokens_round_trip():
+    text = "naïve – ok"
+    assert generate_cli.decode_text(generate_cli.encode(text)) == text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MODELS))
+def test_bf16_decoding_is_as_accurate_as_the_forward_pass(name):
+    """On one GPU (cuDNN attention for the Transformer): the bf16 decode
+    loop's logits are as close to a float32 forward pass as the bf16 forward
+    pass's own."""
+    model_cls, config = MODELS[name]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
+                             ("data", "tensor"))
+    bf16 = build(model_cls, dataclasses.replace(config, dtype="bfloat16"), mesh)
+    exact = build(model_cls, config, mesh, nnx.state(bf16))
+    prompt = _prompt(3)
+    with jax.set_mesh(mesh):
+        tokens, logits = models.generate(bf16, prompt, NEW_TOKENS, return_logits=True)
+    tokens = np.asarray(tokens)
+    assert_as_accurate(np.asarray(logits, np.float32),
+                       _forward_logits(bf16, mesh, tokens).astype(np.float32),
+                       _forward_logits(exact, mesh, tokens), "bfloat16")
+
+
+@pytest.mark.gpus(2)
+@pytest.mark.parametrize("impl", ["cuda", "auto"])
+def test_two_gpu_decoding_matches_xla(impl):
+    """TP=2 in one process: the decode all-reduces on the CUDA kernels give
+    the tokens and (to bf16 rounding) the logits of impl="xla"."""
+    model_cls, config = MODELS["transformer"]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:2]).reshape(1, 2),
+                             ("data", "tensor"))
+    config = dataclasses.replace(config, dtype="bfloat16")
+    xla = build(model_cls, dataclasses.replace(config, impl="xla"), mesh)
+    fused = build(model_cls, dataclasses.replace(config, impl=impl), mesh, nnx.state(xla))
+    prompt = _prompt(4)
+    with jax.set_mesh(mesh):
+        want_tokens, want = models.generate(xla, prompt, NEW_TOKENS, return_logits=True)
+        tokens, logits = models.generate(fused, prompt, NEW_TOKENS, return_logits=True)
+    jfo.check_device_errors()
+    np.testing.assert_array_equal(np.asarray(tokens)[:, :PROMPT_LEN + 1],
+                                  np.asarray(want_tokens)[:, :PROMPT_LEN + 1])
+    assert_close(np.asarray(logits)[:, 0], f64(want)[:, 0], "bfloat16")
