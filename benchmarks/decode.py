@@ -272,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="NVSHMEM heap per GPU, when started by the launcher")
     parser.add_argument("--xla-option", dest="xla_options", action="append", default=[],
                         type=_xla_option, metavar="NAME=VALUE",
-                        help="an XLA option for the decode loops (over "
-                             "models.decoding.DECODE_COMPILER_OPTIONS); repeatable")
+                        help="an XLA option for the decode loops; repeatable")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="also trace one decode loop of K2 steps per case, into "
                              "DIR/MODEL_IMPL_bBATCH_cCONTEXT (benchmarks/kernel_times.py "

@@ -41,16 +41,7 @@ from jax_flashoverlap.nn import shard_map_apply
 
 from .layers import CausalLM
 
-__all__ = ["generate", "Generator", "Prefilled", "sample", "decoding_params",
-           "DECODE_COMPILER_OPTIONS"]
-
-# XLA options of the decode loop on GPUs. Dot strength reduction rewrites a
-# dot with one row into a multiply and a reduction; with one token per step
-# every weight dot has one row per sequence, and XLA then folded the
-# preceding RMSNorm's scale into the weight matrix, multiplying all of it
-# each step (Mamba-2 1.4B on one H200, batch 1: 1.4 ms of a 2.8 ms step in
-# two such kernels per layer). Without it the dots stay GEMMs.
-DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_dot_strength_reduction": False}
+__all__ = ["generate", "Generator", "Prefilled", "sample", "decoding_params"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,8 +145,8 @@ class Generator:
       cache_len: positions each KV cache holds; default (and minimum) what
         ``prompt_len + max_new_tokens`` needs. A larger one lets decode loops
         of different lengths share a cache size (benchmarks).
-      compiler_options: XLA options for the decode loop, over
-        :data:`DECODE_COMPILER_OPTIONS` (which apply on GPUs only).
+      compiler_options: XLA options for the decode loop (as
+        ``jax.stages.Lowered.compile`` takes them), for experiments.
 
     Attributes:
       compile_s: seconds spent compiling the two programs.
@@ -214,9 +205,7 @@ class Generator:
                              static_argnums=3, donate_argnums=1)
         self._decode = {}
         self._decode_args = (prefilled, key)
-        on_gpu = mesh.devices.flat[0].platform == "gpu"
-        self._compiler_options = {**(DECODE_COMPILER_OPTIONS if on_gpu else {}),
-                                  **(compiler_options or {})}
+        self._compiler_options = compiler_options
         self.decode_steps(max_new_tokens - 1)  # compiles the full loop
         self.compile_s = time.perf_counter() - start
 
