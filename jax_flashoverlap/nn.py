@@ -198,13 +198,13 @@ def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     fewer than 10M elements with w into a multiply and a reduction ("dot
     strength reduction"); for decoding's weight dots it materialised the
     whole product of the row with the weight matrix, several times slower
-    than the GEMM. Two copies of the row keep it a GEMM (the weight is read
-    once either way); the barriers keep XLA from folding the copy back.
+    than the GEMM. A zero row added below keeps it a GEMM (the weight is
+    read once either way; the pad fuses into the row's producer), and the
+    barrier keeps XLA from slicing the row back off before the dot.
     """
     if math.prod(x.shape[:-1]) != 1:
         return jnp.dot(x, w)
-    rows = jax.lax.optimization_barrier(jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1])))
-    y = jax.lax.optimization_barrier(jnp.dot(rows, w))
+    y = jax.lax.optimization_barrier(jnp.dot(jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))), w))
     return y[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
