@@ -31,13 +31,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
+import importlib.util
 import json
 import math
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +56,7 @@ CHECK_TOLERANCE = {"bfloat16": 5e-2, "float16": 2e-2, "float32": 1e-4}
 CHECK_TOKENS = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
+class Case(NamedTuple):
     model: str
     impl: str
     batch: int
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     impls = [(name, *_impl_and_algorithm(name)) for name in args.impls]
     if not 0 < args.steps[0] < args.steps[1]:
         parser.error(f"--steps: need 0 < K1 < K2, got {args.steps}")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error("--plot needs matplotlib: pip install 'jax-flashoverlap[bench]'")
     if distributed.is_launched():
         distributed.initialize()
         from jax_flashoverlap import nvshmem

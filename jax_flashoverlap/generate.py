@@ -1,4 +1,4 @@
-"""Generates text with the Transformer or Mamba-2, tensor-parallel, the per-token all-reduces on NVRAR.
+"""Generates text with the Transformer or Mamba-2, tensor-parallel, all-reducing on NVRAR.
 
     jax-flashoverlap-generate --model transformer --size tiny --prompt "def main(" \\
         --max-new-tokens 64

@@ -230,19 +230,21 @@ def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sh
 
 
 def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None = None,
-                 sharding: ShardingConfig = ShardingConfig(), remat: bool = False,
+                 sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
-    ``dtype`` None: bfloat16 on GPUs, float32 elsewhere. The Transformer's
-    ``scan_layers`` is resolved for the attention that runs here.
+    ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
+    the default ``ShardingConfig()``. The Transformer's ``scan_layers`` is
+    resolved for the attention that runs here.
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
     on_gpu = jax.default_backend() == "gpu"
     config = config_cls.preset(
         size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
-        sharding=sharding, **({} if scan_layers is None else {"scan_layers": scan_layers}),
+        sharding=sharding or ShardingConfig(),
+        **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention} if has_attention else {}))
     if has_attention:
         config = resolve_scan_layers(config, attention_implementation(config))

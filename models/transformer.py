@@ -34,8 +34,8 @@ from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 from .config import TransformerConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
-__all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope", "attention_implementation",
-           "cudnn_attention_unsupported", "resolve_scan_layers"]
+__all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope",
+           "attention_implementation", "cudnn_attention_unsupported", "resolve_scan_layers"]
 
 
 def cudnn_attention_unsupported(dtype, head_dim: int, platform: str,

@@ -255,3 +255,80 @@ def test_train_step_times_are_the_difference_of_two_run_lengths():
     assert per_step == pytest.approx([0.010, 0.011])
     assert from_idle == pytest.approx((0.080 + 0.087) / 2 / k)
     assert dispatch == pytest.approx((0.006 + 0.008) / 2)
+
+
+def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
+    """Tiny models on the CPUs: each row is checked against the forward pass,
+    timed by the difference of two loop lengths, and the JSON says where it
+    came from."""
+    bench = _load("decode")
+    out = tmp_path / "d.json"
+    assert bench.main(["--json", str(out), "--size", "tiny", "--mesh",
+                       "1x2", "--impls", "xla", "decomposed", "--batches", "2",
+                       "--contexts", "32", "--steps", "2", "6", "--reps", "2"]) == 0
+    result = json.loads(out.read_text())
+    meta = result["meta"]
+    assert meta["protocol"].startswith("jax_flashoverlap/benchmarking.py")
+    assert meta["date"] and meta["settings"]["steps"] == [2, 6] and "commit" in meta
+    rows = result["rows"]
+    assert [(r["model"], r["impl"]) for r in rows] == [
+        ("transformer", "xla"), ("transformer", "decomposed"), ("mamba", "xla"),
+        ("mamba", "decomposed")]
+    for r in rows:
+        assert r["check_error"] < 1e-4  # float32 on CPUs
+        assert r["weight_bytes"] > 0 and r["cache_bytes"] > 0 and r["hbm_floor_ms"] > 0
+        assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
+    assert "| transformer | decomposed | 2 | 32 |" in capsys.readouterr().out
+
+
+def test_decode_benchmark_rejects_a_wrong_decode(monkeypatch):
+    """A decode loop whose logits are not the forward pass's fails the check."""
+    bench = _load("decode")
+    generate = bench.models.Generator.__call__
+
+    def perturbed(self, prompt, rng=None):
+        tokens, logits = generate(self, prompt, rng)
+        return tokens, None if logits is None else logits * 1.01
+    monkeypatch.setattr(bench.models.Generator, "__call__", perturbed)
+    with pytest.raises(AssertionError, match="decode logits differ from the forward pass"):
+        bench.main(["--size", "tiny", "--mesh", "1x1", "--models", "mamba", "--impls", "xla",
+                    "--batches", "1", "--contexts", "16", "--steps", "1", "2", "--reps", "1"])
+
+
+def test_decode_floor_counts_weights_and_the_cache():
+    """One GPU's bytes per step: the decoding weights (bf16 matrices, f32
+    vectors, the embedding table left out) and the keys and values read."""
+    import jax
+    from support import cpu_mesh
+
+    from jax_flashoverlap import models
+
+    bench = _load("decode")
+    config = models.TransformerConfig.preset("tiny", dtype="bfloat16")
+    mesh = cpu_mesh(tp=2)
+    with jax.set_mesh(mesh):
+        model = bench.build_model("transformer", "tiny", "xla", mesh, "bfloat16", "auto")
+        generator = models.Generator(model, batch=1, prompt_len=16, max_new_tokens=9)
+        weights, cache = bench.floor_bytes(generator, (4, 8))
+    d, f, h, kv, layers = (config.embed_dim, config.mlp_dim, config.head_dim,
+                           config.num_kv_heads, config.num_layers)
+    q = config.num_heads
+    matrices = layers * (d * (q + 2 * kv) * h + q * h * d + 3 * d * f) // 2 + d * 256
+    vectors = (2 * layers + 1) * d
+    assert weights == 2 * matrices + 4 * vectors
+    assert cache == 2 * layers * (kv // 2) * h * 2 * (16 + 3)
+
+
+def test_generate_command_runs_in_two_processes(tmp_path):
+    """The launcher's 2 CPU processes, the tensor axis across them."""
+    out = tmp_path / "g.json"
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "jax_flashoverlap.launch", "--cpu", "-n", "2", "--timeout",
+         "240", "-m", "jax_flashoverlap.generate", "--mesh", "1x2", "--prompt", "Hello",
+         "--max-new-tokens", "4", "--json", str(out)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.read_text())
+    assert result["mesh"] == "1x2" and result["new_tokens"] == 4 and len(result["texts"]) == 1
+    assert "[rank 0] time to first token" in proc.stdout

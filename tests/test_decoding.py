@@ -160,7 +160,8 @@ def test_restore_without_a_checkpoint(tmp_path):
 @pytest.fixture(scope="module")
 def tiny():
     mesh = cpu_mesh(tp=2, dp=2)
-    return build(models.Transformer, models.TransformerConfig.preset("tiny", max_seq_len=32), mesh), mesh
+    config = models.TransformerConfig.preset("tiny", max_seq_len=32)
+    return build(models.Transformer, config, mesh), mesh
 
 
 @pytest.mark.parametrize("prompt, kwargs, error, message", [
