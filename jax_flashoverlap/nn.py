@@ -194,13 +194,13 @@ class RowParallelLinear(_ParallelLinear):
 def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
     """``jnp.dot(x, w)``, x: [..., k], kept a GEMM when x has a single row.
 
-    XLA on GPUs rewrites a dot whose left side is one row (a vector) of
-    fewer than 10M elements with w into a multiply and a reduction ("dot
-    strength reduction"); for decoding's weight dots it materialised the
-    whole product of the row with the weight matrix, several times slower
-    than the GEMM. A zero row added below keeps it a GEMM (the weight is
-    read once either way; the pad fuses into the row's producer), and the
-    barrier keeps XLA from slicing the row back off before the dot.
+    XLA on GPUs rewrites a dot whose left side is one row (a vector), with
+    fewer than 10M elements in the row and w together, into a multiply and a
+    reduction ("dot strength reduction"); for decoding's weight dots it
+    materialised the product of the row with the whole weight matrix,
+    several times slower than the GEMM. A zero row added below keeps it a
+    GEMM (the weight is read once either way), and the barrier keeps XLA
+    from slicing the row back off before the dot.
     """
     if math.prod(x.shape[:-1]) != 1:
         return jnp.dot(x, w)

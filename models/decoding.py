@@ -197,14 +197,11 @@ class Generator:
         # "auto" resolves when a program lowers: inside the model's own
         # preferences (its training step's, e.g. Mamba-2's reduce-scatter to XLA).
         with dispatch.prefer_xla(config.auto_xla_ops):
-            self._prefill = jax.jit(
-                functools.partial(_prefill, graphdef, self.shape)).lower(
-                    self.params, prompt, key).compile()
-        prefilled = self._prefill.out_info
-        self._loop = jax.jit(functools.partial(_decode_loop, graphdef, self.shape),
-                             static_argnums=3, donate_argnums=1)
+            self._prefill = _PREFILL.lower(graphdef, self.shape, self.params, prompt,
+                                           key).compile()
+        self._graphdef = graphdef
         self._decode = {}
-        self._decode_args = (prefilled, key)
+        self._decode_args = (self._prefill.out_info, key)
         self._compiler_options = compiler_options
         self.decode_steps(max_new_tokens - 1)  # compiles the full loop
         self.compile_s = time.perf_counter() - start
@@ -250,8 +247,9 @@ class Generator:
             raise ValueError(f"Generator: steps={steps} outside 0..{self.shape.max_new_tokens - 1}")
         if steps not in self._decode:
             prefilled, key = self._decode_args
-            self._decode[steps] = self._loop.lower(self.params, prefilled, key, steps).compile(
-                self._compiler_options or None)
+            self._decode[steps] = _DECODE_LOOP.lower(
+                self._graphdef, self.shape, self.params, prefilled, key, steps).compile(
+                    self._compiler_options or None)
         return self._decode[steps]
 
     def __call__(self, prompt: jax.Array, rng: jax.Array | None = None):
@@ -351,6 +349,12 @@ def _decode_loop(graphdef, shape: _Shape, params, prefilled: Prefilled, rng,
 
     # Returned whole, so that every donated buffer is updated in place.
     return jax.lax.fori_loop(0, steps, step, prefilled)
+
+
+# Module-level, so that generators of one model and shape share jax's caches
+# of traces and compiled programs.
+_PREFILL = jax.jit(_prefill, static_argnums=(0, 1))
+_DECODE_LOOP = jax.jit(_decode_loop, static_argnums=(0, 1, 5), donate_argnums=3)
 
 
 def _mesh() -> jax.sharding.Mesh:

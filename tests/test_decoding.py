@@ -266,3 +266,20 @@ def test_two_gpu_decoding_matches_xla(impl):
     np.testing.assert_array_equal(np.asarray(tokens)[:, :PROMPT_LEN + 1],
                                   np.asarray(want_tokens)[:, :PROMPT_LEN + 1])
     assert_close(np.asarray(logits)[:, 0], f64(want)[:, 0], "bfloat16")
+
+
+def test_the_decode_loop_updates_the_kv_cache_in_place():
+    """No copy of a layer's cache in the compiled loop: the cache is sized
+    once by prefill, and each step writes its position into the donated buffer."""
+    model_cls, config = MODELS["transformer"]
+    mesh = cpu_mesh(tp=2)
+    model = build(model_cls, dataclasses.replace(config, dtype="bfloat16"), mesh)
+    with jax.set_mesh(mesh):
+        generator = models.Generator(model, batch=1, prompt_len=PROMPT_LEN,
+                                     max_new_tokens=NEW_TOKENS)
+        hlo = generator.decode_steps(NEW_TOKENS - 1).as_text()
+    b, kv, length, h = 1, config.num_kv_heads // 2, generator.shape.cache_len, config.head_dim
+    cache_shape = f"bf16[{b},{kv},{length},{h}]"
+    assert f"= {cache_shape}" in hlo  # the cache is in the program, by that shape
+    copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
+    assert not copies, copies
