@@ -13,7 +13,8 @@ The prompt runs through the model in one pass (prefill), then each new token
 is one decode step, all of them in one compiled loop
 (:mod:`jax_flashoverlap.models.decoding`). It prints each row's text, then
 the time to the first token (prefill and its sampling), the time per decode
-step and tokens/s; compilation is timed apart. Started through the launcher,
+step and tokens/s of a run after ``--warmup`` untimed ones; compilation is
+timed apart. Started through the launcher,
 one GPU per process, the decode all-reduce across processes runs on NVSHMEM
 when the package has it (``jax_flashoverlap.nvshmem``). Without a GPU it
 runs on 8 CPU devices.
@@ -70,6 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="parameters (without --restore) and sampling")
     parser.add_argument("--heap-mb", type=int, default=1024,
                         help="NVSHMEM symmetric heap per GPU, when started by the launcher")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed generations first (a compiled program's first run "
+                             "carries one-time costs)")
     parser.add_argument("--json", type=Path, default=None,
                         help="write the text and the timings here")
     args = parser.parse_args(argv)
@@ -77,6 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.restore is not None and not args.restore.is_dir():
@@ -127,6 +133,8 @@ def run(args: argparse.Namespace) -> dict:
                               max_new_tokens=args.max_new_tokens,
                               temperature=args.temperature, top_k=args.top_k)
         rng = jax.random.key(args.seed)
+        for _ in range(args.warmup):
+            jax.block_until_ready(generator(prompts, rng))
         start = time.perf_counter()
         prefilled = jax.block_until_ready(generator.prefill(prompts, rng))
         prefill_s = time.perf_counter() - start
@@ -139,6 +147,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model, "size": args.size, "mesh": f"{data}x{tensor}", "impl": args.impl,
         "dtype": config.dtype, "batch": args.batch, "prompt_tokens": int(prompt.size),
         "new_tokens": args.max_new_tokens, "compile_s": generator.compile_s,
+        "warmup_runs": args.warmup,
         "time_to_first_token_ms": prefill_s * 1e3,
         "per_token_ms": decode_s / steps * 1e3 if steps else None,
         "tokens_per_s": args.batch * steps / decode_s if steps else None,
@@ -152,7 +161,8 @@ def run(args: argparse.Namespace) -> dict:
                      else "no decode step (--max-new-tokens 1)")
         print(f"time to first token {result['time_to_first_token_ms']:.1f} ms "
               f"({prompt.size} prompt tokens x {args.batch}); {per_token}; "
-              f"compiled in {generator.compile_s:.1f} s", flush=True)
+              f"after {args.warmup} untimed run(s); compiled in {generator.compile_s:.1f} s",
+              flush=True)
         if args.json is not None:
             args.json.write_text(json.dumps(result, indent=1))
     return result

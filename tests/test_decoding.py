@@ -145,6 +145,7 @@ def test_a_checkpoint_of_the_training_command_restores(tmp_path):
                               "--max-new-tokens", "5", "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["prompt_tokens"] == 6 and result["new_tokens"] == 5
+    assert result["warmup_runs"] == 1 and len(result["texts"]) == 1
     assert result["time_to_first_token_ms"] > 0 and result["per_token_ms"] > 0
 
 
@@ -207,6 +208,10 @@ def test_generate_needs_the_mesh(tiny):
     (["--prompt-file", "/nonexistent", "--max-new-tokens", "2"], "no such file"),
     (["--max-new-tokens", "2"], "one of the arguments --prompt --prompt-file is required"),
     (["--prompt", "x", "--max-new-tokens", "2", "--mesh", "3"], "expected DATAxTENSOR"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--warmup", "-1"], "--warmup must be >= 0"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--batch", "0"], "--batch must be at least 1"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--temperature", "-0.5"],
+     "--temperature must be >= 0"),
 ])
 def test_generate_command_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
