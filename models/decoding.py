@@ -85,9 +85,9 @@ def sample(logits: jax.Array, rng: jax.Array | None, step: int | jax.Array, *,
            temperature: float, top_k: int | None) -> jax.Array:
     """The next token of each row.
 
-    Row i's random draw depends only on (rng, step, i), never on how the
-    batch is split over devices, so the same call samples the same tokens on
-    any mesh.
+    The random draws depend on (rng, step) and the batch's shape, never on
+    how the batch is split over devices, so the same call samples the same
+    tokens on any mesh.
 
     Args:
       logits: float32 [batch, vocab].
@@ -105,8 +105,10 @@ def sample(logits: jax.Array, rng: jax.Array | None, step: int | jax.Array, *,
     if top_k is not None:
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
-    keys = jax.random.split(jax.random.fold_in(rng, step), logits.shape[0])
-    return jax.vmap(jax.random.categorical)(keys, logits).astype(jnp.int32)
+    # The Gumbel-max draw of jax.random.categorical, with noise of the
+    # batch's whole shape: the bits do not depend on how it is split.
+    noise = jax.random.gumbel(jax.random.fold_in(rng, step), logits.shape, logits.dtype)
+    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
 
 
 def decoding_params(model: CausalLM) -> nnx.State:
@@ -285,8 +287,8 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
         from the softmax of logits / temperature.
       top_k: with sampling, only among the k most likely tokens.
       rng: PRNG key for sampling (``jax.random.key(seed)``); needed when
-        ``temperature > 0``. Row i's draws depend only on ``rng`` and i, not
-        on the mesh.
+        ``temperature > 0``. The draws depend on ``rng`` and the batch's
+        shape, not on the mesh.
       return_logits: also return the logits each new token was chosen from.
 
     Returns:
@@ -317,13 +319,13 @@ def _prefill(graphdef, shape: _Shape, params, prompt, rng) -> Prefilled:
         model, prompt.T, in_specs=(sharding.tokens_sb,),
         out_specs=(model.cache_specs(), P(sharding.data, None)))
     token = sample(logits, rng, 0, temperature=shape.temperature, top_k=shape.top_k)
-    tokens = jnp.zeros((shape.batch, shape.total_len), jnp.int32)
-    tokens = tokens.at[:, :shape.prompt_len].set(prompt[:, :shape.prompt_len])
+    # Padding what is already split over the data axis keeps that split
+    # (on meshes with explicit axes, new zeros would be whole on every rank).
+    tokens = jnp.pad(prompt[:, :shape.prompt_len], ((0, 0), (0, shape.max_new_tokens)))
     tokens = tokens.at[:, shape.prompt_len].set(token)
     all_logits = None
     if shape.return_logits:
-        all_logits = jnp.zeros((shape.batch, shape.max_new_tokens, logits.shape[-1]),
-                               jnp.float32).at[:, 0].set(logits)
+        all_logits = jnp.pad(logits[:, None], ((0, 0), (0, shape.max_new_tokens - 1), (0, 0)))
     return Prefilled(caches, token, tokens, all_logits)
 
 

@@ -72,7 +72,7 @@ def _random_model(model_cls, config, rng):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_tokens_are_the_same_on_every_mesh(name, rng):
     """Greedy tokens at TP = 1, 2 and 4, and sampled ones (temperature, top-k)
-    with the data axis split or not: row i's draws depend on the key and i only."""
+    with the data axis split or not: the draws do not depend on the mesh."""
     model_cls, config = MODELS[name]
     state = nnx.state(_random_model(model_cls, config, rng))
     prompt = _prompt(int(rng.integers(1 << 30)), batch=4)
@@ -288,3 +288,23 @@ def test_the_decode_loop_updates_the_kv_cache_in_place():
     assert f"= {cache_shape}" in hlo  # the cache is in the program, by that shape
     copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
     assert not copies, copies
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_meshes_with_explicit_axes(name, rng):
+    """jax.make_mesh's default (Explicit axes) gives the tokens and logits of
+    an Auto mesh."""
+    model_cls, config = MODELS[name]
+    state = nnx.state(_random_model(model_cls, config, rng))
+    prompt = _prompt(int(rng.integers(1 << 30)))
+    key = jax.random.key(1)
+    results = []
+    for mesh in (cpu_mesh(tp=2, dp=2), jax.make_mesh((2, 2), ("data", "tensor"))):
+        model = build(model_cls, config, mesh, state)
+        with jax.set_mesh(mesh):
+            results.append([np.asarray(a) for a in models.generate(
+                model, prompt, NEW_TOKENS, temperature=0.7, rng=key, return_logits=True)])
+    assert jax.make_mesh((2, 2), ("data", "tensor")).are_all_axes_explicit
+    (auto_tokens, auto_logits), (tokens, logits) = results
+    np.testing.assert_array_equal(tokens, auto_tokens)
+    np.testing.assert_allclose(logits, auto_logits, rtol=1e-5, atol=1e-5)
