@@ -255,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["transformer", "mamba"],
                         choices=tuple(models.MODELS))
     parser.add_argument("--size", default="1b", choices=tuple(models.SIZES))
-    parser.add_argument("--mesh", type=train._mesh_shape, default=(1, 2), metavar="DATAxTENSOR")
+    parser.add_argument("--mesh", type=train.parse_mesh_shape, default=(1, 2),
+                        metavar="DATAxTENSOR")
     parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda:lamport",
                                                        "cuda:one_shot", "cuda:two_shot"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])

@@ -35,7 +35,7 @@ from flax import nnx
 from . import distributed
 from ._devices import ensure_cpu_devices
 from .models import IMPLS, MODELS, SIZES, Generator, ShardingConfig
-from .train import CPU_DEVICES, _mesh_shape, make_mesh, model_config, restore_model_state
+from .train import CPU_DEVICES, make_mesh, model_config, parse_mesh_shape, restore_model_state
 
 __all__ = ["main", "parse_args", "run", "encode", "decode_text"]
 
@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--batch", type=int, default=1,
                         help="rows, each continuing the same prompt")
-    parser.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DATAxTENSOR",
+    parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
                         help="mesh shape, e.g. 1x2 (default: data 1, tensor 2, or 1 with "
                              "one device)")
     parser.add_argument("--impl", choices=IMPLS, default="auto",

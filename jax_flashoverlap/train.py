@@ -46,7 +46,8 @@ from .models import (
     resolve_scan_layers,
 )
 
-__all__ = ["main", "train", "parse_args", "build", "Trainer", "TrainResult", "loss_fn",
+__all__ = ["main", "train", "parse_args", "parse_mesh_shape", "make_mesh", "model_config",
+           "restore_model_state", "build", "Trainer", "TrainResult", "loss_fn",
            "default_corpus", "load_corpus", "batch_at"]
 
 CPU_DEVICES = 8
@@ -60,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
-    parser.add_argument("--mesh", type=_mesh_shape, default=None, metavar="DATAxTENSOR",
+    parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
                         help="mesh shape, e.g. 4x2 (default: tensor 2, data the rest)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--seq-len", type=int, default=256)
@@ -108,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _mesh_shape(text: str) -> tuple[int, int]:
+def parse_mesh_shape(text: str) -> tuple[int, int]:
+    """``--mesh DATAxTENSOR`` (e.g. "4x2") as (data, tensor); argparse's error otherwise."""
     try:
         data, tensor = (int(v) for v in text.lower().split("x"))
     except ValueError:
@@ -295,8 +297,8 @@ def build(args: argparse.Namespace) -> Trainer:
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
                           attention=args.attention)
-    # Before compiling anything: a clear error for a shape the mesh cannot split,
-    # or for cuDNN attention asked for where it cannot run.
+    # Before compiling anything: a clear error for a shape the mesh cannot split
+    # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
     attention = (attention_implementation(config, devices[0])
                  if isinstance(config, TransformerConfig) else None)

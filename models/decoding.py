@@ -57,10 +57,6 @@ class _Shape:
     top_k: int | None
     return_logits: bool
 
-    @property
-    def total_len(self) -> int:
-        return self.prompt_len + self.max_new_tokens
-
 
 class Prefilled(NamedTuple):
     """What prefill leaves for the decode loop, all on the mesh.
