@@ -3,6 +3,8 @@ and the manual-axis bookkeeping their gradients need."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -17,7 +19,7 @@ def rows_first(a: jax.Array, axis: int) -> jax.Array:
     contiguous row range, so the kernels need no strided copies (the layout
     Megatron uses for sequence parallelism, [seq, batch, hidden]).
     """
-    return jnp.moveaxis(a, axis, 0).reshape(-1, a.shape[-1])
+    return jnp.moveaxis(a, axis, 0).reshape(math.prod(a.shape[:-1]), a.shape[-1])
 
 
 def rows_restore(a2d: jax.Array, like_shape: tuple[int, ...], axis: int,

@@ -65,6 +65,8 @@ class OpDef:
       xla: the ``impl="xla"`` function ``(*args, axis_name, **opts) -> results``.
       decomposed: the ``impl="decomposed"`` function, same signature.
       cuda_attrs: ``(n, opts) -> FFI attributes`` other than the groups.
+      single_rank: the op on an axis of one rank, for every impl: the local
+        dot (all_reduce: the operand), ``(*args) -> results``.
     """
 
     name: str
@@ -74,6 +76,7 @@ class OpDef:
     xla: Callable[..., Any]
     decomposed: Callable[..., Any]
     cuda_attrs: Callable[[int, dict], dict]
+    single_rank: Callable[..., tuple]
 
 
 def _as_tuple(fn):
@@ -120,6 +123,10 @@ def _ar_attrs(n, opts):
     return {"algorithm": np.int32(dispatch.ALL_REDUCE_ALGORITHMS.index(opts["algorithm"]))}
 
 
+def _local_dot(x, w):
+    return jnp.dot(x, w, preferred_element_type=x.dtype)
+
+
 def _decomposed_with(fn, *keys):
     """Passes only the options ``fn`` understands."""
     def call(*args, axis_name, **opts):
@@ -141,22 +148,25 @@ OPS: dict[str, OpDef] = {
         lambda xs, ws, n, opts: ((n * xs[0], ws[1]),
                                  (n * xs[0] if opts.get("gathered") else 0, xs[1])), False,
         _as_tuple(_baseline(xla_baseline.all_gather_matmul)),
-        _as_tuple(_decomposed_with(decomposed.all_gather_matmul, "topology")), _ag_attrs),
+        _as_tuple(_decomposed_with(decomposed.all_gather_matmul, "topology")), _ag_attrs,
+        lambda x, w: (_local_dot(x, w), x)),
     "matmul_reduce_scatter": OpDef(
         "matmul_reduce_scatter", "jfo_matmul_reduce_scatter",
         lambda xs, ws, n, opts: ((xs[0] // n, ws[1]),), False,
         _as_tuple(_baseline(xla_baseline.matmul_reduce_scatter)),
-        _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs),
+        _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs,
+        _as_tuple(_local_dot)),
     "matmul_all_reduce": OpDef(
         "matmul_all_reduce", "jfo_matmul_all_reduce",
         lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
         _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
-        _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs),
+        _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs,
+        _as_tuple(_local_dot)),
     "all_reduce": OpDef(
         "all_reduce", "jfo_all_reduce",
         lambda xs, n, opts: (xs,), True,
         _as_tuple(_baseline(xla_baseline.all_reduce)),
-        _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs),
+        _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs, lambda x: (x,)),
 }
 
 
@@ -171,24 +181,30 @@ def _make_primitive(op: OpDef) -> Primitive:
         shapes = op.out_shapes(*(a.shape for a in avals), n, dict(opts))
         return [_jax_shim.with_varying_axes(avals[0], s, varying) for s in shapes]
 
+    def lower_single_rank(ctx, *args):
+        """Every impl on every platform, over an axis of one rank."""
+        return mlir.lower_fun(lambda *xs: _sliced(op.single_rank(*xs), ctx),
+                              multiple_results=True)(ctx, *args)
+
     def lower_portable(ctx, *args, axis_name, n, impl, opts):
         """Every platform but CUDA: the pure-JAX implementations."""
+        if n == 1:
+            return lower_single_rank(ctx, *args)
         if impl == "cuda":
             raise ValueError(
                 f"{op.name}(impl='cuda') runs only on NVIDIA GPUs, but this computation "
                 f"is being compiled for {ctx.module_context.platforms}; use impl='auto'.")
         fn = functools.partial(op.decomposed if impl == "decomposed" else op.xla,
                                axis_name=axis_name, **dict(opts))
+        if impl != "decomposed" and ctx.module_context.platforms == ("cpu",):
+            fn = _widened_16_bit(fn)
 
-        def sliced_to_declared_shapes(*xs):
-            # Results asked for empty (e.g. an unneeded x_gathered) are cut,
-            # and XLA drops the work that produced them.
-            return [r[tuple(slice(0, d) for d in aval.shape)]
-                    for r, aval in zip(fn(*xs), ctx.avals_out)]
-
-        return mlir.lower_fun(sliced_to_declared_shapes, multiple_results=True)(ctx, *args)
+        return mlir.lower_fun(lambda *xs: _sliced(fn(*xs), ctx),
+                              multiple_results=True)(ctx, *args)
 
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
+        if n == 1:
+            return lower_single_rank(ctx, *args)
         if op.name == "all_reduce" and impl in ("auto", "cuda") and _axis_is_all_processes(
                 ctx, n):
             if _all_reduce_across_processes(ctx, impl, n) == "nvshmem":
@@ -231,6 +247,37 @@ def _make_primitive(op: OpDef) -> Primitive:
     mlir.register_lowering(prim, lower_portable)
     mlir.register_lowering(prim, lower_cuda, platform="cuda")
     return prim
+
+
+def _sliced(results, ctx) -> list:
+    """``results`` cut to the lowering's declared shapes: results asked for
+    empty (e.g. an unneeded x_gathered) go, and XLA drops the work behind them."""
+    return [r[tuple(slice(0, d) for d in aval.shape)] for r, aval in zip(results, ctx.avals_out)]
+
+
+def _widened_16_bit(fn):
+    """``fn`` run on 16-bit float operands widened to float32, its results
+    rounded back.
+
+    XLA's CPU compiler aborts the process ("hlo_instruction.cc: Invalid
+    binary instruction opcode copy") on a bf16 or f16 all-reduce or
+    reduce-scatter inside a shard_map that is manual over only some mesh axes
+    (jaxlib 0.11.2; plain jax reproduces it: a partial-manual shard_map over a
+    bf16 ``psum``, or the gradient of ``all_gather`` then a dot; no upstream
+    report found). XLA's collectives on CPU therefore sum in float32: the
+    same result, rounded once instead of per addition.
+    """
+    def widened(*args):
+        narrow = [a.dtype for a in args]
+        out = fn(*(a.astype(jnp.float32) if _is_16_bit_float(a.dtype) else a for a in args))
+        dtype = next((d for d in narrow if _is_16_bit_float(d)), None)
+        return out if dtype is None else [
+            r.astype(dtype) if r.dtype == jnp.float32 else r for r in out]
+    return widened
+
+
+def _is_16_bit_float(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
 
 
 def _check_lamport_size(aval, algorithm: str) -> None:
@@ -325,7 +372,7 @@ _PRIMITIVES = {name: _make_primitive(op) for name, op in OPS.items()}
 def bind(name: str, *args: jax.Array, axis_name: str, n: int, impl: str,
          **opts: Any) -> tuple[jax.Array, ...]:
     """Applies op ``name`` to 2-D operands; returns its results as a tuple."""
-    if impl == "cuda":
+    if impl == "cuda" and n > 1:
         _extension.require_cuda_ops(name, OPS[name].ffi_target)
     frozen = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in opts.items()))
     with jax.named_scope(f"jax_flashoverlap.{name}"):

@@ -37,15 +37,16 @@ def check_impl(op: str, impl: str) -> None:
 MAX_CHUNKS = 64
 
 
-def check_chunks(op: str, chunks) -> int | None:
-    """Returns ``chunks`` as a Python int (or None: picked by shape); raises
-    unless it is an integer from 1 to :data:`MAX_CHUNKS`."""
-    if chunks is None:
+def check_chunks(op: str, chunks, *, picked_by_shape: bool = True) -> int | None:
+    """Returns ``chunks`` as a Python int (or None where ``picked_by_shape``);
+    raises unless it is an integer from 1 to :data:`MAX_CHUNKS`."""
+    if chunks is None and picked_by_shape:
         return None
-    if (isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral)
+    if (chunks is None or isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral)
             or not 1 <= chunks <= MAX_CHUNKS):
-        raise ValueError(f"{op}: chunks must be None (picked by shape) or an int from 1 to "
-                         f"{MAX_CHUNKS}, got {chunks!r}")
+        choices = "None (picked by shape) or an int" if picked_by_shape else "an int"
+        raise ValueError(f"{op}: chunks must be {choices} from 1 to {MAX_CHUNKS}, "
+                         f"got {chunks!r}")
     return int(chunks)
 
 
@@ -75,11 +76,27 @@ def check_matmul_operands(op: str, x: jax.Array, w: jax.Array) -> None:
                          f"but w {w.shape} has k={w.shape[0]}; x's last dim must equal "
                          f"w's first.")
     check_dtypes(op, x=x, w=w)
+    check_not_empty(op, x=x, w=w)
+
+
+def check_not_empty(op: str, **arrays: jax.Array) -> None:
+    """Every impl refuses zero-size operands alike (XLA's own collectives do
+    not compile them, and their gradients cannot go through shard_map)."""
+    for name, a in arrays.items():
+        if a.size == 0:
+            raise ValueError(f"{op}: {name} has shape {a.shape}, with no elements; its "
+                             f"result would be empty or all zeros: skip the call for empty "
+                             f"operands.")
 
 
 def normalize_axis(op: str, name: str, axis: int, ndim: int) -> int:
-    """A non-negative dim index of the ``ndim-1`` row dims (the last is k)."""
-    if not -(ndim - 1) <= axis < ndim - 1:
-        raise ValueError(f"{op}: {name}={axis} is out of range for x with {ndim} dims "
-                         f"(the last dim is the contraction dim)")
-    return axis % (ndim - 1) if axis < 0 else axis
+    """``axis`` of an ``ndim``-D operand as a non-negative index, negative
+    ones counting from the end as in numpy; it must be a row dim (the last
+    dim is the contraction dim k)."""
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral):
+        raise TypeError(f"{op}: {name} must be an int, got {axis!r}")
+    if not (-ndim <= axis < ndim - 1 and axis != -1):
+        raise ValueError(f"{op}: {name}={axis} does not name a row dim of x with {ndim} "
+                         f"dims: 0 to {ndim - 2}, or {-ndim} to -2 from the end (the last "
+                         f"dim, -1, is the contraction dim)")
+    return int(axis) % ndim

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +45,10 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
       ``lax.psum``): its gradient is ``dy @ w.T``, with no communication.
     """
     _validation.check_impl(_OP, impl)
+    chunks = _validation.check_chunks(_OP, chunks, picked_by_shape=False)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
-    rows = x.size // x.shape[-1]
+    rows = math.prod(x.shape[:-1])
     align = n * dispatch.MATMUL_ALL_REDUCE_PART_ALIGN
     chunk_rows = schedule.all_reduce_chunk_rows(rows, chunks, align=align) if rows else (0,)
     varying = (_layout.varying(x), _layout.varying(w))
@@ -60,7 +62,7 @@ def _matmul_all_reduce(x, w, static):
 
 def _forward(x, w, static):
     axis_name, n, impl, chunk_rows, _ = static
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = _layout.rows_first(x, 0)
     (y2,) = _primitives.bind(_OP, x2, w, axis_name=axis_name, n=n, impl=impl,
                              chunk_rows=chunk_rows)
     return y2.reshape(*x.shape[:-1], w.shape[1]), (x2, w)
@@ -69,8 +71,8 @@ def _forward(x, w, static):
 def _backward(static, residuals, dy):
     axis_name, _, _, _, (x_varying, w_varying) = static
     x2, w = residuals
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    dx = jnp.dot(dy2, w.T, preferred_element_type=x2.dtype).reshape(*dy.shape[:-1], -1)
+    dy2 = _layout.rows_first(dy, 0)
+    dx = jnp.dot(dy2, w.T, preferred_element_type=x2.dtype).reshape(*dy.shape[:-1], w.shape[0])
     dw = jnp.dot(x2.T, dy2, preferred_element_type=w.dtype)
     return _layout.match_varying(dx, x_varying), _layout.match_varying(dw, w_varying)
 

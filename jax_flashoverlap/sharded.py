@@ -1,15 +1,18 @@
 """The ops on global arrays, for ``jax.jit``/pjit code that holds no shard_map.
 
-Each function places a ``jax.shard_map`` that is manual over ``axis_name``
-only; every other mesh axis (say, a data axis) stays under the compiler's
-automatic partitioning, so these compose with ordinary sharded code::
+Each function places a ``jax.shard_map`` that is manual over ``axis_name``,
+so these compose with ordinary sharded code::
 
     mesh = jax.make_mesh((2, 4), ("data", "tensor"))
     with jax.set_mesh(mesh):
         y = jax.jit(lambda x, w: sharded.all_gather_matmul(x, w, axis_name="tensor"))(x, w)
 
-The shardings below are those of tensor/sequence-parallel layers; inputs
-sharded otherwise are resharded by XLA first.
+The other mesh axes keep their type. Explicit ones (``jax.make_mesh``'s
+default) are manual in the shard_map too: an operand's batch dims keep the
+sharding its type gives them (say, batch over "data"), and so does the
+result. Auto ones stay with the compiler's partitioner. The shardings below
+are those of tensor/sequence-parallel layers; operands sharded otherwise are
+resharded first.
 """
 
 from __future__ import annotations
@@ -17,20 +20,18 @@ from __future__ import annotations
 import functools
 
 import jax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 # The functions, not `from . import all_reduce`: the package binds these names
 # to the functions, so the submodules are not reachable as its attributes.
+from . import _validation
 from .all_gather_matmul import all_gather_matmul as _all_gather_matmul
 from .all_reduce import all_reduce as _all_reduce
 from .matmul_all_reduce import matmul_all_reduce as _matmul_all_reduce
 from .matmul_reduce_scatter import matmul_reduce_scatter as _matmul_reduce_scatter
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce"]
-
-
-def _spec(ndim: int, dim: int, axis_name: str) -> P:
-    return P(*[axis_name if i == dim else None for i in range(ndim)])
 
 
 def _mesh(mesh, op: str):
@@ -41,11 +42,54 @@ def _mesh(mesh, op: str):
     return mesh
 
 
-def _shard_map(fn, mesh, axis_name, in_specs, out_specs):
+def _check_axis(mesh, axis_name: str) -> None:
     if axis_name not in mesh.axis_names:
         raise ValueError(f"mesh axes are {mesh.axis_names}; there is no {axis_name!r}")
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         axis_names={axis_name})
+
+
+def _explicit_axes(mesh, axis_name: str) -> frozenset[str]:
+    """The mesh axes other than ``axis_name`` whose sharding is in the types."""
+    return frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                     if kind == AxisType.Explicit and name != axis_name)
+
+
+def _typed_spec(a: jax.Array, explicit: frozenset[str]) -> list:
+    """``a``'s sharding over the ``explicit`` axes, one entry per dim."""
+    spec = list(jax.typeof(a).sharding.spec) if explicit else []
+    spec += [None] * (a.ndim - len(spec))
+
+    def keep(entry):
+        names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+        names = tuple(n for n in names if n in explicit)
+        return names[0] if len(names) == 1 else (names or None)
+
+    return [keep(entry) for entry in spec]
+
+
+def _placed(a: jax.Array, spec: list, mesh) -> jax.Array:
+    """``a`` resharded to ``spec`` over the mesh's Explicit axes (shard_map
+    takes explicitly sharded operands only as their types say)."""
+    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
+                if kind == AxisType.Explicit}
+    if not explicit:
+        return a
+    want = P(*(entry if entry in explicit else None for entry in spec))
+    have = _typed_spec(a, frozenset(explicit))
+    return a if P(*have) == want else jax.sharding.reshard(a, want)
+
+
+def _shard_map(fn, mesh, axis_name: str, explicit: frozenset[str], in_specs, out_specs):
+    """``fn`` over the operands in a shard_map manual over ``axis_name`` and
+    the ``explicit`` axes, operand i laid out as ``in_specs[i]``.
+
+    Axes of type Explicit are manual too: the specs carry the operands'
+    typed batch sharding through, and the ops inside see no sharding in their
+    types. Auto axes stay with the compiler's partitioner.
+    """
+    _check_axis(mesh, axis_name)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=tuple(P(*s) for s in in_specs),
+                           out_specs=P(*out_specs), axis_names={axis_name, *explicit})
+    return lambda *args: mapped(*(_placed(a, s, mesh) for a, s in zip(args, in_specs)))
 
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
@@ -66,9 +110,14 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
     mesh = _mesh(mesh, "all_gather_matmul")
     fn = functools.partial(_all_gather_matmul, axis_name=axis_name,
                            gather_axis=gather_axis, **kwargs)
-    return _shard_map(fn, mesh, axis_name,
-                      (_spec(x.ndim, gather_axis % x.ndim, axis_name), P(None, axis_name)),
-                      _spec(x.ndim, x.ndim - 1, axis_name))(x, w)
+    explicit = _explicit_axes(mesh, axis_name)
+    dim = _validation.normalize_axis("all_gather_matmul", "gather_axis", gather_axis, x.ndim)
+    x_spec = _typed_spec(x, explicit)
+    out_spec = [*x_spec[:-1], axis_name]
+    x_spec[dim], x_spec[-1] = axis_name, None
+    out_spec[dim] = None
+    return _shard_map(fn, mesh, axis_name, explicit, (x_spec, (None, axis_name)),
+                      out_spec)(x, w)
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
@@ -89,9 +138,15 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=No
     mesh = _mesh(mesh, "matmul_reduce_scatter")
     fn = functools.partial(_matmul_reduce_scatter, axis_name=axis_name,
                            scatter_dimension=scatter_dimension, **kwargs)
-    return _shard_map(fn, mesh, axis_name,
-                      (_spec(x.ndim, x.ndim - 1, axis_name), P(axis_name, None)),
-                      _spec(x.ndim, scatter_dimension % x.ndim, axis_name))(x, w)
+    explicit = _explicit_axes(mesh, axis_name)
+    dim = _validation.normalize_axis("matmul_reduce_scatter", "scatter_dimension",
+                                     scatter_dimension, x.ndim)
+    x_spec = _typed_spec(x, explicit)
+    x_spec[dim], x_spec[-1] = None, axis_name
+    out_spec = [*x_spec[:-1], None]
+    out_spec[dim] = axis_name
+    return _shard_map(fn, mesh, axis_name, explicit, (x_spec, (axis_name, None)),
+                      out_spec)(x, w)
 
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
@@ -110,9 +165,12 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
     """
     mesh = _mesh(mesh, "matmul_all_reduce")
     fn = functools.partial(_matmul_all_reduce, axis_name=axis_name, **kwargs)
-    return _shard_map(fn, mesh, axis_name,
-                      (_spec(x.ndim, x.ndim - 1, axis_name), P(axis_name, None)),
-                      P())(x, w)
+    explicit = _explicit_axes(mesh, axis_name)
+    x_spec = _typed_spec(x, explicit)
+    out_spec = [*x_spec[:-1], None]
+    x_spec[-1] = axis_name
+    return _shard_map(fn, mesh, axis_name, explicit, (x_spec, (axis_name, None)),
+                      out_spec)(x, w)
 
 
 def all_reduce(x: jax.Array, *, axis_name: str, mesh=None, **kwargs) -> jax.Array:
@@ -129,5 +187,15 @@ def all_reduce(x: jax.Array, *, axis_name: str, mesh=None, **kwargs) -> jax.Arra
       ``x.sum(0)``: [...], replicated over ``axis_name``.
     """
     mesh = _mesh(mesh, "all_reduce")
+    _check_axis(mesh, axis_name)
+    n = mesh.shape[axis_name]
+    if x.ndim < 1 or x.shape[0] != n:
+        raise ValueError(
+            f"sharded.all_reduce: x has shape {x.shape}, but dim 0 must be the {n} ranks "
+            f"of {axis_name!r}, one contribution each: stack the contributions along a "
+            f"new dim 0 of size {n}.")
     fn = lambda xs: _all_reduce(xs[0], axis_name, **kwargs)  # noqa: E731
-    return _shard_map(fn, mesh, axis_name, (_spec(x.ndim, 0, axis_name),), P())(x)
+    explicit = _explicit_axes(mesh, axis_name)
+    x_spec = _typed_spec(x, explicit)
+    x_spec[0] = axis_name
+    return _shard_map(fn, mesh, axis_name, explicit, (x_spec,), x_spec[1:])(x)

@@ -94,6 +94,8 @@ def test_cuda_chunked(op, chunks, rng):
     assert_close(_call(op, "cuda", (x, w), chunks=chunks), f64(x) @ f64(w), "bfloat16")
 
 
+# On one GPU the op is the plain dot (no kernel): this needs two.
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monkeypatch):
@@ -116,6 +118,8 @@ def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monke
     assert "add_after = 1" in lowered.as_text()  # the fold under test ran
 
 
+# On one GPU the op is the plain dot (no kernel): this needs two.
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("fold", ["gemm_input", "add_after"])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_waits_on_the_xla_stream(chunks, fold, rng, monkeypatch):
@@ -299,3 +303,27 @@ def test_mamba_step_shapes_in_a_fresh_process(case):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and f"MATCH {case}" in proc.stdout, (
         f"exit status {proc.returncode}\n{out[-6000:]}")
+
+
+@pytest.mark.parametrize("impl", ["cuda", "auto"])
+@pytest.mark.parametrize("op", (*MATMUL_OPS, "all_reduce"))
+def test_one_gpu_axis_runs_the_plain_dot(op, impl, rng):
+    """One GPU on the axis: impl "cuda" and "auto" compile to the local dot
+    (all_reduce: nothing), with no kernel of the library and no collective."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]), ("tp",))
+    if op == "all_reduce":
+        args, in_specs, out_specs = [rng.standard_normal((1, 64, 48), np.float32)], (P("tp"),), P()
+
+        def fn(x):
+            return jfo.all_reduce(x[0], "tp", impl=impl)
+        want = f64(args[0]).sum(0)
+    else:
+        (in_specs, out_specs), args = SPECS[op], [
+            rng.standard_normal(s, np.float32) for s in _global_shapes(op, 1, 256, 512, 384)]
+        fn = functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
+        want = f64(args[0]) @ f64(args[1])
+    args = [jnp.asarray(a, jnp.bfloat16) for a in args]
+    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    assert_close(f(*args), want, "bfloat16")
+    hlo = f.lower(*args).compile().as_text()
+    assert "jfo_" not in hlo and "all-reduce" not in hlo and "all-gather" not in hlo

@@ -113,3 +113,94 @@ def test_wait_timeout_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv(_primitives.TIMEOUT_ENV, bad)
         with pytest.raises(ValueError, match="JAX_FLASHOVERLAP_TIMEOUT_MS"):
             _primitives.timeout_ms()
+
+
+@pytest.mark.parametrize("chunks", [0, 65, 2.5, True, None])
+def test_matmul_all_reduce_chunks_must_be_an_int(chunks, rng):
+    x, w = random(rng, (8, 16), "float32"), random(rng, (16, 4), "float32")
+    mesh = cpu_mesh(4)
+    f = jax.shard_map(functools.partial(jfo.matmul_all_reduce, axis_name="tensor",
+                                        chunks=chunks),
+                      mesh=mesh, in_specs=(P(None, "tensor"), P("tensor")), out_specs=P())
+    with pytest.raises(ValueError, match=r"chunks must be an int from 1 to 64, got"):
+        jax.jit(f)(x, w)
+
+
+def _op_on_mesh(op, mesh, in_specs, out_spec, **kwargs):
+    fn = functools.partial(getattr(jfo, op), axis_name="tensor", **kwargs)
+    if op == "all_reduce":
+        fn = (lambda f: lambda x: f(x[0]))(fn)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec))
+
+
+# (op, global operand shapes, in_specs, out_spec) on a 4-rank axis, for
+# operands with zero rows and with k = 0.
+_EMPTY_CASES = {
+    "all_gather_matmul/no rows": ("all_gather_matmul", [(0, 3, 8), (8, 4)],
+                                  (P("tensor"), P(None, "tensor")), P(None, None, "tensor")),
+    "all_gather_matmul/k=0": ("all_gather_matmul", [(8, 3, 0), (0, 4)],
+                              (P("tensor"), P(None, "tensor")), P(None, None, "tensor")),
+    "matmul_reduce_scatter/no rows": ("matmul_reduce_scatter", [(0, 3, 8), (8, 4)],
+                                      (P(None, None, "tensor"), P("tensor")), P("tensor")),
+    "matmul_reduce_scatter/k=0": ("matmul_reduce_scatter", [(8, 3, 0), (0, 4)],
+                                  (P(None, None, "tensor"), P("tensor")), P("tensor")),
+    "matmul_all_reduce/no rows": ("matmul_all_reduce", [(0, 3, 8), (8, 4)],
+                                  (P(None, None, "tensor"), P("tensor")), P()),
+    "matmul_all_reduce/k=0": ("matmul_all_reduce", [(8, 3, 0), (0, 4)],
+                              (P(None, None, "tensor"), P("tensor")), P()),
+    "all_reduce/empty": ("all_reduce", [(4, 0, 5)], (P("tensor"),), P()),
+}
+
+
+@pytest.mark.parametrize("impl", ["xla", "decomposed", "cuda", "auto"])
+@pytest.mark.parametrize("case", list(_EMPTY_CASES))
+def test_empty_operands_name_the_op(case, impl, rng):
+    """Every impl refuses zero-size operands with the same error (XLA's
+    all_gather fails its verifier on them)."""
+    op, shapes, in_specs, out_spec = _EMPTY_CASES[case]
+    args = [random(rng, s, "float32") for s in shapes]
+    mesh = cpu_mesh(4)
+    f = _op_on_mesh(op, mesh, in_specs, out_spec, impl=impl)
+    with pytest.raises(ValueError, match=rf"{op}: \w+ has shape .* with no elements"):
+        f(*(put(mesh, a, s) for a, s in zip(args, in_specs)))
+
+
+def test_negative_axes_count_from_the_end(rng):
+    mesh = cpu_mesh(4)
+    x, w = random(rng, (3, 8, 6), "float32"), random(rng, (6, 8), "float32")
+    gather = _op_on_mesh("all_gather_matmul", mesh, (P(None, "tensor"), P(None, "tensor")),
+                         P(None, None, "tensor"), gather_axis=-2, impl="decomposed")
+    np.testing.assert_allclose(gather(x, w), np.asarray(x) @ np.asarray(w), rtol=1e-5)
+    xs = random(rng, (3, 8, 16), "float32")
+    ws = random(rng, (16, 4), "float32")
+    scatter = _op_on_mesh("matmul_reduce_scatter", mesh, (P(None, None, "tensor"), P("tensor")),
+                          P(None, "tensor"), scatter_dimension=-2, impl="decomposed")
+    np.testing.assert_allclose(scatter(xs, ws), np.asarray(xs) @ np.asarray(ws), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="gather_axis=-1 does not name a row dim"):
+        _op_on_mesh("all_gather_matmul", mesh, (P(None, "tensor"), P(None, "tensor")),
+                    P(None, None, "tensor"), gather_axis=-1)(x, w)
+
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute",
+                "all-to-all", "custom-call")
+
+
+@pytest.mark.parametrize("impl", ["xla", "decomposed", "cuda", "auto"])
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce", "all_reduce"])
+def test_axis_of_one_rank_is_the_plain_dot(op, impl, rng):
+    """With one device on the tensor axis every impl (also "cuda", on any
+    platform) compiles to the local dot, or nothing for all_reduce: no
+    collective, no kernel call; its gradient too."""
+    from support import case
+
+    args, in_specs, out_spec, want = case(op, 1, rng, "float32")
+    mesh = cpu_mesh(1, dp=8)
+    f = _op_on_mesh(op, mesh, in_specs, out_spec, impl=impl)
+    np.testing.assert_allclose(f(*args), want, rtol=1e-5, atol=1e-5)
+    loss = jax.jit(jax.grad(lambda *xs: f(*xs).sum(), argnums=tuple(range(len(args)))))
+    for program in (f, loss):
+        hlo = program.lower(*args).compile().as_text()
+        found = [c for c in _COLLECTIVES if f" {c}(" in hlo or f"{c}-start(" in hlo]
+        assert not found, found
