@@ -310,10 +310,10 @@ def main():
         rows += _windowed(args)
     import jax
 
-    from jax_flashoverlap.benchmarking import gemm_autotune_setting
-    meta = dict(devices=len(jax.devices()[:args.devices]), device_kind=jax.devices()[0].device_kind,
-                jax=jax.__version__, dtype="bfloat16", protocol="DESIGN.md §4",
-                gemm_autotune=gemm_autotune_setting())
+    from jax_flashoverlap.benchmarking import gemm_autotune_setting, provenance
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "child_windowed")}
+    meta = dict(provenance(settings), devices=len(jax.devices()[:args.devices]),
+                dtype="bfloat16", gemm_autotune=gemm_autotune_setting())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -7,7 +7,7 @@ and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
 
 # _module_loading first: its import sets CUDA_MODULE_LOADING before anything
 # can start JAX's backends.
-from . import _module_loading, schedule, sharded  # noqa: F401
+from . import _module_loading, schedule, settings, sharded  # noqa: F401
 from ._extension import build_info, check_device_errors
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
@@ -26,3 +26,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+settings.check_all()  # a bad environment variable fails here, naming itself

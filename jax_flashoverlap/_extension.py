@@ -72,7 +72,8 @@ def build_info() -> dict[str, Any]:
     Returns:
       A dict with keys ``extension`` (bool: the compiled module imports),
       ``cuda`` (bool: CUDA kernels were compiled), ``cuda_version`` (str),
-      ``architectures`` (list of str, e.g. ``["90"]``), ``cublaslt`` (bool:
+      ``architectures`` (CMake CUDA architectures, e.g. ``["80-real", "100"]``:
+      "-real" machine code only, plain also PTX), ``cublaslt`` (bool:
       the GEMM ops were compiled) and ``ffi_targets`` (registered handler
       names).
     """

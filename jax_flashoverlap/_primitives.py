@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,12 +23,21 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import _extension, _jax_shim, _module_loading, decomposed, dispatch, schedule, xla_baseline
+from . import (
+    _extension,
+    _jax_shim,
+    _module_loading,
+    decomposed,
+    dispatch,
+    schedule,
+    settings,
+    xla_baseline,
+)
 
 __all__ = ["OpDef", "bind", "OPS"]
 
-DEFAULT_TIMEOUT_MS = 10_000
 TIMEOUT_ENV = "JAX_FLASHOVERLAP_TIMEOUT_MS"
+DEFAULT_TIMEOUT_MS = settings.SETTINGS[TIMEOUT_ENV].default
 
 
 def timeout_ms() -> int:
@@ -41,16 +49,7 @@ def timeout_ms() -> int:
     call (or :func:`jax_flashoverlap.check_device_errors`) raises an error
     naming the rank and the peer that was missing.
     """
-    raw = os.environ.get(TIMEOUT_ENV)
-    if raw is None:
-        return DEFAULT_TIMEOUT_MS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if not 0 < value < 2**31:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of milliseconds")
-    return value
+    return settings.get(TIMEOUT_ENV)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +193,11 @@ def _make_primitive(op: OpDef) -> Primitive:
             raise ValueError(
                 f"{op.name}(impl='cuda') runs only on NVIDIA GPUs, but this computation "
                 f"is being compiled for {ctx.module_context.platforms}; use impl='auto'.")
+        if impl == "auto":
+            impl = dispatch.resolve(op.name, [a.shape for a in ctx.avals_in],
+                                    ctx.avals_in[0].dtype, n,
+                                    platform=ctx.module_context.platforms[0],
+                                    chunks=dict(opts).get("chunks")).impl
         fn = functools.partial(op.decomposed if impl == "decomposed" else op.xla,
                                axis_name=axis_name, **dict(opts))
         if impl != "decomposed" and ctx.module_context.platforms == ("cpu",):
@@ -212,8 +216,9 @@ def _make_primitive(op: OpDef) -> Primitive:
             impl = "xla"
         groups = None
         if impl == "auto":
-            impl = dispatch.choose_impl(op.name, op.ffi_target, [a.shape for a in ctx.avals_in],
-                                        ctx.avals_in[0].dtype, n, dict(opts).get("chunks"))
+            impl = dispatch.resolve(op.name, [a.shape for a in ctx.avals_in],
+                                    ctx.avals_in[0].dtype, n, platform="cuda",
+                                    chunks=dict(opts).get("chunks")).impl
             if impl == "cuda":
                 try:
                     groups = _group_ordinals(ctx, op.name, axis_name, n)
@@ -223,6 +228,7 @@ def _make_primitive(op: OpDef) -> Primitive:
             return lower_portable(ctx, *args, axis_name=axis_name, n=n, impl=impl, opts=opts)
         _extension.require_cuda_ops(op.name, op.ffi_target)
         _module_loading.warn_if_lazy(op.name)
+        settings.check_all()  # the extension reads some of them when the op runs
         opts = dict(opts)
         transport = {
             "group_ordinals": (groups if groups is not None
@@ -231,6 +237,10 @@ def _make_primitive(op: OpDef) -> Primitive:
             "timeout_ms": np.int32(opts.pop("timeout_ms", timeout_ms())),
         }
         if op.name == "all_reduce":
+            if opts["algorithm"] is None:  # by message size, decided here with the impl
+                aval = ctx.avals_in[0]
+                opts["algorithm"] = dispatch.all_reduce_algorithm(
+                    math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
             _check_lamport_size(ctx.avals_in[0], opts["algorithm"])
         if "chunks" in opts and opts["chunks"] is None:  # picked by shape
             opts["chunks"] = dispatch.collective_matmul_chunks(
@@ -240,6 +250,7 @@ def _make_primitive(op: OpDef) -> Primitive:
             nbytes = math.prod(out.shape) * out.dtype.itemsize
             if dispatch.matmul_all_reduce_kernel(nbytes) == "gemm_then_all_reduce":
                 return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
+            _check_event_budget(len(opts["chunk_rows"]), n)
         return jax.ffi.ffi_lowering(op.ffi_target)(
             ctx, *args, **transport, **op.cuda_attrs(n, opts))
 
@@ -278,6 +289,22 @@ def _widened_16_bit(fn):
 
 def _is_16_bit_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
+
+
+# CUDA events one call of a fused op may record (kEventsPerCall, ffi/src/transport/peer.cu).
+EVENTS_PER_CALL = 1024
+
+
+def _check_event_budget(chunks: int, n: int) -> None:
+    """The fused matmul_all_reduce records 3(n-1)+1 events a chunk, one at
+    the start and 2(n-1)+1 at the end; more than the budget is refused here,
+    at compile time (the extension checks again before its first send)."""
+    needed = chunks * (3 * (n - 1) + 1) + 2 * n
+    if needed > EVENTS_PER_CALL:
+        most = (EVENTS_PER_CALL - 2 * n) // (3 * (n - 1) + 1)
+        raise ValueError(
+            f"matmul_all_reduce(impl='cuda'): {chunks} chunks on {n} ranks need {needed} CUDA "
+            f"events per call, more than {EVENTS_PER_CALL}; use chunks <= {most}")
 
 
 def _check_lamport_size(aval, algorithm: str) -> None:

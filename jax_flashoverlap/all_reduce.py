@@ -49,8 +49,6 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_dtypes(_OP, x=x)
     _validation.check_not_empty(_OP, x=x)
-    algorithm = algorithm or dispatch.all_reduce_algorithm(x.size * x.dtype.itemsize, n,
-                                                         x.dtype)
     return _all_reduce(x, (axis_name, n, impl, algorithm, _layout.varying(x)))
 
 

@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jax_flashoverlap as jfo
-    from jax_flashoverlap import _primitives, benchmarking, dispatch
+    from jax_flashoverlap import benchmarking, dispatch
 
     on_gpu = jax.default_backend() == "gpu"
     devices = jax.devices()[:8]
@@ -62,8 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         global_args = [jax.device_put(
             jnp.asarray(rng.standard_normal((n * s[0], *s[1:]), dtype=np.float32), dtype),
             NamedSharding(mesh, spec)) for s, spec in zip(shapes, specs)]
-        auto = dispatch.resolved_impl(op, _primitives.OPS[op].ffi_target, shapes,
-                                      dtype, n)
+        auto = dispatch.resolve(op, shapes, dtype, n, platform=jax.default_backend()).impl
         reference = None
         for impl in impls:
             fn = functools.partial(getattr(jfo, op), axis_name="tensor", impl=impl)

@@ -1,9 +1,11 @@
-"""``impl="auto"``: which implementation runs, per platform, op and shape.
+"""``impl="auto"``: which implementation runs, per machine, op and shape.
 
-Resolved when a program is lowered for CUDA (on every other platform "auto"
-is "xla"). The rule is measured, not assumed: "cuda" is picked only for the
-ops and shapes where the benchmark on the GPU machine found it faster than
-XLA, so "auto" never picks a slower path than the one users have today.
+:func:`resolve` decides, when a program is lowered, from the tuning tables of
+:mod:`jax_flashoverlap.tuning`: measured, not assumed, on the machine it runs
+on (``jax-flashoverlap-tune``), or on the machine that shipped a table (2
+H200s). Untuned, "auto" is "xla": never slower than what users have today.
+The rest of this module holds the CUDA paths' own measured settings (the
+all-reduce kernel by size, chunks, the NVSHMEM path across processes).
 """
 
 from __future__ import annotations
@@ -11,76 +13,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import dataclasses
 import functools
+import logging
 import math
-import os
-import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import jax
 import numpy as np
 
-from . import _extension
+from . import _extension, settings
 
-__all__ = ["choose_impl", "prefer_xla", "AUTO_OPS", "all_reduce_algorithm",
+__all__ = ["resolve", "explain", "Decision", "prefer_xla", "AUTO_OPS", "all_reduce_algorithm",
            "all_reduce_region_bytes", "all_reduce_across_processes", "collective_matmul_chunks",
            "lamport_max_bytes", "matmul_all_reduce_kernel", "process_cuda_devices",
            "ALL_REDUCE_ALGORITHMS"]
 
 Shapes = Sequence[tuple[int, ...]]
 
-# Every rule below was measured on one machine, 2 H200s: each holds for this
-# many ranks (local GPUs) only; elsewhere the untuned choice runs.
+# The all-reduce, matmul_all_reduce and chunk rules below were measured on
+# one machine, 2 H200s: each holds for this many ranks (local GPUs) only.
 _MEASURED_RANKS = 2
-
-# op -> predicate(shapes, dtype, n, chunks): True from the size where impl="cuda" was
-# measured faster than impl="xla" on every listed shape, and by at least 5% on
-# most (bf16, 2 H200s, DESIGN.md §4 protocol; run-to-run spread is a few
-# percent, so smaller wins alone are not counted). Only
-# what was measured: 2 ranks and 16-bit dtypes (fp16 runs the same kernels as
-# bf16). An op missing here runs "xla".
-#
-# Collective matmuls (benchmarks/results/collective_matmul_2xh200.json): the
-# rows per shard from which the fused op won on every listed shape.
-# matmul_reduce_scatter (rows = the result's rows per rank) from 1024 rows,
-# with the chunks of chunks=None (collective_matmul_chunks: two there) and
-# autotuned GEMMs (collective_matmul_rs_fold_autotune_2xh200.json): 1.33x XLA at
-# 1024x4096x4096, 1.03x at 2048x8192x7168, 1.10x at 2048x8192x14336, 1.14x at
-# 4096x8192x4096, 1.09x at 8192x8192x14336; at 128 rows 1.03x with one chunk.
-# Without autotuning: 1.32x, 1.05x, 0.99x (1.03x with one chunk), 1.10x, 1.05x.
-# With one chunk everywhere (the earlier benchmarks) it won by 5% on one shape
-# and lost at 2048x8192x7168 (846 vs 818 us), so "auto" keeps XLA when the
-# caller asks for chunks other than those of chunks=None. A later run at
-# 2048x8192x7168 (collective_matmul_rs_chunks_2xh200.json) measured 0.96x
-# (826 vs 795 us; 777 vs 826 in collective_matmul_xla_waits_2xh200.json): the
-# spread there is about 4% either way.
-#
-# Below 1024 rows, at x8192x8192, two runs (collective_matmul_small_rows_2xh200.json,
-# then ..._small_rows_auto_2xh200.json): all_gather_matmul 1.21x and 1.19x XLA
-# at 256 rows, 1.29x and 1.22x at 512; at 128 rows 1.04x, then 0.96x (1.16x
-# and 1.04x in two earlier runs), so it starts at 256. matmul_all_reduce as
-# XLA's dot + the all-reduce kernel (Lamport up to 2 MiB, one-shot above):
-# 1.18x and 1.20x at 128 rows (1.07x in an earlier run; 0.98x when the
-# all-reduce there was the flag one-shot), 1.06x and 0.99x at 256 (where
-# "auto", the same path, ran 1.08x in the second run), 1.11x and 1.08x at 512.
-# The fused matmul_all_reduce from 2048 rows since its chunks hold whole tiles
-# (MATMUL_ALL_REDUCE_PART_ALIGN, three runs): 1.03-1.08x XLA at
-# 2048x8192x7168, 1.05-1.15x at 2048x8192x14336, 1.11-1.12x at 4096x8192x4096.
-_MIN_ROWS = {"all_gather_matmul": 256, "matmul_all_reduce": 2048,
-             "matmul_reduce_scatter": 1024}
-_MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE = 128
-
-# all_reduce (benchmarks/results/all_reduce_2xh200.json): the kernel "auto"
-# runs (one-shot to 8 MiB, two-shot above) was faster than psum at every size
-# from 4 KiB to 256 MiB with unrolled loops (1.22-2.51x), and with one op per
-# loop iteration (both bound by XLA's host) at every size but one: 16 KiB,
-# one-shot 16.3 us (range 14.0-24.4 over 7 runs) against psum 13.7 us. That
-# exception is kept, as noise of a host-bound loop, and is to be re-measured.
-# Since then "auto" runs Lamport up to 2 MiB (see LAMPORT_AUTO_MAX_BYTES;
-# all_reduce_lamport_auto_2xh200.json: faster than psum at every measured
-# size in both modes, 16 KiB was not in that run).
-# "auto" keeps to messages the all-reduce region holds, so that it never
-# fails where psum would not.
 
 # all_reduce over an axis of processes, one GPU each
 # (benchmarks/results/hierarchical_all_reduce_2xh200.json): the NVSHMEM
@@ -97,51 +50,6 @@ def _rows_per_rank(op: str, shapes: Shapes, n: int) -> int:
     """Rows of the GEMM each rank computes per block: x's rows, except for
     matmul_reduce_scatter, whose x holds all ``n`` blocks."""
     return shapes[0][0] // n if op == "matmul_reduce_scatter" else shapes[0][0]
-
-
-Predicate = Callable[[Shapes, np.dtype, int, "int | None"], bool]
-
-
-def _measured_faster(op: str) -> Predicate:
-    def faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
-        del chunks  # measured with the op's default and explicit chunks alike
-        return (n == _MEASURED_RANKS and dtype.itemsize == 2
-                and _rows_per_rank(op, shapes, n) >= _MIN_ROWS[op])
-    return faster
-
-
-_reduce_scatter_rows_faster = _measured_faster("matmul_reduce_scatter")
-
-
-def _reduce_scatter_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
-    """Measured with the chunks of chunks=None only (see _MIN_ROWS)."""
-    picked = collective_matmul_chunks("matmul_reduce_scatter", shapes, n)
-    return _reduce_scatter_rows_faster(shapes, dtype, n, None) and chunks in (None, picked)
-
-
-def _all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None) -> bool:
-    del chunks
-    nbytes = math.prod(shapes[0]) * dtype.itemsize
-    return (n == _MEASURED_RANKS and dtype.itemsize == 2
-            and nbytes <= all_reduce_region_bytes())
-
-
-def _matmul_all_reduce_faster(shapes: Shapes, dtype: np.dtype, n: int,
-                              chunks: int | None) -> bool:
-    del chunks  # the composed path has none; the fused one was measured with its default
-    (rows, _), (_, cols) = shapes
-    if n != _MEASURED_RANKS or dtype.itemsize != 2:
-        return False
-    if rows >= _MIN_ROWS["matmul_all_reduce"]:  # the fused kernel, or dot + all-reduce
-        return True
-    return (rows >= _MIN_ROWS_COMPOSED_MATMUL_ALL_REDUCE
-            and matmul_all_reduce_kernel(rows * cols * dtype.itemsize) == "gemm_then_all_reduce")
-
-
-_CUDA_IS_FASTER: dict[str, Predicate] = {
-    "all_gather_matmul": _measured_faster("all_gather_matmul"),
-    "matmul_reduce_scatter": _reduce_scatter_faster,
-    "matmul_all_reduce": _matmul_all_reduce_faster, "all_reduce": _all_reduce_faster}
 
 
 def all_reduce_across_processes(nbytes: int, dtype, impl: str, capacity: int | None,
@@ -182,6 +90,41 @@ def all_reduce_across_processes(nbytes: int, dtype, impl: str, capacity: int | N
             f"({capacity} bytes); pass a larger heap_mb to "
             f"jax_flashoverlap.nvshmem.initialize(), or use impl='auto' or 'xla'")
     return "nvshmem"
+
+
+# Fixed parts of the workspace (kGemmWorkspaceBytes of ffi/src/transport/peer.cu,
+# kControlBytes of peer_state.h).
+_GEMM_WORKSPACE_BYTES = 32 << 20
+_CONTROL_BYTES = 128 << 10
+
+
+def transport_capacity(workspace_mb: int | None = None,
+                       local_devices: int | None = None) -> tuple[int, int]:
+    """(receive slot, staging) bytes of the collective matmuls' transport, as
+    the extension lays out the workspace (GetOrCreateDevice, ffi/src/transport/peer.cu):
+    after the GEMM workspace, the control words and the all-reduce quarter,
+    a third is staging and the rest two slots per sending GPU."""
+    if workspace_mb is None:
+        workspace_mb = _workspace_mb_from_env()
+    if local_devices is None:
+        local_devices = process_cuda_devices()
+    data = (workspace_mb << 20) - _GEMM_WORKSPACE_BYTES - _CONTROL_BYTES
+    rest = data - data // 4 // 256 * 256
+    staging = rest // 3 // 256 * 256
+    return (rest - staging) // (2 * _sender_count(local_devices)) // 256 * 256, staging
+
+
+def _transport_needs(op: str, shapes: Shapes, itemsize: int, n: int) -> tuple[int, int]:
+    """(slot, staging) bytes impl="cuda" ``op`` checks for (CheckCapacity in its .cu)."""
+    if op == "all_gather_matmul":
+        return math.prod(shapes[0]) * itemsize, 0
+    if op == "matmul_reduce_scatter":
+        block = shapes[0][0] // n * shapes[1][1] * itemsize
+        return block, (n - 1) * block
+    if op == "matmul_all_reduce":
+        result = shapes[0][0] * shapes[1][1] * itemsize
+        return result, result
+    return 0, 0
 
 
 def all_reduce_region_bytes(workspace_mb: int | None = None,
@@ -247,18 +190,14 @@ def _sender_count(local_devices: int) -> int:
 
 
 def _workspace_mb_from_env() -> int:
-    """JAX_FLASHOVERLAP_WORKSPACE_MB as the extension reads it (leading digits, at least 64)."""
-    raw = os.environ.get("JAX_FLASHOVERLAP_WORKSPACE_MB")
-    if raw is None:
-        return 1024
-    digits = re.match(r"\s*(\d*)", raw).group(1)
-    return max(int(digits or 0), 64)
+    """JAX_FLASHOVERLAP_WORKSPACE_MB (:mod:`jax_flashoverlap.settings`)."""
+    return settings.get("JAX_FLASHOVERLAP_WORKSPACE_MB")
 
 
 _PREFERRED_XLA: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "jax_flashoverlap_preferred_xla", default=frozenset())
 # The ops whose impl="auto" this module resolves.
-AUTO_OPS = tuple(_CUDA_IS_FASTER)
+AUTO_OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce")
 
 
 @contextlib.contextmanager
@@ -286,38 +225,152 @@ def prefer_xla(ops: Iterable[str]) -> Iterator[None]:
         _PREFERRED_XLA.reset(token)
 
 
-def choose_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
-                chunks: int | None = None) -> str:
-    """The implementation "auto" runs on a CUDA GPU.
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What ``impl="auto"`` runs for one call, and why.
+
+    Attributes:
+      impl: "xla", "decomposed" or "cuda".
+      reason: one line: the measurement (a :class:`~jax_flashoverlap.tuning.Entry`)
+        or the rule behind it.
+    """
+
+    impl: str
+    reason: str
+
+
+def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
+            chunks: int | None = None, device_kind: str | None = None,
+            devices: int | None = None) -> Decision:
+    """The one place that decides ``impl="auto"``, called when a program is lowered.
+
+    It runs the implementation measured fastest for this machine (device
+    kind and devices in the process), axis size, dtype, op and shape in the
+    tuning tables (:mod:`jax_flashoverlap.tuning`: those shipped, then
+    ``jax-flashoverlap-tune``'s cache). "cuda" only where the CUDA build has
+    the op and the call fits what was measured; "xla" where nothing was
+    measured (a machine with no table says so once, naming the command that
+    tunes it).
 
     Args:
       op: public op name.
-      ffi_target: the op's CUDA handler.
       shapes: shapes of the 2-D operands, per device.
       dtype: operand dtype.
       n: ranks along the axis.
+      platform: the platform the program is compiled for ("cuda", "cpu", ...).
       chunks: the op's ``chunks`` argument (None: picked by shape).
-
-    Returns:
-      "cuda" where it is built and measured faster, and ``op`` is not in an
-      enclosing :func:`prefer_xla`, else "xla".
+      device_kind, devices: the machine to decide for (default: this one's
+        devices of ``platform``: their kind, and how many the process has).
     """
+    from . import _primitives, tuning
+
+    dtype = np.dtype(dtype)
+    if n == 1:
+        return Decision("xla", "one rank on the axis: every impl is the local dot")
     if op in _PREFERRED_XLA.get():
-        return "xla"
-    faster = _CUDA_IS_FASTER.get(op)
-    if n > 1 and faster is not None and _extension.cuda_ops_available(ffi_target):
-        if faster(shapes, np.dtype(dtype), n, chunks):
-            return "cuda"
-    return "xla"
+        return Decision("xla", f"{op} is in an enclosing dispatch.prefer_xla(...)")
+    gpu = platform in ("cuda", "gpu")
+    if device_kind is None or devices is None:
+        machine = _machine(platform)
+        if machine is None:
+            return Decision("xla", f"no {platform} devices in this process to look up "
+                                   f"(compiling for another platform)")
+        device_kind, devices = device_kind or machine[0], devices or machine[1]
+    kind, count = device_kind, devices
+    entry, why = tuning.load().lookup(op, shapes, dtype.name, n, kind, count, dtype.itemsize)
+    if entry is None:
+        if why.startswith("no tuning table"):
+            _say_untuned_once(kind, count)
+        return Decision("xla", why)
+    impls = ["xla", "decomposed"]
+    unfit = _cuda_unfit(op, shapes, dtype, n, chunks, entry) if gpu else "not a CUDA platform"
+    if gpu and not _extension.cuda_ops_available(_primitives.OPS[op].ffi_target):
+        unfit = "the CUDA build lacks this op"
+    if not unfit:
+        impls.append("cuda")
+    best = entry.fastest(impls) or "xla"
+    note = f"; not cuda: {unfit}" if unfit and "cuda" in entry.times_us else ""
+    return Decision(best, entry.describe() + note)
 
 
-def resolved_impl(op: str, ffi_target: str, shapes: Shapes, dtype, n: int,
-                  platform: str | None = None, chunks: int | None = None) -> str:
-    """What ``impl="auto"`` becomes on ``platform`` (default: JAX's default backend)."""
+def _machine(platform: str) -> tuple[str, int] | None:
+    """(device kind, devices in this process) of ``platform``; None without any."""
+    gpu = platform in ("cuda", "gpu")
+    try:
+        local = jax.devices("gpu" if gpu else platform)
+    except RuntimeError:
+        return None
+    return local[0].device_kind, (process_cuda_devices() if gpu else len(local))
+
+
+def _cuda_unfit(op: str, shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None,
+                entry) -> str:
+    """Why impl="cuda" would run outside what ``entry`` measured ("" if it would not)."""
+    if op == "matmul_all_reduce":
+        kernels = [matmul_all_reduce_kernel(rows * cols * dtype.itemsize) for rows, cols in
+                   ((shapes[0][0], shapes[1][1]), (entry.shape[0], entry.shape[2]))]
+        if kernels[0] != kernels[1]:
+            return f"it would run the {kernels[0]} kernel, the measurement ran {kernels[1]}"
+    needs = _transport_needs(op, shapes, dtype.itemsize, n)
+    slot, staging = transport_capacity()
+    if op != "all_reduce" and not (needs[0] <= slot and needs[1] <= staging):
+        if not (op == "matmul_all_reduce" and matmul_all_reduce_kernel(
+                shapes[0][0] * shapes[1][1] * dtype.itemsize) == "gemm_then_all_reduce"):
+            return (f"it needs {needs[0]} bytes per receive slot and {needs[1]} of staging, "
+                    f"the workspace has {slot} and {staging} (JAX_FLASHOVERLAP_WORKSPACE_MB)")
+    if op == "all_reduce":
+        nbytes = math.prod(shapes[0]) * dtype.itemsize
+        if nbytes > all_reduce_region_bytes():
+            return (f"{nbytes} bytes exceed the all-reduce region "
+                    f"({all_reduce_region_bytes()} bytes; JAX_FLASHOVERLAP_WORKSPACE_MB)")
+    if op in _TWO_CHUNKS_FROM_ROWS and chunks not in (None, collective_matmul_chunks(
+            op, shapes, n)):
+        return f"chunks={chunks} differs from the measured chunks=None"
+    return ""
+
+
+@functools.cache
+def _say_untuned_once(device_kind: str, devices: int) -> None:
+    logging.getLogger("jax_flashoverlap").warning(
+        "jax_flashoverlap: impl='auto' runs 'xla' on %s x%d: no tuning table; run "
+        "`jax-flashoverlap-tune` once to measure this machine", device_kind, devices)
+
+
+def explain(op: str, x_shape: Sequence[int], w_shape: Sequence[int] | None = None,
+            dtype="bfloat16", axis_size: int = 2, *, platform: str | None = None,
+            chunks: int | None = None, device_kind: str | None = None,
+            devices: int | None = None) -> Decision:
+    """Prints and returns what ``impl="auto"`` picks for one call, and from
+    which measurement.
+
+    Args:
+      op: "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"
+        or "all_reduce".
+      x_shape: x per device as the op takes it, e.g. [rows, k] (leading dims
+        are flattened into rows; all_reduce: any shape).
+      w_shape: [k, n_out] (not for all_reduce).
+      dtype: operand dtype.
+      axis_size: ranks along the axis.
+      platform: default: JAX's default backend.
+      chunks: the op's ``chunks`` argument.
+      device_kind, devices: another machine to ask about, e.g.
+        ``device_kind="NVIDIA H200", devices=2, platform="cuda"``.
+    """
+    if op not in AUTO_OPS:
+        raise ValueError(f"explain: op must be one of {AUTO_OPS}, got {op!r}")
+    if (w_shape is None) != (op == "all_reduce"):
+        raise ValueError(f"explain: {op} takes " + ("no w_shape" if op == "all_reduce"
+                                                     else "w_shape [k, n_out]"))
+    x_shape = tuple(x_shape)
+    shapes = ([(1, math.prod(x_shape))] if op == "all_reduce"
+              else [(math.prod(x_shape[:-1]), x_shape[-1]), tuple(w_shape)])
     platform = platform or jax.default_backend()
-    if platform not in ("gpu", "cuda"):
-        return "xla"
-    return choose_impl(op, ffi_target, shapes, dtype, n, chunks)
+    decision = resolve(op, shapes, dtype, axis_size, platform=platform, chunks=chunks,
+                       device_kind=device_kind, devices=devices)
+    print(f"{op} x{list(x_shape)}" + (f" w{list(w_shape)}" if w_shape else "")
+          + f" {np.dtype(dtype).name}, axis size {axis_size}, {platform}: "
+          f"auto -> {decision.impl!r}; {decision.reason}")
+    return decision
 
 
 # The CUDA all-reduce's kernels; the position is the handler's `algorithm`

@@ -11,7 +11,10 @@ string, such as an NVSHMEM unique id, from one process to all.
 
 from __future__ import annotations
 
+import collections
+import json
 import os
+from typing import Any
 
 from .launch import ENV
 
@@ -25,6 +28,7 @@ __all__ = [
     "node_rank",
     "rank_in_node",
     "broadcast_bytes",
+    "check_same",
 ]
 
 _REQUIRED = ("coordinator", "process_id", "num_processes")
@@ -57,6 +61,11 @@ def initialize(**kwargs) -> None:
     Does nothing if ``jax.distributed`` is already initialised. Call it before
     anything else touches jax devices.
 
+    Process 0's coordinator (an unauthenticated key-value and barrier
+    service) listens on the coordinator address only (the launcher's
+    ``127.0.0.1:PORT``), not on every interface as ``jax.distributed``'s
+    default; pass ``coordinator_bind_address`` to choose otherwise.
+
     Args:
       **kwargs: passed on to ``jax.distributed.initialize`` (for example
         ``initialization_timeout`` or ``heartbeat_timeout_seconds``, which bound
@@ -74,7 +83,9 @@ def initialize(**kwargs) -> None:
     if jax.distributed.is_initialized():
         return
     node_size()  # a bad --node-size fails here, in every process, before any wait
-    jax.distributed.initialize(coordinator_address=os.environ[ENV["coordinator"]],
+    address = os.environ[ENV["coordinator"]]
+    kwargs.setdefault("coordinator_bind_address", address)
+    jax.distributed.initialize(coordinator_address=address,
                                num_processes=_env_int("num_processes"),
                                process_id=_env_int("process_id"), **kwargs)
 
@@ -188,3 +199,55 @@ def broadcast_bytes(data: bytes | None, root: int = 0, *, max_bytes: int = _MAX_
     payload = np.frombuffer(data, np.uint8) if is_root else np.zeros(length, np.uint8)
     out = multihost_utils.broadcast_one_to_all(payload, is_source=is_root)
     return np.asarray(out).astype(np.uint8).tobytes()
+
+
+_AGREEMENTS: collections.Counter = collections.Counter()
+
+
+def check_same(name: str, settings: dict[str, Any], *, timeout_s: float = 60.0) -> None:
+    """Raises on every process unless every process passed the same ``settings``.
+
+    Collective, and bounded: each process posts its settings to the
+    ``jax.distributed`` key-value store and reads every other's with a
+    timeout, so it also serves as a barrier that cannot hang (a process that
+    never arrives is an error naming it, after ``timeout_s``). No device
+    work, so it is safe before anything that would wait on peers forever
+    (NVSHMEM start-up).
+
+    Args:
+      name: what is agreed on (for the keys and the messages).
+      settings: JSON-serialisable values by name.
+      timeout_s: how long to wait for the other processes.
+
+    Raises:
+      RuntimeError: ``jax.distributed`` is not initialised, or a process did
+        not post its settings in time.
+      ValueError: the processes disagree; names each differing setting and
+        every process's value.
+    """
+    import jax
+    from jax._src import distributed as jax_distributed  # the runtime's KV client
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError(f"check_same({name!r}): jax.distributed is not initialised; "
+                           f"{_LAUNCH_HINT}")
+    n, me = jax.process_count(), jax.process_index()
+    _AGREEMENTS[name] += 1
+    prefix = f"jax_flashoverlap/agree/{name}/{_AGREEMENTS[name]}"
+    client.key_value_set(f"{prefix}/{me}", json.dumps(settings, sort_keys=True))
+    seen = []
+    for process in range(n):
+        try:
+            raw = client.blocking_key_value_get(f"{prefix}/{process}", int(timeout_s * 1000))
+        except Exception as e:  # noqa: BLE001 - the runtime raises its own types
+            raise RuntimeError(f"check_same({name!r}): process {process} did not arrive within "
+                               f"{timeout_s:g} s ({type(e).__name__}: {e})") from None
+        seen.append(json.loads(raw))
+    differing = sorted({k for s in seen for k in s if any(t.get(k) != s.get(k) for t in seen)})
+    if differing:
+        detail = "; ".join(f"{k}: " + ", ".join(f"process {i} has {s.get(k)!r}"
+                                                for i, s in enumerate(seen))
+                           for k in differing)
+        raise ValueError(f"{name}: the processes disagree on {detail}; every process must use "
+                         f"the same values")

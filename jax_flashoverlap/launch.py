@@ -8,7 +8,7 @@ one device each, as NVSHMEM and XLA's multi-process GPU runtime want), else one
 CPU process each. The program calls :func:`jax_flashoverlap.distributed.initialize`,
 which reads what this launcher put in its environment:
 
-    JFO_COORDINATOR_ADDRESS  ``127.0.0.1:PORT``, served by process 0
+    JFO_COORDINATOR_ADDRESS  ``127.0.0.1:PORT``, served by process 0 on loopback only
     JFO_PROCESS_ID           this process, 0 .. n-1
     JFO_NUM_PROCESSES        n
     JFO_LOCAL_RANK           index among the processes on this host
@@ -88,12 +88,33 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     return [str(i) for i in range(sum(line.startswith("GPU ") for line in out.splitlines()))]
 
 
-def _free_port() -> int:
-    # Racy in principle (another program may take it before process 0 binds
-    # it), but that is what every single-host launcher does.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _reserve_port() -> tuple[socket.socket, int]:
+    """A loopback port held for process 0's coordinator, and the socket holding it.
+
+    Bound (not listening) with SO_REUSEPORT, as gRPC binds its servers: the
+    coordinator can bind it too, while any other program that does not ask
+    for port sharing is refused it until :func:`_release_when_listening`
+    closes the reservation.
+    """
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    return s, s.getsockname()[1]
+
+
+def _release_when_listening(reservation: socket.socket, port: int,
+                            children: list[subprocess.Popen]) -> None:
+    """Closes ``reservation`` once the coordinator accepts connections (or
+    every child has exited)."""
+    try:
+        while any(c.poll() is None for c in children):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(_POLL_S)
+    finally:
+        reservation.close()
 
 
 def _child_pythonpath(env: Mapping[str, str]) -> str:
@@ -237,7 +258,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"-n {n} processes but only {len(gpus)} GPUs visible "
                      f"({','.join(gpus)}); use at most {len(gpus)} or --cpu")
 
-    port = _free_port()
+    reservation, port = _reserve_port()
     cmd = [sys.executable, *program]
     lock = threading.Lock()
     hook = _die_with_parent_hook()
@@ -252,6 +273,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True,  # own group: kill grandchildren too
             preexec_fn=hook))
+    threading.Thread(target=_release_when_listening, args=(reservation, port, children),
+                     daemon=True).start()
     pumps = []
     for rank, child in enumerate(children):
         for stream, out in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):

@@ -129,7 +129,10 @@ def initialize(heap_mb: int = 1024) -> None:
     Raises:
       RuntimeError: the module was not built (names the CMake option), or
         ``jax.distributed`` is not initialised, or a process has more than
-        one GPU, or NVSHMEM fails to start.
+        one GPU, or a process does not arrive within a minute, or NVSHMEM
+        fails to start.
+      ValueError: the processes passed different ``heap_mb`` or run with
+        different node sizes (``JFO_NODE_SIZE``).
     """
     mod = _require_module("initialize")
     import jax
@@ -145,6 +148,10 @@ def initialize(heap_mb: int = 1024) -> None:
                            f"process one GPU")
     if heap_mb < 1:
         raise ValueError(f"heap_mb={heap_mb} must be positive")
+    # NVSHMEM's own start-up waits on every process without a bound: agree
+    # first, with one, on everything the processes must share.
+    distributed.check_same("jax_flashoverlap.nvshmem.initialize",
+                           {"heap_mb": int(heap_mb), "node_size": distributed.node_size()})
     os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
     # NVSHMEM reads its environment once, at the first call (get_unique_id on
     # process 0): the heap size must be set before it, on every process alike.

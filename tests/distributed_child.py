@@ -16,6 +16,26 @@ from jax.experimental import multihost_utils  # noqa: E402
 
 me = jax.process_index()
 print(f"process={me}/{jax.process_count()} local_devices={jax.local_device_count()}")
+
+
+def listening_addresses(port: int) -> list[str]:
+    """Local addresses (hex, as the kernel lists them) of sockets listening on ``port``."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            local, state = line.split()[1], line.split()[3]
+            address, local_port = local.rsplit(":", 1)
+            if int(local_port, 16) == port and state == "0A":  # 0A: LISTEN
+                found.append(address)
+    return sorted(found)
+
+
+coordinator_port = int(os.environ["JFO_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+print(f"listening={','.join(listening_addresses(coordinator_port))}")
 print(f"node={distributed.node_rank()}/{distributed.num_nodes()} "
       f"in_node={distributed.rank_in_node()}/{distributed.node_size()}")
 
@@ -41,4 +61,16 @@ try:
     distributed.broadcast_bytes(b"x", root=me)
 except ValueError as e:
     print(f"mismatch={e}")
+# Settings every process must share: equal ones pass, differing ones fail
+# on every process, naming each process's value.
+distributed.check_same("same", {"heap_mb": 1024, "node_size": 1})
+try:
+    distributed.check_same("differ", {"heap_mb": 1024 + me, "node_size": 1})
+except ValueError as e:
+    print(f"disagree={e}")
+if me == 0:  # process 1 never arrives: a bounded wait, then an error naming it
+    try:
+        distributed.check_same("alone", {"heap_mb": 1024}, timeout_s=2)
+    except RuntimeError as e:
+        print(f"alone={e}")
 print("done")

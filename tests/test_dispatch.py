@@ -15,54 +15,75 @@ def cuda_built(monkeypatch):
     monkeypatch.setattr(_extension, "cuda_ops_available", lambda target=None: True)
 
 
+H200 = {"platform": "cuda", "device_kind": "NVIDIA H200", "devices": 2}
+
+
 @pytest.mark.parametrize("op,shapes,dtype,n,want", [
-    ("all_gather_matmul", [(1024, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
-    ("all_gather_matmul", [(256, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "cuda"),
-    ("all_gather_matmul", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
-    ("all_gather_matmul", [(4096, 8192), (8192, 4096)], np.dtype("float32"), 2, "xla"),
-    ("all_gather_matmul", [(4096, 8192), (8192, 4096)], np.dtype("bfloat16"), 4, "xla"),
-    ("matmul_all_reduce", [(4096, 8192), (8192, 4096)], np.dtype("float16"), 2, "cuda"),
-    ("matmul_all_reduce", [(2048, 8192), (8192, 7168)], np.dtype("bfloat16"), 2, "cuda"),
-    ("matmul_all_reduce", [(1536, 8192), (8192, 7168)], np.dtype("bfloat16"), 2, "xla"),
-    ("matmul_all_reduce", [(1024, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
-    ("matmul_all_reduce", [(1024, 4096), (4096, 4104)], np.dtype("bfloat16"), 2, "xla"),
-    ("matmul_all_reduce", [(128, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "cuda"),
-    ("matmul_all_reduce", [(64, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
-    ("matmul_reduce_scatter", [(2048, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "cuda"),
-    ("matmul_reduce_scatter", [(2040, 4096), (4096, 4096)], np.dtype("bfloat16"), 2, "xla"),
-    ("matmul_reduce_scatter", [(256, 8192), (8192, 8192)], np.dtype("bfloat16"), 2, "xla"),
-    ("matmul_reduce_scatter", [(8192, 8192), (8192, 4096)], np.dtype("float32"), 2, "xla"),
-    ("matmul_reduce_scatter", [(8192, 8192), (8192, 4096)], np.dtype("bfloat16"), 4, "xla"),
-    ("all_reduce", [(1, 1 << 20)], np.dtype("bfloat16"), 2, "cuda"),
-    ("all_reduce", [(1, 3)], np.dtype("float16"), 2, "cuda"),
-    ("all_reduce", [(1, 1 << 20)], np.dtype("float32"), 2, "xla"),
-    ("all_reduce", [(1, 1 << 20)], np.dtype("bfloat16"), 4, "xla"),
-    ("all_reduce", [(1024, 1 << 20)], np.dtype("bfloat16"), 2, "xla"),  # 2 GiB: over the region
+    # The shipped table (tables/nvidia_h200_x2.json, from the committed results).
+    ("all_gather_matmul", [(1024, 4096), (4096, 4096)], "bfloat16", 2, "cuda"),
+    ("all_gather_matmul", [(256, 8192), (8192, 8192)], "bfloat16", 2, "cuda"),
+    ("all_gather_matmul", [(128, 8192), (8192, 8192)], "bfloat16", 2, "xla"),  # measured
+    ("all_gather_matmul", [(64, 8192), (8192, 8192)], "bfloat16", 2, "xla"),  # below all
+    ("all_gather_matmul", [(16384, 4096), (4096, 8192)], "bfloat16", 2, "cuda"),  # above all
+    ("all_gather_matmul", [(4096, 8192), (8192, 4096)], "float16", 2, "cuda"),  # bf16's
+    ("all_gather_matmul", [(4096, 8192), (8192, 4096)], "float32", 2, "xla"),  # untuned
+    ("all_gather_matmul", [(4096, 8192), (8192, 4096)], "bfloat16", 4, "xla"),  # untuned
+    ("matmul_all_reduce", [(128, 8192), (8192, 8192)], "bfloat16", 2, "cuda"),
+    ("matmul_all_reduce", [(256, 8192), (8192, 8192)], "bfloat16", 2, "xla"),
+    ("matmul_all_reduce", [(2048, 8192), (8192, 7168)], "bfloat16", 2, "cuda"),
+    ("matmul_reduce_scatter", [(256, 8192), (8192, 8192)], "bfloat16", 2, "xla"),
+    ("matmul_reduce_scatter", [(2048, 4096), (4096, 4096)], "bfloat16", 2, "cuda"),
+    ("all_reduce", [(1, 2048)], "bfloat16", 2, "cuda"),
+    ("all_reduce", [(1, 512)], "bfloat16", 2, "xla"),  # 1 KiB: below the smallest
+    ("all_reduce", [(1024, 1 << 20)], "bfloat16", 2, "xla"),  # 2 GiB: over the region
 ])
-def test_rule(cuda_built, op, shapes, dtype, n, want, monkeypatch):
+def test_shipped_table(cuda_built, op, shapes, dtype, n, want, monkeypatch):
     monkeypatch.delenv("JAX_FLASHOVERLAP_WORKSPACE_MB", raising=False)
-    assert dispatch.choose_impl(op, "jfo_" + op, shapes, dtype, n) == want
+    monkeypatch.setattr(dispatch, "process_cuda_devices", lambda: 2)
+    assert dispatch.resolve(op, shapes, dtype, n, **H200).impl == want
+
+
+def test_every_shipped_entry_resolves_to_its_fastest(cuda_built, monkeypatch):
+    from jax_flashoverlap import tuning
+
+    monkeypatch.setattr(dispatch, "process_cuda_devices", lambda: 2)
+    entries = [e for e in tuning.load().entries if e.device_kind == "NVIDIA H200"]
+    assert len(entries) >= 20
+    for e in entries:
+        itemsize = np.dtype(e.dtype).itemsize
+        shapes = ([(1, e.shape[0] // itemsize)] if e.op == "all_reduce" else
+                  [(e.shape[0] * (2 if e.op == "matmul_reduce_scatter" else 1), e.shape[1]),
+                   e.shape[1:]])
+        assert tuning.rows_per_rank(e.op, shapes, 2, itemsize) == e.rows
+        got = dispatch.resolve(e.op, shapes, e.dtype, 2, **H200)
+        assert got.impl == min(e.times_us, key=e.times_us.get), (e, got)
+        assert e.source in got.reason
 
 
 @pytest.mark.parametrize("chunks,want", [(None, "cuda"), (2, "cuda"), (1, "xla"), (3, "xla")])
 def test_auto_reduce_scatter_only_with_the_measured_chunks(cuda_built, chunks, want):
     shapes = [(4096, 8192), (8192, 4096)]
-    got = dispatch.choose_impl("matmul_reduce_scatter", "t", shapes, np.dtype("bfloat16"), 2,
-                               chunks)
-    assert got == want
+    got = dispatch.resolve("matmul_reduce_scatter", shapes, "bfloat16", 2, chunks=chunks,
+                           **H200)
+    assert got.impl == want
+    if want == "xla":
+        assert f"chunks={chunks} differs" in got.reason
 
 
 def test_prefer_xla_leaves_the_named_ops_to_xla_inside_the_context(cuda_built):
-    rs = ("matmul_reduce_scatter", "t", [(8192, 2048), (2048, 2048)], np.dtype("bfloat16"), 2)
-    ag = ("all_gather_matmul", "t", [(4096, 2048), (2048, 5152)], np.dtype("bfloat16"), 2)
-    assert dispatch.choose_impl(*rs) == dispatch.choose_impl(*ag) == "cuda"
+    def impl(op, shapes):
+        return dispatch.resolve(op, shapes, "bfloat16", 2, **H200).impl
+
+    rs = ("matmul_reduce_scatter", [(8192, 2048), (2048, 2048)])
+    ag = ("all_gather_matmul", [(4096, 2048), (2048, 5152)])
+    assert impl(*rs) == impl(*ag) == "cuda"
     with dispatch.prefer_xla(["matmul_reduce_scatter"]):
-        assert dispatch.choose_impl(*rs) == "xla"
-        assert dispatch.choose_impl(*ag) == "cuda"
+        assert impl(*rs) == "xla"
+        assert impl(*ag) == "cuda"
         with dispatch.prefer_xla(["all_gather_matmul"]):  # nested: both
-            assert dispatch.choose_impl(*rs) == dispatch.choose_impl(*ag) == "xla"
-        assert dispatch.choose_impl(*ag) == "cuda"
-    assert dispatch.choose_impl(*rs) == "cuda"
+            assert impl(*rs) == impl(*ag) == "xla"
+        assert impl(*ag) == "cuda"
+    assert impl(*rs) == "cuda"
 
 
 def test_prefer_xla_names_the_ops_it_knows():
@@ -75,14 +96,15 @@ def test_prefer_xla_names_the_ops_it_knows():
 def test_never_cuda_when_not_built(monkeypatch):
     monkeypatch.setattr(_extension, "cuda_ops_available", lambda target=None: False)
     shapes = [(8192, 8192), (8192, 14336)]
-    assert dispatch.choose_impl("all_gather_matmul", "t", shapes, np.dtype("bfloat16"), 2) == "xla"
+    got = dispatch.resolve("all_gather_matmul", shapes, "bfloat16", 2, **H200)
+    assert got.impl == "xla" and "lacks this op" in got.reason
 
 
-def test_auto_is_xla_off_gpu(cuda_built):
+def test_cuda_never_off_gpu(cuda_built):
     shapes = [(8192, 8192), (8192, 14336)]
-    got = dispatch.resolved_impl("all_gather_matmul", "t", shapes, np.dtype("bfloat16"), 2,
-                                 platform="cpu")
-    assert got == "xla"
+    got = dispatch.resolve("all_gather_matmul", shapes, "bfloat16", 2, platform="cpu",
+                           device_kind="NVIDIA H200", devices=2)
+    assert got.impl == "xla"
 
 
 def _kernel_accepts(nbytes, workspace_mb, devices):
@@ -117,11 +139,13 @@ def test_workspace_setting_is_read_like_the_extension_reads_it(monkeypatch):
     monkeypatch.delenv("JAX_FLASHOVERLAP_WORKSPACE_MB", raising=False)
     default = dispatch.all_reduce_region_bytes(local_devices=2)
     assert default == dispatch.all_reduce_region_bytes(1024, 2)
-    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "2048MB")  # strtoull: 2048
+    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "2048")
     assert dispatch.all_reduce_region_bytes(local_devices=2) == dispatch.all_reduce_region_bytes(
         2048, 2)
-    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "10")  # raised to 64
-    assert dispatch.all_reduce_region_bytes(local_devices=2) == 0
+    for bad in ("2048MB", "10", "-1", str(1 << 44)):  # no silent 64 MiB, no wrap-around
+        monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", bad)
+        with pytest.raises(ValueError, match="JAX_FLASHOVERLAP_WORKSPACE_MB.*64 to 1048576"):
+            dispatch.all_reduce_region_bytes(local_devices=2)
 
 
 def test_matmul_all_reduce_kernel_by_result_size(monkeypatch):
@@ -209,3 +233,24 @@ def test_smallest_workspace_lays_out_for_any_device_count():
         senders = max(devices - 1, 1)
         assert senders * 2 * dispatch.lamport_max_bytes(devices) < region, devices
         assert 4 * 128 * devices + 1 <= control_words, devices
+
+
+def test_transport_capacity_is_the_extensions_layout():
+    # GetOrCreateDevice (ffi/src/transport/peer.cu), redone for 1 GiB and 2 GPUs.
+    data = (1024 << 20) - (32 << 20) - (128 << 10)
+    rest = data - data // 4 // 256 * 256
+    staging = rest // 3 // 256 * 256
+    slot = (rest - staging) // 2 // 256 * 256
+    assert dispatch.transport_capacity(1024, 2) == (slot, staging)
+    assert dispatch.transport_capacity(4096, 2)[0] > 4 * slot - (1 << 20)
+    assert dispatch.transport_capacity(1024, 8)[0] < slot
+
+
+def test_auto_keeps_shapes_the_transport_cannot_hold_in_xla(cuda_built, monkeypatch):
+    monkeypatch.delenv("JAX_FLASHOVERLAP_WORKSPACE_MB", raising=False)
+    monkeypatch.setattr(dispatch, "process_cuda_devices", lambda: 2)
+    shapes = [(65536, 8192), (8192, 8192)]  # 1 GiB of x per rank: over a 248 MiB slot
+    got = dispatch.resolve("all_gather_matmul", shapes, "bfloat16", 2, **H200)
+    assert got.impl == "xla" and "JAX_FLASHOVERLAP_WORKSPACE_MB" in got.reason
+    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "8192")
+    assert dispatch.resolve("all_gather_matmul", shapes, "bfloat16", 2, **H200).impl == "cuda"

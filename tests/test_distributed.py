@@ -32,6 +32,13 @@ def test_two_processes_sum_and_broadcast(tmp_path):
         assert out[rank]["empty"] == "b''"
         assert "disagree on root" in out[rank]["mismatch"]
         assert "2 processes acted as the source" in out[rank]["mismatch"]
+        assert out[rank]["disagree"] == (
+            "differ: the processes disagree on heap_mb: process 0 has 1024, process 1 has "
+            "1025; every process must use the same values")
+    assert out[0]["alone"].startswith("check_same('alone'): process 1 did not arrive within 2 s")
+    # The coordinator listens on loopback only (127.0.0.1 as /proc/net/tcp
+    # lists it, or as ::ffff:127.0.0.1 in tcp6), never on every interface.
+    assert out[0]["listening"] in ("0100007F", "0000000000000000FFFF00000100007F")
     for root in range(2):
         sent = out[root][f"sent{root}"]
         assert len(sent) == 256  # 128 random bytes, hex

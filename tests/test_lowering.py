@@ -22,6 +22,12 @@ pytestmark = pytest.mark.skipif(not _extension.cuda_ops_available(),
                                 reason="extension built without its CUDA ops")
 
 
+@pytest.fixture(autouse=True)
+def two_h200s(monkeypatch):
+    """"auto" decides as on 2 H200s in one process (the shipped table)."""
+    monkeypatch.setattr(dispatch, "_machine", lambda platform: ("NVIDIA H200", 2))
+
+
 def _cuda_text(fn, mesh, shapes, in_specs, out_specs, dtype=jnp.bfloat16):
     f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                               check_vma=False))
@@ -73,10 +79,14 @@ def test_fused_matmul_all_reduce_parts_fill_whole_tiles(rows, chunk_rows):
 
 
 def test_auto_keeps_to_measured_kernels():
-    # From 128 rows with a result of at most 8 MiB: dot + the all-reduce kernel;
-    # from 2048 rows with a larger result: the fused kernel; else XLA.
+    # The shipped table: dot + the all-reduce kernel where that ran (at most 8
+    # MiB of result, from 128 rows), the fused kernel where it ran (from 2048
+    # rows); XLA below 128 rows and where the kernel would differ from the one
+    # measured (1024 rows with 16 MiB of result: measured composed, would fuse).
     assert _custom_calls(_matmul_all_reduce_text(1024, 4096, "auto")) == ["jfo_all_reduce"]
-    assert _custom_calls(_matmul_all_reduce_text(4096, 256, "auto")) == ["jfo_all_reduce"]
+    assert _custom_calls(_matmul_all_reduce_text(512, 256, "auto")) == ["jfo_all_reduce"]
+    # 4096 rows were measured fused only; this 2 MiB result would run composed.
+    assert _custom_calls(_matmul_all_reduce_text(4096, 256, "auto")) == []
     assert _custom_calls(_matmul_all_reduce_text(4096, 2048, "auto")) == ["jfo_matmul_all_reduce"]
     assert _custom_calls(_matmul_all_reduce_text(2048, 4096, "auto")) == ["jfo_matmul_all_reduce"]
     assert _custom_calls(_matmul_all_reduce_text(1024, 8192, "auto")) == []
@@ -273,3 +283,22 @@ def test_backward_ops_pick_chunks_by_their_own_shapes():
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert _custom_calls(text) == ["jfo_all_gather_matmul", "jfo_matmul_reduce_scatter"]
     assert re.findall(r"chunks = (\d+) : i32", text) == ["1", "2"]
+
+
+def test_fused_matmul_all_reduce_refuses_more_events_than_a_call_has():
+    """8 ranks: 22 events a chunk; 46 chunks would need 1028 of the 1024, an
+    error at compile time instead of halfway through a call (which would
+    leave the peers' counters out of step)."""
+    mesh = _mesh((8,))
+    rows = 1 << 19  # enough for 46 aligned chunks of shrinking size
+
+    def text(chunks):
+        fn = functools.partial(jfo.matmul_all_reduce, axis_name="tp", impl="cuda",
+                               chunks=chunks)
+        return _cuda_text(fn, mesh, [(rows, 8 * 16), (8 * 16, 64)], (P(None, "tp"), P("tp")),
+                          P())
+
+    assert "chunk_rows" in text(45)
+    with pytest.raises(ValueError, match=r"46 chunks on 8 ranks need 1028 CUDA events per "
+                                         r"call, more than 1024; use chunks <= 45"):
+        text(46)

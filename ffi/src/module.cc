@@ -60,9 +60,9 @@ nb::dict BuildInfo() {
 #ifdef JFO_WITH_CUDA
   d["cuda"] = true;
   d["cuda_version"] = JFO_CUDA_VERSION;
-  std::string list = JFO_CUDA_ARCHITECTURES;  // CMake list: "90;100"
+  std::string list = JFO_CUDA_ARCHITECTURES;  // comma-separated: "80-real,90-real,100"
   for (size_t pos = 0; pos <= list.size();) {
-    size_t end = list.find(';', pos);
+    size_t end = list.find(',', pos);
     if (end == std::string::npos) end = list.size();
     if (end > pos) archs.append(list.substr(pos, end - pos));
     pos = end + 1;

@@ -95,7 +95,8 @@ void PrintFramesAndDie(int sig) {
 // which step it was and where.
 void Step(int rank, const char* what) {
   static const bool on = [] {
-    if (std::getenv("JFO_NVSHMEM_DEBUG") == nullptr) return false;
+    const char* debug = std::getenv("JFO_NVSHMEM_DEBUG");  // "0" or "1" (settings.py)
+    if (debug == nullptr || std::strcmp(debug, "1") != 0) return false;
     std::signal(SIGSEGV, PrintFramesAndDie);
     std::signal(SIGBUS, PrintFramesAndDie);
     return true;

@@ -29,6 +29,7 @@
 #include <map>
 #include <memory>
 #include <set>
+#include <string>
 
 #include "peer_kernels.cuh"
 #include "peer_state.h"
@@ -56,10 +57,25 @@ std::map<int, std::unique_ptr<DeviceState>> g_devices;
 std::map<std::vector<int>, std::set<int>> g_registered;  // group -> members
 WriteValue32Fn g_write_value32 = nullptr;
 
-size_t WorkspaceBytesFromEnv() {
+// The range jax_flashoverlap/settings.py accepts; anything else is an error,
+// never a silent 64 MiB or a size that wraps around.
+constexpr size_t kMinWorkspaceMb = 64, kMaxWorkspaceMb = size_t{1} << 20;
+
+ffi::ErrorOr<size_t> WorkspaceBytesFromEnv() {
   const char* env = std::getenv("JAX_FLASHOVERLAP_WORKSPACE_MB");
-  size_t mb = env ? std::strtoull(env, nullptr, 10) : 1024;
-  return std::max<size_t>(mb, 64) << 20;
+  if (env == nullptr) return size_t{1024} << 20;
+  const std::string raw(env);
+  const size_t first = raw.find_first_not_of(' ');
+  const size_t last = raw.find_last_not_of(' ');
+  const bool digits = first != std::string::npos && last - first < 8 &&
+                      raw.find_first_not_of("0123456789", first) > last;
+  const size_t mb = digits ? std::stoull(raw.substr(first, last - first + 1)) : 0;
+  if (mb < kMinWorkspaceMb || mb > kMaxWorkspaceMb) {
+    return ffi::Error::InvalidArgument(
+        "JAX_FLASHOVERLAP_WORKSPACE_MB='" + raw +
+        "': expected an integer number of MiB from 64 to 1048576");
+  }
+  return mb << 20;
 }
 
 ffi::Error LoadDriverEntryPoints() {
@@ -84,7 +100,9 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   st->ordinal = ordinal;
   DeviceGuard guard(ordinal);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&st->num_devices));
-  const size_t bytes = WorkspaceBytesFromEnv();
+  auto workspace_bytes = WorkspaceBytesFromEnv();
+  if (workspace_bytes.has_error()) return workspace_bytes.error();
+  const size_t bytes = *workspace_bytes;
   JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&st->workspace, bytes));
   char* control = st->workspace + kGemmWorkspaceBytes;
   st->flags = reinterpret_cast<uint32_t*>(control);
@@ -377,9 +395,20 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
 
 ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
   rehearsal_ = true;
+  events_rehearsed_ = 0;
   ffi::Error rehearsed = schedule();
   rehearsal_ = false;
   if (rehearsed.failure()) return rehearsed;
+  // The budget is checked here, before anything is sent: an error halfway
+  // through the real pass would leave the peers' counters out of step. End
+  // takes one event per side stream: the copy stream and two per peer.
+  const int needed = events_used_ + events_rehearsed_ + 1 + 2 * (group_->n - 1);
+  if (needed > kEventsPerCall) {
+    return ffi::Error::InvalidArgument(
+        std::string("jax_flashoverlap ") + OpName(op_) + ": the schedule needs " +
+        std::to_string(needed) + " events per call, more than " +
+        std::to_string(kEventsPerCall) + "; use fewer chunks");
+  }
   return schedule();
 }
 
@@ -420,7 +449,10 @@ ffi::ErrorOr<cudaEvent_t> Channel::NextEvent() {
 }
 
 ffi::ErrorOr<cudaEvent_t> Channel::Mark() {
-  if (rehearsal_) return start_;
+  if (rehearsal_) {
+    ++events_rehearsed_;  // the real pass takes one
+    return start_;
+  }
   auto ev = NextEvent();
   if (ev.has_error()) return ev;
   JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, stream_));
@@ -459,7 +491,10 @@ ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
 }
 
 ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
-  if (rehearsal_) return start_;
+  if (rehearsal_) {
+    ++events_rehearsed_;  // the real pass takes one
+    return start_;
+  }
   const int peer = group_->ordinals[peer_rank];
   cudaStream_t s = waits_on_xla_stream_ ? stream_ : dev_->wait_streams[peer];
   if (!waits_on_xla_stream_) {

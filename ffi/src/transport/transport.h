@@ -213,6 +213,7 @@ class Channel {
   cudaEvent_t start_ = nullptr;
   uint64_t timeout_ns_ = 0;
   int events_used_ = 0;
+  int events_rehearsed_ = 0;  // events the real pass of the schedule will take
   uint32_t call_id_ = 0;
   bool rehearsal_ = false;
   bool waits_on_xla_stream_ = false;

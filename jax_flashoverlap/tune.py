@@ -1,0 +1,273 @@
+"""Measures every implementation of every op on this machine, for impl="auto".
+
+    jax-flashoverlap-tune                          # the default shape grid
+    jax-flashoverlap-tune --model transformer --size 1b --mesh 1x2
+
+For each op, shape and implementation ("xla", "decomposed", and "cuda" on
+NVIDIA GPUs with the CUDA build) it checks the result against "xla", then
+times it with the project's in-graph protocol
+(:func:`jax_flashoverlap.benchmarking.time_per_op`), over a tensor axis of
+all local devices (``--axis-size`` fewer). The entries go into the tuning
+cache (:func:`jax_flashoverlap.tuning.cache_path`), merged with what is
+there, and "auto" follows them from the next compilation on
+(:func:`jax_flashoverlap.dispatch.resolve`). ``--model`` adds the shapes of
+that model's training step and decode step. The run stops after
+``--budget-s`` seconds and keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from . import _extension, benchmarking, dispatch, tuning
+from ._devices import ensure_cpu_devices
+
+__all__ = ["main", "parse_args", "default_grid", "model_grid", "run"]
+
+OPS = dispatch.AUTO_OPS
+# (rows per rank, k, n_out) of the collective matmuls, and all-reduce bytes
+# per rank: on GPUs the sizes of tensor-parallel layers, on CPUs small enough
+# to tune in seconds.
+_GPU_GRID = ([(r, k, k) for r in (128, 512, 2048, 8192) for k in (4096, 8192)],
+             [4 << 10, 64 << 10, 1 << 20, 16 << 20])
+_CPU_GRID = ([(r, k, k) for r in (32, 256) for k in (128, 512)], [4 << 10, 256 << 10])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="jax-flashoverlap-tune",
+                                     description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--dtype", default=None,
+                        help="operand dtype (default: bfloat16 on GPUs, float32 on CPUs)")
+    parser.add_argument("--axis-size", type=int, default=None,
+                        help="ranks of the tensor axis (default: all local devices)")
+    parser.add_argument("--model", choices=("transformer", "mamba"), default=None,
+                        help="also tune this model's shapes (with --size, --mesh)")
+    parser.add_argument("--size", default="1b")
+    parser.add_argument("--mesh", default=None, metavar="DATAxTENSOR",
+                        help="the model's mesh (default: 1 x the axis size)")
+    parser.add_argument("--seq", type=int, default=4096, help="the model's training sequence")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="the model's rows per data rank (training and decoding)")
+    parser.add_argument("--no-grid", action="store_true", help="only the --model shapes")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--budget-s", type=float, default=300.0,
+                        help="stop measuring after this many seconds (what ran is kept)")
+    parser.add_argument("--verify", action="store_true",
+                        help="then time impl='auto' on every tuned shape, against the "
+                             "fastest impl, in this process")
+    parser.add_argument("--output", default=None,
+                        help="the cache file to merge into (default: the user's tuning cache)")
+    args = parser.parse_args(argv)
+    if args.axis_size is not None and args.axis_size < 2:
+        parser.error(f"--axis-size must be at least 2 (one rank runs the local dot), "
+                     f"got {args.axis_size}")
+    if args.no_grid and not args.model:
+        parser.error("--no-grid leaves nothing to tune without --model")
+    return args
+
+
+Case = tuple[str, tuple[int, ...]]  # (op, (rows, k, n_out)) or ("all_reduce", (bytes,))
+
+
+def default_grid(on_gpu: bool) -> list[Case]:
+    matmuls, messages = _GPU_GRID if on_gpu else _CPU_GRID
+    return ([(op, s) for op in OPS if op != "all_reduce" for s in matmuls]
+            + [("all_reduce", (b,)) for b in messages])
+
+
+def model_grid(model: str, size: str, tp: int, seq: int, batch: int,
+               itemsize: int) -> list[Case]:
+    """The op shapes of ``model``'s sequence-parallel training step (sequence
+    ``seq``) and its decode step (one token per row), per tensor rank."""
+    from flax import nnx
+
+    from .models import MODELS
+    from .nn import ColumnParallelLinear, RowParallelLinear
+
+    config_cls, model_cls = MODELS[model]
+    config = config_cls.preset(size)
+    mesh = jax.sharding.AbstractMesh((1, tp), (config.sharding.data, config.sharding.tensor))
+    with jax.sharding.use_abstract_mesh(mesh):
+        abstract = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+    cases = set()
+    for _, node in nnx.iter_graph(abstract):
+        if isinstance(node, ColumnParallelLinear):
+            k, n_out = node.kernel.shape
+            cases.add(("all_gather_matmul", (seq // tp * batch, k, n_out // tp)))
+        elif isinstance(node, RowParallelLinear):
+            k, n_out = node.kernel.shape
+            cases.add(("matmul_reduce_scatter", (seq // tp * batch, k // tp, n_out)))
+            cases.add(("matmul_all_reduce", (batch, k // tp, n_out)))
+            cases.add(("all_reduce", (batch * n_out * itemsize,)))
+    return sorted(cases)
+
+
+def _operands(op: str, shape: tuple[int, ...], n: int, dtype, rng) -> tuple[list, tuple]:
+    """Global operands and in_specs whose per-rank shapes are ``shape``."""
+    def random(s):
+        return jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype)
+
+    if op == "all_reduce":
+        return [random((n, shape[0] // jnp.dtype(dtype).itemsize))], (P("tensor"),)
+    rows, k, n_out = shape
+    if op == "all_gather_matmul":
+        return [random((n * rows, k)), random((k, n * n_out))], (P("tensor"), P(None, "tensor"))
+    rows = n * rows if op == "matmul_reduce_scatter" else rows
+    return [random((rows, n * k)), random((n * k, n_out))], (P(None, "tensor"), P("tensor"))
+
+
+def _per_rank(op: str, impl: str):
+    from . import all_gather_matmul, all_reduce, matmul_all_reduce, matmul_reduce_scatter
+
+    fn = {"all_gather_matmul": all_gather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
+          "matmul_all_reduce": matmul_all_reduce, "all_reduce": all_reduce}[op]
+    if op == "all_reduce":
+        return lambda x: fn(x[0], "tensor", impl=impl)
+    return functools.partial(fn, axis_name="tensor", impl=impl)
+
+
+def _out_spec(op: str) -> P:
+    return {"all_gather_matmul": P(None, "tensor"), "matmul_reduce_scatter": P("tensor")}.get(
+        op, P())
+
+
+def run(args: argparse.Namespace, out=None) -> tuning.Table:
+    """Measures, merges into the cache file, and returns the new entries
+    (progress and results on ``out``, default stdout)."""
+    out = out or sys.stdout
+    on_gpu = jax.default_backend() == "gpu"
+    devices = jax.devices()
+    n = args.axis_size or len(devices)
+    if n < 2:
+        raise SystemExit("jax-flashoverlap-tune: one device: nothing to tune (an axis of one "
+                         "rank runs the local dot)")
+    if n > len(devices):
+        raise SystemExit(f"jax-flashoverlap-tune: --axis-size {n}, but only {len(devices)} "
+                         f"devices here")
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
+    cases = [] if args.no_grid else default_grid(on_gpu)
+    if args.model:
+        tp = int(args.mesh.split("x")[1]) if args.mesh else n
+        cases += model_grid(args.model, args.size, tp, args.seq, args.batch, dtype.itemsize)
+    cases = [c for c in dict.fromkeys(cases) if c[0] in args.ops]
+    impls = ["xla", "decomposed"] + (["cuda"] if on_gpu and _extension.cuda_ops_available()
+                                     else [])
+    mesh = benchmarking.first_devices_mesh(n, "tensor")
+    kind = devices[0].device_kind
+    count = dispatch.process_cuda_devices() if on_gpu else len(devices)
+    source = f"jax-flashoverlap-tune {datetime.date.today().isoformat()}"
+    rng = np.random.default_rng(0)
+    entries, start = [], time.perf_counter()
+    print(f"Tuning {len(cases)} shapes x {impls} on {kind} x{count}, axis size {n}, "
+          f"{dtype.name}", file=out, flush=True)
+    for i, (op, shape) in enumerate(cases):
+        if time.perf_counter() - start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s spent: stopping after {i} of {len(cases)} "
+                  f"shapes", file=out)
+            break
+        args_, specs = _operands(op, shape, n, dtype, rng)
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args_, specs)]
+        times, reference = {}, None
+        for impl in impls:
+            fn = _per_rank(op, impl)
+            result = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
+                                           out_specs=_out_spec(op)))(*placed)
+            result = np.asarray(result, np.float32)
+            if reference is None:
+                reference = result
+            else:
+                _check(op, shape, impl, result, reference, dtype)
+            timing = benchmarking.time_per_op(fn, placed, mesh=mesh, in_specs=specs,
+                                              k1=2, k2=6, reps=args.reps, warmup=1)
+            times[impl] = timing.median_us
+        shapes = _per_rank_shapes(op, shape, n, dtype)
+        entries.append(tuning.Entry(
+            kind, count, n, dtype.name, op, tuning.rows_per_rank(op, shapes, n, dtype.itemsize),
+            tuning.size_of(op, shapes), shape, times, source))
+        best = min(times, key=times.get)
+        print(f"[{i + 1}/{len(cases)}] {op} {'x'.join(map(str, shape))}: "
+              + ", ".join(f"{k} {v:.1f} µs" for k, v in times.items()) + f" -> {best}",
+              file=out, flush=True)
+    new = tuning.Table(entries)
+    path = args.output or tuning.cache_path()
+    _merge_into(path, new)
+    tuning.reload()
+    print(f"wrote {len(entries)} entries to {path} in {time.perf_counter() - start:.0f} s",
+          file=out)
+    if args.verify:
+        _verify(entries, mesh, dtype, rng, args.reps, out)
+    return new
+
+
+def _verify(entries, mesh, dtype, rng, reps, out) -> float:
+    """Times impl="auto" on every tuned shape; returns the worst ratio to the
+    fastest impl (each re-timed here, in the same process, against auto)."""
+    n = mesh.shape["tensor"]
+    worst = 0.0
+    for e in entries:
+        args_, specs = _operands(e.op, e.shape, n, dtype, rng)
+        placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args_, specs)]
+        best = min(e.times_us, key=e.times_us.get)
+        t = {impl: benchmarking.time_per_op(_per_rank(e.op, impl), placed, mesh=mesh,
+                                            in_specs=specs, k1=2, k2=6, reps=reps,
+                                            warmup=1).median_us
+             for impl in dict.fromkeys(("auto", *e.times_us))}
+        ratio = t["auto"] / min(v for k, v in t.items() if k != "auto")
+        worst = max(worst, ratio)
+        print(f"verify {e.op} {'x'.join(map(str, e.shape))}: auto {t['auto']:.1f} µs, "
+              f"tuned best {best}; auto / fastest = {ratio:.3f}", file=out, flush=True)
+    print(f"verify: auto is at most {100 * (worst - 1):+.1f}% from the fastest impl", file=out)
+    return worst
+
+
+def _per_rank_shapes(op, shape, n, dtype) -> list[tuple[int, ...]]:
+    """The 2-D per-rank shapes the primitive sees (what resolve() looks up)."""
+    if op == "all_reduce":
+        return [(1, shape[0] // jnp.dtype(dtype).itemsize)]
+    rows, k, n_out = shape
+    return [(n * rows if op == "matmul_reduce_scatter" else rows, k), (k, n_out)]
+
+
+def _check(op, shape, impl, got, want, dtype) -> None:
+    tol = 1e-4 if dtype == jnp.float32 else 3e-2
+    err = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+    if not math.isfinite(err) or err > tol:
+        raise SystemExit(f"jax-flashoverlap-tune: {op} {shape} impl={impl} differs from "
+                         f"'xla' (relative error {err:.2e}); not tuning on wrong results")
+
+
+def _merge_into(path, new: tuning.Table) -> None:
+    import os
+    import pathlib
+
+    path = pathlib.Path(path)
+    table = tuning.read(path) if path.exists() else tuning.Table()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump(table.merged(new).to_json(), f, indent=1)
+    os.replace(tmp, path)  # a reader never sees half a file
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    ensure_cpu_devices(8)
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Tuning tables, dispatch.resolve/explain, and jax-flashoverlap-tune on CPU."""
+
+import functools
+import json
+import logging
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from support import cpu_mesh, put, random
+
+import jax_flashoverlap as jfo
+from jax_flashoverlap import dispatch, tune, tuning
+
+
+def _entry(op="all_gather_matmul", rows=1024, k=4096, n_out=4096, times=None, **kw):
+    fields = dict(device_kind="NVIDIA H200", devices=2, axis_size=2, dtype="bfloat16")
+    fields.update(kw)
+    shape = (rows, k, n_out)
+    return tuning.Entry(op=op, rows=rows, weight=k * n_out, shape=shape,
+                        times_us=times or {"xla": 2.0, "cuda": 1.0}, source="test", **fields)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty tuning cache of this test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    tuning.reload()
+    yield tmp_path / "jax_flashoverlap" / "tuning.json"
+    tuning.reload()
+
+
+def _lookup(table, rows, k=4096, n_out=4096, dtype="bfloat16", op="all_gather_matmul", n=2):
+    return table.lookup(op, [(rows, k), (k, n_out)], dtype, n, "NVIDIA H200", 2, 2)
+
+
+def test_lookup_buckets_by_rows_then_nearest_weight():
+    table = tuning.Table([_entry(rows=256, times={"xla": 1, "cuda": 2}),
+                          _entry(rows=1024, k=4096, n_out=4096),
+                          _entry(rows=1024, k=8192, n_out=14336, times={"xla": 1, "cuda": 3})])
+    assert _lookup(table, 256)[0].rows == 256
+    assert _lookup(table, 511)[0].rows == 256                     # same power-of-two bucket
+    assert _lookup(table, 1500)[0].weight == 4096 * 4096          # nearest weight
+    assert _lookup(table, 1500, k=8192, n_out=8192)[0].weight == 8192 * 14336
+    assert _lookup(table, 1 << 20)[0].rows == 1024                # above all: the largest
+    entry, why = _lookup(table, 128)
+    assert entry is None and "smaller than every tuned" in why and "256" in why
+    assert _lookup(table, 1024, dtype="float16")[0] is not None   # bf16's entries
+    assert "not tuned" in _lookup(table, 1024, dtype="float32")[1]
+    assert "not tuned" in _lookup(table, 1024, n=4)[1]
+    entry, why = table.lookup("all_gather_matmul", [(1024, 8), (8, 8)], "bfloat16", 2,
+                              "NVIDIA B200", 8, 2)
+    assert entry is None and why == "no tuning table for NVIDIA B200 x8"
+
+
+def test_table_round_trips_and_later_entries_win(tmp_path):
+    first = tuning.Table([_entry(times={"xla": 1.0, "cuda": 2.0})])
+    second = tuning.Table([_entry(times={"xla": 2.0, "cuda": 1.0})])
+    merged = first.merged(second)
+    assert len(merged.entries) == 1 and merged.entries[0].fastest(["xla", "cuda"]) == "cuda"
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(merged.to_json()))
+    assert tuning.read(path).entries == merged.entries
+    path.write_text(json.dumps({"version": 0, "entries": []}))
+    with pytest.raises(ValueError, match="version 0.*rerun jax-flashoverlap-tune"):
+        tuning.read(path)
+
+
+def test_cache_path_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert tuning.cache_path() == tmp_path / "jax_flashoverlap" / "tuning.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert str(tuning.cache_path()).endswith(".cache/jax_flashoverlap/tuning.json")
+
+
+def test_an_untuned_machine_runs_xla_and_says_so_once(cache, caplog):
+    dispatch._say_untuned_once.cache_clear()
+    shapes = [(64, 32), (32, 32)]
+    with caplog.at_level(logging.WARNING, logger="jax_flashoverlap"):
+        for _ in range(3):
+            got = dispatch.resolve("all_gather_matmul", shapes, "float32", 8, platform="cpu")
+            assert got.impl == "xla" and got.reason == "no tuning table for cpu x8"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "jax-flashoverlap-tune" in lines[0], lines
+
+
+def test_explain_names_the_measurement(cache, capsys, monkeypatch):
+    monkeypatch.setattr(jfo._extension, "cuda_ops_available", lambda target=None: True)
+    monkeypatch.setattr(dispatch, "process_cuda_devices", lambda: 2)
+    got = dispatch.explain("all_gather_matmul", [1024, 4096], [4096, 4096], "bfloat16", 2,
+                           platform="cuda", device_kind="NVIDIA H200", devices=2)
+    printed = capsys.readouterr().out
+    assert got.impl == "cuda"
+    assert "auto -> 'cuda'" in printed and "1024x4096x4096" in printed and "µs" in printed
+    with pytest.raises(ValueError, match="takes w_shape"):
+        dispatch.explain("all_gather_matmul", [1024, 4096])
+    assert dispatch.explain("all_reduce", [4, 1024], axis_size=1).reason.startswith("one rank")
+
+
+def _compiled_collectives(op, mesh, args, in_specs, out_spec, impl):
+    fn = functools.partial(getattr(jfo, op), axis_name="tensor", impl=impl)
+    hlo = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec)).lower(
+        *args).compile().as_text()
+    return {c for c in ("all-gather", "collective-permute", "all-reduce", "reduce-scatter")
+            if c in hlo}
+
+
+def test_auto_follows_the_cache_on_cpu(cache, rng):
+    """A cached entry that says "decomposed" makes "auto" compile the
+    decomposed schedule; without it "auto" is XLA's collective."""
+    mesh = cpu_mesh(8)
+    x, w = random(rng, (8 * 32, 64), "float32"), random(rng, (64, 8 * 16), "float32")
+    args = (put(mesh, x, P("tensor")), put(mesh, w, P(None, "tensor")))
+    specs = ((P("tensor"), P(None, "tensor")), P(None, "tensor"))
+    xla = _compiled_collectives("all_gather_matmul", mesh, args, *specs, "xla")
+    decomposed = _compiled_collectives("all_gather_matmul", mesh, args, *specs, "decomposed")
+    assert xla != decomposed
+    assert _compiled_collectives("all_gather_matmul", mesh, args, *specs, "auto") == xla
+    entry = _entry(rows=32, k=64, n_out=16, device_kind="cpu", devices=8, axis_size=8,
+                   dtype="float32", times={"xla": 2.0, "decomposed": 1.0})
+    cache.parent.mkdir(parents=True)
+    cache.write_text(json.dumps(tuning.Table([entry]).to_json()))
+    tuning.reload()
+    jax.clear_caches()  # "auto" is decided at lowering: recompile
+    assert _compiled_collectives("all_gather_matmul", mesh, args, *specs, "auto") == decomposed
+
+
+def test_tune_command_end_to_end_on_cpu(cache, capsys):
+    """jax-flashoverlap-tune measures xla against decomposed, checks them,
+    writes the cache, and "auto" then resolves to each shape's fastest."""
+    tune.main(["--ops", "matmul_all_reduce", "all_reduce", "--reps", "1"])
+    out = capsys.readouterr().out
+    assert "wrote 6 entries" in out and str(cache) in out
+    table = tuning.read(cache)
+    assert {e.op for e in table.entries} == {"matmul_all_reduce", "all_reduce"}
+    for e in table.entries:
+        assert set(e.times_us) == {"xla", "decomposed"} and e.device_kind == "cpu"
+        shapes = tune._per_rank_shapes(e.op, e.shape, 8, np.float32)
+        got = dispatch.resolve(e.op, shapes, "float32", 8, platform="cpu")
+        assert got.impl == min(e.times_us, key=e.times_us.get) and "tune" in got.reason
+
+
+def test_tune_model_shapes():
+    cases = tune.model_grid("transformer", "1b", 2, 4096, 1, 2)
+    assert ("all_gather_matmul", (2048, 2048, 8192)) in cases       # gate_up: 2f/tp columns
+    assert ("matmul_reduce_scatter", (2048, 4096, 2048)) in cases   # down: f/tp rows
+    assert ("matmul_all_reduce", (1, 4096, 2048)) in cases          # the decode step's
+    assert ("all_reduce", (4096,)) in cases
+
+
+@pytest.mark.parametrize("argv,match", [(["--axis-size", "1"], "at least 2"),
+                                        (["--no-grid"], "without --model")])
+def test_tune_flags_name_the_fix(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        tune.parse_args(argv)
+    assert match in capsys.readouterr().err
