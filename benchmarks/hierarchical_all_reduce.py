@@ -130,9 +130,10 @@ def main():
     if args.single_process:
         with open(args.single_process) as f:
             single = json.load(f)["rows"]
-    import jax
-    meta = dict(processes=n, node_size=node_size, device_kind=jax.devices()[0].device_kind,
-                jax=jax.__version__, dtype="bfloat16", protocol="DESIGN.md §4")
+    from jax_flashoverlap import benchmarking
+    options = {k: v for k, v in vars(args).items() if k != "json"}
+    meta = dict(benchmarking.provenance(options), processes=n, node_size=node_size,
+                dtype="bfloat16")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

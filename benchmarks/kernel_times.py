@@ -273,10 +273,11 @@ def main(argv=None):
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     rows = run_ops(args.ops, shapes, args.iterations, args.devices, args.impl)
     if args.json:
-        from jax_flashoverlap.benchmarking import gemm_autotune_setting
+        from jax_flashoverlap.benchmarking import gemm_autotune_setting, provenance
 
-        meta = {"impl": args.impl, "iterations": args.iterations,
-                "gemm_autotune": gemm_autotune_setting()}
+        options = {k: v for k, v in vars(args).items() if k != "json"}
+        meta = dict(provenance(options), impl=args.impl, iterations=args.iterations,
+                    gemm_autotune=gemm_autotune_setting())
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     for r in rows:
         print(f"\n{r['op']} {'×'.join(map(str, r['shape']))}, impl={args.impl!r}, GPU 0\n"

@@ -8,7 +8,7 @@ For each model and ``impl`` it builds the training step of
 parallelism), runs ``--warmup`` steps (compilation, autotuning), then times,
 ``--reps`` times, a run of k = ``--steps`` and one of 2k back-to-back steps,
 each blocked at its end (so dispatch overlaps the device as in training). A
-step's time is the median of (T(2k) - T(k)) / k, DESIGN.md §4's difference:
+step's time is the median of (T(2k) - T(k)) / k, the protocol's difference:
 it leaves out what a run pays once, such as starting on an empty queue,
 which T(k) / k ("from idle", also recorded) spreads over its k steps.
 "host dispatch" is the median time per step until the host had dispatched
@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from jax_flashoverlap import models, train
+from jax_flashoverlap import benchmarking, models, train
 from jax_flashoverlap._devices import ensure_cpu_devices
 
 
@@ -119,6 +119,19 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _check_against_xla(row: dict, rows: list[dict]) -> None:
+    """The first step (same parameters, same batch) must lose what "xla"'s did,
+    to the dtype's rounding, before any speed-up of ``row`` is reported."""
+    xla = [r for r in rows if r["model"] == row["model"] and r["impl"] == "xla"]
+    if not xla or row["impl"] == "xla":
+        return
+    want, got = xla[0]["loss_first"], row["loss_first"]
+    tolerance = 1e-4 if row["dtype"] == "float32" else 2e-2
+    if not abs(got - want) <= tolerance * abs(want):
+        raise SystemExit(f"{row['model']} impl={row['impl']}: first-step loss {got:.6g} differs "
+                         f"from xla's {want:.6g} by more than {tolerance:g} (relative)")
+
+
 def _table(rows: list[dict]) -> str:
     xla = {r["model"]: r["step_ms"] for r in rows if r["impl"] == "xla"}
     lines = ["| model | params | impl | attention | step (ms), median [min, max] | "
@@ -141,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here (after each one)")
     parser.add_argument("--models", nargs="+", default=["transformer", "mamba"])
-    parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda"])
+    parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda"],
+                        help="the first-step loss of each is checked against xla's, which "
+                             "runs first")
     parser.add_argument("--size", default="1b", choices=tuple(models.SIZES))
     parser.add_argument("--mesh", default="1x2", help="DATAxTENSOR")
     parser.add_argument("--batch", type=int, default=1, help="global batch (sequences)")
@@ -169,11 +184,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             finally:
                 gc.collect()  # Drop the last model's buffers before the next one.
+            _check_against_xla(row, rows)
             rows.append(row)
             print(json.dumps(row), flush=True)
             if args.json:
+                meta = benchmarking.provenance(
+                    {k: v for k, v in vars(args).items() if k != "json"})
                 with open(args.json, "w") as f:
-                    json.dump(rows, f, indent=1)
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\nTraining step, mesh {args.mesh} (data x tensor), batch {args.batch}, "
           f"seq {args.seq_len}; MFU vs 989 TFLOP/s per GPU\n")
     print(_table(rows))

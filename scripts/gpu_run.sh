@@ -80,13 +80,16 @@ fi
 if want build; then
   step build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q . \
     || exit 1
-  $PY -P -c "import jax_flashoverlap as j; print('build_info:', j.build_info())"
+  # A build without CUDA (no nvcc) would make every GPU test skip: stop here.
+  $PY -P -c "import jax_flashoverlap as j, sys; i = j.build_info(); print('build_info:', i);
+sys.exit(0 if i['cuda'] else 'the build has no CUDA kernels (nvcc not found?)')" || exit 1
 fi
 if want smoke && [ -f scripts/ffi_smoke.py ]; then
   step smoke $PY scripts/ffi_smoke.py
 fi
 if want test; then
-  step test$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider --maxfail=3 ${JFO_GPU_TESTS:-tests}
+  JFO_REQUIRE_GPU=1 step test$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider --maxfail=3 \
+    ${JFO_GPU_TESTS:-tests}
 fi
 if want demo; then
   step demo $PY -P -m jax_flashoverlap.demo --json "$OUT/demo.json"

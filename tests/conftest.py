@@ -25,9 +25,18 @@ def _gpu_count() -> int:
 
 
 GPU_COUNT = _gpu_count()
+# Set by scripts/gpu_run.sh: on the GPU machine, a run in which the GPU tests
+# could not run, or none passed, is a failure, not a quiet pass.
+REQUIRE_GPU = os.environ.get("JFO_REQUIRE_GPU") == "1"
+_gpu_tests_passed = 0
 
 
 def pytest_collection_modifyitems(config, items):
+    if REQUIRE_GPU and not (GPU_COUNT and jfo.build_info()["cuda"]):
+        raise pytest.UsageError(
+            "JFO_REQUIRE_GPU=1 but " + ("no CUDA GPU is visible" if not GPU_COUNT else
+                                        "jax_flashoverlap was built without CUDA (is nvcc on "
+                                        "the PATH?); see build_info()"))
     if GPU_COUNT and jfo.build_info()["cuda"]:
         for item in items:
             needs = item.get_closest_marker("gpus")
@@ -40,6 +49,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or item.get_closest_marker("gpus"):
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def pytest_runtest_logreport(report):
+    global _gpu_tests_passed
+    if report.when == "call" and report.passed and "gpu" in report.keywords:
+        _gpu_tests_passed += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if REQUIRE_GPU and exitstatus == 0 and _gpu_tests_passed == 0:
+        print("\nJFO_REQUIRE_GPU=1 but no GPU test passed (all skipped or deselected)")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from support import (
 )
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import _primitives, dispatch
+from jax_flashoverlap import _extension, _primitives, dispatch
 
 OP = "all_reduce"
 
@@ -94,23 +94,23 @@ def test_lamport_size_limit_applies_to_the_cuda_kernel_only(rng):
     np.testing.assert_allclose(np.asarray(f(x)), x.sum(0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("algorithm, nbytes, expected", [
-    (None, 4 * 16, "one_shot"), (None, 4 * (1 << 20), "one_shot"),
-    (None, 4 * (4 << 20), "two_shot"),
-    ("two_shot", 4 * 16, "two_shot"), ("one_shot", 4 * (1 << 20), "one_shot"),
-    ("lamport", 4 * 16, "lamport")])
-def test_resolved_algorithm_reaches_the_primitive(algorithm, nbytes, expected):
-    """None is resolved from the per-rank message size, an explicit choice is kept."""
+@pytest.mark.skipif(not _extension.cuda_ops_available(),
+                    reason="extension built without its CUDA ops")
+@pytest.mark.parametrize("algorithm, dtype, elements, expected", [
+    (None, "float32", 16, "one_shot"), (None, "float32", 1 << 20, "one_shot"),
+    (None, "float32", 4 << 20, "two_shot"), (None, "bfloat16", 16, "lamport"),
+    ("two_shot", "float32", 16, "two_shot"), ("one_shot", "float32", 1 << 20, "one_shot"),
+    ("lamport", "float32", 16, "lamport")])
+def test_algorithm_is_resolved_when_lowered_for_cuda(algorithm, dtype, elements, expected):
+    """None is picked from the per-rank message size where the impl is (at
+    lowering, on 2 ranks: Lamport for small 16-bit messages); an explicit
+    choice is kept."""
     mesh = cpu_mesh(2)
-    f = jax.shard_map(lambda x: jfo.all_reduce(x[0], "tensor", algorithm=algorithm),
-                      mesh=mesh, in_specs=P("tensor"), out_specs=P())
-    jaxpr = jax.make_jaxpr(f)(np.ones((2, nbytes // 4), np.float32))
-    assert f"('algorithm', '{expected}')" in str(jaxpr)
-
-
-def test_small_16_bit_messages_resolve_to_lamport_on_two_ranks():
-    mesh = cpu_mesh(2)
-    f = jax.shard_map(lambda x: jfo.all_reduce(x[0], "tensor"),
-                      mesh=mesh, in_specs=P("tensor"), out_specs=P())
-    jaxpr = jax.make_jaxpr(f)(jnp.ones((2, 16), jnp.bfloat16))
-    assert "('algorithm', 'lamport')" in str(jaxpr)
+    f = jax.jit(jax.shard_map(
+        lambda x: jfo.all_reduce(x[0], "tensor", impl="cuda", algorithm=algorithm),
+        mesh=mesh, in_specs=P("tensor"), out_specs=P(), check_vma=False))
+    arg = jax.ShapeDtypeStruct((2, elements), jnp.dtype(dtype),
+                               sharding=jax.sharding.NamedSharding(mesh, P("tensor")))
+    text = f.trace(arg).lower(lowering_platforms=("cuda",)).as_text()
+    index = dispatch.ALL_REDUCE_ALGORITHMS.index(expected)
+    assert f"algorithm = {index} : i32" in text

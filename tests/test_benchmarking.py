@@ -40,3 +40,48 @@ def test_rejects_unroll_below_one(rng):
     x = put(mesh, random(rng, (4, 4), "float32"), P("tensor"))
     with pytest.raises(ValueError, match="unroll"):
         time_per_op(lambda a: a, [x], mesh=mesh, in_specs=(P("tensor"),), unroll=0)
+
+
+def _sleeping_op(seconds):
+    """An op of known cost: a host callback that sleeps ``seconds``, then
+    returns its operand (so the loop carries a real dependency)."""
+    import time
+
+    import jax
+    import numpy as np
+
+    def sleep(a):
+        time.sleep(seconds)
+        return np.asarray(a)
+
+    return lambda a: jax.pure_callback(sleep, jax.ShapeDtypeStruct(a.shape, a.dtype), a)
+
+
+def _check_known_costs(timer):
+    """time_per_op's estimate of a 10 ms op is 10 ms (within what one host
+    call adds), and four times the work takes four times as long."""
+    mesh = cpu_mesh(tp=1)
+    x = put(mesh, jnp.ones((8,), jnp.float32), P())
+
+    def per_op(seconds):
+        return timer(_sleeping_op(seconds), [x], mesh=mesh, in_specs=(P(),), k1=2, k2=6,
+                     reps=3, warmup=1).median_s
+
+    short, long = per_op(0.010), per_op(0.040)
+    assert 0.0095 <= short <= 0.014, short
+    assert 3.3 <= long / short <= 4.3, (short, long)
+
+
+def test_a_known_cost_is_measured_as_such():
+    _check_known_costs(time_per_op)
+
+
+def test_a_timer_that_skips_the_op_fails_the_check(monkeypatch):
+    """The mutant: loops that never call the op. The check above must catch it."""
+    from jax_flashoverlap import benchmarking
+
+    real = benchmarking.looped
+    monkeypatch.setattr(benchmarking, "looped",
+                        lambda op, *a, **k: real(lambda *xs: xs[0], *a, **k))
+    with pytest.raises(AssertionError):
+        _check_known_costs(benchmarking.time_per_op)

@@ -236,7 +236,10 @@ def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
     assert bench.main(["--json", str(out), "--models", "transformer", "--impls", "xla",
                        "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "20",
                        "--reps", "3", "--dtype", "float32"]) == 0
-    (row,) = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    assert result["meta"]["protocol"] == "jax_flashoverlap/benchmarking.py (module docstring)"
+    assert result["meta"]["settings"]["size"] == "tiny" and result["meta"]["date"]
+    (row,) = result["rows"]
     assert row["dispatch_ms"] > 0 and row["step_ms_from_idle"] > 0
     assert row["first_call_ms"] > 0
     assert math.isfinite(row["step_ms"]) and row["step_ms_min"] <= row["step_ms_max"]
@@ -332,3 +335,30 @@ def test_generate_command_runs_in_two_processes(tmp_path):
     result = json.loads(out.read_text())
     assert result["mesh"] == "1x2" and result["new_tokens"] == 4 and len(result["texts"]) == 1
     assert "[rank 0] time to first token" in proc.stdout
+
+
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce"])
+def test_collective_matmul_rows_are_checked_against_an_independent_reference(op, monkeypatch):
+    """Every row, "xla" included, is compared with plain einsums of the global
+    operands; an impl that computes something else stops the run."""
+    bench = _load("collective_matmul")
+    rows = bench.run([op], [(8, 16, 8)], ["xla", "decomposed"], reps=1, devices=4)
+    assert {r["impl"] for r in rows} == {"xla", "decomposed", "gemm", "comm"}
+
+    def wrong(op_, impl):
+        fn, overrides = real(op_, impl)
+        return (lambda x, w: 2 * fn(x, w)), overrides
+
+    real = bench._op_fn
+    monkeypatch.setattr(bench, "_op_fn", wrong)
+    with pytest.raises(SystemExit, match=f"{op} xla 8x16x8: rel err"):
+        bench.run([op], [(8, 16, 8)], ["xla"], reps=1, devices=4)
+
+
+def test_train_step_speedups_need_the_same_first_loss_as_xla():
+    bench = _load("train_step")
+    xla = {"model": "transformer", "impl": "xla", "loss_first": 5.5, "dtype": "bfloat16"}
+    bench._check_against_xla(dict(xla, impl="cuda", loss_first=5.55), [xla])  # 0.9%: rounding
+    with pytest.raises(SystemExit, match="impl=cuda: first-step loss 5.7 differs from xla's"):
+        bench._check_against_xla(dict(xla, impl="cuda", loss_first=5.7), [xla])

@@ -44,3 +44,23 @@ def test_this_gpu_has_machine_code():
     capability = jax.devices("gpu")[0].compute_capability.replace(".", "")
     built = {a.removesuffix("-real") for a in jfo.build_info()["architectures"]}
     assert capability in built, (capability, built)
+
+
+def test_a_gpu_run_without_gpus_fails_loudly(tmp_path):
+    """scripts/gpu_run.sh runs the GPU tests with JFO_REQUIRE_GPU=1: where
+    they cannot run, pytest must fail, not report a run of skips."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has GPUs: the failure mode is that of a machine without")
+    tests = pathlib.Path(__file__).parent
+    env = dict(os.environ, JFO_REQUIRE_GPU="1")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p",
+                           "no:cacheprovider", str(tests / "test_extension.py")],
+                          cwd=tests.parent, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "JFO_REQUIRE_GPU=1 but" in proc.stdout + proc.stderr

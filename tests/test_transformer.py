@@ -62,6 +62,34 @@ def test_rope_rotates_by_relative_position(rng):
     np.testing.assert_allclose(rq[0], q[0], rtol=1e-6)                # position 0: identity
 
 
+def _rope64(x, theta):
+    """RoPE written out in float64, "rotate half" layout: channel i < h/2 of
+    position t pairs with channel i + h/2, both rotated by t * theta^(-2i/h).
+
+    x: [s, heads, h] -> the same.
+    """
+    s, _, h = x.shape
+    out = np.empty_like(x)
+    for t in range(s):
+        for i in range(h // 2):
+            angle = t * theta ** (-2.0 * i / h)
+            a, b = x[t, :, i], x[t, :, i + h // 2]
+            out[t, :, i] = a * np.cos(angle) - b * np.sin(angle)
+            out[t, :, i + h // 2] = b * np.cos(angle) + a * np.sin(angle)
+    return out
+
+
+def test_rope_matches_the_formula(rng):
+    x = random(rng, (7, 1, 3, 16), "float32")
+    assert_close(rope(x, 500.0)[:, 0], _rope64(f64(x)[:, 0], 500.0), "float32")
+    # Explicit positions: row i is rotated as if it sat at positions[i].
+    positions = [5, 2, 9]
+    got = rope(x[:3], 500.0, jnp.asarray(positions))[:, 0]
+    want = np.stack([_rope64(np.repeat(f64(x)[i:i + 1, 0], p + 1, 0), 500.0)[p]
+                     for i, p in enumerate(positions)])
+    assert_close(got, want, "float32")
+
+
 def test_attention_is_grouped_query_attention(rng):
     """Against a plain float64 implementation of causal GQA with RoPE."""
     config = TransformerConfig.tiny()
@@ -75,8 +103,8 @@ def test_attention_is_grouped_query_attention(rng):
                                                    in_specs=(P("tensor"),),
                                                    out_specs=P("tensor")))(attn, x)
     qkv = (f64(x)[:, 0] @ f64(attn.qkv.kernel[...])).reshape(s, kv, heads // kv + 2, h)
-    q = f64(rope(jnp.asarray(qkv[:, :, :-2].reshape(s, 1, heads, h)), 10_000.0))[:, 0]
-    k = f64(rope(jnp.asarray(qkv[:, None, :, -2]), 10_000.0))[:, 0]
+    q = _rope64(qkv[:, :, :-2].reshape(s, heads, h), 10_000.0)
+    k = _rope64(qkv[:, :, -2], 10_000.0)
     v = qkv[:, :, -1]
     out = np.empty((s, heads, h))
     for head in range(heads):
