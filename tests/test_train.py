@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -114,8 +115,9 @@ def test_a_run_without_profile_starts_no_trace(tmp_path):
     """A profiler session left open would make the next start_trace raise."""
     args = train.parse_args([*RUN, "--model", "transformer", "--mesh", "1x2", "--steps", "2"])
     train.train(args)
-    jax.profiler.start_trace(str(tmp_path))
+    jax.profiler.start_trace(str(tmp_path))  # raises if the run left a trace open
     jax.profiler.stop_trace()
+    assert list(tmp_path.rglob("*.xplane.pb")), "the fresh trace wrote nothing"
 
 
 def test_bad_flags_name_the_fix():
@@ -146,3 +148,68 @@ def test_command_runs_on_cpu_devices(tmp_path):
     assert "mesh 4x2 (data x tensor) of 8 CPU devices (no GPU found)" in out.stdout
     assert "sequence parallelism, attention xla" in out.stdout
     assert "done: 2 steps of transformer/tiny" in out.stdout
+
+
+@pytest.mark.parametrize("flags, check", [
+    (["--dtype", "bfloat16"], lambda t: t.config.dtype == "bfloat16"),
+    (["--remat"], lambda t: t.config.remat),
+    (["--unroll-layers"], lambda t: t.config.scan_layers is False),
+    (["--no-sequence-parallel"], lambda t: not t.config.sharding.sequence_parallel),
+], ids=["dtype", "remat", "unroll-layers", "no-sequence-parallel"])
+def test_model_flags_reach_the_config(flags, check):
+    trainer = train.build(train.parse_args([*RUN, "--mesh", "1x2", "--steps", "2", *flags]))
+    assert check(trainer)
+
+
+def test_seed_picks_the_parameters_and_the_batches():
+    def first_kernel(seed):
+        trainer = train.build(train.parse_args([*RUN, "--mesh", "1x2", "--seed", str(seed)]))
+        return np.asarray(jax.tree.leaves(trainer.state[0])[0])
+
+    assert np.array_equal(first_kernel(1), first_kernel(1))
+    assert not np.array_equal(first_kernel(1), first_kernel(2))
+    corpus = np.arange(1000, dtype=np.uint8)
+    batches = [train.batch_at(corpus, 3, batch=2, seq_len=8, seed=s) for s in (1, 1, 2)]
+    assert np.array_equal(batches[0], batches[1]) and not np.array_equal(batches[0], batches[2])
+
+
+def test_data_flag_reads_the_file(tmp_path):
+    data = tmp_path / "corpus.txt"
+    data.write_bytes(bytes(range(256)) * 4)
+    assert np.array_equal(train.load_corpus(data, 64)[:256], np.arange(256))
+    data.write_bytes(b"short")
+    with pytest.raises(ValueError, match=r"corpus.txt: 5 bytes, need more than --seq-len"):
+        train.load_corpus(data, 64)
+
+
+def test_optimizer_flags_warmup_weight_decay_and_clip():
+    """Zero gradients: the update is the weight decay alone, on matrices only,
+    at the learning rate the warmup has reached; a tiny clip shrinks what
+    adam makes of a gradient below its epsilon."""
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones((2,))}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+
+    def updates(flags, grads, steps):
+        tx = train._optimizer(train.parse_args([*RUN, "--steps", "10", *flags]))
+        state = tx.init(params)
+        for _ in range(steps):
+            out, state = tx.update(grads, state, params)
+        return out
+
+    first = updates(["--warmup", "1", "--weight-decay", "0.5"], zeros, 1)
+    assert float(jnp.abs(first["w"]).max()) == 0.0  # lr 0 at the warmup's start
+    after = updates(["--warmup", "1", "--weight-decay", "0.5"], zeros, 2)
+    np.testing.assert_allclose(after["w"], -3e-3 * 0.5 * np.ones((2, 2)), rtol=1e-5)
+    assert float(jnp.abs(after["b"]).max()) == 0.0  # no decay on vectors
+    grads = {"w": jnp.full((2, 2), 1e-3), "b": jnp.full((2,), 1e-3)}
+    free = updates(["--warmup", "1", "--weight-decay", "0", "--clip", "1.0"], grads, 2)
+    clipped = updates(["--warmup", "1", "--weight-decay", "0", "--clip", "1e-12"], grads, 2)
+    assert float(jnp.abs(clipped["w"]).max()) < 1e-2 * float(jnp.abs(free["w"]).max())
+
+
+def test_checkpoint_every_saves_on_schedule(tmp_path):
+    args = train.parse_args([*RUN, "--mesh", "1x2", "--steps", "3", "--checkpoint-dir",
+                             str(tmp_path), "--checkpoint-every", "2"])
+    train.train(args)
+    saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
+    assert saved == [2, 3]  # every 2 steps, and the last

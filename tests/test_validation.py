@@ -81,8 +81,11 @@ def test_bad_chunks_name_the_choices(op, chunks, rng):
 
 def test_numpy_int_chunks_are_taken(rng):
     x, w = random(rng, (8, 4), "float32"), random(rng, (4, 4), "float32")
-    _in_shard_map(jfo.all_gather_matmul, x, w, (P("tensor"), P()), chunks=np.int64(2),
-                  impl="decomposed")
+    y = _in_shard_map(jfo.all_gather_matmul, x, w, (P("tensor"), P()), chunks=np.int64(2),
+                      impl="decomposed")
+    # Every rank gathers all of x: the 4 blocks of the output are x @ w each.
+    np.testing.assert_allclose(np.asarray(y), np.tile(np.asarray(x) @ np.asarray(w), (4, 1)),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(jfo.build_info()["cuda"] and bool(jax.devices()[0].platform == "gpu"),
