@@ -21,7 +21,7 @@ _NOT_BUILT = ("jax_flashoverlap was installed without its compiled extension "
               "(jax_flashoverlap._ffi).")
 _HOW_TO_BUILD = ("Reinstall from source on a machine with nvcc >= 12 and the "
                  "nvidia-cublas wheel: `pip install --no-build-isolation .` "
-                 "(README: 'Building with CUDA').")
+                 "(README: 'Install'; docs/design.md: 'Building with CUDA').")
 
 
 @functools.cache

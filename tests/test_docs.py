@@ -1,0 +1,51 @@
+"""The README and docs/: what they say runs, and their numbers are current."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jax_flashoverlap import settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+def test_readme_is_short_and_for_users():
+    assert len(README.splitlines()) <= 250
+    assert " -P " not in README and "DESIGN.md" not in README
+    for link in re.findall(r"\]\(([^)#]+)\)", README):
+        assert (ROOT / link).exists(), link
+
+
+def test_readme_lists_every_setting():
+    for name in settings.SETTINGS:
+        assert f"`{name}`" in README, name
+
+
+@pytest.mark.parametrize("block", range(len(PYTHON_BLOCKS)))
+def test_readme_code_runs_as_written(block, tmp_path):
+    """Each python block, alone, in a fresh interpreter outside the checkout."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[block]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_quickstart_prints_what_its_comments_say(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", PYTHON_BLOCKS[0]], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=600).stdout.splitlines()
+    shape, err = out[0].rsplit(" ", 1)
+    assert shape == "(64, 2, 128)" and float(err) < 1e-4
+    assert out[1] == "(64, 2, 512) float32[64,2@data,512@tensor]"
+
+
+def test_results_docs_are_generated_from_the_results():
+    proc = subprocess.run([sys.executable, str(ROOT / "docs" / "make_results.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout
