@@ -29,7 +29,9 @@ def _cases(n: int, on_gpu: bool):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="jax-flashoverlap-demo",
+                                     description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--reps", type=int, default=5, help="timing repetitions")
     args = parser.parse_args(argv)
@@ -81,17 +83,28 @@ def main(argv: list[str] | None = None) -> int:
                                          reps=args.reps)
             rows.append(dict(op=op, impl=impl, runs=auto if impl == "auto" else impl,
                              us=t.median_us, spread=t.spread(), rel_err_vs_xla=err))
-            print(f"  {op:22s} {impl:10s} {t.median_us:10.1f} us  (spread {t.spread():.0%})",
-                  flush=True)
-    base = {r["op"]: r["us"] for r in rows if r["impl"] == "xla"}
-    print(f"\n{'op':22s} {'impl':10s} {'runs':10s} {'us':>10s} {'xla/impl':>9s}")
+            print(f"  {op:22s} {impl:10s} {t.median_us:10.1f} us  (spread {t.spread():.0%}, "
+                  f"error vs xla {err:.1e})", flush=True)
+    base = {r["op"]: r for r in rows if r["impl"] == "xla"}
+    print(f"\n{'op':22s} {'impl':10s} {'runs':10s} {'us':>10s} {'spread':>7s} "
+          f"{'err vs xla':>10s} {'xla/impl':>9s}")
     for r in rows:
         print(f"{r['op']:22s} {r['impl']:10s} {r['runs']:10s} {r['us']:10.1f} "
-              f"{base[r['op']] / r['us']:9.2f}")
+              f"{r['spread']:7.0%} {r['rel_err_vs_xla']:10.1e} "
+              f"{_ratio(base[r['op']], r):>9s}")
+    print("\nxla/impl: above 1 is faster than xla. \"same\": the row runs XLA's own "
+          "program, so any difference is the timing's spread.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"devices": n, "platform": devices[0].platform, "rows": rows}, f, indent=1)
     return 0
+
+
+def _ratio(xla: dict, row: dict) -> str:
+    """xla's time over the row's, or "same" where the row runs xla itself."""
+    if row["runs"] == "xla":
+        return "same"
+    return f"{xla['us'] / row['us']:.2f}"
 
 
 if __name__ == "__main__":

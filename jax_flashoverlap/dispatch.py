@@ -332,7 +332,7 @@ def _cuda_unfit(op: str, shapes: Shapes, dtype: np.dtype, n: int, chunks: int | 
 @functools.cache
 def _say_untuned_once(device_kind: str, devices: int) -> None:
     logging.getLogger("jax_flashoverlap").warning(
-        "jax_flashoverlap: impl='auto' runs 'xla' on %s x%d: no tuning table; run "
+        "impl='auto' runs 'xla' on %s x%d: no tuning table; run "
         "`jax-flashoverlap-tune` once to measure this machine", device_kind, devices)
 
 

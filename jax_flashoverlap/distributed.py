@@ -16,9 +16,8 @@ import json
 import os
 from typing import Any
 
-from .launch import ENV
-
 __all__ = [
+    "ENV",
     "initialize",
     "is_launched",
     "process_id",
@@ -30,6 +29,17 @@ __all__ = [
     "broadcast_bytes",
     "check_same",
 ]
+
+# The variables a launcher gives each process (jax_flashoverlap.launch sets them).
+ENV = {
+    "coordinator": "JFO_COORDINATOR_ADDRESS",
+    "process_id": "JFO_PROCESS_ID",
+    "num_processes": "JFO_NUM_PROCESSES",
+    "local_rank": "JFO_LOCAL_RANK",
+    "local_size": "JFO_LOCAL_SIZE",
+    "node_size": "JFO_NODE_SIZE",
+    "platform": "JFO_PLATFORM",
+}
 
 _REQUIRED = ("coordinator", "process_id", "num_processes")
 _LAUNCH_HINT = ("start the program with `python -m jax_flashoverlap.launch -n N script.py` "

@@ -39,19 +39,9 @@ from collections.abc import Mapping, Sequence
 from typing import IO
 
 from ._devices import without_cpu_device_count
+from .distributed import ENV
 
 __all__ = ["ENV", "FORCED_ENV", "main", "visible_gpus"]
-
-# Names of the variables each process gets (see the module docstring).
-ENV = {
-    "coordinator": "JFO_COORDINATOR_ADDRESS",
-    "process_id": "JFO_PROCESS_ID",
-    "num_processes": "JFO_NUM_PROCESSES",
-    "local_rank": "JFO_LOCAL_RANK",
-    "local_size": "JFO_LOCAL_SIZE",
-    "node_size": "JFO_NODE_SIZE",
-    "platform": "JFO_PLATFORM",
-}
 
 # NVLink multicast (NVLS) must stay off on the shared machines, whatever the
 # caller's environment says, so these are overwritten, not defaulted.
@@ -224,12 +214,13 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_flashoverlap.launch",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         usage="%(prog)s -n N [options] (script.py | -m module) [args...]",
         description="Start N local processes for jax.distributed, one per GPU "
                     "(or CPU processes without GPUs).")
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of processes")
     p.add_argument("--node-size", type=int, default=None,
-                   help="consecutive processes forming one node (default: N); "
+                   help="consecutive processes forming one node (None: N); "
                         "--node-size 1 makes every GPU its own node")
     p.add_argument("--timeout", type=float, default=None,
                    help="kill everything after this many seconds (exit 124)")

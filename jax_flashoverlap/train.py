@@ -58,11 +58,12 @@ PROFILE_STEPS = 3
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-train",
-                                     description=__doc__.splitlines()[0])
+                                     description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
     parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
-                        help="mesh shape, e.g. 4x2 (default: tensor 2, data the rest)")
+                        help="mesh shape, e.g. 4x2; None: tensor 2, data the rest")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--steps", type=int, default=100,
@@ -72,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Transformer attention: cuDNN flash attention, XLA's, or "
                              "auto (cuDNN on GPUs that support it)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
-                        help="compute dtype (default bfloat16 on GPU, float32 on CPU); "
+                        help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel",
                         action="store_false",
@@ -81,16 +82,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
     parser.add_argument("--unroll-layers", dest="scan_layers", action="store_false",
                         default=None,
-                        help="unroll the blocks instead of one lax.scan over them (default: "
+                        help="unroll the blocks instead of one lax.scan over them (unset: "
                              "scanned, but unrolled for the Transformer with cuDNN attention)")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up steps (default 5%% of --steps)")
+                        help="warm-up steps (None: 5%% of --steps)")
     parser.add_argument("--weight-decay", type=float, default=0.1)
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data", type=Path, default=None,
-                        help="a file of training text (default: Python's pydoc topics)")
+                        help="a file of training text (None: Python's pydoc topics)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
                         help="save the final state here (orbax-checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0,
@@ -106,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--restore needs --checkpoint-dir")
     if args.attention != "auto" and args.model != "transformer":
         parser.error(f"--attention applies to --model transformer, not {args.model}")
+    if args.data is not None and not args.data.is_file():
+        parser.error(f"--data {args.data}: no such file")
     return args
 
 
@@ -406,6 +409,10 @@ def train(args: argparse.Namespace) -> TrainResult:
             if i + 1 == profiling.stop:
                 jax.block_until_ready(trainer.state)
                 jax.profiler.stop_trace()
+                print(f"profile: steps {profiling.start}-{profiling.stop - 1} traced to "
+                      f"{args.profile}; open it with `tensorboard --logdir {args.profile}` "
+                      f"(XProf), or load its plugins/profile/*/*.trace.json.gz in "
+                      f"https://ui.perfetto.dev", file=sys.stderr, flush=True)
             if manager and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
                 manager.save(i + 1, args=ocp.args.StandardSave(trainer.state))
         if pending is not None:
@@ -501,7 +508,11 @@ def _format_summary(trainer: Trainer, s: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ensure_cpu_devices(CPU_DEVICES)  # Before JAX starts its backends.
-    train(args)
+    try:
+        train(args)
+    except (ValueError, FileNotFoundError) as e:  # a flag or file the run cannot take
+        print(f"jax-flashoverlap-train: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -19,4 +19,11 @@ def test_demo_runs_every_op_and_reports_the_impl(tmp_path, capsys):
         assert math.isfinite(row["us"])  # CPU timings are noise; the sign is not checked
         if row["impl"] == "auto":
             assert row["runs"] == "xla"  # no GPU: "auto" is XLA's collectives
-    assert "no GPU found" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "no GPU found" in printed
+    # The table shows each impl's error against xla and spread, and no ratio
+    # between two runs of xla's own program.
+    assert "err vs xla" in printed and "spread" in printed
+    auto_lines = [line for line in printed.splitlines()
+                  if line.startswith(("all_reduce ", "matmul_all_reduce ")) and " auto " in line]
+    assert auto_lines and all(line.rstrip().endswith("same") for line in auto_lines)

@@ -213,3 +213,23 @@ def test_checkpoint_every_saves_on_schedule(tmp_path):
     train.train(args)
     saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
     assert saved == [2, 3]  # every 2 steps, and the last
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "3x3"], "jax-flashoverlap-train: error: --mesh 3x3 needs 9 devices; there are 8"),
+    (["--data", "/nonexistent"], "--data /nonexistent: no such file"),
+])
+def test_bad_flags_and_files_get_one_line_errors(argv, message, capsys):
+    try:
+        status = train.main([*RUN, "--steps", "1", *argv])
+    except SystemExit as e:  # argparse's own errors
+        status = e.code
+    assert status == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    assert "peak learning rate (default: 0.001)" in " ".join(capsys.readouterr().out.split())
