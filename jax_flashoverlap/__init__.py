@@ -9,6 +9,7 @@ and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
 # can start JAX's backends.
 from . import _module_loading, schedule, settings, sharded  # noqa: F401
 from ._extension import build_info, check_device_errors
+from ._validation import IMPLS
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
 from .matmul_all_reduce import matmul_all_reduce
@@ -19,6 +20,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "matmul_all_reduce",
     "all_reduce",
+    "IMPLS",
     "build_info",
     "check_device_errors",
     "schedule",

@@ -66,6 +66,12 @@ class OpDef:
       cuda_attrs: ``(n, opts) -> FFI attributes`` other than the groups.
       single_rank: the op on an axis of one rank, for every impl: the local
         dot (all_reduce: the operand), ``(*args) -> results``.
+      cuda_options: ``(ctx, n, opts) -> opts`` with the kernel's options
+        that depend on the shapes resolved (and checked) at lowering.
+      cuda_lowering: ``(ctx, args, transport, n, opts) -> lowering or None``:
+        another CUDA lowering for some shapes (None: the op's own kernel).
+      spans_processes: over an axis of one GPU per process, impl "cuda"
+        and "auto" may run the NVSHMEM all-reduce.
     """
 
     name: str
@@ -76,6 +82,9 @@ class OpDef:
     decomposed: Callable[..., Any]
     cuda_attrs: Callable[[int, dict], dict]
     single_rank: Callable[..., tuple]
+    cuda_options: Callable[..., dict] | None = None
+    cuda_lowering: Callable[..., Any] | None = None
+    spans_processes: bool = False
 
 
 def _as_tuple(fn):
@@ -122,6 +131,37 @@ def _ar_attrs(n, opts):
     return {"algorithm": np.int32(dispatch.ALL_REDUCE_ALGORITHMS.index(opts["algorithm"]))}
 
 
+def _chunks_by_shape(op_name: str):
+    """cuda_options of the collective matmuls: chunks=None picked by shape."""
+    def options(ctx, n, opts):
+        if opts.get("chunks") is None:
+            opts["chunks"] = dispatch.collective_matmul_chunks(
+                op_name, [a.shape for a in ctx.avals_in], n)
+        return opts
+    return options
+
+
+def _ar_options(ctx, n, opts):
+    """algorithm=None picked by message size, decided here with the impl."""
+    aval = ctx.avals_in[0]
+    if opts["algorithm"] is None:
+        opts["algorithm"] = dispatch.all_reduce_algorithm(
+            math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
+    _check_lamport_size(aval, opts["algorithm"])
+    return opts
+
+
+def _mar_lowering(ctx, args, transport, n, opts):
+    """XLA's dot and the all-reduce kernel for small results; else the fused
+    kernel (None), within its event budget."""
+    out = ctx.avals_out[0]
+    if dispatch.matmul_all_reduce_kernel(
+            math.prod(out.shape) * out.dtype.itemsize) == "gemm_then_all_reduce":
+        return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
+    _check_event_budget(len(opts["chunk_rows"]), n)
+    return None
+
+
 def _local_dot(x, w):
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
@@ -148,24 +188,26 @@ OPS: dict[str, OpDef] = {
                                  (n * xs[0] if opts.get("gathered") else 0, xs[1])), False,
         _as_tuple(_baseline(xla_baseline.all_gather_matmul)),
         _as_tuple(_decomposed_with(decomposed.all_gather_matmul, "topology")), _ag_attrs,
-        lambda x, w: (_local_dot(x, w), x)),
+        lambda x, w: (_local_dot(x, w), x),
+        cuda_options=_chunks_by_shape("all_gather_matmul")),
     "matmul_reduce_scatter": OpDef(
         "matmul_reduce_scatter", "jfo_matmul_reduce_scatter",
         lambda xs, ws, n, opts: ((xs[0] // n, ws[1]),), False,
         _as_tuple(_baseline(xla_baseline.matmul_reduce_scatter)),
         _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs,
-        _as_tuple(_local_dot)),
+        _as_tuple(_local_dot), cuda_options=_chunks_by_shape("matmul_reduce_scatter")),
     "matmul_all_reduce": OpDef(
         "matmul_all_reduce", "jfo_matmul_all_reduce",
         lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
         _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
         _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs,
-        _as_tuple(_local_dot)),
+        _as_tuple(_local_dot), cuda_lowering=_mar_lowering),
     "all_reduce": OpDef(
         "all_reduce", "jfo_all_reduce",
         lambda xs, n, opts: (xs,), True,
         _as_tuple(_baseline(xla_baseline.all_reduce)),
-        _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs, lambda x: (x,)),
+        _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs, lambda x: (x,),
+        cuda_options=_ar_options, spans_processes=True),
 }
 
 
@@ -209,8 +251,7 @@ def _make_primitive(op: OpDef) -> Primitive:
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
         if n == 1:
             return lower_single_rank(ctx, *args)
-        if op.name == "all_reduce" and impl in ("auto", "cuda") and _axis_is_all_processes(
-                ctx, n):
+        if op.spans_processes and impl in ("auto", "cuda") and _axis_is_all_processes(ctx, n):
             if _all_reduce_across_processes(ctx, impl, n) == "nvshmem":
                 return _lower_nvshmem_all_reduce(ctx, *args, opts=opts)
             impl = "xla"
@@ -236,21 +277,12 @@ def _make_primitive(op: OpDef) -> Primitive:
             "n": np.int32(n),
             "timeout_ms": np.int32(opts.pop("timeout_ms", timeout_ms())),
         }
-        if op.name == "all_reduce":
-            if opts["algorithm"] is None:  # by message size, decided here with the impl
-                aval = ctx.avals_in[0]
-                opts["algorithm"] = dispatch.all_reduce_algorithm(
-                    math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
-            _check_lamport_size(ctx.avals_in[0], opts["algorithm"])
-        if "chunks" in opts and opts["chunks"] is None:  # picked by shape
-            opts["chunks"] = dispatch.collective_matmul_chunks(
-                op.name, [a.shape for a in ctx.avals_in], n)
-        if op.name == "matmul_all_reduce":
-            out = ctx.avals_out[0]
-            nbytes = math.prod(out.shape) * out.dtype.itemsize
-            if dispatch.matmul_all_reduce_kernel(nbytes) == "gemm_then_all_reduce":
-                return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
-            _check_event_budget(len(opts["chunk_rows"]), n)
+        if op.cuda_options is not None:
+            opts = op.cuda_options(ctx, n, opts)
+        if op.cuda_lowering is not None:
+            other = op.cuda_lowering(ctx, args, transport, n, opts)
+            if other is not None:
+                return other
         return jax.ffi.ffi_lowering(op.ffi_target)(
             ctx, *args, **transport, **op.cuda_attrs(n, opts))
 

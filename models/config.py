@@ -10,7 +10,7 @@ import math
 
 from jax.sharding import PartitionSpec as P
 
-from jax_flashoverlap._validation import IMPLS
+from jax_flashoverlap import IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
