@@ -6,18 +6,16 @@ every set variable when it is imported (:func:`check_all`), and again
 before it lowers a CUDA op, since the compiled extension reads some of them
 when the op first runs.
 
-=================================  ==============================================
-``JAX_FLASHOVERLAP_WORKSPACE_MB``  per-GPU workspace of the CUDA ops, MiB,
-                                   64 to 1048576 (default 1024)
-``JAX_FLASHOVERLAP_TIMEOUT_MS``    bound of every wait on another GPU, ms,
-                                   1 to 2147483647 (default 10000)
-``JAX_FLASHOVERLAP_GEMM_AUTOTUNE`` 1: time cuBLASLt's candidate algorithms per
-                                   shape (default); 0: its first heuristic
-``JAX_FLASHOVERLAP_PEER_STORES``   1: kernels store into peers' memory over
-                                   NVLink where allowed (default); 0: never
-``JFO_NVSHMEM_INIT``               "hostlib" (default) or "inline"
-``JFO_NVSHMEM_DEBUG``              1: log NVSHMEM start-up; 0 (default): quiet
-=================================  ==============================================
+- ``JAX_FLASHOVERLAP_WORKSPACE_MB``: per-GPU workspace of the CUDA ops, MiB,
+  64 to 1048576 (default 1024).
+- ``JAX_FLASHOVERLAP_TIMEOUT_MS``: bound of every wait on another GPU, ms,
+  1 to 2147483647 (default 10000).
+- ``JAX_FLASHOVERLAP_GEMM_AUTOTUNE``: 1 (default) times cuBLASLt's candidate
+  algorithms per shape; 0 takes its first heuristic.
+- ``JAX_FLASHOVERLAP_PEER_STORES``: 1 (default) lets kernels store into
+  peers' memory over NVLink where allowed; 0 never.
+- ``JAX_FLASHOVERLAP_NVSHMEM_INIT``: "hostlib" (default) or "inline".
+- ``JAX_FLASHOVERLAP_NVSHMEM_DEBUG``: 1 logs NVSHMEM start-up; 0 (default) quiet.
 
 The launcher's variables (``JFO_PROCESS_ID`` and the rest) are checked by
 :mod:`jax_flashoverlap.distributed` when a program starts.
@@ -71,8 +69,9 @@ SETTINGS = {s.name: s for s in (
             "an integer number of milliseconds from 1 to 2147483647", _integer(1, 2**31 - 1)),
     Setting("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", True, "0 or 1", _flag),
     Setting("JAX_FLASHOVERLAP_PEER_STORES", True, "0 or 1", _flag),
-    Setting("JFO_NVSHMEM_INIT", "hostlib", "hostlib or inline", _choice("hostlib", "inline")),
-    Setting("JFO_NVSHMEM_DEBUG", False, "0 or 1", _flag),
+    Setting("JAX_FLASHOVERLAP_NVSHMEM_INIT", "hostlib", "hostlib or inline",
+            _choice("hostlib", "inline")),
+    Setting("JAX_FLASHOVERLAP_NVSHMEM_DEBUG", False, "0 or 1", _flag),
 )}
 
 

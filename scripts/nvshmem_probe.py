@@ -5,7 +5,7 @@
 Each variant starts two fresh processes that load the extension's NVSHMEM
 module by path (so JAX is imported only where a variant asks for it),
 share a unique id through a file (the ``+jax`` variants import JAX first,
-and start its CUDA client), call ``init`` (with JFO_NVSHMEM_DEBUG=1,
+and start its CUDA client), call ``init`` (with JAX_FLASHOVERLAP_NVSHMEM_DEBUG=1,
 so the last step printed is where a crash happened), ``info`` and
 ``finalize``, and reports the exit codes. A variant is an entry of VARIANTS:
 the environment it runs with. Prints one verdict line per variant last; exit
@@ -24,15 +24,15 @@ import tempfile
 import time
 
 VARIANTS = {
-    "hostlib": {"JFO_NVSHMEM_INIT": "hostlib"},
-    "inline": {"JFO_NVSHMEM_INIT": "inline"},
-    "inline-eager": {"JFO_NVSHMEM_INIT": "inline", "CUDA_MODULE_LOADING": "EAGER"},
-    "hostlib-eager": {"JFO_NVSHMEM_INIT": "hostlib", "CUDA_MODULE_LOADING": "EAGER"},
+    "hostlib": {"JAX_FLASHOVERLAP_NVSHMEM_INIT": "hostlib"},
+    "inline": {"JAX_FLASHOVERLAP_NVSHMEM_INIT": "inline"},
+    "inline-eager": {"JAX_FLASHOVERLAP_NVSHMEM_INIT": "inline", "CUDA_MODULE_LOADING": "EAGER"},
+    "hostlib-eager": {"JAX_FLASHOVERLAP_NVSHMEM_INIT": "hostlib", "CUDA_MODULE_LOADING": "EAGER"},
     # JAX in the process first: imported only, then with its CUDA client up.
-    "hostlib+jax-import": {"JFO_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "import"},
-    "hostlib+jax-import+nvdebug": {"JFO_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "import",
-                                   "NVSHMEM_DEBUG": "INFO"},
-    "hostlib+jax-devices": {"JFO_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "devices",
+    "hostlib+jax-import": {"JAX_FLASHOVERLAP_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "import"},
+    "hostlib+jax-import+nvdebug": {"JAX_FLASHOVERLAP_NVSHMEM_INIT": "hostlib",
+                                   "JFO_PROBE_JAX": "import", "NVSHMEM_DEBUG": "INFO"},
+    "hostlib+jax-devices": {"JAX_FLASHOVERLAP_NVSHMEM_INIT": "hostlib", "JFO_PROBE_JAX": "devices",
                             "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
                             "NVSHMEM_DEBUG": "INFO"},
 }
@@ -84,7 +84,7 @@ def child(rank: int, uid_file: str) -> None:
 
 
 def probe(variant: str) -> list[int | None]:
-    env = dict(os.environ, JFO_NVSHMEM_DEBUG="1", PYTHONFAULTHANDLER="1",
+    env = dict(os.environ, JAX_FLASHOVERLAP_NVSHMEM_DEBUG="1", PYTHONFAULTHANDLER="1",
                NVSHMEM_DISABLE_NVLS="1", **VARIANTS[variant])
     with tempfile.TemporaryDirectory() as tmp:
         uid_file = os.path.join(tmp, "uid")

@@ -13,15 +13,15 @@ NONSENSE = {
     "JAX_FLASHOVERLAP_TIMEOUT_MS": ["", "soon", "0", "-3", "1.5", str(2**31)],
     "JAX_FLASHOVERLAP_GEMM_AUTOTUNE": ["", "yes", "2", "on"],
     "JAX_FLASHOVERLAP_PEER_STORES": ["", "no", "off", "01"],
-    "JFO_NVSHMEM_INIT": ["", "HOSTLIB", "lazy"],
-    "JFO_NVSHMEM_DEBUG": ["", "true", "2"],
+    "JAX_FLASHOVERLAP_NVSHMEM_INIT": ["", "HOSTLIB", "lazy"],
+    "JAX_FLASHOVERLAP_NVSHMEM_DEBUG": ["", "true", "2"],
 }
 GOOD = {"JAX_FLASHOVERLAP_WORKSPACE_MB": ("4096", 4096),
         "JAX_FLASHOVERLAP_TIMEOUT_MS": ("250", 250),
         "JAX_FLASHOVERLAP_GEMM_AUTOTUNE": ("0", False),
         "JAX_FLASHOVERLAP_PEER_STORES": ("1", True),
-        "JFO_NVSHMEM_INIT": ("inline", "inline"),
-        "JFO_NVSHMEM_DEBUG": ("1", True)}
+        "JAX_FLASHOVERLAP_NVSHMEM_INIT": ("inline", "inline"),
+        "JAX_FLASHOVERLAP_NVSHMEM_DEBUG": ("1", True)}
 
 
 def test_every_setting_is_covered():

@@ -3,7 +3,7 @@
 // ONE collective allocation of the all-reduce's symmetric buffers and signal
 // words (nvshmem_malloc is collective, so it never runs per call).
 //
-// Two ways to start, chosen by JFO_NVSHMEM_INIT:
+// Two ways to start, chosen by JAX_FLASHOVERLAP_NVSHMEM_INIT:
 //   hostlib (default): nvshmemx_hostlib_init_attr starts the host library
 //     alone; then nvshmemx_cumodule_init fills this module's copy of the
 //     device state (the module's kernels are linked with the static device
@@ -46,10 +46,10 @@ void Check(cudaError_t err, const char* what) {
 }
 
 bool HostlibInit() {
-  const char* mode = std::getenv("JFO_NVSHMEM_INIT");
+  const char* mode = std::getenv("JAX_FLASHOVERLAP_NVSHMEM_INIT");
   if (mode == nullptr || std::strcmp(mode, "hostlib") == 0) return true;
   if (std::strcmp(mode, "inline") == 0) return false;
-  throw std::runtime_error(std::string("jax_flashoverlap nvshmem: JFO_NVSHMEM_INIT=") + mode +
+  throw std::runtime_error(std::string("jax_flashoverlap nvshmem: JAX_FLASHOVERLAP_NVSHMEM_INIT=") + mode +
                            ", expected hostlib or inline");
 }
 
@@ -90,12 +90,12 @@ void PrintFramesAndDie(int sig) {
   raise(sig);
 }
 
-// JFO_NVSHMEM_DEBUG=1 prints each start-up step before it runs, and the
+// JAX_FLASHOVERLAP_NVSHMEM_DEBUG=1 prints each start-up step before it runs, and the
 // native frames of a crash: a start that crashes inside NVSHMEM then shows
 // which step it was and where.
 void Step(int rank, const char* what) {
   static const bool on = [] {
-    const char* debug = std::getenv("JFO_NVSHMEM_DEBUG");  // "0" or "1" (settings.py)
+    const char* debug = std::getenv("JAX_FLASHOVERLAP_NVSHMEM_DEBUG");  // "0" or "1" (settings.py)
     if (debug == nullptr || std::strcmp(debug, "1") != 0) return false;
     std::signal(SIGSEGV, PrintFramesAndDie);
     std::signal(SIGBUS, PrintFramesAndDie);
