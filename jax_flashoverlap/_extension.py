@@ -87,6 +87,13 @@ def build_info() -> dict[str, Any]:
     return info
 
 
+def limits() -> dict[str, int]:
+    """The CUDA transport's layout limits as compiled (empty without the CUDA
+    ops): what :mod:`jax_flashoverlap.dispatch` mirrors in Python."""
+    mod = _module()
+    return dict(mod.limits()) if mod is not None and hasattr(mod, "limits") else {}
+
+
 def cuda_ops_available(target: str | None = None) -> bool:
     """Whether CUDA handlers (or the named one) are built and registered."""
     names = _register()

@@ -323,7 +323,8 @@ def _is_16_bit_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
 
 
-# CUDA events one call of a fused op may record (kEventsPerCall, ffi/src/transport/peer.cu).
+# CUDA events one call of a fused op may record (kEventsPerCall of
+# ffi/src/transport/transport.h; _extension.limits() has the compiled value).
 EVENTS_PER_CALL = 1024
 
 

@@ -92,8 +92,9 @@ def all_reduce_across_processes(nbytes: int, dtype, impl: str, capacity: int | N
     return "nvshmem"
 
 
-# Fixed parts of the workspace (kGemmWorkspaceBytes of ffi/src/transport/peer.cu,
-# kControlBytes of peer_state.h).
+# Fixed parts of the workspace (kGemmWorkspaceBytes of ffi/src/transport/transport.h,
+# kControlBytes of peer_state.h; _extension.limits() has the compiled values,
+# which tests/test_extension.py compares with these).
 _GEMM_WORKSPACE_BYTES = 32 << 20
 _CONTROL_BYTES = 128 << 10
 
@@ -158,7 +159,7 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
     return slot - 128 * 256
 
 
-_AR_BLOCK_BYTES = 16 << 10  # kMinBlockBytes of ffi/src/all_reduce.cu
+_AR_BLOCK_BYTES = 16 << 10  # kAllReduceMinBlockBytes (transport.h; _extension.limits())
 
 
 @functools.cache
@@ -387,7 +388,7 @@ ONE_SHOT_MAX_BYTES = 8 << 20
 # rank in a process with 2 GPUs (kLamportMaxBytes of
 # ffi/src/transport/transport.h); less with more, see lamport_max_bytes.
 LAMPORT_MAX_BYTES = 2 << 20
-_LAMPORT_PARITY_BUDGET = 3 << 20  # kLamportParityBudget
+_LAMPORT_PARITY_BUDGET = 3 << 20  # kLamportParityBudget (transport.h; _extension.limits())
 
 
 def lamport_max_bytes(local_devices: int | None = None) -> int:

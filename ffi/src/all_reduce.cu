@@ -82,9 +82,9 @@ constexpr OpId kOp = OpId::kAllReduce;
 // blocks poll.
 constexpr int kFlagThreads = 1024;
 constexpr int kLamportThreads = 512;
-// Bytes per block before another block joins (up to kArMaxBlocks): few
-// spinning CTAs for small messages. To be measured.
-constexpr size_t kMinBlockBytes = 16u << 10;
+// kAllReduceMinBlockBytes (transport.h) per block before another block joins
+// (up to kArMaxBlocks): few spinning CTAs for small messages. To be measured.
+constexpr size_t kMinBlockBytes = kAllReduceMinBlockBytes;
 // The Lamport kernel spreads a message over at least this many of its
 // kLamportBlocks blocks (the measured split up to 256 KiB), more from
 // kMinBlockBytes per block.

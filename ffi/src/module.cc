@@ -13,6 +13,7 @@
 #endif
 #ifdef JFO_WITH_CUBLASLT
 #include "gemm.h"
+#include "transport/peer_state.h"
 #include "transport/transport.h"
 #endif
 
@@ -80,6 +81,21 @@ nb::dict BuildInfo() {
   return d;
 }
 
+// The transport's layout limits, which jax_flashoverlap.dispatch mirrors
+// (tests/test_extension.py checks that they agree). Empty without the ops.
+nb::dict Limits() {
+  nb::dict d;
+#ifdef JFO_WITH_CUBLASLT
+  d["lamport_max_bytes"] = jfo::kLamportMaxBytes;
+  d["lamport_parity_budget"] = jfo::kLamportParityBudget;
+  d["all_reduce_min_block_bytes"] = jfo::kAllReduceMinBlockBytes;
+  d["gemm_workspace_bytes"] = jfo::kGemmWorkspaceBytes;
+  d["control_bytes"] = jfo::kControlBytes;
+  d["events_per_call"] = jfo::kEventsPerCall;
+#endif
+  return d;
+}
+
 std::optional<std::string> PendingError() {
 #ifdef JFO_WITH_CUBLASLT
   std::string msg = jfo::TakePendingError();
@@ -123,6 +139,7 @@ NB_MODULE(_ffi, m) {
   m.def("build_info", &BuildInfo,
         "Dict: cuda (bool), cuda_version (str), architectures (list of str), "
         "cublaslt (bool).");
+  m.def("limits", &Limits, "The transport's layout limits (empty without the CUDA ops).");
   m.def("pending_error", &PendingError,
         "Returns and clears the recorded wait timeouts of every device (one "
         "per line), or None.");

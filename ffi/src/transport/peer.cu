@@ -37,8 +37,6 @@
 namespace jfo {
 namespace {
 
-constexpr size_t kGemmWorkspaceBytes = 32u << 20;
-constexpr int kEventsPerCall = 1024;
 
 using internal::FillIfFailedKernel;
 using internal::FillWordsKernel;

@@ -88,6 +88,13 @@ constexpr size_t kLamportMaxBytes = 2u << 20;       // per sender, one peer
 // all-reduce region of the smallest workspace (about 8 MiB, peer.cu).
 constexpr size_t kLamportParityBudget = 3u << 20;   // one parity, all senders
 constexpr uint32_t kLamportEmpty = 0x80008000u;
+// Bytes per all-reduce block before another block joins (all_reduce.cu).
+constexpr size_t kAllReduceMinBlockBytes = 16u << 10;
+
+// The workspace starts with the GEMMs' cuBLASLt workspace; every call may
+// record up to kEventsPerCall CUDA events (peer.cu).
+constexpr size_t kGemmWorkspaceBytes = 32u << 20;
+constexpr int kEventsPerCall = 1024;
 
 // Senders with slots in a device's memory: every other device of the
 // process, and one slot when it is alone, so every layout has the same parts.
