@@ -5,8 +5,10 @@ and a low-latency all-reduce (NVRAR), as ops usable inside ``jax.shard_map``
 and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
 """
 
-# _module_loading first: its import sets CUDA_MODULE_LOADING before anything
+# _checkout first: run from a checkout's root, it joins the installed package.
+# _module_loading next: its import sets CUDA_MODULE_LOADING before anything
 # can start JAX's backends.
+from . import _checkout  # noqa: F401  # isort: skip
 from . import _module_loading, schedule, settings, sharded  # noqa: F401
 from ._extension import build_info, check_device_errors
 from ._validation import IMPLS

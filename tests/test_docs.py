@@ -49,3 +49,16 @@ def test_results_docs_are_generated_from_the_results():
     proc = subprocess.run([sys.executable, str(ROOT / "docs" / "make_results.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_the_package_imports_whole_from_the_checkout_root(tmp_path):
+    """Run from the checkout's root, the source folder is found first; the
+    extension and the models must still come from the install."""
+    code = ("import jax_flashoverlap as j, jax_flashoverlap.models as m; "
+            "print(j.build_info()['extension'], m.Transformer.__name__)")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    runs = [subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
+                           text=True, timeout=300) for cwd in (ROOT, tmp_path)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    assert runs[0].stdout == runs[1].stdout == "True Transformer\n"
