@@ -66,6 +66,8 @@ class OpDef:
       cuda_attrs: ``(n, opts) -> FFI attributes`` other than the groups.
       single_rank: the op on an axis of one rank, for every impl: the local
         dot (all_reduce: the operand), ``(*args) -> results``.
+      options: ``(ctx, n, opts) -> opts`` with the options every impl
+        takes that depend on the shapes, resolved at lowering.
       cuda_options: ``(ctx, n, opts) -> opts`` with the kernel's options
         that depend on the shapes resolved (and checked) at lowering.
       cuda_lowering: ``(ctx, args, transport, n, opts) -> lowering or None``:
@@ -82,6 +84,7 @@ class OpDef:
     decomposed: Callable[..., Any]
     cuda_attrs: Callable[[int, dict], dict]
     single_rank: Callable[..., tuple]
+    options: Callable[..., dict] | None = None
     cuda_options: Callable[..., dict] | None = None
     cuda_lowering: Callable[..., Any] | None = None
     spans_processes: bool = False
@@ -151,6 +154,15 @@ def _ar_options(ctx, n, opts):
     return opts
 
 
+def _mar_options(ctx, n, opts):
+    """The row chunks of ``chunks``: shrinking, each rank's part of every chunk
+    but the first a multiple of MATMUL_ALL_REDUCE_PART_ALIGN rows."""
+    rows = ctx.avals_in[0].shape[0]
+    opts["chunk_rows"] = schedule.all_reduce_chunk_rows(
+        rows, opts.pop("chunks"), align=n * dispatch.MATMUL_ALL_REDUCE_PART_ALIGN)
+    return opts
+
+
 def _mar_lowering(ctx, args, transport, n, opts):
     """XLA's dot and the all-reduce kernel for small results; else the fused
     kernel (None), within its event budget."""
@@ -201,7 +213,7 @@ OPS: dict[str, OpDef] = {
         lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
         _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
         _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs,
-        _as_tuple(_local_dot), cuda_lowering=_mar_lowering),
+        _as_tuple(_local_dot), options=_mar_options, cuda_lowering=_mar_lowering),
     "all_reduce": OpDef(
         "all_reduce", "jfo_all_reduce",
         lambda xs, n, opts: (xs,), True,
@@ -240,8 +252,11 @@ def _make_primitive(op: OpDef) -> Primitive:
                                     ctx.avals_in[0].dtype, n,
                                     platform=ctx.module_context.platforms[0],
                                     chunks=dict(opts).get("chunks")).impl
+        opts = dict(opts)
+        if op.options is not None:
+            opts = op.options(ctx, n, opts)
         fn = functools.partial(op.decomposed if impl == "decomposed" else op.xla,
-                               axis_name=axis_name, **dict(opts))
+                               axis_name=axis_name, **opts)
         if impl != "decomposed" and ctx.module_context.platforms == ("cpu",):
             fn = _widened_16_bit(fn)
 
@@ -277,6 +292,8 @@ def _make_primitive(op: OpDef) -> Primitive:
             "n": np.int32(n),
             "timeout_ms": np.int32(opts.pop("timeout_ms", timeout_ms())),
         }
+        if op.options is not None:
+            opts = op.options(ctx, n, opts)
         if op.cuda_options is not None:
             opts = op.cuda_options(ctx, n, opts)
         if op.cuda_lowering is not None:

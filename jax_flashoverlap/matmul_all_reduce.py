@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
-from . import _layout, _primitives, _validation, dispatch, schedule
+from . import _layout, _primitives, _validation
 
 __all__ = ["matmul_all_reduce"]
 
@@ -48,11 +47,8 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
     chunks = _validation.check_chunks(_OP, chunks, picked_by_shape=False)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
-    rows = math.prod(x.shape[:-1])
-    align = n * dispatch.MATMUL_ALL_REDUCE_PART_ALIGN
-    chunk_rows = schedule.all_reduce_chunk_rows(rows, chunks, align=align) if rows else (0,)
     varying = (_layout.varying(x), _layout.varying(w))
-    return _matmul_all_reduce(x, w, (axis_name, n, impl, chunk_rows, varying))
+    return _matmul_all_reduce(x, w, (axis_name, n, impl, chunks, varying))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -61,10 +57,9 @@ def _matmul_all_reduce(x, w, static):
 
 
 def _forward(x, w, static):
-    axis_name, n, impl, chunk_rows, _ = static
+    axis_name, n, impl, chunks, _ = static
     x2 = _layout.rows_first(x, 0)
-    (y2,) = _primitives.bind(_OP, x2, w, axis_name=axis_name, n=n, impl=impl,
-                             chunk_rows=chunk_rows)
+    (y2,) = _primitives.bind(_OP, x2, w, axis_name=axis_name, n=n, impl=impl, chunks=chunks)
     return y2.reshape(*x.shape[:-1], w.shape[1]), (x2, w)
 
 
