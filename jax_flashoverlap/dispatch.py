@@ -26,7 +26,7 @@ from . import _extension, settings
 
 __all__ = ["resolve", "explain", "Decision", "prefer_xla", "AUTO_OPS", "all_reduce_algorithm",
            "all_reduce_region_bytes", "all_reduce_across_processes", "collective_matmul_chunks",
-           "lamport_max_bytes", "matmul_all_reduce_kernel", "process_cuda_devices",
+           "lamport_max_bytes", "matmul_all_reduce_kernel", "process_cuda_devices", "rows_per_rank",
            "ALL_REDUCE_ALGORITHMS"]
 
 Shapes = Sequence[tuple[int, ...]]
@@ -46,7 +46,7 @@ _NVSHMEM_MEASURED_PROCESSES = 2
 _NVSHMEM_MEASURED_NODE_SIZE = 1
 
 
-def _rows_per_rank(op: str, shapes: Shapes, n: int) -> int:
+def rows_per_rank(op: str, shapes: Shapes, n: int) -> int:
     """Rows of the GEMM each rank computes per block: x's rows, except for
     matmul_reduce_scatter, whose x holds all ``n`` blocks."""
     return shapes[0][0] // n if op == "matmul_reduce_scatter" else shapes[0][0]
@@ -532,7 +532,7 @@ def collective_matmul_chunks(op: str, shapes: Shapes, n: int) -> int:
     Returns:
       2 from the measured rows per rank on 2 GPUs, else 1.
     """
-    rows = _rows_per_rank(op, shapes, n)
+    rows = rows_per_rank(op, shapes, n)
     if n == _MEASURED_RANKS and rows >= _TWO_CHUNKS_FROM_ROWS[op]:
         return 2
     return 1

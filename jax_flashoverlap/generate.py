@@ -34,8 +34,15 @@ from flax import nnx
 
 from . import distributed
 from ._devices import ensure_cpu_devices
-from .models import IMPLS, MODELS, SIZES, Generator, ShardingConfig
-from .train import CPU_DEVICES, make_mesh, model_config, parse_mesh_shape, restore_model_state
+from .models import IMPLS, MODELS, Generator, ShardingConfig
+from .train import (
+    CPU_DEVICES,
+    add_model_flags,
+    make_mesh,
+    model_config,
+    parse_mesh_shape,
+    restore_model_state,
+)
 
 __all__ = ["main", "parse_args", "run", "encode", "decode_text"]
 
@@ -44,8 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-generate",
                                      description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
-    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    add_model_flags(parser)
     parser.add_argument("--restore", type=Path, default=None, metavar="DIR",
                         help="load the latest checkpoint of jax-flashoverlap-train "
                              "--checkpoint-dir DIR (default: random weights)")

@@ -47,7 +47,7 @@ def _check_axis(mesh, axis_name: str) -> None:
         raise ValueError(f"mesh axes are {mesh.axis_names}; there is no {axis_name!r}")
 
 
-def _explicit_axes(mesh, axis_name: str) -> frozenset[str]:
+def _explicit_axes(mesh, axis_name: str | None = None) -> frozenset[str]:
     """The mesh axes other than ``axis_name`` whose sharding is in the types."""
     return frozenset(name for name, kind in zip(mesh.axis_names, mesh.axis_types)
                      if kind == AxisType.Explicit and name != axis_name)
@@ -69,12 +69,11 @@ def _typed_spec(a: jax.Array, explicit: frozenset[str]) -> list:
 def _placed(a: jax.Array, spec: list, mesh) -> jax.Array:
     """``a`` resharded to ``spec`` over the mesh's Explicit axes (shard_map
     takes explicitly sharded operands only as their types say)."""
-    explicit = {name for name, kind in zip(mesh.axis_names, mesh.axis_types)
-                if kind == AxisType.Explicit}
+    explicit = _explicit_axes(mesh)
     if not explicit:
         return a
     want = P(*(entry if entry in explicit else None for entry in spec))
-    have = _typed_spec(a, frozenset(explicit))
+    have = _typed_spec(a, explicit)
     return a if P(*have) == want else jax.sharding.reshard(a, want)
 
 

@@ -56,12 +56,18 @@ PEAK_FLOPS_PER_GPU = 989e12
 PROFILE_STEPS = 3
 
 
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
+    """--model and --size, the same for every command that builds a model
+    (a checkpoint restores into the model the same flags build)."""
+    parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
+    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-train",
                                      description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
-    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
+    add_model_flags(parser)
     parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
                         help="mesh shape, e.g. 4x2; None: tensor 2, data the rest")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")

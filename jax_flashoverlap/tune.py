@@ -116,33 +116,31 @@ def model_grid(model: str, size: str, tp: int, seq: int, batch: int,
     return sorted(cases)
 
 
-def _operands(op: str, shape: tuple[int, ...], n: int, dtype, rng) -> tuple[list, tuple]:
-    """Global operands and in_specs whose per-rank shapes are ``shape``."""
-    def random(s):
-        return jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype)
+# Per op: the in_specs of its operands and the out_spec of its result, over
+# the tensor axis.
+_SPECS = {
+    "all_gather_matmul": ((P("tensor"), P(None, "tensor")), P(None, "tensor")),
+    "matmul_reduce_scatter": ((P(None, "tensor"), P("tensor")), P("tensor")),
+    "matmul_all_reduce": ((P(None, "tensor"), P("tensor")), P()),
+    "all_reduce": ((P("tensor"),), P()),
+}
 
-    if op == "all_reduce":
-        return [random((n, shape[0] // jnp.dtype(dtype).itemsize))], (P("tensor"),)
-    rows, k, n_out = shape
-    if op == "all_gather_matmul":
-        return [random((n * rows, k)), random((k, n * n_out))], (P("tensor"), P(None, "tensor"))
-    rows = n * rows if op == "matmul_reduce_scatter" else rows
-    return [random((rows, n * k)), random((n * k, n_out))], (P(None, "tensor"), P("tensor"))
+
+def _operands(op: str, shape: tuple[int, ...], n: int, dtype, rng) -> tuple[list, tuple]:
+    """Random global operands whose per-rank shapes are those of ``shape``
+    (:func:`_per_rank_shapes`), and their in_specs."""
+    specs = _SPECS[op][0]
+    shapes = [tuple(d * n if i < len(spec) and spec[i] else d for i, d in enumerate(s))
+              for s, spec in zip(_per_rank_shapes(op, shape, n, dtype), specs)]
+    return [jnp.asarray(rng.standard_normal(s, dtype=np.float32), dtype) for s in shapes], specs
 
 
 def _per_rank(op: str, impl: str):
-    from . import all_gather_matmul, all_reduce, matmul_all_reduce, matmul_reduce_scatter
+    """The op on one rank's operands, as _per_rank_shapes gives them."""
+    import jax_flashoverlap
 
-    fn = {"all_gather_matmul": all_gather_matmul, "matmul_reduce_scatter": matmul_reduce_scatter,
-          "matmul_all_reduce": matmul_all_reduce, "all_reduce": all_reduce}[op]
-    if op == "all_reduce":
-        return lambda x: fn(x[0], "tensor", impl=impl)
-    return functools.partial(fn, axis_name="tensor", impl=impl)
-
-
-def _out_spec(op: str) -> P:
-    return {"all_gather_matmul": P(None, "tensor"), "matmul_reduce_scatter": P("tensor")}.get(
-        op, P())
+    fn = functools.partial(getattr(jax_flashoverlap, op), axis_name="tensor", impl=impl)
+    return (lambda x: fn(x[0])) if op == "all_reduce" else fn
 
 
 def run(args: argparse.Namespace, out=None) -> tuning.Table:
@@ -185,7 +183,7 @@ def run(args: argparse.Namespace, out=None) -> tuning.Table:
         for impl in impls:
             fn = _per_rank(op, impl)
             result = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs,
-                                           out_specs=_out_spec(op)))(*placed)
+                                           out_specs=_SPECS[op][1]))(*placed)
             result = np.asarray(result, np.float32)
             if reference is None:
                 reference = result
