@@ -20,6 +20,8 @@ Every loss must be finite. An impl that raises ``NotImplementedError`` (no
 CUDA kernel for an op) is skipped with a message.
 Results go to ``--json`` after each row; a markdown table is printed last.
 MFU is against the H200's 989 TFLOP/s dense bf16 datasheet peak per GPU.
+Each row records the first GPU's peak memory since the process started:
+run one model per process to read that model's.
 The Transformer's attention is ``--attention`` (default auto: cuDNN flash
 attention where supported); each row records which ran.
 """
@@ -57,6 +59,15 @@ def step_times(runs, k: int) -> tuple[list[float], float, float]:
     return per_step, from_idle, dispatch
 
 
+def _peak_memory_gb() -> float | None:
+    """The first device's peak memory in use since the process started (GB),
+    None where the backend keeps no statistics (CPU)."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None
+
+
 def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     import jax
 
@@ -64,7 +75,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "--model", model, "--size", args.size, "--mesh", args.mesh, "--batch", str(args.batch),
         "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
         *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else []),
-        *(["--attention", args.attention] if model == "transformer" else []),
+        *(["--attention", args.attention] if model == "transformer" else ["--ssd", args.ssd]),
         *([] if args.scan_layers else ["--unroll-layers"])])
     trainer = train.build(targs)
     corpus = train.load_corpus(None, targs.seq_len)
@@ -105,6 +116,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
     return {
         "model": model, "size": args.size, "params": trainer.num_params, "impl": impl,
         "attention": trainer.attention,
+        "ssd": getattr(trainer.config, "ssd_impl", None),
         "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
         "dtype": trainer.config.dtype, "device": jax.devices()[0].device_kind,
@@ -113,6 +125,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "step_ms_from_idle": from_idle_s * 1e3, "dispatch_ms": dispatch_s * 1e3,
         "first_call_ms": statistics.median(first_calls) * 1e3,
         "tokens_per_s": args.batch * args.seq_len / step_s,
+        "peak_memory_gb": _peak_memory_gb(),
         "mfu": trainer.flops_per_step / step_s / trainer.peak_flops
         if trainer.peak_flops else None,
         "loss_first": losses[0], "loss_last": losses[-1], "warmup_s": warmup_s,
@@ -166,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unroll-layers", dest="scan_layers", action="store_false")
     parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
                         help="the Transformer's attention (auto: cuDNN where supported)")
+    parser.add_argument("--ssd", default="auto", choices=models.SSD_IMPLS,
+                        help="Mamba-2's SSD within chunks (auto: Pallas kernels on GPUs)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10,
                         help="k: steps of the shorter timed run (the longer has 2k)")

@@ -65,12 +65,13 @@ def first_devices_mesh(count: int | None = None, axis_name: str = "tp") -> jax.s
 def looped(op: Callable[..., jax.Array], mesh, in_specs, k: int, unroll: int = 1):
     """A jitted shard_map running ``k`` dependent calls of ``op`` in a
     ``fori_loop`` (the protocol's loop, also what a profiler trace of
-    ``k`` calls should run). Returns a function of the global ``args``
-    that yields a scalar."""
+    ``k`` calls should run). ``op`` returns an array or a pytree of them
+    (gradients), each materialised whole. Returns a function of the global
+    ``args`` that yields a scalar."""
     def body(_, carry):
         args, acc = lax.optimization_barrier(carry)
-        y = lax.optimization_barrier(op(*args))
-        return args, acc + y.reshape(-1)[0].astype(jnp.float32)
+        results = jax.tree.leaves(lax.optimization_barrier(op(*args)))
+        return args, acc + sum(y.reshape(-1)[0].astype(jnp.float32) for y in results)
 
     def per_device(*args):
         _, acc = lax.fori_loop(0, k, body, (args, jnp.zeros((), jnp.float32)), unroll=unroll)
@@ -87,7 +88,8 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
     """Times ``op`` (a per-device function, run inside shard_map) per call.
 
     Args:
-      op: ``op(*per_device_args) -> array``; its result is fully materialised.
+      op: ``op(*per_device_args) -> array`` (or a pytree of arrays); its
+        result is fully materialised.
       args: global arrays, sharded as ``in_specs`` says.
       mesh: the device mesh.
       in_specs: shard_map in_specs of ``args``.

@@ -40,6 +40,7 @@ from .models import (
     IMPLS,
     MODELS,
     SIZES,
+    SSD_IMPLS,
     ShardingConfig,
     TransformerConfig,
     attention_implementation,
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
                         help="Transformer attention: cuDNN flash attention, XLA's, or "
                              "auto (cuDNN on GPUs that support it)")
+    parser.add_argument("--ssd", choices=SSD_IMPLS, default="auto",
+                        help="Mamba-2's SSD within chunks: fused Pallas GPU kernels, XLA "
+                             "einsums, or auto (Pallas on GPUs)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
@@ -113,6 +117,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--restore needs --checkpoint-dir")
     if args.attention != "auto" and args.model != "transformer":
         parser.error(f"--attention applies to --model transformer, not {args.model}")
+    if args.ssd != "auto" and args.model != "mamba":
+        parser.error(f"--ssd applies to --model mamba, not {args.model}")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     return args
@@ -242,7 +248,7 @@ def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sh
 
 def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None = None,
                  sharding: ShardingConfig | None = None, remat: bool = False,
-                 scan_layers: bool | None = None, attention: str = "auto"):
+                 scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
@@ -256,7 +262,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
         sharding=sharding or ShardingConfig(),
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
-        **({"attention_impl": attention} if has_attention else {}))
+        **({"attention_impl": attention} if has_attention else {"ssd_impl": ssd}))
     if has_attention:
         config = resolve_scan_layers(config, attention_implementation(config))
     return config
@@ -305,7 +311,7 @@ def build(args: argparse.Namespace) -> Trainer:
     _, model_cls = MODELS[args.model]
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
-                          attention=args.attention)
+                          attention=args.attention, ssd=args.ssd)
     # Before compiling anything: a clear error for a shape the mesh cannot split
     # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)

@@ -14,7 +14,15 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
         tokens = generate(model, prompt, max_new_tokens=32)   # prompt [b, p]
 """
 
-from .config import ATTENTION_IMPLS, IMPLS, SIZES, MambaConfig, ShardingConfig, TransformerConfig
+from .config import (
+    ATTENTION_IMPLS,
+    IMPLS,
+    SIZES,
+    SSD_IMPLS,
+    MambaConfig,
+    ShardingConfig,
+    TransformerConfig,
+)
 from .decoding import Generator, generate
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
@@ -22,7 +30,7 @@ from .transformer import Transformer, attention_implementation, resolve_scan_lay
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
            "generate", "Generator",
-           "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS",
+           "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "attention_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

@@ -6,7 +6,6 @@ Dimension letters in names: b batch, s sequence, d model width, v vocabulary.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from jax.sharding import PartitionSpec as P
 
@@ -14,7 +13,7 @@ from jax_flashoverlap import IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
-           "ATTENTION_IMPLS"]
+           "ATTENTION_IMPLS", "SSD_IMPLS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -22,6 +21,9 @@ SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
 # XLA's reference attention (it materialises the [s, s] scores), "auto" the
 # first where cuDNN supports the device, dtype and head size, else the second.
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
+# kernels where they can run (models.mamba.ssd).
+SSD_IMPLS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +227,8 @@ class MambaConfig(_Presets):
         divide by the tensor-parallel size, and divide the heads.
       expand: inner width = expand·d.
       conv_width: the causal depthwise convolution's kernel size.
-      chunk_size: SSD chunk length; must divide the sequence length.
+      chunk_size: SSD chunk length (a sequence that is not a multiple is
+        padded inside the scan).
       dt_min, dt_max: range of the initial time steps.
       norm_eps: RMSNorm epsilon.
       max_seq_len: the longest sequence the model takes: training's sequence
@@ -235,6 +238,8 @@ class MambaConfig(_Presets):
       impl: implementation of the overlap ops.
       remat: recompute each block in the backward pass.
       scan_layers: run the blocks as one ``lax.scan``; False unrolls them.
+      ssd_impl: the SSD's intra-chunk step, one of :data:`SSD_IMPLS` (see
+        :func:`models.mamba.ssd`).
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
@@ -263,11 +268,15 @@ class MambaConfig(_Presets):
     impl: str = "auto"
     remat: bool = False
     scan_layers: bool = True
+    ssd_impl: str = "auto"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
     def __post_init__(self):
         _check_impl("MambaConfig", self.impl, self.auto_xla_ops)
+        if self.ssd_impl not in SSD_IMPLS:
+            raise ValueError(f"MambaConfig: ssd_impl must be one of {SSD_IMPLS}, "
+                             f"got {self.ssd_impl!r}")
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")
@@ -300,8 +309,8 @@ class MambaConfig(_Presets):
 
     def sequence_multiple(self, tp: int) -> int:
         """Sequence lengths must be a multiple of this on ``tp`` tensor ranks:
-        of the chunk, and of ``tp`` under sequence parallelism."""
-        return math.lcm(self.chunk_size, tp if self.sharding.sequence_parallel else 1)
+        of ``tp`` under sequence parallelism (the scan pads to its chunks)."""
+        return tp if self.sharding.sequence_parallel else 1
 
     def check(self, mesh_shape: dict[str, int], *, batch: int,
               seq_len: int | None = None) -> None:
@@ -316,9 +325,6 @@ class MambaConfig(_Presets):
                 f"not divide by the tensor-parallel size {tp}: heads and their B/C groups "
                 f"are split over {self.sharding.tensor!r}; use a tensor axis size that "
                 f"divides {self.num_groups}, or more groups.")
-        if seq_len is not None and seq_len % self.chunk_size:
-            raise ValueError(f"Mamba2: sequence length {seq_len} is not a multiple of "
-                             f"chunk_size={self.chunk_size} (the SSD scan works in chunks).")
 
     def flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of one training token (forward + backward, no recompute).

@@ -14,6 +14,7 @@ number of groups, and the parameters do not depend on it.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -24,10 +25,11 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
-from .config import MambaConfig
+from . import ssd_pallas
+from .config import SSD_IMPLS, MambaConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
-__all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSMCache", "ssd", "ssd_step",
+__all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSD_IMPLS", "SSMCache", "ssd", "ssd_step",
            "causal_conv1d"]
 
 
@@ -68,14 +70,18 @@ def _segsum(a: jax.Array) -> jax.Array:
 
 
 def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
-        chunk_size: int, *, return_final_state: bool = False):
+        chunk_size: int, *, return_final_state: bool = False, impl: str = "auto"):
     """The SSD selective scan, chunked (Mamba-2's "minimal SSD" algorithm).
 
     Computes the recurrence ``h_t = exp(dt_t·a) h_{t-1} + dt_t x_t ⊗ b_t``,
     ``y_t = h_t · c_t`` (zero initial state) in four steps: the quadratic
     attention-like form inside each chunk, the state each chunk leaves, a
-    recurrence across chunks, and the entering states' contribution. In
-    float32.
+    recurrence across chunks, and the entering states' contribution.
+    Decays, states and sums are float32.
+
+    Differentiating it keeps only its inputs for the backward, which
+    recomputes the rest: autodiff of the chunked form would keep [chunks,
+    heads, l, l] float32 blocks per layer (gigabytes at long sequences).
 
     Args:
       x: [s, batch, g, heads, p], the heads of each B/C group.
@@ -83,27 +89,108 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
       a: [g, heads], negative decay rates.
       b: [s, batch, g, n].
       c: [s, batch, g, n].
-      chunk_size: l; must divide s.
+      chunk_size: l. A sequence that is not a multiple of it is padded with
+        zero steps, which leave the state as it was.
       return_final_state: also return the state after the last position.
+      impl: the intra-chunk step: "xla" (einsums), "pallas" (fused GPU
+        kernels, :mod:`models.ssd_pallas`; CUDA only, and head_dim,
+        heads per group and chunk_size powers of two with chunk_size and
+        head_dim at least 16), or "auto": "pallas" when it can run the
+        shape, compiled for a CUDA GPU, else "xla".
 
     Returns:
       y: [s, batch, g, heads, p], float32; with ``return_final_state``,
       ``(y, h)`` with h: [batch, g, heads, p, n], float32, the state
       :func:`ssd_step` continues from.
     """
+    intra = _intra_chunk_step(impl, chunk_size, x.shape[-1], x.shape[-2])
     s = x.shape[0]
-    if s % chunk_size:
-        raise ValueError(f"ssd: sequence length {s} is not a multiple of chunk_size={chunk_size}")
-    chunks = s // chunk_size
-    x, dt, b, c = (t.astype(jnp.float32).reshape(chunks, chunk_size, *t.shape[1:])
-                   for t in (x, dt, b, c))
-    log_decay = dt * a                                      # [C, l, batch, g, heads]
-    cum = jnp.cumsum(log_decay, axis=1)
-    x = x * dt[..., None]
-    # 1. Within chunks: y_t = sum_{u<=t} (c_t·b_u) exp(sum_{u<r<=t} log_decay_r) x_u.
+    pad = -s % chunk_size
+    if pad:
+        x, dt, b, c = (jnp.pad(t, ((0, pad),) + ((0, 0),) * (t.ndim - 1)) for t in (x, dt, b, c))
+    y, final = _ssd(x, dt, a, b, c, chunk_size, intra)
+    y = y[:s]
+    return (y, final) if return_final_state else y
+
+
+def _intra_chunk_step(impl: str, chunk_size: int, head_dim: int, heads_per_group: int):
+    """The function computing step 1 of :func:`ssd` for ``impl``."""
+    if impl == "xla":
+        return _intra_chunk_xla
+    if impl not in SSD_IMPLS:
+        raise ValueError(f"ssd: impl={impl!r} is not one of {SSD_IMPLS}")
+    reason = ssd_pallas.unsupported_reason(chunk_size, head_dim, heads_per_group)
+    if impl == "auto":
+        return _intra_chunk_xla if reason else _intra_chunk_auto
+    if reason:
+        raise ValueError(f"ssd: impl='pallas' cannot run this shape: {reason}. "
+                         f"Use impl='auto' or 'xla'.")
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"ssd: impl='pallas' runs on CUDA GPUs only (Pallas Triton kernels), "
+                         f"and the default backend is {jax.default_backend()!r}. Use "
+                         f"impl='auto' (Pallas on GPUs, XLA elsewhere) or 'xla'.")
+    return _intra_chunk_pallas
+
+
+def _intra_chunk_xla(x, dt, log_decay, cum, b, c):
+    """Step 1 as einsums: y_t = sum_{u<=t} (c_t·b_u) exp(sum_{u<r<=t} log_decay_r) dt_u x_u.
+
+    Args (chunked, [C, l, ...] of :func:`ssd`'s shapes): x, b, c in their
+    dtype; dt, log_decay and cum ([C, l, batch, g, heads]) float32.
+
+    Returns:
+      [C, l, batch, g, heads, p] float32.
+    """
+    del cum
+    x, b, c = (t.astype(jnp.float32) for t in (x, b, c))
     decay = jnp.exp(_segsum(jnp.moveaxis(log_decay, 1, -1)))  # [C, batch, g, heads, t, u]
     cb = jnp.einsum("ctbgn,cubgn->cbgtu", c, b)
-    y = jnp.einsum("cbgtu,cbghtu,cubghp->ctbghp", cb, decay, x)
+    return jnp.einsum("cbgtu,cbghtu,cubghp->ctbghp", cb, decay, x * dt[..., None])
+
+
+def _intra_chunk_pallas(x, dt, log_decay, cum, b, c, *, interpret=False):
+    """Step 1 by :func:`models.ssd_pallas.intra_chunk` (arguments as
+    :func:`_intra_chunk_xla`'s)."""
+    del log_decay
+    chunks, size = x.shape[:2]
+    cb = jnp.einsum("ctbgn,cubgn->bgctu", c, b, preferred_element_type=jnp.float32)
+    x, dt, cum = (t.reshape(chunks * size, *t.shape[2:]) for t in (x, dt, cum))
+    y = ssd_pallas.intra_chunk(cb, x, dt, cum, chunk_size=size, interpret=interpret)
+    return y.reshape(chunks, size, *y.shape[1:])
+
+
+def _intra_chunk_auto(*args):
+    return jax.lax.platform_dependent(*args, cuda=_intra_chunk_pallas, default=_intra_chunk_xla)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ssd(x, dt, a, b, c, chunk_size, intra):
+    return _chunked_ssd(x, dt, a, b, c, chunk_size, intra)
+
+
+def _ssd_fwd(x, dt, a, b, c, chunk_size, intra):
+    return _chunked_ssd(x, dt, a, b, c, chunk_size, intra), (x, dt, a, b, c)
+
+
+def _ssd_bwd(chunk_size, intra, inputs, cotangents):
+    _, vjp = jax.vjp(lambda *t: _chunked_ssd(*t, chunk_size, intra), *inputs)
+    return vjp(cotangents)
+
+
+_ssd.defvjp(_ssd_fwd, _ssd_bwd)
+
+
+def _chunked_ssd(x, dt, a, b, c, chunk_size, intra):
+    """:func:`ssd` on a sequence that is a multiple of the chunk: (y, final state)."""
+    chunks = x.shape[0] // chunk_size
+    x, dt, b, c = (t.reshape(chunks, chunk_size, *t.shape[1:]) for t in (x, dt, b, c))
+    dt = dt.astype(jnp.float32)
+    log_decay = dt * a                                      # [C, l, batch, g, heads]
+    cum = jnp.cumsum(log_decay, axis=1)
+    # 1. Within chunks.
+    y = intra(x, dt, log_decay, cum, b, c)
+    x, b, c = (t.astype(jnp.float32) for t in (x, b, c))
+    x = x * dt[..., None]
     # 2. The state each chunk leaves, from its own inputs.
     to_end = jnp.exp(cum[:, -1:] - cum)
     states = jnp.einsum("cubgn,cubgh,cubghp->cbghpn", b, to_end, x)
@@ -114,8 +201,7 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
     passed = jnp.einsum("bghzc,cbghpn->zbghpn", chunk_decay, states)  # entering, then final
     # 4. The entering state's contribution, decayed to each position.
     y = y + jnp.einsum("ctbgn,cbghpn,ctbgh->ctbghp", c, passed[:-1], jnp.exp(cum))
-    y = y.reshape(s, *y.shape[2:])
-    return (y, passed[-1]) if return_final_state else y
+    return y.reshape(-1, *y.shape[2:]), passed[-1]
 
 
 def ssd_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
@@ -171,7 +257,7 @@ class Mamba2Mixer(nnx.Module):
         tensor = config.sharding.tensor
         self.heads_per_group = config.num_heads // g
         self.head_dim, self.state_dim = p, n
-        self.chunk_size = config.chunk_size
+        self.chunk_size, self.ssd_impl = config.chunk_size, config.ssd_impl
         self.dtype = jnp.dtype(config.dtype)
         group_x = self.heads_per_group * p
         self.conv_channels = group_x + 2 * n                # [x, B, C] per group
@@ -244,7 +330,8 @@ class Mamba2Mixer(nnx.Module):
         x, bmat, cmat, dt, a = self._ssm_inputs(self._conv(conv_in), dt)
         if length is not None:
             dt = jnp.where(jnp.arange(dt.shape[0])[:, None, None, None] < length, dt, 0.0)
-        y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True)
+        y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True,
+                       impl=self.ssd_impl)
         return self._output(y, x, z, self.out_proj), (conv_in, state)
 
     def _split(self, zxbcdt: jax.Array):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything the GPU machine does, in one call: build, GPU tests, benchmarks.
 #
-#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels train
-#                                               decode all
+#   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
+#                                               train decode all
 #                                               profile, stall, nvshmem, nvlink, cutlass (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_TRAIN_ARGS and
@@ -108,6 +108,9 @@ if want kernels; then
   # shellcheck disable=SC2086
   step kernels$tag $PY benchmarks/kernel_times.py ops --json "$OUT/kernel_times$tag.json" \
     ${JFO_KT_ARGS:-}
+fi
+if want ssd; then
+  step ssd$tag $PY -P benchmarks/ssd.py --json "$OUT/ssd$tag.json"
 fi
 if want train; then
   # shellcheck disable=SC2086

@@ -36,11 +36,11 @@ def loss_and_grads(model, batch, mesh):
     return np.float64(loss), jax.tree.map(lambda g: np.asarray(g, np.float64), nnx.state(grads))
 
 
-def reference(model_cls, config, seed):
+def reference(model_cls, config, seed, seq_len: int = SEQ_LEN):
     """The TP=1 single-device model: its state, a batch, its loss and gradients."""
     mesh = cpu_mesh(tp=1)
     model = build(model_cls, config, mesh)
-    batch = tokens(seed)
+    batch = tokens(seed, seq_len=seq_len)
     return nnx.state(model), batch, *loss_and_grads(model, batch, mesh)
 
 

@@ -1,5 +1,7 @@
 """Mamba-2: the SSD scan and convolution, and tensor-parallel runs equal to one device."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +16,9 @@ causal_conv1d, ssd = models.mamba.causal_conv1d, models.mamba.ssd
 CONFIG = MambaConfig.tiny()
 
 
-def ssd_recurrence(x, dt, a, b, c):
-    """The SSM step by step: h_t = exp(dt_t a) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t."""
+def ssd_recurrence(x, dt, a, b, c, *, final_state=False):
+    """The SSM step by step: h_t = exp(dt_t a) h_{t-1} + dt_t x_t b_t^T, y_t = h_t c_t
+    (and with ``final_state``, the last h)."""
     def step(h, inputs):
         x, dt, b, c = inputs  # [batch, g, heads, p], [batch, g, heads], [batch, g, n] x2
         h = (jnp.exp(dt * a)[..., None, None] * h
@@ -24,7 +27,8 @@ def ssd_recurrence(x, dt, a, b, c):
 
     _, batch, g, heads, p = x.shape
     h0 = jnp.zeros((batch, g, heads, p, b.shape[-1]), jnp.float32)
-    return jax.lax.scan(step, h0, (x, dt, b, c))[1]
+    h, y = jax.lax.scan(step, h0, (x, dt, b, c))
+    return (y, h) if final_state else y
 
 
 def _ssd_inputs(rng, s=48, batch=2, g=3, heads=2, p=4, n=5):
@@ -52,8 +56,47 @@ def test_ssd_gradients_equal_the_recurrence(rng):
 
 
 def test_ssd_sequence_not_a_multiple_of_the_chunk(rng):
-    with pytest.raises(ValueError, match="not a multiple of chunk_size=16"):
-        ssd(*_ssd_inputs(rng, s=24), 16)
+    inputs = _ssd_inputs(rng, s=24)
+    y, h = ssd(*inputs, 16, return_final_state=True)
+    want_y, want_h = ssd_recurrence(*inputs, final_state=True)
+    assert y.shape == inputs[0].shape
+    assert_close(y, f64(want_y), "float32")
+    assert_close(h, f64(want_h), "float32")
+
+
+def test_ssd_backward_keeps_only_its_inputs(rng):
+    """The chunked form's autodiff would keep [chunks, heads, l, l] blocks;
+    the SSD's vjp keeps its inputs (and recomputes)."""
+    inputs = _ssd_inputs(rng, s=64, p=8, n=8)
+    _, vjp = jax.vjp(lambda *t: ssd(*t, 32, impl="xla"), *inputs)
+    kept = sum(leaf.size for leaf in jax.tree.leaves(vjp))
+    assert kept <= sum(t.size for t in inputs), kept
+
+
+@pytest.mark.parametrize("impl, message", [
+    ("pallas", r"impl='pallas' cannot run this shape: head_dim=4 is below 16"),
+    ("triton", r"impl='triton' is not one of \('auto', 'xla', 'pallas'\)"),
+])
+def test_ssd_impl_errors(rng, impl, message):
+    with pytest.raises(ValueError, match=message):
+        ssd(*_ssd_inputs(rng), 16, impl=impl)
+
+
+def test_ssd_pallas_needs_a_gpu(rng):
+    inputs = _ssd_inputs(rng, s=32, heads=2, p=16, n=16)
+    with pytest.raises(ValueError, match=r"impl='pallas' runs on CUDA GPUs only .* "
+                                         r"default backend is 'cpu'"):
+        ssd(*inputs, 16, impl="pallas")
+
+
+def test_ssd_auto_runs_xla_on_cpu(rng):
+    """auto stages the Pallas kernels for CUDA only: on CPU the result is
+    XLA's, and the compiled program calls no kernel."""
+    inputs = _ssd_inputs(rng, s=32, heads=2, p=16, n=16)
+    auto = jax.jit(lambda *t: ssd(*t, 16, impl="auto"))
+    assert "triton" not in auto.lower(*inputs).compile().as_text().lower()
+    np.testing.assert_array_equal(auto(*inputs), jax.jit(lambda *t: ssd(*t, 16, impl="xla"))(
+        *inputs))
 
 
 def test_causal_conv1d(rng):
@@ -97,12 +140,18 @@ def test_is_causal():
     (8, 1, 32, r"num_groups=4 \(of num_heads=8\) does not divide by the tensor-parallel "
                r"size 8"),
     (4, 2, 30, r"sequence length 30 does not divide by the 4 ranks of the tensor axis"),
-    (2, 2, 24, r"sequence length 24 is not a multiple of chunk_size=16"),
-], ids=["groups", "sequence_tp", "sequence_chunk"])
+], ids=["groups", "sequence_tp"])
 def test_shapes_the_mesh_cannot_split(tp, batch, seq_len, message):
     model = build(Mamba2, CONFIG, cpu_mesh(tp=1))
     with jax.set_mesh(cpu_mesh(tp=tp)), pytest.raises(ValueError, match=message):
         model(jnp.asarray(tokens(0, batch=batch, seq_len=seq_len)[:, :-1]))
+
+
+def test_sequence_not_a_multiple_of_the_chunk_matches_one_device():
+    """Sequence 24 in chunks of 16 (padded inside the scan) against one device
+    in chunks of 8, which divide it: the SSD does not depend on the chunk."""
+    divides = reference(Mamba2, dataclasses.replace(CONFIG, chunk_size=8), seed=7, seq_len=24)
+    check_matches_reference(Mamba2, CONFIG, divides, tp=2, impl="decomposed")
 
 
 def test_config_errors():
@@ -110,3 +159,5 @@ def test_config_errors():
         MambaConfig(num_groups=3)
     with pytest.raises(ValueError, match="must be a multiple of head_dim=48"):
         MambaConfig(head_dim=48)
+    with pytest.raises(ValueError, match=r"ssd_impl must be one of \('auto', 'xla', 'pallas'\)"):
+        MambaConfig(ssd_impl="cuda")

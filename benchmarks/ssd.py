@@ -1,0 +1,158 @@
+"""Benchmark: the SSD scan per layer, XLA against the Pallas kernels, next to
+cuDNN flash attention at the Transformer's layer.
+
+    python benchmarks/ssd.py --json out.json      # Mamba-2 1.4B's layer, sequence 8192
+
+At Mamba-2 1.4B's layer shape (batch 1, 64 heads of 64 in 8 groups, state
+128, chunk 256, bf16) it times :func:`models.mamba.ssd` forward, and
+forward + backward (the gradients of every input), with ``impl`` "xla" and
+"pallas", and cuDNN flash attention at the 1B Transformer's layer (16 heads
+of 128, 8 KV heads, causal) the same way, in one process, by the project's
+protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
+results are checked against XLA's (relative error by norm, bf16 tolerance).
+TFLOP/s count the SSD's FLOPs as ``MambaConfig.flops_per_token`` does
+(forward + backward as three forwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_flashoverlap import benchmarking, models
+
+TOLERANCE = 1e-2  # bf16
+
+
+def ssd_inputs(config: models.MambaConfig, seq_len: int, batch: int, key) -> tuple[jax.Array, ...]:
+    """(x, dt, a, b, c) of one layer, random, distributed as the model's."""
+    g, hpg = config.num_groups, config.num_heads // config.num_groups
+    keys = jax.random.split(key, 5)
+    dtype = jnp.dtype(config.dtype)
+    x = jax.random.normal(keys[0], (seq_len, batch, g, hpg, config.head_dim), dtype)
+    dt = jax.nn.softplus(jax.random.normal(keys[1], (seq_len, batch, g, hpg)) - 4.0)
+    a = -jax.random.uniform(keys[2], (g, hpg), minval=1.0, maxval=16.0)
+    b, c = (jax.random.normal(k, (seq_len, batch, g, config.state_dim), dtype)
+            for k in keys[3:])
+    return x, dt, a, b, c
+
+
+def ssd_ops(config: models.MambaConfig, impl: str):
+    """(forward, forward + backward) of one layer's SSD."""
+    def forward(*t):
+        return models.mamba.ssd(*t, config.chunk_size, impl=impl)
+
+    def backward(*t):
+        probe = jnp.ones_like(t[0], jnp.float32)
+        return jax.grad(lambda *u: jnp.sum(forward(*u) * probe), argnums=tuple(range(5)))(*t)
+    return forward, backward
+
+
+def attention_ops(config: models.TransformerConfig, seq_len: int, batch: int, key):
+    """The Transformer layer's causal cuDNN attention: args, forward, forward + backward."""
+    h, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+    keys = jax.random.split(key, 3)
+    q = jax.random.normal(keys[0], (batch, seq_len, h, d), jnp.bfloat16)
+    k, v = (jax.random.normal(kk, (batch, seq_len, kv, d), jnp.bfloat16) for kk in keys[1:])
+
+    def forward(q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+
+    def backward(q, k, v):
+        return jax.grad(lambda *t: jnp.sum(forward(*t).astype(jnp.float32)),
+                        argnums=(0, 1, 2))(q, k, v)
+    return (q, k, v), forward, backward
+
+
+def relative_error(got, want) -> float:
+    """Worst relative error by norm over the leaves of two pytrees."""
+    errs = [float(jnp.linalg.norm((g - w).astype(jnp.float32))
+                  / jnp.maximum(jnp.linalg.norm(w.astype(jnp.float32)), 1e-30))
+            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+    return max(errs)
+
+
+def ssd_flops(config: models.MambaConfig, seq_len: int, batch: int) -> float:
+    """Forward FLOPs of one layer's SSD, counted as ``MambaConfig.flops_per_token``
+    counts them (which takes forward + backward as 3 forwards)."""
+    n, p, chunk = config.state_dim, config.head_dim, config.chunk_size
+    per_token = config.num_groups * chunk * n + config.num_heads * (chunk * p + 4 * n * p)
+    return per_token * seq_len * batch
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--seq-len", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--chunk", type=int, default=None, help="default: the 1.4B model's")
+    parser.add_argument("--reps", type=int, default=7)
+    args = parser.parse_args(argv)
+    if jax.default_backend() != "gpu":
+        print("benchmarks/ssd.py times the Pallas GPU kernels: it needs a CUDA GPU",
+              file=sys.stderr)
+        return 2
+    config = models.MambaConfig.preset("1b", **({"chunk_size": args.chunk} if args.chunk else {}))
+    mesh = benchmarking.first_devices_mesh(1)
+    key = jax.random.key(0)
+    inputs = ssd_inputs(config, args.seq_len, args.batch, key)
+
+    ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
+    errors = {}
+    for i, phase in enumerate(("forward", "forward+backward")):
+        want = jax.jit(ops["xla"][i])(*inputs)
+        errors[phase] = relative_error(jax.jit(ops["pallas"][i])(*inputs), want)
+        print(f"pallas vs xla, {phase}: relative error {errors[phase]:.2e}", flush=True)
+        if not errors[phase] <= TOLERANCE:
+            raise AssertionError(f"{phase}: relative error {errors[phase]:.3g} > {TOLERANCE}")
+
+    rows = []
+
+    def timed(name, op, operands, shape, flops=None):
+        for phase, fn, work in zip(("forward", "forward+backward"), op,
+                                   (flops, flops and 3 * flops)):
+            t = benchmarking.time_per_op(fn, operands, mesh=mesh,
+                                         in_specs=(P(),) * len(operands), k1=2, k2=8,
+                                         reps=args.reps)
+            rows.append({"what": name, "phase": phase, "shape": shape, "ms": t.median_s * 1e3,
+                         "ms_min": t.min_s * 1e3, "ms_max": t.max_s * 1e3, "reps": t.reps,
+                         "tflop_per_s": work / t.median_s / 1e12 if work else None})
+            print(json.dumps(rows[-1]), flush=True)
+
+    ssd_shape = (f"batch {args.batch}, seq {args.seq_len}, {config.num_heads} heads of "
+                 f"{config.head_dim}, {config.num_groups} groups, state {config.state_dim}, "
+                 f"chunk {config.chunk_size}, {config.dtype}")
+    for impl, op in ops.items():
+        timed(f"ssd {impl}", op, inputs, ssd_shape, ssd_flops(config, args.seq_len, args.batch))
+    tconfig = models.TransformerConfig.preset("1b")
+    attn_args, *attn_op = attention_ops(tconfig, args.seq_len, args.batch, key)
+    timed("cudnn attention", attn_op, attn_args,
+          f"batch {args.batch}, seq {args.seq_len}, {tconfig.num_heads} heads of "
+          f"{tconfig.head_dim}, {tconfig.num_kv_heads} KV heads, causal, bfloat16")
+
+    by = {(r["what"], r["phase"]): r["ms"] for r in rows}
+    lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
+             "|---|---|---|---|"]
+    attention = by[("cudnn attention", "forward+backward")]
+    for what in ("ssd xla", "ssd pallas", "cudnn attention"):
+        both = by[(what, "forward+backward")]
+        lines.append(f"| {what} | {by[(what, 'forward')]:.3f} | {both:.3f} | "
+                     f"{both / attention:.2f}x |")
+    speedup = by[("ssd xla", "forward+backward")] / by[("ssd pallas", "forward+backward")]
+    print(f"\nSSD per layer ({ssd_shape}); pallas fwd+bwd {speedup:.2f}x faster than xla\n")
+    print("\n".join(lines))
+    if args.json:
+        meta = benchmarking.provenance({k: v for k, v in vars(args).items() if k != "json"})
+        meta["pallas_relative_error"] = errors
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""The SSD's Pallas kernels against the XLA SSD: in Pallas's interpreter on
+CPU, compiled on GPUs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from support import assert_close, f64, random
+
+from jax_flashoverlap import models
+
+mamba = models.mamba
+
+
+def _inputs(rng, s, heads, p, n, dtype, batch=1, groups=2):
+    """ssd's (x, dt, a, b, c); dt and a as the model makes them."""
+    x = random(rng, (s, batch, groups, heads, p), dtype)
+    dt = jax.nn.softplus(random(rng, (s, batch, groups, heads), "float32") - 3.0)
+    a = -jnp.exp(random(rng, (groups, heads), "float32"))
+    b, c = (random(rng, (s, batch, groups, n), dtype) for _ in range(2))
+    return x, dt, a, b, c
+
+
+def _check_against_xla(inputs, chunk_size, dtype, rng):
+    """Forward (y and the final state) and the gradients of every input."""
+    probe = random(rng, inputs[0].shape, "float32")
+    probe_h = random(rng, inputs[0].shape[1:] + (inputs[3].shape[-1],), "float32")
+
+    def loss(impl, *t):
+        y, h = mamba.ssd(*t, chunk_size, return_final_state=True, impl=impl)
+        return jnp.sum(y * probe) + jnp.sum(h * probe_h), (y, h)
+
+    with jax.default_matmul_precision("highest"):
+        results = {impl: jax.jit(jax.value_and_grad(functools.partial(loss, impl),
+                                                    argnums=tuple(range(5)), has_aux=True))(
+                                                        *inputs)
+                   for impl in ("xla", "pallas")}
+    (_, (want_y, want_h)), want_grads = results["xla"]
+    (_, (y, h)), grads = results["pallas"]
+    assert_close(y, f64(want_y), dtype)
+    assert_close(h, f64(want_h), dtype)
+    for name, got, want in zip(("x", "dt", "a", "b", "c"), grads, want_grads):
+        try:
+            assert_close(got, f64(want), dtype)
+        except AssertionError as e:
+            raise AssertionError(f"gradient of {name}: {e}") from None
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """impl="pallas" runs the kernels in Pallas's interpreter (on CPU)."""
+    monkeypatch.setattr(mamba, "_intra_chunk_step", lambda *_: functools.partial(
+        mamba._intra_chunk_pallas, interpret=True))
+
+
+@pytest.mark.parametrize("s, chunk_size", [(64, 16), (64, 32), (40, 16), (256, 128)],
+                         ids=["chunk16", "chunk32", "padded", "two_blocks"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interpreted_kernels_equal_xla(interpreted, s, chunk_size, dtype, rng):
+    _check_against_xla(_inputs(rng, s, heads=2, p=16, n=16, dtype=dtype), chunk_size, dtype,
+                       rng)
+
+
+@pytest.mark.parametrize("chunk_size, head_dim, heads, message", [
+    (48, 64, 8, "chunk_size=48 is not a power of two"),
+    (8, 64, 8, "chunk_size=8 is below 16"),
+    (64, 64, 6, "heads per group=6 is not a power of two"),
+])
+def test_unsupported_shapes(chunk_size, head_dim, heads, message):
+    assert models.ssd_pallas.unsupported_reason(chunk_size, head_dim, heads) == message
+    args = [jnp.zeros((chunk_size, 1, 1, heads, head_dim)), jnp.zeros((chunk_size, 1, 1, heads))]
+    with pytest.raises(ValueError, match=message):
+        models.ssd_pallas.intra_chunk(jnp.zeros((1, 1, 1, chunk_size, chunk_size)), *args,
+                                      args[1], chunk_size=chunk_size)
+
+
+# (sequence, chunk, head_dim): each chunk size, both head dims, a sequence that
+# is not a multiple of the chunk, and the 1.4B layer's long sequence.
+GPU_SHAPES = [(1024, 64, 64), (1024, 128, 128), (1024, 256, 64), (1000, 256, 64),
+              (8192, 256, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s, chunk_size, head_dim", GPU_SHAPES,
+                         ids=[f"s{s}_l{c}_p{p}" for s, c, p in GPU_SHAPES])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_equal_xla_on_gpu(s, chunk_size, head_dim, dtype, rng):
+    _check_against_xla(_inputs(rng, s, heads=8, p=head_dim, n=128, dtype=dtype), chunk_size,
+                       dtype, rng)
