@@ -148,11 +148,11 @@ def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
 
     dcum_ref[...] = lax.fori_loop(0, row + 1, column, jnp.zeros((heads, block), jnp.float32))
 
-    def above_diagonal(col, _):
+    def above_diagonal(col, carry):
         dcb_ref[:, pl.ds(col * block, block)] = jnp.zeros((block, block), jnp.float32)
-        return 0
+        return carry
 
-    lax.fori_loop(row + 1, blocks, above_diagonal, 0)
+    lax.fori_loop(row + 1, blocks, above_diagonal, None)
 
 
 def _same_variance(*arrays):
