@@ -107,6 +107,11 @@ class CausalLM(nnx.Module):
       rngs: supplies the ``params`` keys.
     """
 
+    # Without config.remat, the values (named by
+    # jax.ad_checkpoint.checkpoint_name) a block keeps for its backward,
+    # recomputing the rest; None keeps all that autodiff keeps.
+    saved_in_backward: tuple[str, ...] | None = None
+
     def __init__(self, config, block: Callable[..., nnx.Module], *, rngs: nnx.Rngs):
         d, v = config.embed_dim, config.vocab_size
         self.config = config
@@ -210,6 +215,17 @@ class CausalLM(nnx.Module):
         row = jnp.where(jax.lax.axis_index(tensor) == owner, x[local], jnp.zeros_like(x[local]))
         return jax.lax.psum(row, tensor)
 
+    def _recompute_policy(self):
+        """What a block recomputes in the backward: False, nothing (autodiff
+        keeps every residual); None, everything (``config.remat``); else a
+        ``jax.checkpoint`` policy keeping the values named in
+        ``saved_in_backward``."""
+        if self.config.remat:
+            return None
+        if self.saved_in_backward:
+            return jax.checkpoint_policies.save_only_these_names(*self.saved_in_backward)
+        return False
+
     def _apply_blocks(self, x: jax.Array) -> jax.Array:
         return self._run_blocks(x, lambda block, x: (block(x), None))[0]
 
@@ -224,8 +240,9 @@ class CausalLM(nnx.Module):
         Returns:
           (x after the last block, [each block's out]).
         """
+        recompute = self._recompute_policy()
         if not self.config.scan_layers:
-            apply = nnx.remat(call) if self.config.remat else call
+            apply = call if recompute is False else nnx.remat(call, policy=recompute)
             outs = []
             for block in self.blocks:
                 x, out = apply(block, x)
@@ -238,7 +255,7 @@ class CausalLM(nnx.Module):
         def body(x, layer_state):
             return call(nnx.merge(graphdef, layer_state), x)
 
-        if self.config.remat:
-            body = jax.checkpoint(body)
+        if recompute is not False:
+            body = jax.checkpoint(body, policy=recompute)
         x, outs = jax.lax.scan(body, x, stacked)
         return x, [jax.tree.map(lambda a, i=i: a[i], outs) for i in range(len(self.blocks))]

@@ -95,7 +95,8 @@ def test_kernels_equal_xla_on_gpu(s, chunk_size, head_dim, dtype, rng):
 @pytest.mark.gpu
 def test_mamba_1b_trains_alike_with_either_ssd():
     """Ten training steps of Mamba-2 1.4B (bf16, sequence 2048): the losses
-    with the Pallas SSD follow XLA's within bf16 tolerance."""
+    with the Pallas SSD follow XLA's, the first (same parameters) within
+    bf16 rounding, the later within the drift of a bf16 trajectory."""
     from jax_flashoverlap import train
 
     losses = {}
@@ -106,4 +107,5 @@ def test_mamba_1b_trains_alike_with_either_ssd():
         losses[ssd] = np.asarray(train.train(args).losses)
     assert np.all(np.isfinite(losses["pallas"])), losses
     assert losses["xla"][-1] < losses["xla"][0], losses  # it trains
-    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=1e-2)
+    np.testing.assert_allclose(losses["pallas"][0], losses["xla"][0], rtol=2e-3)
+    np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=3e-2)
