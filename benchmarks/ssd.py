@@ -69,6 +69,36 @@ def attention_ops(config: models.TransformerConfig, seq_len: int, batch: int, ke
     return (q, k, v), forward, backward
 
 
+def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[dict]:
+    """The intra-chunk kernels alone (``models.ssd_pallas.intra_chunk``), forward
+    and forward + backward, per tile side and warps per program."""
+    x, dt, a, b, c = inputs
+    s, chunk = x.shape[0], config.chunk_size
+    chunked = lambda t: t.reshape(s // chunk, chunk, *t.shape[1:])  # noqa: E731
+    cb = jnp.einsum("ctbgn,cubgn->bgctu", chunked(c), chunked(b),
+                    preferred_element_type=jnp.float32)
+    cum = jnp.cumsum(chunked(dt) * a, axis=1).reshape(dt.shape)
+    operands = (cb, x, dt, cum)
+    rows = []
+    for block in (32, 64, 128):
+        for warps in (4, 8):
+            def forward(*t, block=block, warps=warps):
+                return models.ssd_pallas.intra_chunk(*t, chunk_size=chunk, block=block,
+                                                     num_warps=warps)
+
+            def backward(*t, forward=forward):
+                return jax.grad(lambda *u: jnp.sum(forward(*u)), argnums=(0, 1, 2, 3))(*t)
+
+            for phase, fn in (("forward", forward), ("forward+backward", backward)):
+                t = benchmarking.time_per_op(fn, operands, mesh=mesh, in_specs=(P(),) * 4,
+                                             k1=2, k2=8, reps=reps)
+                rows.append({"what": "intra_chunk kernels", "block": block, "num_warps": warps,
+                             "phase": phase, "ms": t.median_s * 1e3, "ms_min": t.min_s * 1e3,
+                             "ms_max": t.max_s * 1e3, "reps": t.reps})
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def relative_error(got, want) -> float:
     """Worst relative error by norm over the leaves of two pytrees."""
     errs = [float(jnp.linalg.norm((g - w).astype(jnp.float32))
@@ -92,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=None, help="default: the 1.4B model's")
     parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the intra-chunk kernels alone per tile side and warps")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks/ssd.py times the Pallas GPU kernels: it needs a CUDA GPU",
@@ -136,6 +168,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{tconfig.head_dim}, {tconfig.num_kv_heads} KV heads, causal, bfloat16")
 
     by = {(r["what"], r["phase"]): r["ms"] for r in rows}
+    if args.sweep:
+        sweep = tiling_sweep(config, inputs, mesh, args.reps)
+        rows += sweep
+        print("\n| block | warps | forward (ms) | forward + backward (ms) |\n|---|---|---|---|")
+        for fwd, both in zip(sweep[::2], sweep[1::2]):
+            print(f"| {fwd['block']} | {fwd['num_warps']} | {fwd['ms']:.3f} | {both['ms']:.3f} |")
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]

@@ -190,18 +190,23 @@ def _chunked_ssd(x, dt, a, b, c, chunk_size, intra):
     cum = jnp.cumsum(log_decay, axis=1)
     # 1. Within chunks.
     y = intra(x, dt, log_decay, cum, b, c)
-    x, b, c = (t.astype(jnp.float32) for t in (x, b, c))
-    x = x * dt[..., None]
+    # Steps 2 and 4 multiply in the inputs' dtype (bf16 in training: the
+    # tensor cores' rate, half the bytes to lay out), accumulating in float32.
+    dtype = x.dtype
     # 2. The state each chunk leaves, from its own inputs.
     to_end = jnp.exp(cum[:, -1:] - cum)
-    states = jnp.einsum("cubgn,cubgh,cubghp->cbghpn", b, to_end, x)
+    states = jnp.einsum("cubgn,cubghp->cbghpn", b.astype(dtype),
+                        (x * (dt * to_end)[..., None]).astype(dtype),
+                        preferred_element_type=jnp.float32)
     # 3. Across chunks: the state entering each chunk (zero for the first).
     chunk_decay = jnp.exp(_segsum(jnp.moveaxis(jnp.pad(cum[:, -1], ((1, 0),) + ((0, 0),) * 3),
                                                0, -1)))     # [batch, g, heads, C+1, C+1]
     states = jnp.concatenate([jnp.zeros_like(states[:1]), states])
     passed = jnp.einsum("bghzc,cbghpn->zbghpn", chunk_decay, states)  # entering, then final
     # 4. The entering state's contribution, decayed to each position.
-    y = y + jnp.einsum("ctbgn,cbghpn,ctbgh->ctbghp", c, passed[:-1], jnp.exp(cum))
+    entering = jnp.einsum("ctbgn,cbghpn->ctbghp", c.astype(dtype), passed[:-1].astype(dtype),
+                          preferred_element_type=jnp.float32)
+    y = y + entering * jnp.exp(cum)[..., None]
     return y.reshape(-1, *y.shape[2:]), passed[-1]
 
 
@@ -333,7 +338,6 @@ class Mamba2Mixer(nnx.Module):
             dt = jnp.where(jnp.arange(dt.shape[0])[:, None, None, None] < length, dt, 0.0)
         y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True,
                        impl=self.ssd_impl)
-        y = checkpoint_name(y, "mamba_ssd")
         return self._output(y, x, z, self.out_proj), (conv_in, state)
 
     def _split(self, zxbcdt: jax.Array):
@@ -366,8 +370,8 @@ class Mamba2Mixer(nnx.Module):
         or its ``decode``) of the SSD's y [s, b, g, heads/g, p]."""
         s, b, groups, hpg = x.shape[:4]
         y = y + self.d_skip[...].reshape(groups, hpg, 1) * x.astype(jnp.float32)
-        y = self.norm(y.reshape(s, b, -1).astype(self.dtype), gate=z.reshape(s, b, -1))
-        return out_proj(y)
+        y = checkpoint_name(y.reshape(s, b, -1).astype(self.dtype), "mamba_ssd")
+        return out_proj(self.norm(y, gate=z.reshape(s, b, -1)))
 
 
 class Mamba2Block(nnx.Module):
@@ -399,7 +403,8 @@ class Mamba2(CausalLM):
     """
 
     # In the backward, each block recomputes its elementwise work (the
-    # convolution, activations, gated norm) and the SSD's inputs from these:
+    # convolution, activations, gated norm) and the SSD's inputs from these,
+    # in_proj's output and the SSD's with its skip (the gated norm's input):
     # keeping every residual took 187 GB at 1.4B, sequence 8192.
     saved_in_backward = ("mamba_in_proj", "mamba_ssd")
 

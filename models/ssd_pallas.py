@@ -31,6 +31,7 @@ training) with float32 accumulation; decays and sums are float32.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +42,22 @@ from jax.experimental.pallas import triton as plgpu
 __all__ = ["intra_chunk", "unsupported_reason"]
 
 _MAX_BLOCK = 64
+
+
+class Tiling(NamedTuple):
+    """How the kernels cut a chunk: [block, block] tiles, ``num_warps`` warps
+    per program (None: Triton's default, 4); ``interpret`` runs them in
+    Pallas's interpreter."""
+
+    chunk_size: int
+    block: int
+    num_warps: int | None = None
+    interpret: bool = False
+
+    def params(self) -> dict:
+        """pallas_call's keyword arguments."""
+        return dict(interpret=self.interpret,
+                    compiler_params=plgpu.CompilerParams(num_warps=self.num_warps))
 
 
 def unsupported_reason(chunk_size: int, head_dim: int, heads_per_group: int) -> str | None:
@@ -57,10 +74,6 @@ def unsupported_reason(chunk_size: int, head_dim: int, heads_per_group: int) -> 
         if value < 16:
             return f"{name}={value} is below 16"
     return None
-
-
-def _block(chunk_size: int) -> int:
-    return min(chunk_size, _MAX_BLOCK)
 
 
 def _precision(dtype) -> lax.Precision | None:
@@ -165,9 +178,9 @@ def _same_variance(*arrays):
     return arrays, jax.typeof(arrays[0]).manual_axis_type
 
 
-def _grid_and_specs(cb, x, chunk_size):
+def _grid_and_specs(x, tiling: Tiling):
     s, batch, groups, heads, p = x.shape
-    block = _block(chunk_size)
+    chunk_size, block = tiling.chunk_size, tiling.block
     chunks, blocks = s // chunk_size, chunk_size // block
     per_head = dict(
         whole_chunk=pl.BlockSpec((chunk_size, None, None, None, p),
@@ -186,8 +199,8 @@ def _grid_and_specs(cb, x, chunk_size):
     return (chunks, batch, groups, heads, blocks), block, blocks, per_head
 
 
-def _forward(cb, x, dt, cum, chunk_size, interpret):
-    grid, block, _, spec = _grid_and_specs(cb, x, chunk_size)
+def _forward(cb, x, dt, cum, tiling: Tiling):
+    grid, block, _, spec = _grid_and_specs(x, tiling)
     (cb, x, dt, cum), varying = _same_variance(cb, x, dt, cum)
     return pl.pallas_call(
         functools.partial(_forward_kernel, block=block),
@@ -195,13 +208,14 @@ def _forward(cb, x, dt, cum, chunk_size, interpret):
         in_specs=[spec["cb_rows"], spec["whole_chunk"], spec["scalars"], spec["scalars"]],
         out_specs=spec["block_rows"],
         out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32, manual_axis_type=varying),
-        interpret=interpret,
+        **tiling.params(),
         name="ssd_intra_chunk_forward",
     )(cb, x, dt, cum)
 
 
-def _backward(cb, x, dt, cum, dy, chunk_size, interpret):
-    grid, block, blocks, spec = _grid_and_specs(cb, x, chunk_size)
+def _backward(cb, x, dt, cum, dy, tiling: Tiling):
+    grid, block, blocks, spec = _grid_and_specs(x, tiling)
+    chunk_size = tiling.chunk_size
     s, batch, groups, heads, p = x.shape
     (cb, x, dt, cum, dy), varying = _same_variance(cb, x, dt, cum, dy)
     result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
@@ -213,7 +227,7 @@ def _backward(cb, x, dt, cum, dy, chunk_size, interpret):
         out_specs=[spec["block_rows"], spec["block_scalars"], spec["block_scalars"]],
         out_shape=[result(x.shape, x.dtype), result(dt.shape, jnp.float32),
                    result(cum.shape, jnp.float32)],
-        interpret=interpret,
+        **tiling.params(),
         name="ssd_intra_chunk_backward_columns",
     )(cb, x, dt, cum, dy)
     group_grid = (grid[0], batch, groups, blocks)
@@ -233,31 +247,32 @@ def _backward(cb, x, dt, cum, dy, chunk_size, interpret):
                                 lambda c, b, g, i: (b, g, 0, c * blocks + i))],
         out_shape=[result(cb.shape, jnp.float32),
                    result((batch, groups, heads, s), jnp.float32)],
-        interpret=interpret,
+        **tiling.params(),
         name="ssd_intra_chunk_backward_rows",
     )(cb, x, dt, cum, dy)
     dcum = dcum_columns + jnp.moveaxis(dcum_rows, -1, 0)
     return dcb.astype(cb.dtype), dx, ddt.astype(dt.dtype), dcum.astype(cum.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _intra_chunk(cb, x, dt, cum, chunk_size, interpret):
-    return _forward(cb, x, dt, cum, chunk_size, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _intra_chunk(cb, x, dt, cum, tiling):
+    return _forward(cb, x, dt, cum, tiling)
 
 
-def _intra_chunk_fwd(cb, x, dt, cum, chunk_size, interpret):
-    return _forward(cb, x, dt, cum, chunk_size, interpret), (cb, x, dt, cum)
+def _intra_chunk_fwd(cb, x, dt, cum, tiling):
+    return _forward(cb, x, dt, cum, tiling), (cb, x, dt, cum)
 
 
-def _intra_chunk_bwd(chunk_size, interpret, residuals, dy):
-    return _backward(*residuals, dy, chunk_size, interpret)
+def _intra_chunk_bwd(tiling, residuals, dy):
+    return _backward(*residuals, dy, tiling)
 
 
 _intra_chunk.defvjp(_intra_chunk_fwd, _intra_chunk_bwd)
 
 
 def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
-                chunk_size: int, interpret: bool = False) -> jax.Array:
+                chunk_size: int, block: int | None = None, num_warps: int | None = None,
+                interpret: bool = False) -> jax.Array:
     """The SSD's intra-chunk output, differentiable, on the GPU.
 
     Args:
@@ -267,6 +282,9 @@ def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
       cum: [s, batch, g, heads] float32, the cumulative sum of ``dt·a``
         within each chunk.
       chunk_size: l.
+      block: the tiles' side, a power of two from 16 dividing l (default
+        min(l, 64)).
+      num_warps: warps per kernel program (default Triton's, 4).
       interpret: run the kernels in Pallas's interpreter (any backend; for tests).
 
     Returns:
@@ -279,4 +297,8 @@ def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
     if s % chunk_size:
         raise ValueError(f"ssd_pallas.intra_chunk: sequence length {s} is not a multiple "
                          f"of chunk_size={chunk_size}")
-    return _intra_chunk(cb, x, dt, cum, chunk_size, interpret)
+    block = min(chunk_size, _MAX_BLOCK) if block is None else block
+    if block < 16 or block & (block - 1) or chunk_size % block:
+        raise ValueError(f"ssd_pallas.intra_chunk: block={block} must be a power of two "
+                         f"from 16 that divides chunk_size={chunk_size}")
+    return _intra_chunk(cb, x, dt, cum, Tiling(chunk_size, block, num_warps, interpret))

@@ -5,8 +5,8 @@
 #                                               train decode all
 #                                               profile, stall, nvshmem, nvlink, cutlass (only when named)
 #
-# JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_TRAIN_ARGS and
-# JFO_DECODE_ARGS
+# JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
+# JFO_TRAIN_ARGS and JFO_DECODE_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
 # JFO_DEVICES=N runs everything on the first N GPUs (CUDA_VISIBLE_DEVICES) and
 # names the JSON files *_tpN.json, so runs at TP=2/4/8 can share one $OUT.
@@ -110,7 +110,8 @@ if want kernels; then
     ${JFO_KT_ARGS:-}
 fi
 if want ssd; then
-  step ssd$tag $PY -P benchmarks/ssd.py --json "$OUT/ssd$tag.json"
+  # shellcheck disable=SC2086
+  step ssd$tag $PY -P benchmarks/ssd.py --json "$OUT/ssd$tag.json" ${JFO_SSD_ARGS:-}
 fi
 if want train; then
   # shellcheck disable=SC2086

@@ -45,6 +45,16 @@ def test_ssd_equals_the_recurrence(chunk_size, rng):
     assert_close(ssd(*inputs, chunk_size), f64(ssd_recurrence(*inputs)), "float32")
 
 
+def test_bf16_ssd_equals_the_recurrence(rng):
+    """bf16 inputs: the states' products run in bf16, within bf16 tolerance
+    of the float32 recurrence on the same (rounded) inputs."""
+    x, dt, a, b, c = _ssd_inputs(rng, s=64, p=16, n=16)
+    x, b, c = (t.astype(jnp.bfloat16) for t in (x, b, c))
+    want = ssd_recurrence(x.astype(jnp.float32), dt, a, b.astype(jnp.float32),
+                          c.astype(jnp.float32))
+    assert_close(ssd(x, dt, a, b, c, 16, impl="xla"), f64(want), "bfloat16")
+
+
 def test_ssd_gradients_equal_the_recurrence(rng):
     inputs = _ssd_inputs(rng)
     probe = random(rng, inputs[0].shape, "float32")

@@ -76,6 +76,36 @@ def test_unsupported_shapes(chunk_size, head_dim, heads, message):
                                       args[1], chunk_size=chunk_size)
 
 
+def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
+    """The forward and both backward kernels lower for an H200 (Triton's
+    lowering runs in Python; it failed on a loop carrying a literal before
+    any GPU saw it). jax asks the local GPU for its generation: say H200."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    s, chunk = 512, 256
+    inputs = _inputs(np.random.default_rng(0), s, heads=8, p=64, n=128, dtype="bfloat16")
+
+    def grads(*t):
+        return jax.grad(lambda *u: jnp.sum(mamba._ssd(*u, chunk, mamba._intra_chunk_pallas)[0]),
+                        argnums=tuple(range(5)))(*t)
+
+    text = jax.jit(grads).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
+    for kernel in ("ssd_intra_chunk_forward", "ssd_intra_chunk_backward_columns",
+                   "ssd_intra_chunk_backward_rows"):
+        assert kernel in text, kernel
+
+
+def test_tile_side_errors():
+    x = jnp.zeros((128, 1, 1, 2, 16))
+    dt = jnp.zeros((128, 1, 1, 2))
+    with pytest.raises(ValueError, match="block=48 must be a power of two from 16 that "
+                                         "divides chunk_size=64"):
+        models.ssd_pallas.intra_chunk(jnp.zeros((1, 1, 2, 64, 64)), x, dt, dt, chunk_size=64,
+                                      block=48)
+
+
 # (sequence, chunk, head_dim, dtype): each chunk size, both head dims and
 # dtypes, a sequence that is not a multiple of the chunk, and the 1.4B
 # layer's long sequence.
