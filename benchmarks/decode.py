@@ -2,7 +2,7 @@
 
     python benchmarks/decode.py --json out.json                  # 1B models, TP=2, one process
     python benchmarks/decode.py --mesh 1x1 --batches 1 --contexts 512   # one GPU
-    python -m jax_flashoverlap.launch -n 2 --node-size 1 benchmarks/decode.py \\
+    python -m jax_flashoverlap.cli.launch -n 2 --node-size 1 benchmarks/decode.py \\
         --impls xla auto --json out.json                        # NVSHMEM across 2 processes
 
 For each model, impl, batch and context length it builds a
@@ -45,8 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_flashoverlap import benchmarking, dispatch, distributed, models, train
+from jax_flashoverlap import benchmarking, dispatch, distributed, models
 from jax_flashoverlap._devices import ensure_cpu_devices
+from jax_flashoverlap.cli import train
 
 # H200 HBM3e, datasheet.
 HBM_TB_S = 4.8

@@ -1,6 +1,6 @@
 """Benchmark: the multi-process hierarchical all-reduce (NVSHMEM) against psum.
 
-    python -m jax_flashoverlap.launch -n 2 --node-size 1 \\
+    python -m jax_flashoverlap.cli.launch -n 2 --node-size 1 \\
         benchmarks/hierarchical_all_reduce.py --json out.json
 
 One process per GPU, started by the launcher; ``--node-size`` groups them

@@ -3,7 +3,7 @@
     python benchmarks/train_step.py --json out.json        # 1B models, TP=2 + SP, seq 8192
 
 For each model and ``impl`` it builds the training step of
-``jax_flashoverlap.train`` (AdamW, bf16 compute, float32 parameters) on a
+``jax_flashoverlap.cli.train`` (AdamW, bf16 compute, float32 parameters) on a
 ``--mesh`` (default 1x2: tensor parallelism over two GPUs with sequence
 parallelism), runs ``--warmup`` steps (compilation, autotuning), then times,
 ``--reps`` times, a run of k = ``--steps`` and one of 2k back-to-back steps,
@@ -36,8 +36,9 @@ import statistics
 import sys
 import time
 
-from jax_flashoverlap import benchmarking, models, train
+from jax_flashoverlap import benchmarking, models
 from jax_flashoverlap._devices import ensure_cpu_devices
+from jax_flashoverlap.cli import train
 
 
 def step_times(runs, k: int) -> tuple[list[float], float, float]:

@@ -1,6 +1,6 @@
 """Multi-process setup: ``jax.distributed`` from the launcher, node topology, byte broadcast.
 
-A program started by ``python -m jax_flashoverlap.launch -n N prog.py`` calls
+A program started by ``python -m jax_flashoverlap.cli.launch -n N prog.py`` calls
 :func:`initialize` first. Processes are grouped into nodes of
 :func:`node_size` consecutive processes (``--node-size``; all of them by
 default): the NVRAR all-reduce reduces within a node over NVLink and across
@@ -30,7 +30,7 @@ __all__ = [
     "check_same",
 ]
 
-# The variables a launcher gives each process (jax_flashoverlap.launch sets them).
+# The variables a launcher gives each process (jax_flashoverlap.cli.launch sets them).
 ENV = {
     "coordinator": "JFO_COORDINATOR_ADDRESS",
     "process_id": "JFO_PROCESS_ID",
@@ -42,7 +42,7 @@ ENV = {
 }
 
 _REQUIRED = ("coordinator", "process_id", "num_processes")
-_LAUNCH_HINT = ("start the program with `python -m jax_flashoverlap.launch -n N script.py` "
+_LAUNCH_HINT = ("start the program with `python -m jax_flashoverlap.cli.launch -n N script.py` "
                 "(or call jax.distributed.initialize yourself, e.g. under SLURM)")
 # Marks a broadcast header, so that several sources (summed) or none are told apart.
 _MAGIC = 0x4A464F  # "JFO"
@@ -50,7 +50,7 @@ _MAX_BYTES = 1 << 20
 
 
 def is_launched() -> bool:
-    """Whether this process was started by :mod:`jax_flashoverlap.launch`."""
+    """Whether this process was started by :mod:`jax_flashoverlap.cli.launch`."""
     return all(ENV[k] in os.environ for k in _REQUIRED)
 
 

@@ -4,7 +4,7 @@ Tested on one machine with 2 processes (2 H200s: each GPU its own node, and
 both in one node; tests/test_nvshmem_all_reduce.py); not yet run with more
 processes or across real nodes.
 
-One process per GPU (``python -m jax_flashoverlap.launch -n N script.py``),
+One process per GPU (``python -m jax_flashoverlap.cli.launch -n N script.py``),
 processes grouped into nodes of :func:`jax_flashoverlap.distributed.node_size`
 consecutive processes. :func:`all_reduce` reduce-scatters within a node over
 NVLink, runs recursive doubling across nodes (NVSHMEM put-with-signal into
@@ -65,7 +65,7 @@ _NOT_BUILT = (
     "-C cmake.define.JFO_ENABLE_NVSHMEM=ON .`")
 _NEEDS_DISTRIBUTED = (
     "needs jax.distributed with one GPU per process: start the program with "
-    "`python -m jax_flashoverlap.launch -n N script.py` and call "
+    "`python -m jax_flashoverlap.cli.launch -n N script.py` and call "
     "jax_flashoverlap.distributed.initialize() first (or jax.distributed.initialize "
     "yourself, e.g. under SLURM)")
 

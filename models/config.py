@@ -243,7 +243,7 @@ class MambaConfig(_Presets):
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
-        ``jax_flashoverlap.train``). matmul_reduce_scatter by default: the
+        ``jax_flashoverlap.cli.train``). matmul_reduce_scatter by default: the
         1b step on 2 H200s (scanned blocks, bf16, sequence 8192) took 455.5
         ms with it fused against 416.6 under impl="xla" in one process, and
         389.0 with it left to XLA against 416.4 in another

@@ -92,7 +92,7 @@ if want test; then
     ${JFO_GPU_TESTS:-tests}
 fi
 if want demo; then
-  step demo $PY -P -m jax_flashoverlap.demo --json "$OUT/demo.json"
+  step demo $PY -P -m jax_flashoverlap.cli.demo --json "$OUT/demo.json"
 fi
 if want cm; then
   # shellcheck disable=SC2086
@@ -180,7 +180,7 @@ if [[ " ${stages[*]} " == *" profile "* ]]; then
 --xla_dump_hlo_module_re=.*step.*"
   # shellcheck disable=SC2086
   XLA_FLAGS="${XLA_FLAGS:-} $dump_flags" \
-    step profile$tag $PY -P -m jax_flashoverlap.train --model "${JFO_PROFILE_MODEL:-transformer}" \
+    step profile$tag $PY -P -m jax_flashoverlap.cli.train --model "${JFO_PROFILE_MODEL:-transformer}" \
     ${JFO_PROFILE_ARGS:---size 1b --mesh 1x2 --batch 1 --seq-len 8192} --steps 10 --lr 1e-4 \
     --impl "${JFO_PROFILE_IMPL:-auto}" --no-progress --profile /tmp/jfo_profile \
     && step profile_summary$tag $PY benchmarks/kernel_times.py trace /tmp/jfo_profile --iterations 3 \
@@ -228,7 +228,7 @@ if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
     single="$OUT/all_reduce$tag.json"
     [ -f "$single" ] || single=benchmarks/results/all_reduce_2xh200.json
     step nvshmem_bench env -u XLA_FLAGS XLA_PYTHON_CLIENT_PREALLOCATE=false \
-      $PY -P -m jax_flashoverlap.launch -n 2 --node-size 1 --timeout 300 \
+      $PY -P -m jax_flashoverlap.cli.launch -n 2 --node-size 1 --timeout 300 \
       benchmarks/hierarchical_all_reduce.py --single-process "$single" \
       --json "$OUT/hierarchical_all_reduce.json"
   fi

@@ -7,7 +7,7 @@ import numpy as np
 from flax import nnx
 from support import assert_close, cpu_mesh
 
-from jax_flashoverlap.train import loss_fn
+from jax_flashoverlap.cli.train import loss_fn
 
 BATCH, SEQ_LEN = 2, 32
 

@@ -31,7 +31,7 @@ def test_hierarchical_benchmark_runs_in_two_processes(tmp_path):
     out = tmp_path / "h.json"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_flashoverlap.launch", "--cpu", "-n", "2", "--node-size",
+        [sys.executable, "-m", "jax_flashoverlap.cli.launch", "--cpu", "-n", "2", "--node-size",
          "1", "--timeout", "240", str(BENCHMARKS / "hierarchical_all_reduce.py"),
          "--impls", "xla", "--sizes", "4096", "--modes", "loop", "--reps", "2",
          "--json", str(out)],
@@ -327,8 +327,8 @@ def test_generate_command_runs_in_two_processes(tmp_path):
     out = tmp_path / "g.json"
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_flashoverlap.launch", "--cpu", "-n", "2", "--timeout",
-         "240", "-m", "jax_flashoverlap.generate", "--mesh", "1x2", "--prompt", "Hello",
+        [sys.executable, "-m", "jax_flashoverlap.cli.launch", "--cpu", "-n", "2", "--timeout",
+         "240", "-m", "jax_flashoverlap.cli.generate", "--mesh", "1x2", "--prompt", "Hello",
          "--max-new-tokens", "4", "--json", str(out)],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -12,8 +12,9 @@ from model_support import build
 from support import assert_as_accurate, assert_close, cpu_mesh, f64, random
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import generate as generate_cli
-from jax_flashoverlap import models, train
+from jax_flashoverlap import models
+from jax_flashoverlap.cli import generate as generate_cli
+from jax_flashoverlap.cli import train
 
 MODELS = {"transformer": (models.Transformer, models.TransformerConfig.tiny()),
           "mamba": (models.Mamba2, models.MambaConfig.tiny())}

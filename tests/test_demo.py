@@ -3,7 +3,7 @@
 import json
 import math
 
-from jax_flashoverlap import demo
+from jax_flashoverlap.cli import demo
 
 
 def test_demo_runs_every_op_and_reports_the_impl(tmp_path, capsys):

@@ -17,7 +17,7 @@ LAUNCHER_VARS = ("JFO_COORDINATOR_ADDRESS", "JFO_PROCESS_ID", "JFO_NUM_PROCESSES
 
 def test_two_processes_sum_and_broadcast(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "jax_flashoverlap.launch", "--cpu", "-n", "2",
+    proc = subprocess.run([sys.executable, "-m", "jax_flashoverlap.cli.launch", "--cpu", "-n", "2",
                            "--node-size", "1", "--timeout", "120", str(CHILD)],
                           env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import jax_flashoverlap
-from jax_flashoverlap import launch
+from jax_flashoverlap.cli import launch
 
 # Where the package under test lives: the launcher must find it from there.
 ROOT = Path(jax_flashoverlap.__file__).resolve().parents[1]
@@ -22,7 +22,7 @@ def run_launch(args, tmp_path, *, env_extra=None, cwd=None, pythonpath=True, tim
         env["PYTHONPATH"] = str(ROOT)
     env.update(env_extra or {})
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "jax_flashoverlap.launch", *args],
+    proc = subprocess.run([sys.executable, "-m", "jax_flashoverlap.cli.launch", *args],
                           env=env, cwd=cwd or tmp_path, capture_output=True, text=True,
                           timeout=timeout)
     return proc, time.monotonic() - start
@@ -88,10 +88,10 @@ def test_module_mode_and_package_found_through_parent_path(tmp_path):
     # PYTHONPATH); the children must get that path from it.
     (tmp_path / "mod.py").write_text(textwrap.dedent("""
         import sys
-        import jax_flashoverlap.launch
+        import jax_flashoverlap.cli.launch
         print("module", sys.argv[1:])
     """))
-    child = script(tmp_path, "import jax_flashoverlap.launch\nprint('found')\n")
+    child = script(tmp_path, "import jax_flashoverlap.cli.launch\nprint('found')\n")
     proc, _ = run_launch(["--cpu", "-n", "2", child], tmp_path, cwd=ROOT, pythonpath=False)
     assert proc.returncode == 0, proc.stderr
     assert lines_of(proc.stdout, 0) == lines_of(proc.stdout, 1) == ["found"]

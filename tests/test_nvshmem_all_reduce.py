@@ -51,7 +51,7 @@ def test_two_processes_match_psum(tmp_path, node_size):
     # preallocation in the children, so that the NVSHMEM heap fits.
     env = child_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
     proc = subprocess.run(
-        [sys.executable, "-m", "jax_flashoverlap.launch", "-n", "2", "--node-size",
+        [sys.executable, "-m", "jax_flashoverlap.cli.launch", "-n", "2", "--node-size",
          str(node_size), "--timeout", "400", str(CHILD), "512"],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=450)
     out = proc.stdout + proc.stderr

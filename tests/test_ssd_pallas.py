@@ -127,7 +127,7 @@ def test_mamba_1b_trains_alike_with_either_ssd():
     """Ten training steps of Mamba-2 1.4B (bf16, sequence 2048): the losses
     with the Pallas SSD follow XLA's, the first (same parameters) within
     bf16 rounding, the later within the drift of a bf16 trajectory."""
-    from jax_flashoverlap import train
+    from jax_flashoverlap.cli import train
 
     losses = {}
     for ssd in ("xla", "pallas"):

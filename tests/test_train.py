@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_flashoverlap import dispatch, models, train
+from jax_flashoverlap import dispatch, models
+from jax_flashoverlap.cli import train
 
 STEPS = 24
 RUN = ["--size", "tiny", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--no-progress"]
@@ -137,11 +138,11 @@ def test_bad_flags_name_the_fix():
 
 
 def test_command_runs_on_cpu_devices(tmp_path):
-    """``python -m jax_flashoverlap.train`` gives itself 8 CPU devices and says so."""
+    """``python -m jax_flashoverlap.cli.train`` gives itself 8 CPU devices and says so."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
     out = subprocess.run(
-        [sys.executable, "-m", "jax_flashoverlap.train", "--steps", "2", "--batch", "4",
+        [sys.executable, "-m", "jax_flashoverlap.cli.train", "--steps", "2", "--batch", "4",
          "--seq-len", "32", "--no-progress"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -11,7 +11,8 @@ from jax.sharding import PartitionSpec as P
 from support import cpu_mesh, put, random
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import dispatch, tune, tuning
+from jax_flashoverlap import dispatch, tuning
+from jax_flashoverlap.cli import tune
 
 
 def _entry(op="all_gather_matmul", rows=1024, k=4096, n_out=4096, times=None, **kw):

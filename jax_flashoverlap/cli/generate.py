@@ -4,7 +4,7 @@
         --max-new-tokens 64
     jax-flashoverlap-generate --model mamba --size 1b --mesh 1x2 --restore CKPT_DIR \\
         --prompt-file prompt.txt --max-new-tokens 256 --temperature 0.8 --top-k 40
-    python -m jax_flashoverlap.launch -n 2 --node-size 1 -m jax_flashoverlap.generate ...
+    python -m jax_flashoverlap.cli.launch -n 2 --node-size 1 -m jax_flashoverlap.cli.generate ...
 
 Byte-level tokens, as in training. ``--restore DIR`` loads the parameters of
 the latest checkpoint that ``jax-flashoverlap-train --checkpoint-dir DIR``
@@ -32,9 +32,9 @@ import jax
 import numpy as np
 from flax import nnx
 
-from . import distributed
-from ._devices import ensure_cpu_devices
-from .models import IMPLS, MODELS, Generator, ShardingConfig
+from .. import distributed
+from .._devices import ensure_cpu_devices
+from ..models import IMPLS, MODELS, Generator, ShardingConfig
 from .train import (
     CPU_DEVICES,
     add_model_flags,
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def _start_nvshmem(heap_mb: int) -> None:
     """NVSHMEM for the decode all-reduce across processes, where it is built."""
-    from . import nvshmem
+    from .. import nvshmem
 
     if nvshmem.is_built() and jax.default_backend() == "gpu":
         nvshmem.initialize(heap_mb=heap_mb)

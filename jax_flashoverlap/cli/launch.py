@@ -1,7 +1,7 @@
 """Starts n local processes of one program, wired together for ``jax.distributed``.
 
-    python -m jax_flashoverlap.launch -n 2 script.py [args...]
-    python -m jax_flashoverlap.launch -n 2 -m package.module [args...]
+    python -m jax_flashoverlap.cli.launch -n 2 script.py [args...]
+    python -m jax_flashoverlap.cli.launch -n 2 -m package.module [args...]
 
 One process per GPU where there are GPUs (``CUDA_VISIBLE_DEVICES`` narrowed to
 one device each, as NVSHMEM and XLA's multi-process GPU runtime want), else one
@@ -38,8 +38,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from ._devices import without_cpu_device_count
-from .distributed import ENV
+from .._devices import without_cpu_device_count
+from ..distributed import ENV
 
 __all__ = ["ENV", "FORCED_ENV", "main", "visible_gpus"]
 
@@ -213,7 +213,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jax_flashoverlap.launch",
+        prog="python -m jax_flashoverlap.cli.launch",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         usage="%(prog)s -n N [options] (script.py | -m module) [args...]",
         description="Start N local processes for jax.distributed, one per GPU "

@@ -1,6 +1,6 @@
 """Trains the Transformer or Mamba-2 on a (data x tensor) mesh with optax.
 
-    python -P -m jax_flashoverlap.train --model transformer --size tiny --steps 200
+    python -P -m jax_flashoverlap.cli.train --model transformer --size tiny --steps 200
     jax-flashoverlap-train --model mamba --size 1b --mesh 1x2 --seq-len 8192 --batch 1
 
 Byte-level tokens from ``--data FILE``, or from a text corpus that ships with
@@ -33,9 +33,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import dispatch
-from ._devices import ensure_cpu_devices
-from .models import (
+from .. import dispatch
+from .._devices import ensure_cpu_devices
+from ..models import (
     ATTENTION_IMPLS,
     IMPLS,
     MODELS,

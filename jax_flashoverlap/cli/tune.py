@@ -31,8 +31,8 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from . import _extension, benchmarking, dispatch, tuning
-from ._devices import ensure_cpu_devices
+from .. import _extension, benchmarking, dispatch, tuning
+from .._devices import ensure_cpu_devices
 
 __all__ = ["main", "parse_args", "default_grid", "model_grid", "run"]
 
@@ -95,8 +95,8 @@ def model_grid(model: str, size: str, tp: int, seq: int, batch: int,
     ``seq``) and its decode step (one token per row), per tensor rank."""
     from flax import nnx
 
-    from .models import MODELS
-    from .nn import ColumnParallelLinear, RowParallelLinear
+    from ..models import MODELS
+    from ..nn import ColumnParallelLinear, RowParallelLinear
 
     config_cls, model_cls = MODELS[model]
     config = config_cls.preset(size)

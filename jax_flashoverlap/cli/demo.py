@@ -1,6 +1,6 @@
 """Demo: runs every op with each implementation, checks it, times it.
 
-    jax-flashoverlap-demo            # or: python -P -m jax_flashoverlap.demo
+    jax-flashoverlap-demo            # or: python -P -m jax_flashoverlap.cli.demo
 
 On a machine without GPUs it runs on 8 CPU devices (and says so); on GPUs it
 uses all local GPUs along one tensor-parallel axis. Results are checked
@@ -14,7 +14,7 @@ import functools
 import json
 import sys
 
-from ._devices import ensure_cpu_devices
+from .._devices import ensure_cpu_devices
 
 
 def _cases(n: int, on_gpu: bool):

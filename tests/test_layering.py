@@ -1,0 +1,44 @@
+"""The library apart from its applications: what imports what."""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY = sorted((ROOT / "jax_flashoverlap").glob("*.py")) + sorted((ROOT / "models").glob("*.py"))
+
+
+def _imported_modules(path: pathlib.Path) -> list[str]:
+    """Every module (and name) ``path`` imports, relative ones without their dots."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            names += [module] + [f"{module}.{alias.name}".lstrip(".") for alias in node.names]
+    return names
+
+
+def test_the_library_never_imports_the_applications():
+    for path in LIBRARY:
+        for name in _imported_modules(path):
+            assert "cli" not in name.split("."), f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_importing_the_library_loads_no_application(tmp_path):
+    code = ("import sys, jax_flashoverlap, jax_flashoverlap.models; "
+            "print(sorted(m for m in sys.modules if m.startswith('jax_flashoverlap.cli')))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == "[]\n"
+
+
+def test_the_models_use_only_the_public_api():
+    for path in sorted((ROOT / "models").glob("*.py")):
+        for name in _imported_modules(path):
+            if name.startswith("jax_flashoverlap"):
+                assert not any(part.startswith("_") for part in name.split(".")), \
+                    f"{path.relative_to(ROOT)} imports {name}"
