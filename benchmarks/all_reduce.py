@@ -5,7 +5,7 @@
 bf16 messages of 4 KiB to 256 MiB per rank (powers of 4, plus 2, 8 and
 32 MiB) over the local GPUs (``--devices N``: the first N), in one process:
 impl="cuda" with each kernel ("one_shot", "two_shot", and "lamport" up to
-``dispatch.lamport_max_bytes()``, 2 MiB on 2 GPUs), impl="auto" (what users
+``cuda_policy.lamport_max_bytes()``, 2 MiB on 2 GPUs), impl="auto" (what users
 get by default, at the default workspace unless ``--workspace-mb``) and XLA's
 psum ("xla"). Messages the default workspace cannot hold fail for "cuda" and
 run psum under "auto". Every implementation's result
@@ -91,7 +91,7 @@ def run(sizes, impls, modes, reps, devices=None):
     from jax.sharding import PartitionSpec as P
 
     import jax_flashoverlap as jfo
-    from jax_flashoverlap import dispatch
+    from jax_flashoverlap import cuda_policy
     from jax_flashoverlap.benchmarking import first_devices_mesh
 
     mesh = first_devices_mesh(devices)
@@ -113,7 +113,7 @@ def run(sizes, impls, modes, reps, devices=None):
         guess_us = 10 + size / 200e9 * 1e6
         k2 = int(min(500, max(10, 20_000 / guess_us)))
         for name in impls:
-            if name == "lamport" and size > dispatch.lamport_max_bytes():
+            if name == "lamport" and size > cuda_policy.lamport_max_bytes():
                 continue
             if name == "transfer":
                 op = functools.partial(_transfer, n=n)
@@ -220,11 +220,11 @@ def main():
         os.environ["JAX_FLASHOVERLAP_WORKSPACE_MB"] = str(args.workspace_mb)
     rows, n = run(args.sizes, args.impls, args.modes, args.reps, args.devices)
 
-    from jax_flashoverlap import benchmarking, dispatch, settings
+    from jax_flashoverlap import benchmarking, cuda_policy, settings
     options = {k: v for k, v in vars(args).items() if k not in ("json", "plot")}
     meta = dict(benchmarking.provenance(options), devices=n, dtype="bfloat16", skipped=SKIPPED,
                 workspace_mb=settings.get("JAX_FLASHOVERLAP_WORKSPACE_MB"),
-                one_shot_max_bytes=dispatch.ONE_SHOT_MAX_BYTES)
+                one_shot_max_bytes=cuda_policy.ONE_SHOT_MAX_BYTES)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -304,7 +304,7 @@ def main():
                              "each --chunks)")
     parser.add_argument("--part-aligns", nargs="+", type=int, default=[],
                         help="also time the fused matmul_all_reduce with each of these "
-                             "dispatch.MATMUL_ALL_REDUCE_PART_ALIGN (rows 'cuda_part_alignA')")
+                             "cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN (rows 'cuda_part_alignA')")
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N local devices (default: all)")
     parser.add_argument("--reps", type=int, default=5)

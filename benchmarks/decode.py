@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_flashoverlap import benchmarking, dispatch, distributed, models
+from jax_flashoverlap import benchmarking, cuda_policy, distributed, models
 from jax_flashoverlap._devices import ensure_cpu_devices
 from jax_flashoverlap.cli import train
 
@@ -67,10 +67,10 @@ class Case(NamedTuple):
 def _impl_and_algorithm(name: str) -> tuple[str, str | None]:
     impl, _, algorithm = name.partition(":")
     if impl not in models.IMPLS or (algorithm and algorithm not in
-                                    dispatch.ALL_REDUCE_ALGORITHMS):
+                                    cuda_policy.ALL_REDUCE_ALGORITHMS):
         raise argparse.ArgumentTypeError(
             f"--impls {name!r}: expected one of {models.IMPLS}, or cuda:ALGORITHM with "
-            f"ALGORITHM in {dispatch.ALL_REDUCE_ALGORITHMS}")
+            f"ALGORITHM in {cuda_policy.ALL_REDUCE_ALGORITHMS}")
     return impl, algorithm or None
 
 
@@ -90,12 +90,12 @@ def forced_algorithm(algorithm: str | None):
     if algorithm is None:
         yield
         return
-    chosen = dispatch.all_reduce_algorithm
-    dispatch.all_reduce_algorithm = lambda *args, **kwargs: algorithm
+    chosen = cuda_policy.all_reduce_algorithm
+    cuda_policy.all_reduce_algorithm = lambda *args, **kwargs: algorithm
     try:
         yield
     finally:
-        dispatch.all_reduce_algorithm = chosen
+        cuda_policy.all_reduce_algorithm = chosen
 
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str):

@@ -172,16 +172,16 @@ def gemm_blocks(op: str, fn, overrides: dict, shapes_op, n: int) -> int | None:
     impl="cuda" all_gather_matmul and matmul_reduce_scatter. None for other
     ops and impls, and for the "add_after" fold (its own block is one GEMM,
     the others chunked)."""
-    from jax_flashoverlap import dispatch
+    from jax_flashoverlap import cuda_policy
 
-    fold = overrides.get("REDUCE_SCATTER_FOLD", dispatch.REDUCE_SCATTER_FOLD)
+    fold = overrides.get("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLD)
     if (op not in ("all_gather_matmul", "matmul_reduce_scatter")
             or fn.keywords.get("impl") != "cuda"
             or (op == "matmul_reduce_scatter" and fold == "add_after")):
         return None
     chunks = fn.keywords.get("chunks")
     if chunks is None:
-        chunks = dispatch.collective_matmul_chunks(op, shapes_op, n)
+        chunks = cuda_policy.collective_matmul_chunks(op, shapes_op, n)
     return n * chunks
 
 

@@ -39,6 +39,7 @@ import time
 from jax_flashoverlap import benchmarking, models
 from jax_flashoverlap._devices import ensure_cpu_devices
 from jax_flashoverlap.cli import train
+from jax_flashoverlap.cli.data import load_corpus
 
 
 def step_times(runs, k: int) -> tuple[list[float], float, float]:
@@ -79,7 +80,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         *(["--attention", args.attention] if model == "transformer" else ["--ssd", args.ssd]),
         *([] if args.scan_layers else ["--unroll-layers"])])
     trainer = train.build(targs)
-    corpus = train.load_corpus(None, targs.seq_len)
+    corpus = load_corpus(None, targs.seq_len)
     batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
     losses = []
 

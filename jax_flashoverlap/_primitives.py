@@ -27,6 +27,7 @@ from . import (
     _extension,
     _jax_shim,
     _module_loading,
+    cuda_policy,
     decomposed,
     dispatch,
     schedule,
@@ -98,16 +99,16 @@ def _as_tuple(fn):
     return wrapped
 
 
-def _dispatch_choice(name: str, choices: tuple[str, ...]) -> str:
-    """dispatch.<name>, checked against its choices (users may set it)."""
-    value = getattr(dispatch, name)
+def _policy_choice(name: str, choices: tuple[str, ...]) -> str:
+    """cuda_policy.<name>, checked against its choices (users may set it)."""
+    value = getattr(cuda_policy, name)
     if value not in choices:
-        raise ValueError(f"dispatch.{name} must be one of {choices}, got {value!r}")
+        raise ValueError(f"cuda_policy.{name} must be one of {choices}, got {value!r}")
     return value
 
 
 def _waits_on_xla_stream() -> np.int32:
-    return np.int32(_dispatch_choice("PEER_WAIT_STREAM", dispatch.PEER_WAIT_STREAMS) == "xla")
+    return np.int32(_policy_choice("PEER_WAIT_STREAM", cuda_policy.PEER_WAIT_STREAMS) == "xla")
 
 
 # The CUDA kernels send straight to every peer over NVLink: they always run
@@ -120,7 +121,7 @@ def _ag_attrs(n, opts):
 
 def _rs_attrs(n, opts):
     sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
-    fold = _dispatch_choice("REDUCE_SCATTER_FOLD", dispatch.REDUCE_SCATTER_FOLDS)
+    fold = _policy_choice("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLDS)
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
             "add_after": np.int32(fold == "add_after"),
             "waits_on_xla_stream": _waits_on_xla_stream()}
@@ -131,14 +132,14 @@ def _mar_attrs(n, opts):
 
 
 def _ar_attrs(n, opts):
-    return {"algorithm": np.int32(dispatch.ALL_REDUCE_ALGORITHMS.index(opts["algorithm"]))}
+    return {"algorithm": np.int32(cuda_policy.ALL_REDUCE_ALGORITHMS.index(opts["algorithm"]))}
 
 
 def _chunks_by_shape(op_name: str):
     """cuda_options of the collective matmuls: chunks=None picked by shape."""
     def options(ctx, n, opts):
         if opts.get("chunks") is None:
-            opts["chunks"] = dispatch.collective_matmul_chunks(
+            opts["chunks"] = cuda_policy.collective_matmul_chunks(
                 op_name, [a.shape for a in ctx.avals_in], n)
         return opts
     return options
@@ -148,7 +149,7 @@ def _ar_options(ctx, n, opts):
     """algorithm=None picked by message size, decided here with the impl."""
     aval = ctx.avals_in[0]
     if opts["algorithm"] is None:
-        opts["algorithm"] = dispatch.all_reduce_algorithm(
+        opts["algorithm"] = cuda_policy.all_reduce_algorithm(
             math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
     _check_lamport_size(aval, opts["algorithm"])
     return opts
@@ -159,7 +160,7 @@ def _mar_options(ctx, n, opts):
     but the first a multiple of MATMUL_ALL_REDUCE_PART_ALIGN rows."""
     rows = ctx.avals_in[0].shape[0]
     opts["chunk_rows"] = schedule.all_reduce_chunk_rows(
-        rows, opts.pop("chunks"), align=n * dispatch.MATMUL_ALL_REDUCE_PART_ALIGN)
+        rows, opts.pop("chunks"), align=n * cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN)
     return opts
 
 
@@ -167,7 +168,7 @@ def _mar_lowering(ctx, args, transport, n, opts):
     """XLA's dot and the all-reduce kernel for small results; else the fused
     kernel (None), within its event budget."""
     out = ctx.avals_out[0]
-    if dispatch.matmul_all_reduce_kernel(
+    if cuda_policy.matmul_all_reduce_kernel(
             math.prod(out.shape) * out.dtype.itemsize) == "gemm_then_all_reduce":
         return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
     _check_event_budget(len(opts["chunk_rows"]), n)
@@ -358,20 +359,20 @@ def _check_event_budget(chunks: int, n: int) -> None:
 
 
 def _check_lamport_size(aval, algorithm: str) -> None:
-    """The Lamport kernel's slots hold dispatch.lamport_max_bytes() per rank."""
+    """The Lamport kernel's slots hold cuda_policy.lamport_max_bytes() per rank."""
     nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-    limit = dispatch.lamport_max_bytes()
+    limit = cuda_policy.lamport_max_bytes()
     if algorithm == "lamport" and nbytes > limit:
         raise ValueError(
             f"all_reduce(impl='cuda', algorithm='lamport') takes up to "
-            f"{limit >> 10} KiB per rank with {dispatch.process_cuda_devices()} CUDA "
+            f"{limit >> 10} KiB per rank with {cuda_policy.process_cuda_devices()} CUDA "
             f"devices in the process, got {aval.shape} {aval.dtype} ({nbytes} bytes); use "
             f"algorithm='one_shot' or None")
 
 
 def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):
     """matmul_all_reduce for small messages: XLA's dot, then the all-reduce
-    kernel on the same stream (see dispatch.matmul_all_reduce_kernel)."""
+    kernel on the same stream (see cuda_policy.matmul_all_reduce_kernel)."""
     _extension.require_cuda_ops("matmul_all_reduce", OPS["all_reduce"].ffi_target)
 
     def gemm_then_all_reduce(x, w):
@@ -381,7 +382,7 @@ def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):
                                 jax.ShapeDtypeStruct(y.shape, y.dtype))
         n = int(transport["n"])
         return [call(y, **transport, **_ar_attrs(
-            n, {"algorithm": dispatch.all_reduce_algorithm(nbytes, n, y.dtype)}))]
+            n, {"algorithm": cuda_policy.all_reduce_algorithm(nbytes, n, y.dtype)}))]
 
     return mlir.lower_fun(gemm_then_all_reduce, multiple_results=True)(ctx, x, w)
 

@@ -39,7 +39,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: str, *,
         "bidirectional"); the CUDA kernel always sends straight to each peer.
       chunks: row chunks per shard in the CUDA kernel (each signalled on its
         own, so that work starts on the first rows to arrive); None picks by
-        shape (:func:`jax_flashoverlap.dispatch.collective_matmul_chunks`).
+        shape (:func:`jax_flashoverlap.cuda_policy.collective_matmul_chunks`).
 
     Returns:
       [..., n * m_local, ..., n_out]: x's shape with ``gather_axis`` grown n

@@ -6,7 +6,7 @@ import functools
 
 import jax
 
-from . import _layout, _primitives, _validation, dispatch
+from . import _layout, _primitives, _validation, cuda_policy
 
 __all__ = ["all_reduce"]
 
@@ -28,11 +28,11 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
       algorithm: the CUDA kernel: "one_shot" (every rank sums all ranks'
         data), "two_shot" (reduce-scatter, then all-gather), "lamport" (the
         one-shot without flags, for messages up to
-        :func:`~jax_flashoverlap.dispatch.lamport_max_bytes` per rank (2 MiB
+        :func:`~jax_flashoverlap.cuda_policy.lamport_max_bytes` per rank (2 MiB
         with 2 CUDA devices in the process); it
         sends -0.0 as +0.0, and in float32 one denormal, -4.6e-41, as -0.0),
         or None to pick by message size and rank count
-        (:func:`jax_flashoverlap.dispatch.all_reduce_algorithm`: "lamport"
+        (:func:`jax_flashoverlap.cuda_policy.all_reduce_algorithm`: "lamport"
         up to 2 MiB of a 16-bit dtype on 2 ranks, where it was measured
         fastest).
         The other implementations ignore it.
@@ -43,9 +43,9 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
       rank gets the same bits.
     """
     _validation.check_impl(_OP, impl)
-    if algorithm is not None and algorithm not in dispatch.ALL_REDUCE_ALGORITHMS:
+    if algorithm is not None and algorithm not in cuda_policy.ALL_REDUCE_ALGORITHMS:
         raise ValueError(f"{_OP}: algorithm must be None (chosen by message size) or one "
-                         f"of {dispatch.ALL_REDUCE_ALGORITHMS}, got {algorithm!r}")
+                         f"of {cuda_policy.ALL_REDUCE_ALGORITHMS}, got {algorithm!r}")
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_dtypes(_OP, x=x)
     _validation.check_not_empty(_OP, x=x)

@@ -30,12 +30,12 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
       axis_name: mesh axis of ``n`` ranks to sum over.
       impl: "xla" (dot then psum), "decomposed" (pure-JAX chunked ring
         all-reduce), "cuda" (the fused FFI kernel; for a result of at most
-        :data:`jax_flashoverlap.dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES`
+        :data:`jax_flashoverlap.cuda_policy.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES`
         per rank, XLA's dot then the one-kernel all-reduce), or "auto".
       chunks: number of row chunks of the fused kernel and the "decomposed"
         path (see :func:`jax_flashoverlap.schedule.all_reduce_chunk_rows`);
         every chunk but the first holds a multiple of ``n`` ×
-        :data:`jax_flashoverlap.dispatch.MATMUL_ALL_REDUCE_PART_ALIGN` rows,
+        :data:`jax_flashoverlap.cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN` rows,
         so there are at most ``rows // (n * MATMUL_ALL_REDUCE_PART_ALIGN)``
         chunks (and at least one).
 

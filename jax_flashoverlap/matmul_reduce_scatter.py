@@ -39,7 +39,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
         "bidirectional"); the CUDA kernel always sends straight to the owner.
       chunks: row chunks per block in the CUDA kernel (each signalled on its
         own, so that work starts on the first rows to arrive); None picks by
-        shape (:func:`jax_flashoverlap.dispatch.collective_matmul_chunks`).
+        shape (:func:`jax_flashoverlap.cuda_policy.collective_matmul_chunks`).
 
     Returns:
       [..., m, ..., n_out]: this rank's block of the sum. Its gradient runs

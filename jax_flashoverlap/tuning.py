@@ -30,7 +30,7 @@ import os
 import pathlib
 from collections.abc import Iterable, Sequence
 
-from . import dispatch
+from . import cuda_policy
 
 __all__ = ["Entry", "Table", "cache_path", "load", "rows_per_rank", "size_of",
            "table_from_results", "VERSION"]
@@ -43,11 +43,11 @@ Shapes = Sequence[tuple[int, ...]]
 
 def rows_per_rank(op: str, shapes: Shapes, n: int, itemsize: int) -> int:
     """The size a call is bucketed by: the rows of the GEMM each rank runs
-    per block (:func:`jax_flashoverlap.dispatch.rows_per_rank`), or for
+    per block (:func:`jax_flashoverlap.cuda_policy.rows_per_rank`), or for
     all_reduce the message bytes per rank."""
     if op == "all_reduce":
         return math.prod(shapes[0]) * itemsize
-    return dispatch.rows_per_rank(op, shapes, n)
+    return cuda_policy.rows_per_rank(op, shapes, n)
 
 
 def size_of(op: str, shapes: Shapes) -> int:

@@ -12,7 +12,7 @@ from support import (
 )
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import _extension, _primitives, dispatch
+from jax_flashoverlap import _extension, _primitives, cuda_policy
 
 OP = "all_reduce"
 
@@ -59,22 +59,22 @@ def test_unknown_algorithm_is_rejected(algorithm):
 
 
 def test_algorithm_by_message_size_and_ranks():
-    lamport, limit = dispatch.LAMPORT_AUTO_MAX_BYTES, dispatch.ONE_SHOT_MAX_BYTES
-    assert lamport <= dispatch.lamport_max_bytes(2) <= dispatch.LAMPORT_MAX_BYTES
+    lamport, limit = cuda_policy.LAMPORT_AUTO_MAX_BYTES, cuda_policy.ONE_SHOT_MAX_BYTES
+    assert lamport <= cuda_policy.lamport_max_bytes(2) <= cuda_policy.LAMPORT_MAX_BYTES
     bf16, f32 = np.dtype(jnp.bfloat16), np.dtype(np.float32)
-    assert dispatch.all_reduce_algorithm(1, 2, bf16, local_devices=2) == "lamport"
-    assert dispatch.all_reduce_algorithm(lamport, 2, np.float16, local_devices=2) == "lamport"
-    assert dispatch.all_reduce_algorithm(lamport + 2, 2, bf16, local_devices=2) == "one_shot"
+    assert cuda_policy.all_reduce_algorithm(1, 2, bf16, local_devices=2) == "lamport"
+    assert cuda_policy.all_reduce_algorithm(lamport, 2, np.float16, local_devices=2) == "lamport"
+    assert cuda_policy.all_reduce_algorithm(lamport + 2, 2, bf16, local_devices=2) == "one_shot"
     # A 2-GPU group in a process with 8 GPUs has smaller Lamport slots.
-    eight = dispatch.lamport_max_bytes(8)
-    assert dispatch.all_reduce_algorithm(eight, 2, bf16, local_devices=8) == "lamport"
-    assert dispatch.all_reduce_algorithm(eight + 2, 2, bf16, local_devices=8) == "one_shot"
+    eight = cuda_policy.lamport_max_bytes(8)
+    assert cuda_policy.all_reduce_algorithm(eight, 2, bf16, local_devices=8) == "lamport"
+    assert cuda_policy.all_reduce_algorithm(eight + 2, 2, bf16, local_devices=8) == "one_shot"
     # Lamport was measured on 2 GPUs in bf16 only.
-    assert dispatch.all_reduce_algorithm(2, 4, bf16) == "one_shot"
-    assert dispatch.all_reduce_algorithm(4, 2, f32) == "one_shot"
-    assert dispatch.all_reduce_algorithm(limit, 4, bf16) == "one_shot"
-    assert dispatch.all_reduce_algorithm(limit + 2, 2, bf16) == "two_shot"
-    assert dispatch.all_reduce_algorithm(256 << 20, 2, f32) == "two_shot"
+    assert cuda_policy.all_reduce_algorithm(2, 4, bf16) == "one_shot"
+    assert cuda_policy.all_reduce_algorithm(4, 2, f32) == "one_shot"
+    assert cuda_policy.all_reduce_algorithm(limit, 4, bf16) == "one_shot"
+    assert cuda_policy.all_reduce_algorithm(limit + 2, 2, bf16) == "two_shot"
+    assert cuda_policy.all_reduce_algorithm(256 << 20, 2, f32) == "two_shot"
 
 
 def test_cuda_attribute_names_the_kernel():
@@ -87,7 +87,7 @@ def test_cuda_attribute_names_the_kernel():
 def test_lamport_size_limit_applies_to_the_cuda_kernel_only(rng):
     """impl="xla" ignores the algorithm, so a message over the Lamport limit runs."""
     mesh = cpu_mesh(2)
-    x = rng.standard_normal((2, dispatch.lamport_max_bytes() // 4 + 8)).astype(np.float32)
+    x = rng.standard_normal((2, cuda_policy.lamport_max_bytes() // 4 + 8)).astype(np.float32)
     f = jax.jit(jax.shard_map(lambda v: jfo.all_reduce(v[0], "tensor", impl="xla",
                                                        algorithm="lamport"),
                               mesh=mesh, in_specs=P("tensor"), out_specs=P()))
@@ -112,5 +112,5 @@ def test_algorithm_is_resolved_when_lowered_for_cuda(algorithm, dtype, elements,
     arg = jax.ShapeDtypeStruct((2, elements), jnp.dtype(dtype),
                                sharding=jax.sharding.NamedSharding(mesh, P("tensor")))
     text = f.trace(arg).lower(lowering_platforms=("cuda",)).as_text()
-    index = dispatch.ALL_REDUCE_ALGORITHMS.index(expected)
+    index = cuda_policy.ALL_REDUCE_ALGORITHMS.index(expected)
     assert f"algorithm = {index} : i32" in text

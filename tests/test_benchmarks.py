@@ -84,11 +84,11 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
 
 def test_dispatch_overrides_are_restored():
     bench = _load("collective_matmul")
-    from jax_flashoverlap import dispatch
-    before = dispatch.REDUCE_SCATTER_FOLD
+    from jax_flashoverlap import cuda_policy
+    before = cuda_policy.REDUCE_SCATTER_FOLD
     with bench._dispatch_overrides({"REDUCE_SCATTER_FOLD": "add_after"}):
-        assert dispatch.REDUCE_SCATTER_FOLD == "add_after"
-    assert dispatch.REDUCE_SCATTER_FOLD == before
+        assert cuda_policy.REDUCE_SCATTER_FOLD == "add_after"
+    assert cuda_policy.REDUCE_SCATTER_FOLD == before
 
 
 def _synthetic_trace(path):

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from support import assert_close, child_env, f64, gpu_layout_mesh, poison_allocator
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import _extension, dispatch
+from jax_flashoverlap import _extension, cuda_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -115,7 +115,7 @@ def _host_calls() -> int:
 def _sizes(rng, dtype, algorithm):
     """Element counts from 1 to the algorithm's largest message: tiny, odd,
     around the packs, random, largest."""
-    top = ((dispatch.lamport_max_bytes() if algorithm == "lamport" else MAX_BYTES)
+    top = ((cuda_policy.lamport_max_bytes() if algorithm == "lamport" else MAX_BYTES)
            // jnp.dtype(dtype).itemsize)
     return [1, 3, 8, 9, 4097, int(rng.integers(1 << 10, min(1 << 16, top))),
             int(rng.integers(min(1 << 16, top - 1), min(1 << 22, top))) | 1, top]
@@ -193,7 +193,7 @@ def test_back_to_back_calls_of_random_sizes_and_algorithms():
         return run
 
     branches = [case(s, a) for s in STRESS_SIZES for a in ALGORITHMS
-                if a != "lamport" or 2 * s <= dispatch.lamport_max_bytes()]
+                if a != "lamport" or 2 * s <= cuda_policy.lamport_max_bytes()]
 
     def count_wrong(key):
         def body(i, wrong):
@@ -311,7 +311,7 @@ def test_missing_peer_times_out_with_nan_and_a_named_error(algorithm):
     warm = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL), mesh)
     warm(jnp.ones((n, 8), jnp.float32)).block_until_ready()  # group set up
     jfo.check_device_errors()
-    code = np.int32(dispatch.ALL_REDUCE_ALGORITHMS.index(algorithm))
+    code = np.int32(cuda_policy.ALL_REDUCE_ALGORITHMS.index(algorithm))
     call = jax.ffi.ffi_call("jfo_all_reduce", jax.ShapeDtypeStruct((1000,), jnp.float32))
     alone = jax.jit(lambda x: call(x, group_ordinals=ordinals, n=np.int32(n),
                                    timeout_ms=np.int32(300), algorithm=code))

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from support import assert_close, child_env, f64, gpu_layout_mesh, poison_allocator
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import dispatch
+from jax_flashoverlap import cuda_policy
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +67,7 @@ def test_cuda_matches_float64(op, shape, dtype, rng):
 def mar_kernel(request, monkeypatch):
     """Runs a test once with each kernel of impl="cuda" matmul_all_reduce."""
     limit = -1 if request.param == "fused" else 1 << 40
-    monkeypatch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", limit)
+    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", limit)
     return request.param
 
 
@@ -100,7 +100,7 @@ def test_cuda_chunked(op, chunks, rng):
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monkeypatch):
     """The "add_after" fold: own GEMM first, then one add of the received partials."""
-    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", "add_after")
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_FOLD", "add_after")
     _, n = _mesh()
     for shape in [(256, 512, 384), (100, 72, 40)]:
         xs, ws = _global_shapes("matmul_reduce_scatter", n, *shape)
@@ -123,11 +123,11 @@ def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monke
 @pytest.mark.parametrize("fold", ["gemm_input", "add_after"])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_waits_on_the_xla_stream(chunks, fold, rng, monkeypatch):
-    """dispatch.PEER_WAIT_STREAM = "xla": each peer wait runs on XLA's stream
+    """cuda_policy.PEER_WAIT_STREAM = "xla": each peer wait runs on XLA's stream
     just before its GEMM or add; forward, gradients and back-to-back calls
     (epochs over several calls) equal the reference."""
-    monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", "xla")
-    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", fold)
+    monkeypatch.setattr(cuda_policy, "PEER_WAIT_STREAM", "xla")
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_FOLD", fold)
     mesh, n = _mesh()
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
         in_specs, out_specs = SPECS[op]
@@ -166,7 +166,7 @@ def test_gemm_plans_with_and_without_autotuning_match_float64(op, autotune, shap
     candidates for every new problem; "0" takes its first. Shapes no other
     test uses, so the plans are new."""
     monkeypatch.setenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", autotune)
-    monkeypatch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", -1)  # fused kernel
+    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", -1)  # fused kernel
     _, n = _mesh()
     for shape in shapes:
         xs, ws = _global_shapes(op, n, *shape)
@@ -233,7 +233,7 @@ def test_back_to_back_random_calls_equal_xla():
                 continue
             for limit in (-1, 1 << 40):  # the fused kernel, then dot + all-reduce kernel
                 with pytest.MonkeyPatch.context() as patch:
-                    patch.setattr(dispatch, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", limit)
+                    patch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", limit)
                     runners[(op, shape, limit)] = make_both().lower(key).compile()
     keys = list(runners)
     rng = np.random.default_rng(1234)

@@ -69,17 +69,17 @@ def test_a_gpu_run_without_gpus_fails_loudly(tmp_path):
 def test_python_mirrors_the_extensions_layout_limits():
     """dispatch and _primitives redo the transport's layout arithmetic; the
     constants they start from are those the extension was compiled with."""
-    from jax_flashoverlap import _extension, _primitives, dispatch
+    from jax_flashoverlap import _extension, _primitives, cuda_policy
 
     limits = _extension.limits()
     if not jfo.build_info()["cublaslt"]:
         assert limits == {}
         pytest.skip("built without the CUDA ops: nothing to compare")
     assert limits == {
-        "lamport_max_bytes": dispatch.LAMPORT_MAX_BYTES,
-        "lamport_parity_budget": dispatch._LAMPORT_PARITY_BUDGET,
-        "all_reduce_min_block_bytes": dispatch._AR_BLOCK_BYTES,
-        "gemm_workspace_bytes": dispatch._GEMM_WORKSPACE_BYTES,
-        "control_bytes": dispatch._CONTROL_BYTES,
+        "lamport_max_bytes": cuda_policy.LAMPORT_MAX_BYTES,
+        "lamport_parity_budget": cuda_policy._LAMPORT_PARITY_BUDGET,
+        "all_reduce_min_block_bytes": cuda_policy._AR_BLOCK_BYTES,
+        "gemm_workspace_bytes": cuda_policy._GEMM_WORKSPACE_BYTES,
+        "control_bytes": cuda_policy._CONTROL_BYTES,
         "events_per_call": _primitives.EVENTS_PER_CALL,
     }

@@ -16,7 +16,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import _extension, _primitives, dispatch
+from jax_flashoverlap import _extension, _primitives, cuda_policy, dispatch
 
 pytestmark = pytest.mark.skipif(not _extension.cuda_ops_available(),
                                 reason="extension built without its CUDA ops")
@@ -60,7 +60,7 @@ def test_small_matmul_all_reduce_is_dot_then_the_all_reduce_kernel():
 
 
 def test_the_fused_kernel_from_just_above_the_limit():
-    rows = dispatch.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES // (2 * 1024)
+    rows = cuda_policy.MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES // (2 * 1024)
     assert _custom_calls(_matmul_all_reduce_text(rows, 1024, "cuda")) == ["jfo_all_reduce"]
     text = _matmul_all_reduce_text(rows + 1, 1024, "cuda")
     assert _custom_calls(text) == ["jfo_matmul_all_reduce"]
@@ -204,7 +204,7 @@ def _collective_matmul_text(op, rows=256, **kwargs):
 
 @pytest.mark.parametrize("fold, flag", [("gemm_input", 0), ("add_after", 1)])
 def test_reduce_scatter_fold_is_an_attribute(monkeypatch, fold, flag):
-    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", fold)
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_FOLD", fold)
     text = _collective_matmul_text("matmul_reduce_scatter")
     assert _custom_calls(text) == ["jfo_matmul_reduce_scatter"]
     assert re.search(rf"add_after = {flag} : i32", text), text[-2000:]
@@ -213,20 +213,20 @@ def test_reduce_scatter_fold_is_an_attribute(monkeypatch, fold, flag):
 @pytest.mark.parametrize("op", list(_MATMUL_SPECS))
 @pytest.mark.parametrize("where, flag", [("side", 0), ("xla", 1)])
 def test_peer_wait_stream_is_an_attribute(monkeypatch, op, where, flag):
-    monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", where)
+    monkeypatch.setattr(cuda_policy, "PEER_WAIT_STREAM", where)
     text = _collective_matmul_text(op)
     assert _custom_calls(text) == ["jfo_" + op]
     assert re.search(rf"waits_on_xla_stream = {flag} : i32", text), text[-2000:]
 
 
 def test_an_unknown_peer_wait_stream_names_the_choices(monkeypatch):
-    monkeypatch.setattr(dispatch, "PEER_WAIT_STREAM", "nearby")
+    monkeypatch.setattr(cuda_policy, "PEER_WAIT_STREAM", "nearby")
     with pytest.raises(ValueError, match=r"PEER_WAIT_STREAM must be one of \('side', 'xla'\)"):
         _collective_matmul_text("all_gather_matmul")
 
 
 def test_an_unknown_reduce_scatter_fold_names_the_choices(monkeypatch):
-    monkeypatch.setattr(dispatch, "REDUCE_SCATTER_FOLD", "sideways")
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_FOLD", "sideways")
     with pytest.raises(ValueError, match="gemm_input"):
         _collective_matmul_text("matmul_reduce_scatter")
 
@@ -237,7 +237,7 @@ def _lamport_text(elements):
 
 
 def test_lamport_lowers_to_algorithm_2_up_to_its_limit():
-    limit = dispatch.lamport_max_bytes()
+    limit = cuda_policy.lamport_max_bytes()
     text = _lamport_text(limit // 4)
     assert _custom_calls(text) == ["jfo_all_reduce"]
     assert "algorithm = 2 : i32" in text
@@ -248,7 +248,7 @@ def test_lamport_lowers_to_algorithm_2_up_to_its_limit():
 
 def test_lamport_limit_shrinks_with_more_local_gpus():
     """Mirrors LamportSlotBytes: one parity of every sender's slot in 3 MiB."""
-    assert [dispatch.lamport_max_bytes(d) >> 10 for d in (1, 2, 4, 8, 16)] == [
+    assert [cuda_policy.lamport_max_bytes(d) >> 10 for d in (1, 2, 4, 8, 16)] == [
         2048, 2048, 1024, 384, 192]
 
 
@@ -260,7 +260,7 @@ def _chunks_attribute(op, rows_per_rank, chunks):
 
 @pytest.mark.parametrize("op", list(_MATMUL_SPECS))
 def test_chunks_none_is_picked_by_shape_and_an_int_is_kept(op):
-    rows = dispatch._TWO_CHUNKS_FROM_ROWS[op]
+    rows = cuda_policy.TWO_CHUNKS_FROM_ROWS[op]
     assert _chunks_attribute(op, rows, None) == 2
     assert _chunks_attribute(op, rows - 8, None) == 1
     assert _chunks_attribute(op, rows, 3) == 3
@@ -269,8 +269,8 @@ def test_chunks_none_is_picked_by_shape_and_an_int_is_kept(op):
 def test_backward_ops_pick_chunks_by_their_own_shapes():
     """all_gather_matmul's backward is a matmul_reduce_scatter: its chunks
     follow that op's rule for the same rows per rank."""
-    rows = dispatch._TWO_CHUNKS_FROM_ROWS["matmul_reduce_scatter"]
-    assert rows < dispatch._TWO_CHUNKS_FROM_ROWS["all_gather_matmul"]
+    rows = cuda_policy.TWO_CHUNKS_FROM_ROWS["matmul_reduce_scatter"]
+    assert rows < cuda_policy.TWO_CHUNKS_FROM_ROWS["all_gather_matmul"]
 
     def loss(x, w):
         return jfo.all_gather_matmul(x, w, "tp", impl="cuda").astype(jnp.float32).sum()

@@ -14,6 +14,7 @@ import pytest
 
 from jax_flashoverlap import dispatch, models
 from jax_flashoverlap.cli import train
+from jax_flashoverlap.cli.data import batch_at, load_corpus
 
 STEPS = 24
 RUN = ["--size", "tiny", "--batch", "4", "--seq-len", "64", "--lr", "3e-3", "--no-progress"]
@@ -60,7 +61,7 @@ def test_the_step_lowers_inside_the_models_auto_xla_ops(monkeypatch):
     monkeypatch.setattr(dispatch, "prefer_xla", recording)
     args = train.parse_args([*RUN, "--model", "mamba", "--mesh", "1x2", "--steps", "1"])
     trainer = train.build(args)
-    corpus = train.load_corpus(None, args.seq_len)
+    corpus = load_corpus(None, args.seq_len)
     with jax.set_mesh(trainer.mesh):
         trainer.step(trainer.state, trainer.tokens(corpus, 0))
     assert entered == [("matmul_reduce_scatter",)]
@@ -170,17 +171,17 @@ def test_seed_picks_the_parameters_and_the_batches():
     assert np.array_equal(first_kernel(1), first_kernel(1))
     assert not np.array_equal(first_kernel(1), first_kernel(2))
     corpus = np.arange(1000, dtype=np.uint8)
-    batches = [train.batch_at(corpus, 3, batch=2, seq_len=8, seed=s) for s in (1, 1, 2)]
+    batches = [batch_at(corpus, 3, batch=2, seq_len=8, seed=s) for s in (1, 1, 2)]
     assert np.array_equal(batches[0], batches[1]) and not np.array_equal(batches[0], batches[2])
 
 
 def test_data_flag_reads_the_file(tmp_path):
     data = tmp_path / "corpus.txt"
     data.write_bytes(bytes(range(256)) * 4)
-    assert np.array_equal(train.load_corpus(data, 64)[:256], np.arange(256))
+    assert np.array_equal(load_corpus(data, 64)[:256], np.arange(256))
     data.write_bytes(b"short")
     with pytest.raises(ValueError, match=r"corpus.txt: 5 bytes, need more than --seq-len"):
-        train.load_corpus(data, 64)
+        load_corpus(data, 64)
 
 
 def test_optimizer_flags_warmup_weight_decay_and_clip():

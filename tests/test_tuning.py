@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 from support import cpu_mesh, put, random
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import dispatch, tuning
+from jax_flashoverlap import cuda_policy, dispatch, tuning
 from jax_flashoverlap.cli import tune
 
 
@@ -88,7 +88,7 @@ def test_an_untuned_machine_runs_xla_and_says_so_once(cache, caplog):
 
 def test_explain_names_the_measurement(cache, capsys, monkeypatch):
     monkeypatch.setattr(jfo._extension, "cuda_ops_available", lambda target=None: True)
-    monkeypatch.setattr(dispatch, "process_cuda_devices", lambda: 2)
+    monkeypatch.setattr(cuda_policy, "process_cuda_devices", lambda: 2)
     got = dispatch.explain("all_gather_matmul", [1024, 4096], [4096, 4096], "bfloat16", 2,
                            platform="cuda", device_kind="NVIDIA H200", devices=2)
     printed = capsys.readouterr().out

@@ -16,10 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
-import statistics
 import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,10 +43,11 @@ from ..models import (
     attention_implementation,
     resolve_scan_layers,
 )
+from .data import batch_at, load_corpus
+from .progress import TrainingProgress
 
 __all__ = ["main", "train", "parse_args", "parse_mesh_shape", "make_mesh", "model_config",
-           "restore_model_state", "build", "Trainer", "TrainResult", "loss_fn",
-           "default_corpus", "load_corpus", "batch_at"]
+           "restore_model_state", "build", "Trainer", "TrainResult", "loss_fn"]
 
 CPU_DEVICES = 8
 # Dense bf16 datasheet peak of one H200, the GPU the targets are set on.
@@ -134,34 +132,6 @@ def parse_mesh_shape(text: str) -> tuple[int, int]:
     if data < 1 or tensor < 1:
         raise argparse.ArgumentTypeError(f"--mesh {text!r}: sizes must be positive")
     return data, tensor
-
-
-def default_corpus() -> Path:
-    """Python's own documentation text (``pydoc_data/topics.py``, ~800 KB)."""
-    spec = importlib.util.find_spec("pydoc_data.topics")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError("this Python ships no pydoc_data.topics; pass --data FILE")
-    return Path(spec.origin)
-
-
-def load_corpus(path: Path | None, seq_len: int) -> np.ndarray:
-    """The training bytes, uint8 (byte-level tokens: vocabulary 256)."""
-    path = path or default_corpus()
-    corpus = np.frombuffer(path.read_bytes(), np.uint8)
-    if corpus.size <= seq_len + 1:
-        raise ValueError(f"--data {path}: {corpus.size} bytes, need more than "
-                         f"--seq-len + 1 = {seq_len + 1}")
-    return corpus
-
-
-def batch_at(corpus: np.ndarray, step: int, *, batch: int, seq_len: int,
-             seed: int) -> np.ndarray:
-    """Step ``step``'s batch: random windows [batch, seq_len + 1], int32.
-
-    A function of the step alone, so that a restored run sees the same data.
-    """
-    starts = np.random.default_rng((seed, step)).integers(0, corpus.size - seq_len - 1, batch)
-    return np.stack([corpus[s:s + seq_len + 1] for s in starts]).astype(np.int32)
 
 
 def loss_fn(model: nnx.Module, tokens: jax.Array) -> jax.Array:
@@ -402,7 +372,7 @@ def train(args: argparse.Namespace) -> TrainResult:
     # Left out of the step time: the traced steps (the last one's interval
     # also holds stop_trace) and the first after them, which starts on an
     # idle device.
-    progress = _Progress(trainer, start,
+    progress = TrainingProgress(trainer, start,
                          untimed=range(profiling.start, profiling.stop + 1) if profiling else ())
     with jax.set_mesh(trainer.mesh):
         pending = None
@@ -438,70 +408,6 @@ def train(args: argparse.Namespace) -> TrainResult:
     summary = progress.summary()
     print(_format_summary(trainer, summary), flush=True)
     return TrainResult(progress.losses, progress.times, start, trainer.state, summary)
-
-
-class _Progress:
-    """Per-step loss and timing, the tqdm bar, and the final numbers."""
-
-    def __init__(self, trainer: Trainer, start: int, untimed=()):
-        self.trainer = trainer
-        self.start = start
-        self.untimed = set(untimed)  # steps left out of the summary's step time
-        self.losses: list[float] = []
-        self.times: list[float] = []
-        self.t_last = time.perf_counter()
-        args = trainer.args
-        self.bar = None
-        if args.progress:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=args.steps, initial=start, desc="train", unit="step",
-                            file=sys.stderr)
-
-    def finished(self, loss: jax.Array, grad_norm: jax.Array) -> None:
-        """Waits for a step's results; the time since the last one is its step time."""
-        loss, grad_norm = float(loss), float(grad_norm)
-        now = time.perf_counter()
-        self.losses.append(loss)
-        self.times.append(now - self.t_last)
-        self.t_last = now
-        if self.bar is not None:
-            step_s = self.times[-1]
-            self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.3f}", gnorm=f"{grad_norm:.2f}",
-                                 tok_s=f"{self._tokens_per_s(step_s):,.0f}",
-                                 step_ms=f"{step_s * 1e3:.0f}", mfu=self._mfu(step_s),
-                                 refresh=False)
-
-    def _tokens_per_s(self, step_s: float) -> float:
-        return self.trainer.args.batch * self.trainer.args.seq_len / step_s
-
-    def _mfu(self, step_s: float) -> str:
-        peak = self.trainer.peak_flops
-        return f"{self.trainer.flops_per_step / step_s / peak:.1%}" if peak else "n/a"
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-    def summary(self) -> dict[str, Any]:
-        args, trainer = self.trainer.args, self.trainer
-        # The first step compiles.
-        untraced = [t for i, t in enumerate(self.times[1:], self.start + 1)
-                    if i not in self.untimed]
-        steady = untraced or self.times[1:] or self.times
-        step_s = statistics.median(steady) if steady else float("nan")
-        return {
-            "model": args.model, "size": args.size, "params": trainer.num_params,
-            "impl": args.impl, "steps": len(self.losses),
-            "first_loss": self.losses[0] if self.losses else None,
-            "final_loss": self.losses[-1] if self.losses else None,
-            "step_time_s": step_s, "timed_steps": len(steady),
-            "traced_steps_untimed": bool(self.untimed and untraced),
-            "tokens_per_s": self._tokens_per_s(step_s),
-            "mfu": trainer.flops_per_step / step_s / trainer.peak_flops
-            if trainer.peak_flops else None,
-        }
 
 
 def _format_summary(trainer: Trainer, s: dict[str, Any]) -> str:

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from .. import _extension, benchmarking, dispatch, tuning
+from .. import _extension, benchmarking, cuda_policy, dispatch, tuning
 from .._devices import ensure_cpu_devices
 
 __all__ = ["main", "parse_args", "default_grid", "model_grid", "run"]
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace, out=None) -> tuning.Table:
                                      else [])
     mesh = benchmarking.first_devices_mesh(n, "tensor")
     kind = devices[0].device_kind
-    count = dispatch.process_cuda_devices() if on_gpu else len(devices)
+    count = cuda_policy.process_cuda_devices() if on_gpu else len(devices)
     source = f"jax-flashoverlap-tune {datetime.date.today().isoformat()}"
     rng = np.random.default_rng(0)
     entries, start = [], time.perf_counter()
