@@ -196,6 +196,17 @@ def test_bad_input_gets_a_clear_error(tiny, prompt, kwargs, error, message):
         models.generate(model, prompt, **kwargs)
 
 
+def test_generator_bounds_its_cache_and_steps(tiny):
+    model, mesh = tiny
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"Generator: cache_len=4 is shorter than the \d+ "
+                                             r"positions this generation writes"):
+            models.Generator(model, batch=2, prompt_len=8, max_new_tokens=4, cache_len=4)
+        generator = models.Generator(model, batch=2, prompt_len=8, max_new_tokens=4)
+        with pytest.raises(ValueError, match=r"Generator: steps=4 outside 0..3"):
+            generator.decode_steps(4)
+
+
 def test_generate_needs_the_mesh(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"call it under `with jax.set_mesh\(mesh\):`"):

@@ -141,3 +141,13 @@ def test_auto_keeps_shapes_the_transport_cannot_hold_in_xla(cuda_built, monkeypa
     assert got.impl == "xla" and "JAX_FLASHOVERLAP_WORKSPACE_MB" in got.reason
     monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "8192")
     assert dispatch.resolve("all_gather_matmul", shapes, "bfloat16", 2, **H200).impl == "cuda"
+
+
+@pytest.mark.parametrize("op, w_shape, message", [
+    ("matmul", (8, 8), r"explain: op must be one of \('all_gather_matmul'"),
+    ("all_reduce", (8, 8), "explain: all_reduce takes no w_shape"),
+    ("all_gather_matmul", None, r"explain: all_gather_matmul takes w_shape \[k, n_out\]"),
+])
+def test_explain_names_what_it_takes(op, w_shape, message):
+    with pytest.raises(ValueError, match=message):
+        dispatch.explain(op, (8, 8), w_shape)

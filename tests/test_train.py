@@ -220,6 +220,11 @@ def test_checkpoint_every_saves_on_schedule(tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--mesh", "3x3"], "jax-flashoverlap-train: error: --mesh 3x3 needs 9 devices; there are 8"),
     (["--data", "/nonexistent"], "--data /nonexistent: no such file"),
+    (["--mesh", "0x2"], "--mesh '0x2': sizes must be positive"),
+    (["--mesh", "2by4"], "--mesh '2by4': expected DATAxTENSOR, e.g. 4x2"),
+    (["--restore"], "--restore needs --checkpoint-dir"),
+    (["--model", "transformer", "--ssd", "pallas"], "--ssd applies to --model mamba, not "
+                                                     "transformer"),
 ])
 def test_bad_flags_and_files_get_one_line_errors(argv, message, capsys):
     try:
