@@ -247,7 +247,7 @@ class MambaConfig(_Presets):
         1b step on 2 H200s (scanned blocks, bf16, sequence 8192) took 455.5
         ms with it fused against 416.6 under impl="xla" in one process, and
         389.0 with it left to XLA against 416.4 in another
-        (benchmarks/NOTES.md, session 14), although the fused op alone beats
+        (docs/measurements.md, session 14), although the fused op alone beats
         XLA at the block's shape. Why is not known yet.
     """
 

@@ -4,8 +4,8 @@ when consecutive blocks run on two alternating streams?
     python3 scripts/gemm_lanes_probe.py      # writes $OUT/gemm_lanes_probe.json
 
 The fused collective matmuls run a GEMM per row block, one after another on
-XLA's stream, and lose throughput to the cut (benchmarks/NOTES.md). If the
-loss were the last, partly empty wave of each block, a second stream could
+XLA's stream, and lose throughput to the cut (docs/measurements.md, session notes). If
+the loss were the last, partly empty wave of each block, a second stream could
 fill it with the next block. For each shape it times, with CUDA events
 (median of 7 runs of 10), the whole GEMM, its row blocks in sequence, and the
 blocks alternating over two streams, after checking both block variants
