@@ -102,18 +102,18 @@ def _op_fn(op, impl):
 
 
 @contextlib.contextmanager
-def _dispatch_overrides(overrides):
-    """Patches jax_flashoverlap.dispatch (read at lowering: new jits only)."""
-    from jax_flashoverlap import dispatch
+def _policy_overrides(overrides):
+    """Patches jax_flashoverlap.cuda_policy (read at lowering: new jits only)."""
+    from jax_flashoverlap import cuda_policy
 
-    saved = {name: getattr(dispatch, name) for name in overrides}
+    saved = {name: getattr(cuda_policy, name) for name in overrides}
     for name, value in overrides.items():
-        setattr(dispatch, name, value)
+        setattr(cuda_policy, name, value)
     try:
         yield
     finally:
         for name, value in saved.items():
-            setattr(dispatch, name, value)
+            setattr(cuda_policy, name, value)
 
 
 def random_operands(mesh, seed=0):
@@ -185,7 +185,7 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
                 if picked is None:
                     continue
                 fn, overrides = picked
-                with _dispatch_overrides(overrides):
+                with _policy_overrides(overrides):
                     if check:
                         run_once = jax.jit(jax.shard_map(fn, mesh=mesh,
                                                          in_specs=(P("tp"),) * 2,

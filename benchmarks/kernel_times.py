@@ -212,7 +212,7 @@ def run_ops(ops, shapes, iterations: int, devices: int | None = None,
             row = {"op": op, "shape": [m, k, cols], "iterations": iterations}
             for label, (f, args) in runs.items():
                 loop = looped(f, mesh, (P("tp"),) * len(args), iterations)
-                with cm._dispatch_overrides(overrides), tempfile.TemporaryDirectory() as tmp:
+                with cm._policy_overrides(overrides), tempfile.TemporaryDirectory() as tmp:
                     kernels = device_kernels(trace_loop(loop, args, tmp))
                 if not kernels:
                     raise SystemExit("the trace holds no GPU kernels (no GPU, or no CUPTI)")

@@ -82,11 +82,11 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
     assert bench._op_fn("matmul_reduce_scatter", "cuda_part_align8") is None
 
 
-def test_dispatch_overrides_are_restored():
+def test_policy_overrides_are_restored():
     bench = _load("collective_matmul")
     from jax_flashoverlap import cuda_policy
     before = cuda_policy.REDUCE_SCATTER_FOLD
-    with bench._dispatch_overrides({"REDUCE_SCATTER_FOLD": "add_after"}):
+    with bench._policy_overrides({"REDUCE_SCATTER_FOLD": "add_after"}):
         assert cuda_policy.REDUCE_SCATTER_FOLD == "add_after"
     assert cuda_policy.REDUCE_SCATTER_FOLD == before
 

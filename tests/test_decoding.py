@@ -224,6 +224,8 @@ def test_generate_needs_the_mesh(tiny):
     (["--prompt", "x", "--max-new-tokens", "2", "--batch", "0"], "--batch must be at least 1"),
     (["--prompt", "x", "--max-new-tokens", "2", "--temperature", "-0.5"],
      "--temperature must be >= 0"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--heap-mb", "0"],
+     "--heap-mb must be at least 1"),
 ])
 def test_generate_command_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -237,6 +239,17 @@ def test_generate_command_reports_errors_in_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("jax-flashoverlap-generate: error: generate: prompt length 40")
     assert "Traceback" not in err
+
+
+def test_generate_command_samples_with_top_k(tmp_path):
+    """--temperature 1 --top-k 1 samples from one token: greedy's text."""
+    texts = []
+    for flags in ([], ["--temperature", "1.0", "--top-k", "1"]):
+        out = tmp_path / f"out{len(texts)}.json"
+        assert generate_cli.main(["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "6",
+                                  "--warmup", "0", "--json", str(out), *flags]) == 0
+        texts.append(json.loads(out.read_text())["texts"])
+    assert texts[0] == texts[1]
 
 
 def test_byte_tokens_round_trip():

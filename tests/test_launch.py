@@ -150,6 +150,7 @@ def test_timeout_kills_a_hung_run(tmp_path):
     (["-n", "2", "--node-size", "3", "x.py"], "--node-size 3 must be >= 1 and divide -n 2"),
     (["-n", "4", "--node-size", "0", "x.py"], "--node-size 0 must be >= 1 and divide -n 4"),
     (["-n", "0", "x.py"], "-n must be at least 1"),
+    (["--nproc", "0", "x.py"], "-n must be at least 1"),
     (["-n", "2"], "missing the program"),
 ])
 def test_bad_arguments(tmp_path, args, message):

@@ -156,3 +156,15 @@ def test_tune_flags_name_the_fix(argv, match, capsys):
     with pytest.raises(SystemExit):
         tune.parse_args(argv)
     assert match in capsys.readouterr().err
+
+
+def test_tune_budget_output_and_verify(tmp_path, capsys):
+    """--budget-s stops after the first shape, --output names the file it
+    writes, --verify then times "auto" against the fastest impl there."""
+    out = tmp_path / "table.json"
+    tune.main(["--ops", "all_reduce", "--reps", "1", "--budget-s", "1e-6", "--output", str(out),
+               "--verify"])
+    printed = capsys.readouterr().out
+    assert "stopping after 1 of" in printed and f"wrote 1 entries to {out}" in printed
+    assert len(tuning.read(out).entries) == 1
+    assert "verify all_reduce" in printed and "verify: auto is at most" in printed

@@ -91,6 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.heap_mb < 1:
+        parser.error(f"--heap-mb must be at least 1, got {args.heap_mb}")
     if args.restore is not None and not args.restore.is_dir():
         parser.error(f"--restore {args.restore}: no such directory")
     if args.prompt_file is not None and not args.prompt_file.is_file():
