@@ -37,9 +37,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["intra_chunk", "unsupported_reason"]
+try:  # jax 0.11 marks Pallas's Triton backend deprecated: without it, "auto" runs XLA.
+    from jax.experimental.pallas import triton as plgpu
+except ImportError:
+    plgpu = None
+
+__all__ = ["Tiling", "intra_chunk", "unsupported_reason"]
 
 _MAX_BLOCK = 64
 
@@ -66,6 +70,8 @@ def unsupported_reason(chunk_size: int, head_dim: int, heads_per_group: int) -> 
     Triton tiles have power-of-two sides, and its tensor-core products need
     at least 16 along each.
     """
+    if plgpu is None:
+        return "this jax has no Pallas Triton backend"
     for name, value in (("chunk_size", chunk_size), ("head_dim", head_dim),
                         ("heads per group", heads_per_group)):
         if value & (value - 1):

@@ -97,6 +97,15 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
         assert kernel in text, kernel
 
 
+def test_without_the_triton_backend_auto_runs_xla(monkeypatch):
+    """jax 0.11 marks Pallas's Triton backend deprecated: where a jax lacks
+    it, "auto" runs the einsums and "pallas" says why it cannot."""
+    monkeypatch.setattr(models.ssd_pallas, "plgpu", None)
+    assert mamba._intra_chunk_step("auto", 64, 64, 8) is mamba._intra_chunk_xla
+    with pytest.raises(ValueError, match="this jax has no Pallas Triton backend"):
+        mamba._intra_chunk_step("pallas", 64, 64, 8)
+
+
 def test_tile_side_errors():
     x = jnp.zeros((128, 1, 1, 2, 16))
     dt = jnp.zeros((128, 1, 1, 2))
