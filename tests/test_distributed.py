@@ -50,7 +50,8 @@ def test_initialize_without_launcher_names_it(monkeypatch):
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     assert not distributed.is_launched()
-    with pytest.raises(RuntimeError, match=r"JFO_COORDINATOR_ADDRESS.*jax_flashoverlap\.launch"):
+    with pytest.raises(RuntimeError,
+                       match=r"JFO_COORDINATOR_ADDRESS.*jax_flashoverlap\.cli\.launch"):
         distributed.initialize()
 
 

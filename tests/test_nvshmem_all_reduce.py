@@ -37,7 +37,7 @@ def test_initialize_without_jax_distributed_names_the_launcher(monkeypatch):
             return {"initialized": False}
 
     monkeypatch.setattr(nvshmem, "_load", lambda: (FakeModule, ""))
-    with pytest.raises(RuntimeError, match=r"jax\.distributed.*jax_flashoverlap\.launch"):
+    with pytest.raises(RuntimeError, match=r"jax\.distributed.*jax_flashoverlap\.cli\.launch"):
         nvshmem.initialize()
 
 
