@@ -83,3 +83,24 @@ def test_python_mirrors_the_extensions_layout_limits():
         "control_bytes": cuda_policy._CONTROL_BYTES,
         "events_per_call": _primitives.EVENTS_PER_CALL,
     }
+
+
+def test_impl_cuda_without_what_it_needs_names_the_fix(monkeypatch):
+    """require_cuda_ops' three refusals: no compiled module, a build without
+    CUDA, a build without this op's handler."""
+    from jax_flashoverlap import _extension
+
+    monkeypatch.setattr(_extension, "_module", lambda: None)
+    with pytest.raises(RuntimeError, match=r"all_reduce\(impl='cuda'\): jax_flashoverlap was "
+                                           r"installed without its compiled extension.*Reinstall"):
+        _extension.require_cuda_ops("all_reduce", "jfo_all_reduce")
+    monkeypatch.setattr(_extension, "_module", lambda: object())
+    monkeypatch.setattr(_extension, "_register", lambda: [])
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda": False})
+    with pytest.raises(RuntimeError, match=r"all_reduce\(impl='cuda'\): the installed "
+                                           r"jax_flashoverlap was built without CUDA"):
+        _extension.require_cuda_ops("all_reduce", "jfo_all_reduce")
+    monkeypatch.setattr(_extension, "_register", lambda: ["jfo_scale"])
+    with pytest.raises(NotImplementedError, match=r"this build has no CUDA kernel for all_reduce "
+                                                  r"\(FFI target 'jfo_all_reduce' is missing\)"):
+        _extension.require_cuda_ops("all_reduce", "jfo_all_reduce")

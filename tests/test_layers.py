@@ -2,6 +2,7 @@
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 from support import cpu_mesh
 
@@ -39,3 +40,11 @@ def test_make_layers_equals_the_python_loop():
     specs = nnx.get_partition_spec(scan[0])  # From the variables' out_sharding metadata.
     for param, spec in zip(jax.tree.leaves(scan[0]), jax.tree.leaves(specs)):
         assert param.sharding.is_equivalent_to(jax.NamedSharding(mesh, spec), param.ndim)
+
+
+def test_a_model_without_caches_says_it_does_not_decode():
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        model = models.CausalLM(models.TransformerConfig.tiny(),
+                                lambda rngs: nnx.Linear(4, 4, rngs=rngs), rngs=nnx.Rngs(0))
+    with pytest.raises(NotImplementedError, match="CausalLM does not decode"):
+        model.cache_specs()

@@ -240,3 +240,14 @@ def test_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
     assert "peak learning rate (default: 0.001)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_without_pydoc_data_the_corpus_names_data(monkeypatch):
+    import importlib.util
+
+    from jax_flashoverlap.cli import data
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="this Python ships no pydoc_data.topics; pass "
+                                                "--data FILE"):
+        data.default_corpus()
