@@ -113,6 +113,14 @@ def _waits_on_xla_stream() -> np.int32:
 
 # The CUDA kernels send straight to every peer over NVLink: they always run
 # the "direct" schedule, whatever topology the pure-JAX path was given.
+def transport_attrs(group_ordinals: np.ndarray, n: int, timeout: int) -> dict:
+    """The FFI attributes every CUDA handler binds first (the transport's):
+    the groups' CUDA ordinals [G*n] by rank, the ranks per group, and the
+    bound of every wait in milliseconds."""
+    return {"group_ordinals": np.asarray(group_ordinals, np.int32), "n": np.int32(n),
+            "timeout_ms": np.int32(timeout)}
+
+
 def _ag_attrs(n, opts):
     sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
@@ -287,12 +295,9 @@ def _make_primitive(op: OpDef) -> Primitive:
         _module_loading.warn_if_lazy(op.name)
         settings.check_all()  # the extension reads some of them when the op runs
         opts = dict(opts)
-        transport = {
-            "group_ordinals": (groups if groups is not None
-                               else _group_ordinals(ctx, op.name, axis_name, n)),
-            "n": np.int32(n),
-            "timeout_ms": np.int32(opts.pop("timeout_ms", timeout_ms())),
-        }
+        transport = transport_attrs(
+            groups if groups is not None else _group_ordinals(ctx, op.name, axis_name, n), n,
+            opts.pop("timeout_ms", timeout_ms()))
         if op.options is not None:
             opts = op.options(ctx, n, opts)
         if op.cuda_options is not None:

@@ -6,6 +6,7 @@ StableHLO text without a GPU. Needs the extension built with its CUDA ops.
 """
 
 import functools
+import pathlib
 import re
 
 import jax
@@ -302,3 +303,46 @@ def test_fused_matmul_all_reduce_refuses_more_events_than_a_call_has():
     with pytest.raises(ValueError, match=r"46 chunks on 8 ranks need 1028 CUDA events per "
                                          r"call, more than 1024; use chunks <= 45"):
         text(46)
+
+
+# What each handler binds (ffi/src/<op>.cu: `.Attr<T>("name")`), and the
+# Python values that fit each type.
+_FFI_TYPES = {"int32_t": lambda v: isinstance(v, np.int32),
+              "I32Span": lambda v: isinstance(v, np.ndarray) and v.dtype == np.int32
+              and v.ndim == 1,
+              "float": lambda v: isinstance(v, np.float32)}
+_SAMPLE_OPTIONS = {"all_gather_matmul": {"chunks": 2}, "matmul_reduce_scatter": {"chunks": 2},
+                   "matmul_all_reduce": {"chunk_rows": [16, 8]},
+                   "all_reduce": {"algorithm": "lamport"}}
+
+
+def _handler_attrs(source: str) -> dict[str, str]:
+    text = (pathlib.Path(__file__).resolve().parents[1] / "ffi" / "src" / source).read_text()
+    return {name: kind for kind, name in re.findall(r'\.Attr<(\w+)>\("(\w+)"\)', text)}
+
+
+@pytest.mark.parametrize("op", sorted(_primitives.OPS))
+def test_python_sends_every_attribute_the_handler_binds(op):
+    """The attribute names and types Python sends for impl="cuda" are the
+    ones the op's C++ handler binds: a name matched by string alone
+    would fail only on a GPU, at the call."""
+    definition = _primitives.OPS[op]
+    sent = {**_primitives.transport_attrs(np.arange(2), 2, 1000),
+            **definition.cuda_attrs(2, dict(_SAMPLE_OPTIONS[op]))}
+    bound = _handler_attrs(definition.ffi_target.removeprefix("jfo_") + ".cu")
+    assert sorted(sent) == sorted(bound), (sorted(sent), sorted(bound))
+    for name, kind in bound.items():
+        assert _FFI_TYPES[kind](sent[name]), (name, kind, type(sent[name]))
+
+
+def test_the_nvshmem_all_reduce_sends_what_its_handler_binds(monkeypatch):
+    from jax_flashoverlap import nvshmem
+
+    sent = {}
+    monkeypatch.setattr(jax.ffi, "ffi_call",
+                        lambda target, shape: lambda x, **attrs: sent.update(attrs) or x)
+    nvshmem.ffi_all_reduce(jnp.ones(4), node_size=1, timeout_ms=100)
+    bound = _handler_attrs("nvshmem/hierarchical_all_reduce.cu")
+    assert sorted(sent) == sorted(bound) == ["node_size", "timeout_ms"]
+    for name, kind in bound.items():
+        assert _FFI_TYPES[kind](sent[name]), (name, kind, type(sent[name]))
