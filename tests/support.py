@@ -82,14 +82,15 @@ def f64(a):
     return np.asarray(a, dtype=np.float64)
 
 
-def poison_allocator(nbytes, devices=(None,)):
+def poison_allocator(nbytes, devices=None):
     """Leaves NaN in the memory the next allocation of this size will likely get.
 
     XLA's allocator hands a freed block to the next request that fits, so an
     output the kernel fails to write shows up as NaN instead of stale data.
-    ``devices``: where (None: the default device).
+    ``devices``: where (default: every local device, since each rank's
+    output lives on its own).
     """
-    for device in devices:
+    for device in jax.local_devices() if devices is None else devices:
         jnp.full((max(nbytes, 4) // 4,), jnp.nan, jnp.float32,
                  device=device).block_until_ready()
 

@@ -49,16 +49,19 @@ def _call(op, impl, args, **kwargs):
     return f(*placed)
 
 
+@pytest.mark.parametrize("impl", ["cuda", "auto"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("shape", [(256, 512, 384), (100, 72, 40), (8, 16, 8)])
 @pytest.mark.parametrize("op", MATMUL_OPS)
-def test_cuda_matches_float64(op, shape, dtype, rng):
+def test_cuda_and_auto_match_float64(op, shape, dtype, impl, rng):
+    """impl="auto" too: what it picks here (the tuning table's choice, or
+    xla) must return the same numbers."""
     _, n = _mesh()
     xs, ws = _global_shapes(op, n, *shape)
     x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), dtype)
     w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), dtype)
     poison_allocator(4 * int(np.prod(xs)) * 4)
-    y = _call(op, "cuda", (x, w))
+    y = _call(op, impl, (x, w))
     jfo.check_device_errors()
     assert_close(y, f64(x) @ f64(w), dtype)
 
@@ -91,7 +94,10 @@ def test_cuda_chunked(op, chunks, rng):
     xs, ws = _global_shapes(op, n, 96, 128, 64)
     x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
-    assert_close(_call(op, "cuda", (x, w), chunks=chunks), f64(x) @ f64(w), "bfloat16")
+    poison_allocator(4 * int(np.prod(xs)) * 2)
+    y = _call(op, "cuda", (x, w), chunks=chunks)
+    jfo.check_device_errors()
+    assert_close(y, f64(x) @ f64(w), "bfloat16")
 
 
 # On one GPU the op is the plain dot (no kernel): this needs two.
@@ -193,10 +199,18 @@ def test_cuda_gradients_match_xla(op, rng):
         y = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(x, w)
         return jnp.sum(y * probe)
 
+    poison_allocator(4 * int(np.prod(xs)) * 4)
     got = jax.jit(jax.grad(functools.partial(loss, "cuda"), argnums=(0, 1)))(x, w)
+    jfo.check_device_errors()
     want = jax.jit(jax.grad(functools.partial(loss, "xla"), argnums=(0, 1)))(x, w)
     for g, ref in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=2e-4, atol=2e-3)
+    # Both against float64 (y = x @ w globally): neither impl is the reference.
+    exact = (f64(probe) @ f64(w).T, f64(x).T @ f64(probe))
+    for impl, grads in (("cuda", got), ("xla", want)):
+        for g, e in zip(grads, exact):
+            err = np.linalg.norm(f64(g) - e) / np.linalg.norm(e)
+            assert err < 5e-3, (impl, err)  # float32 inputs, TF32-rate GEMMs
 
 
 def test_back_to_back_random_calls_equal_xla():
