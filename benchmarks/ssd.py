@@ -13,7 +13,7 @@ results are checked against XLA's (relative error by norm, bf16 tolerance).
 ``--sweep`` also times the intra-chunk kernels alone per tile side and warps
 per program (a tiling that does not fit is recorded as skipped). The JSON is
 rewritten after each row.
-TFLOP/s count the SSD's FLOPs as ``MambaConfig.flops_per_token`` does
+TFLOP/s count the SSD's FLOPs as ``MambaConfig.ssd_flops_per_token`` does
 (forward + backward as three forwards).
 """
 
@@ -77,11 +77,8 @@ def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[di
     and forward + backward, per tile side and warps per program."""
     x, dt, a, b, c = inputs
     s, chunk = x.shape[0], config.chunk_size
-    chunked = lambda t: t.reshape(s // chunk, chunk, *t.shape[1:])  # noqa: E731
-    cb = jnp.einsum("ctbgn,cubgn->bgctu", chunked(c), chunked(b),
-                    preferred_element_type=jnp.float32)
-    cum = jnp.cumsum(chunked(dt) * a, axis=1).reshape(dt.shape)
-    operands = (cb, x, dt, cum)
+    x, dt, b, c = (t.reshape(s // chunk, chunk, *t.shape[1:]) for t in (x, dt, b, c))
+    operands = models.ssd_pallas.chunk_operands(x, dt, jnp.cumsum(dt * a, axis=1), b, c)
     rows = []
     for block in (32, 64, 128):
         for warps in (4, 8):
@@ -114,14 +111,6 @@ def relative_error(got, want) -> float:
                   / jnp.maximum(jnp.linalg.norm(w.astype(jnp.float32)), 1e-30))
             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
     return max(errs)
-
-
-def ssd_flops(config: models.MambaConfig, seq_len: int, batch: int) -> float:
-    """Forward FLOPs of one layer's SSD, counted as ``MambaConfig.flops_per_token``
-    counts them (which takes forward + backward as 3 forwards)."""
-    n, p, chunk = config.state_dim, config.head_dim, config.chunk_size
-    per_token = config.num_groups * chunk * n + config.num_heads * (chunk * p + 4 * n * p)
-    return per_token * seq_len * batch
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     ssd_shape = (f"batch {args.batch}, seq {args.seq_len}, {config.num_heads} heads of "
                  f"{config.head_dim}, {config.num_groups} groups, state {config.state_dim}, "
                  f"chunk {config.chunk_size}, {config.dtype}")
+    flops = config.ssd_flops_per_token() * args.seq_len * args.batch
     for impl, op in ops.items():
-        timed(f"ssd {impl}", op, inputs, ssd_shape, ssd_flops(config, args.seq_len, args.batch))
+        timed(f"ssd {impl}", op, inputs, ssd_shape, flops)
     tconfig = models.TransformerConfig.preset("1b")
     attn_args, *attn_op = attention_ops(tconfig, args.seq_len, args.batch, key)
     timed("cudnn attention", attn_op, attn_args,

@@ -336,9 +336,13 @@ class MambaConfig(_Presets):
         convolution and elementwise work are left out.
         """
         del seq_len  # The SSD cost per token depends on the chunk, not the sequence.
-        d, n, p, chunk = self.embed_dim, self.state_dim, self.head_dim, self.chunk_size
+        d, n = self.embed_dim, self.state_dim
         in_proj = d * (2 * self.inner_dim + 2 * self.num_groups * n + self.num_heads)
         weights = self.num_layers * (in_proj + self.inner_dim * d) + d * self.vocab_size
-        heads, groups = self.num_heads, self.num_groups
-        ssd = self.num_layers * (groups * chunk * n + heads * (chunk * p + 4 * n * p))
-        return 6 * weights + 3 * ssd
+        return 6 * weights + 3 * self.num_layers * self.ssd_flops_per_token()
+
+    def ssd_flops_per_token(self) -> float:
+        """Forward FLOPs of one layer's SSD scan per token (see :meth:`flops_per_token`)."""
+        n, p, chunk = self.state_dim, self.head_dim, self.chunk_size
+        return (self.num_groups * chunk * n
+                + self.num_heads * (chunk * p + 4 * n * p))

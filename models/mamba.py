@@ -154,9 +154,8 @@ def _intra_chunk_pallas(x, dt, log_decay, cum, b, c, *, interpret=False):
     :func:`_intra_chunk_xla`'s)."""
     del log_decay
     chunks, size = x.shape[:2]
-    cb = jnp.einsum("ctbgn,cubgn->bgctu", c, b, preferred_element_type=jnp.float32)
-    x, dt, cum = (t.reshape(chunks * size, *t.shape[2:]) for t in (x, dt, cum))
-    y = ssd_pallas.intra_chunk(cb, x, dt, cum, chunk_size=size, interpret=interpret)
+    y = ssd_pallas.intra_chunk(*ssd_pallas.chunk_operands(x, dt, cum, b, c), chunk_size=size,
+                               interpret=interpret)
     return y.reshape(chunks, size, *y.shape[1:])
 
 

@@ -43,7 +43,7 @@ try:  # jax 0.11 marks Pallas's Triton backend deprecated: without it, "auto" ru
 except ImportError:
     plgpu = None
 
-__all__ = ["Tiling", "intra_chunk", "unsupported_reason"]
+__all__ = ["Tiling", "chunk_operands", "intra_chunk", "unsupported_reason"]
 
 _MAX_BLOCK = 64
 
@@ -241,14 +241,13 @@ def _backward(cb, x, dt, cum, dy, tiling: Tiling):
                                lambda c, b, g, i: (c, b, g, 0, 0))
     group_scalars = pl.BlockSpec((chunk_size, None, None, heads),
                                  lambda c, b, g, i: (c, b, g, 0))
+    cb_rows = pl.BlockSpec((None, None, None, block, chunk_size),
+                           lambda c, b, g, i: (b, g, c, i, 0))
     dcb, dcum_rows = pl.pallas_call(
         functools.partial(_rows_kernel, block=block, blocks=blocks, heads=heads),
         grid=group_grid,
-        in_specs=[pl.BlockSpec((None, None, None, block, chunk_size),
-                               lambda c, b, g, i: (b, g, c, i, 0)),
-                  whole_group, group_scalars, group_scalars, whole_group],
-        out_specs=[pl.BlockSpec((None, None, None, block, chunk_size),
-                                lambda c, b, g, i: (b, g, c, i, 0)),
+        in_specs=[cb_rows, whole_group, group_scalars, group_scalars, whole_group],
+        out_specs=[cb_rows,
                    pl.BlockSpec((None, None, heads, block),
                                 lambda c, b, g, i: (b, g, 0, c * blocks + i))],
         out_shape=[result(cb.shape, jnp.float32),
@@ -274,6 +273,23 @@ def _intra_chunk_bwd(tiling, residuals, dy):
 
 
 _intra_chunk.defvjp(_intra_chunk_fwd, _intra_chunk_bwd)
+
+
+def chunk_operands(x: jax.Array, dt: jax.Array, cum: jax.Array, b: jax.Array,
+                   c: jax.Array) -> tuple[jax.Array, ...]:
+    """:func:`intra_chunk`'s operands from the SSD's chunked inputs.
+
+    Args:
+      x: [chunks, l, batch, g, heads, p].
+      dt, cum: [chunks, l, batch, g, heads] float32.
+      b, c: [chunks, l, batch, g, n].
+
+    Returns:
+      (cb [batch, g, chunks, l, l] float32 from one batched GEMM, and x, dt,
+      cum with their chunks merged into the sequence).
+    """
+    cb = jnp.einsum("ctbgn,cubgn->bgctu", c, b, preferred_element_type=jnp.float32)
+    return (cb, *(t.reshape(-1, *t.shape[2:]) for t in (x, dt, cum)))
 
 
 def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
