@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -93,36 +94,57 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
       chunk_size: l. A sequence that is not a multiple of it is padded with
         zero steps, which leave the state as it was.
       return_final_state: also return the state after the last position.
-      impl: the intra-chunk step: "xla" (einsums), "pallas" (fused GPU
-        kernels, :mod:`models.ssd_pallas`; CUDA only, and head_dim,
-        heads per group and chunk_size powers of two with chunk_size and
-        head_dim at least 16), or "auto": "pallas" when it can run the
-        shape, compiled for a CUDA GPU, else "xla".
+      impl: how the products inside and out of each chunk run: "xla"
+        (einsums), "pallas" (fused GPU kernels, :mod:`models.ssd_pallas`;
+        CUDA only, and chunk_size, head_dim, state_dim and heads per group
+        powers of two with the first three at least 16), or "auto":
+        "pallas" when it can run the shape, compiled for a CUDA GPU, else
+        "xla".
 
     Returns:
       y: [s, batch, g, heads, p], float32; with ``return_final_state``,
       ``(y, h)`` with h: [batch, g, heads, p, n], float32, the state
       :func:`ssd_step` continues from.
     """
-    intra = _intra_chunk_step(impl, chunk_size, x.shape[-1], x.shape[-2])
+    chunked = _chunked_ssd_for(impl, chunk_size, x.shape[-1], x.shape[-2], b.shape[-1])
     s = x.shape[0]
     pad = -s % chunk_size
     if pad:
         x, dt, b, c = (jnp.pad(t, ((0, pad),) + ((0, 0),) * (t.ndim - 1)) for t in (x, dt, b, c))
-    y, final = _ssd(x, dt, a, b, c, chunk_size, intra)
+    y, final = _ssd(x, dt, a, b, c, chunk_size, chunked)
     y = y[:s]
     return (y, final) if return_final_state else y
 
 
-def _intra_chunk_step(impl: str, chunk_size: int, head_dim: int, heads_per_group: int):
-    """The function computing step 1 of :func:`ssd` for ``impl``."""
+class _ChunkProducts(NamedTuple):
+    """Steps 1, 2 and 4 of :func:`ssd`, on chunked arrays [chunks, l, ...]
+    of its argument shapes; float32 results.
+
+    Attributes:
+      intra: (x, dt, log_decay, cum, b, c) -> y [C, l, batch, g, heads, p],
+        the output from inside each chunk. dt, log_decay, cum float32.
+      states: (x weighted, b) -> [batch, g, heads, C, p, n], each chunk's
+        ``sum_u x[u]^T b[u]``.
+      state_rows: (c, S [batch, g, heads, C, p, n] float32) ->
+        [C, l, batch, g, heads, p], ``c[t] · S^T`` with S of t's chunk.
+    """
+
+    intra: Callable
+    states: Callable
+    state_rows: Callable
+
+
+def _chunked_ssd_for(impl: str, chunk_size: int, head_dim: int, heads_per_group: int,
+                     state_dim: int):
+    """The function (x, dt, a, b, c, chunk_size) -> (y, final state) running
+    :func:`ssd` on a sequence of whole chunks for ``impl``."""
     if impl == "xla":
-        return _intra_chunk_xla
+        return _chunked_ssd_xla
     if impl not in SSD_IMPLS:
         raise ValueError(f"ssd: impl={impl!r} is not one of {SSD_IMPLS}")
-    reason = ssd_pallas.unsupported_reason(chunk_size, head_dim, heads_per_group)
+    reason = ssd_pallas.unsupported_reason(chunk_size, head_dim, heads_per_group, state_dim)
     if impl == "auto":
-        return _intra_chunk_xla if reason else _intra_chunk_auto
+        return _chunked_ssd_xla if reason else _chunked_ssd_auto
     if reason:
         raise ValueError(f"ssd: impl='pallas' cannot run this shape: {reason}. "
                          f"Use impl='auto' or 'xla'.")
@@ -130,18 +152,11 @@ def _intra_chunk_step(impl: str, chunk_size: int, head_dim: int, heads_per_group
         raise ValueError(f"ssd: impl='pallas' runs on CUDA GPUs only (Pallas Triton kernels), "
                          f"and the default backend is {jax.default_backend()!r}. Use "
                          f"impl='auto' (Pallas on GPUs, XLA elsewhere) or 'xla'.")
-    return _intra_chunk_pallas
+    return _chunked_ssd_pallas
 
 
 def _intra_chunk_xla(x, dt, log_decay, cum, b, c):
-    """Step 1 as einsums: y_t = sum_{u<=t} (c_t·b_u) exp(sum_{u<r<=t} log_decay_r) dt_u x_u.
-
-    Args (chunked, [C, l, ...] of :func:`ssd`'s shapes): x, b, c in their
-    dtype; dt, log_decay and cum ([C, l, batch, g, heads]) float32.
-
-    Returns:
-      [C, l, batch, g, heads, p] float32.
-    """
+    """y_t = sum_{u<=t} (c_t·b_u) exp(sum_{u<r<=t} log_decay_r) dt_u x_u, as einsums."""
     del cum
     x, b, c = (t.astype(jnp.float32) for t in (x, b, c))
     decay = jnp.exp(_segsum(jnp.moveaxis(log_decay, 1, -1)))  # [C, batch, g, heads, t, u]
@@ -149,38 +164,74 @@ def _intra_chunk_xla(x, dt, log_decay, cum, b, c):
     return jnp.einsum("cbgtu,cbghtu,cubghp->ctbghp", cb, decay, x * dt[..., None])
 
 
-def _intra_chunk_pallas(x, dt, log_decay, cum, b, c, *, interpret=False):
-    """Step 1 by :func:`models.ssd_pallas.intra_chunk` (arguments as
-    :func:`_intra_chunk_xla`'s)."""
-    del log_decay
-    chunks, size = x.shape[:2]
-    y = ssd_pallas.intra_chunk(*ssd_pallas.chunk_operands(x, dt, cum, b, c), chunk_size=size,
-                               interpret=interpret)
-    return y.reshape(chunks, size, *y.shape[1:])
+def _states_xla(x, b):
+    return jnp.einsum("cubghp,cubgn->bghcpn", x, b, preferred_element_type=jnp.float32)
 
 
-def _intra_chunk_auto(*args):
-    return jax.lax.platform_dependent(*args, cuda=_intra_chunk_pallas, default=_intra_chunk_xla)
+def _state_rows_xla(c, state):
+    return jnp.einsum("ctbgn,bghcpn->ctbghp", c, state.astype(c.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+_XLA_PRODUCTS = _ChunkProducts(_intra_chunk_xla, _states_xla, _state_rows_xla)
+
+
+def _pallas_products(interpret: bool = False) -> _ChunkProducts:
+    """:mod:`models.ssd_pallas`'s kernels behind :class:`_ChunkProducts`
+    (``interpret``: in Pallas's interpreter, for tests on CPU)."""
+    def merged(t):  # [C, l, ...] -> [C·l, ...]: the kernels index chunks themselves
+        return t.reshape(-1, *t.shape[2:])
+
+    def intra(x, dt, log_decay, cum, b, c):
+        del log_decay
+        y = ssd_pallas.intra_chunk(*ssd_pallas.chunk_operands(x, dt, cum, b, c),
+                                   chunk_size=x.shape[1], interpret=interpret)
+        return y.reshape(x.shape[:2] + y.shape[1:])
+
+    def states(x, b):
+        return ssd_pallas.chunk_states(merged(x), merged(b), chunk_size=x.shape[1],
+                                       interpret=interpret)
+
+    def state_rows(c, state):
+        rows = ssd_pallas.state_rows(merged(c), state, chunk_size=c.shape[1],
+                                     interpret=interpret)
+        return rows.reshape(c.shape[:2] + rows.shape[1:])
+
+    return _ChunkProducts(intra, states, state_rows)
+
+
+def _chunked_ssd_xla(x, dt, a, b, c, chunk_size):
+    return _chunked_ssd(x, dt, a, b, c, chunk_size, _XLA_PRODUCTS)
+
+
+def _chunked_ssd_pallas(x, dt, a, b, c, chunk_size, *, interpret=False):
+    return _chunked_ssd(x, dt, a, b, c, chunk_size, _pallas_products(interpret))
+
+
+def _chunked_ssd_auto(x, dt, a, b, c, chunk_size):
+    return jax.lax.platform_dependent(
+        x, dt, a, b, c, cuda=functools.partial(_chunked_ssd_pallas, chunk_size=chunk_size),
+        default=functools.partial(_chunked_ssd_xla, chunk_size=chunk_size))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ssd(x, dt, a, b, c, chunk_size, intra):
-    return _chunked_ssd(x, dt, a, b, c, chunk_size, intra)
+def _ssd(x, dt, a, b, c, chunk_size, chunked):
+    return chunked(x, dt, a, b, c, chunk_size)
 
 
-def _ssd_fwd(x, dt, a, b, c, chunk_size, intra):
-    return _chunked_ssd(x, dt, a, b, c, chunk_size, intra), (x, dt, a, b, c)
+def _ssd_fwd(x, dt, a, b, c, chunk_size, chunked):
+    return chunked(x, dt, a, b, c, chunk_size), (x, dt, a, b, c)
 
 
-def _ssd_bwd(chunk_size, intra, inputs, cotangents):
-    _, vjp = jax.vjp(lambda *t: _chunked_ssd(*t, chunk_size, intra), *inputs)
+def _ssd_bwd(chunk_size, chunked, inputs, cotangents):
+    _, vjp = jax.vjp(lambda *t: chunked(*t, chunk_size), *inputs)
     return vjp(cotangents)
 
 
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
 
 
-def _chunked_ssd(x, dt, a, b, c, chunk_size, intra):
+def _chunked_ssd(x, dt, a, b, c, chunk_size, products: _ChunkProducts):
     """:func:`ssd` on a sequence that is a multiple of the chunk: (y, final state)."""
     chunks = x.shape[0] // chunk_size
     x, dt, b, c = (t.reshape(chunks, chunk_size, *t.shape[1:]) for t in (x, dt, b, c))
@@ -188,25 +239,22 @@ def _chunked_ssd(x, dt, a, b, c, chunk_size, intra):
     log_decay = dt * a                                      # [C, l, batch, g, heads]
     cum = jnp.cumsum(log_decay, axis=1)
     # 1. Within chunks.
-    y = intra(x, dt, log_decay, cum, b, c)
+    y = products.intra(x, dt, log_decay, cum, b, c)
     # Steps 2 and 4 multiply in the inputs' dtype (bf16 in training: the
-    # tensor cores' rate, half the bytes to lay out), accumulating in float32.
+    # tensor cores' rate, half the bytes to read), accumulating in float32.
     dtype = x.dtype
     # 2. The state each chunk leaves, from its own inputs.
     to_end = jnp.exp(cum[:, -1:] - cum)
-    states = jnp.einsum("cubgn,cubghp->cbghpn", b.astype(dtype),
-                        (x * (dt * to_end)[..., None]).astype(dtype),
-                        preferred_element_type=jnp.float32)
-    # 3. Across chunks: the state entering each chunk (zero for the first).
+    states = products.states((x * (dt * to_end)[..., None]).astype(dtype), b.astype(dtype))
+    # 3. Across chunks: the state entering each chunk (zero for the first),
+    # then the final state.
     chunk_decay = jnp.exp(_segsum(jnp.moveaxis(jnp.pad(cum[:, -1], ((1, 0),) + ((0, 0),) * 3),
                                                0, -1)))     # [batch, g, heads, C+1, C+1]
-    states = jnp.concatenate([jnp.zeros_like(states[:1]), states])
-    passed = jnp.einsum("bghzc,cbghpn->zbghpn", chunk_decay, states)  # entering, then final
+    entering = jnp.einsum("bghzc,bghcpn->bghzpn", chunk_decay[..., :-1, 1:], states)
+    final = jnp.einsum("bghc,bghcpn->bghpn", chunk_decay[..., -1, 1:], states)
     # 4. The entering state's contribution, decayed to each position.
-    entering = jnp.einsum("ctbgn,cbghpn->ctbghp", c.astype(dtype), passed[:-1].astype(dtype),
-                          preferred_element_type=jnp.float32)
-    y = y + entering * jnp.exp(cum)[..., None]
-    return y.reshape(-1, *y.shape[2:]), passed[-1]
+    y = y + products.state_rows(c.astype(dtype), entering) * jnp.exp(cum)[..., None]
+    return y.reshape(-1, *y.shape[2:]), final
 
 
 def ssd_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,

@@ -1,4 +1,4 @@
-"""The SSD's intra-chunk product as fused Pallas (Triton) GPU kernels.
+"""The SSD's chunk work as fused Pallas (Triton) GPU kernels.
 
 Inside each chunk the SSD is attention with a decay mask (see
 :func:`models.mamba.ssd`)::
@@ -26,6 +26,15 @@ Three kernels, each a grid over (chunk, batch, group, ...):
 
 The tiles' products run on the tensor cores in the inputs' dtype (bf16 in
 training) with float32 accumulation; decays and sums are float32.
+
+Two more products carry the state across chunks: :func:`chunk_states`,
+each chunk's ``sum_u x[u]^T b[u]`` (the state it leaves), and
+:func:`state_rows`, ``c[t] · S^T`` (the entering state read at each
+position). Their kernels read x, b and c where the model keeps them,
+sequence-major, and write the states as [batch, g, heads, chunks, p, n],
+the layout the recurrence across chunks multiplies in: written as einsums,
+XLA transposes [chunks, l, batch, g, heads, p] float32 blocks around each
+product and its transpose (about 50 ms of a 1.4B training step).
 """
 
 from __future__ import annotations
@@ -43,7 +52,8 @@ try:  # jax 0.11 marks Pallas's Triton backend deprecated: without it, "auto" ru
 except ImportError:
     plgpu = None
 
-__all__ = ["Tiling", "chunk_operands", "intra_chunk", "unsupported_reason"]
+__all__ = ["Tiling", "chunk_operands", "chunk_states", "intra_chunk", "state_rows",
+           "unsupported_reason"]
 
 _MAX_BLOCK = 64
 
@@ -64,19 +74,23 @@ class Tiling(NamedTuple):
                     compiler_params=plgpu.CompilerParams(num_warps=self.num_warps))
 
 
-def unsupported_reason(chunk_size: int, head_dim: int, heads_per_group: int) -> str | None:
+def unsupported_reason(chunk_size: int, head_dim: int, heads_per_group: int,
+                       state_dim: int | None = None) -> str | None:
     """Why these kernels cannot run a shape, or None when they can.
 
     Triton tiles have power-of-two sides, and its tensor-core products need
-    at least 16 along each.
+    at least 16 along each. ``state_dim`` None: only :func:`intra_chunk`,
+    which does not see the state.
     """
     if plgpu is None:
         return "this jax has no Pallas Triton backend"
-    for name, value in (("chunk_size", chunk_size), ("head_dim", head_dim),
-                        ("heads per group", heads_per_group)):
+    sides = (("chunk_size", chunk_size), ("head_dim", head_dim))
+    if state_dim is not None:
+        sides += (("state_dim", state_dim),)
+    for name, value in sides + (("heads per group", heads_per_group),):
         if value & (value - 1):
             return f"{name}={value} is not a power of two"
-    for name, value in (("chunk_size", chunk_size), ("head_dim", head_dim)):
+    for name, value in sides:
         if value < 16:
             return f"{name}={value} is below 16"
     return None
@@ -313,14 +327,220 @@ def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
       [s, batch, g, heads, p] float32.
     """
     s, _, _, heads, p = x.shape
-    reason = unsupported_reason(chunk_size, p, heads)
+    tiling = _tiling("intra_chunk", s, chunk_size, unsupported_reason(chunk_size, p, heads),
+                     block, num_warps, interpret)
+    return _intra_chunk(cb, x, dt, cum, tiling)
+
+
+def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int | None,
+            num_warps: int | None, interpret: bool) -> Tiling:
+    """The Tiling of a public function's arguments, or a ValueError naming them."""
     if reason:
-        raise ValueError(f"ssd_pallas.intra_chunk: {reason}; use the XLA SSD (ssd_impl='xla').")
+        raise ValueError(f"ssd_pallas.{caller}: {reason}; use the XLA SSD (ssd_impl='xla').")
     if s % chunk_size:
-        raise ValueError(f"ssd_pallas.intra_chunk: sequence length {s} is not a multiple "
+        raise ValueError(f"ssd_pallas.{caller}: sequence length {s} is not a multiple "
                          f"of chunk_size={chunk_size}")
     block = min(chunk_size, _MAX_BLOCK) if block is None else block
     if block < 16 or block & (block - 1) or chunk_size % block:
-        raise ValueError(f"ssd_pallas.intra_chunk: block={block} must be a power of two "
+        raise ValueError(f"ssd_pallas.{caller}: block={block} must be a power of two "
                          f"from 16 that divides chunk_size={chunk_size}")
-    return _intra_chunk(cb, x, dt, cum, Tiling(chunk_size, block, num_warps, interpret))
+    return Tiling(chunk_size, block, num_warps, interpret)
+
+
+# The state products. Per (chunk, batch, group, head), with S that head's
+# [p, n] state of the chunk:
+#   _outer:  S = sum_u x[u]^T b[u]                    (x [l, p], b [l, n])
+#   _rows:   out[t] = c[t] · S^T                      (c [l, n] -> [l, p])
+#   _group:  out[t] = sum_heads x_h[t] · S_h          (x [l, heads, p] -> [l, n])
+# Each is the other two's transpose, so two custom_vjps cover the SSD's
+# steps 2 and 4 and their gradients.
+
+def _outer_kernel(x_ref, b_ref, s_ref, *, block, blocks):
+    precision = _precision(x_ref.dtype)
+
+    def rows(i, acc):
+        r = pl.ds(i * block, block)
+        return acc + plgpu.dot(x_ref[r, :], b_ref[r, :], trans_a=True, precision=precision)
+
+    s_ref[...] = lax.fori_loop(0, blocks, rows, jnp.zeros(s_ref.shape, jnp.float32))
+
+
+def _rows_of_state_kernel(c_ref, s_ref, o_ref, *, block, blocks):
+    state = s_ref[...].astype(c_ref.dtype)
+    precision = _precision(c_ref.dtype)
+
+    def rows(i, carry):
+        r = pl.ds(i * block, block)
+        o_ref[r, :] = plgpu.dot(c_ref[r, :], state, trans_b=True, precision=precision)
+        return carry
+
+    lax.fori_loop(0, blocks, rows, None)
+
+
+def _group_kernel(x_ref, s_ref, o_ref, *, heads):
+    precision = _precision(x_ref.dtype)
+
+    def head(h, acc):
+        return acc + plgpu.dot(x_ref[:, h, :], s_ref[h].astype(x_ref.dtype), precision=precision)
+
+    o_ref[...] = lax.fori_loop(0, heads, head, jnp.zeros(o_ref.shape, jnp.float32))
+
+
+def _state_specs(x_shape, n: int, tiling: Tiling):
+    """BlockSpecs over the grid (chunk, batch, group, head) and, for
+    ``_group``, (chunk, batch, group, row block)."""
+    _, _, _, heads, p = x_shape
+    chunk_size, block = tiling.chunk_size, tiling.block
+    blocks = chunk_size // block
+    return dict(
+        x=pl.BlockSpec((chunk_size, None, None, None, p), lambda c, b, g, h: (c, b, g, h, 0)),
+        bc=pl.BlockSpec((chunk_size, None, None, n), lambda c, b, g, h: (c, b, g, 0)),
+        state=pl.BlockSpec((None, None, None, None, p, n), lambda c, b, g, h: (b, g, h, c, 0, 0)),
+        group_x=pl.BlockSpec((block, None, None, heads, p),
+                             lambda c, b, g, i: (c * blocks + i, b, g, 0, 0)),
+        group_state=pl.BlockSpec((None, None, heads, None, p, n),
+                                 lambda c, b, g, i: (b, g, 0, c, 0, 0)),
+        group_out=pl.BlockSpec((block, None, None, n),
+                               lambda c, b, g, i: (c * blocks + i, b, g, 0)),
+    )
+
+
+def _outer(x, b, tiling: Tiling):
+    """[s, batch, g, heads, p], [s, batch, g, n] -> [batch, g, heads, chunks, p, n] float32."""
+    s, batch, groups, heads, p = x.shape
+    n, chunks = b.shape[-1], s // tiling.chunk_size
+    spec = _state_specs(x.shape, n, tiling)
+    (x, b), varying = _same_variance(x, b)
+    return pl.pallas_call(
+        functools.partial(_outer_kernel, block=tiling.block,
+                          blocks=tiling.chunk_size // tiling.block),
+        grid=(chunks, batch, groups, heads),
+        in_specs=[spec["x"], spec["bc"]],
+        out_specs=spec["state"],
+        out_shape=jax.ShapeDtypeStruct((batch, groups, heads, chunks, p, n), jnp.float32,
+                                       manual_axis_type=varying),
+        **tiling.params(),
+        name="ssd_chunk_states",
+    )(x, b)
+
+
+def _rows_of_state(c, state, tiling: Tiling):
+    """[s, batch, g, n], [batch, g, heads, chunks, p, n] -> [s, batch, g, heads, p] float32."""
+    s, batch, groups, n = c.shape
+    heads, p = state.shape[2], state.shape[4]
+    x_shape = (s, batch, groups, heads, p)
+    spec = _state_specs(x_shape, n, tiling)
+    (c, state), varying = _same_variance(c, state)
+    return pl.pallas_call(
+        functools.partial(_rows_of_state_kernel, block=tiling.block,
+                          blocks=tiling.chunk_size // tiling.block),
+        grid=(s // tiling.chunk_size, batch, groups, heads),
+        in_specs=[spec["bc"], spec["state"]],
+        out_specs=spec["x"],
+        out_shape=jax.ShapeDtypeStruct(x_shape, jnp.float32, manual_axis_type=varying),
+        **tiling.params(),
+        name="ssd_state_rows",
+    )(c, state)
+
+
+def _group(x, state, tiling: Tiling):
+    """[s, batch, g, heads, p], [batch, g, heads, chunks, p, n] -> [s, batch, g, n] float32."""
+    s, batch, groups, heads, _ = x.shape
+    n = state.shape[-1]
+    spec = _state_specs(x.shape, n, tiling)
+    (x, state), varying = _same_variance(x, state)
+    return pl.pallas_call(
+        functools.partial(_group_kernel, heads=heads),
+        grid=(s // tiling.chunk_size, batch, groups, tiling.chunk_size // tiling.block),
+        in_specs=[spec["group_x"], spec["group_state"]],
+        out_specs=spec["group_out"],
+        out_shape=jax.ShapeDtypeStruct((s, batch, groups, n), jnp.float32,
+                                       manual_axis_type=varying),
+        **tiling.params(),
+        name="ssd_state_group_rows",
+    )(x, state)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _chunk_states(x, b, tiling):
+    return _outer(x, b, tiling)
+
+
+def _chunk_states_fwd(x, b, tiling):
+    return _outer(x, b, tiling), (x, b)
+
+
+def _chunk_states_bwd(tiling, residuals, d_state):
+    x, b = residuals
+    d_state = d_state.astype(x.dtype)
+    return (_rows_of_state(b, d_state, tiling).astype(x.dtype),
+            _group(x, d_state, tiling).astype(b.dtype))
+
+
+_chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _state_rows(c, state, tiling):
+    return _rows_of_state(c, state, tiling)
+
+
+def _state_rows_fwd(c, state, tiling):
+    return _rows_of_state(c, state, tiling), (c, state)
+
+
+def _state_rows_bwd(tiling, residuals, d_rows):
+    c, state = residuals
+    d_rows = d_rows.astype(c.dtype)
+    return _group(d_rows, state, tiling).astype(c.dtype), _outer(d_rows, c, tiling)
+
+
+_state_rows.defvjp(_state_rows_fwd, _state_rows_bwd)
+
+
+def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | None = None,
+                 num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+    """Each chunk's ``sum_u x[u]^T b[u]`` per head, differentiable, on the GPU.
+
+    With x already weighted by ``dt[u]·exp(cum[l-1] - cum[u])``, the state
+    each chunk of the SSD leaves.
+
+    Args:
+      x: [s, batch, g, heads, p] (bf16 or float32), s = chunks · l.
+      b: [s, batch, g, n], the same dtype.
+      chunk_size: l.
+      block, num_warps, interpret: as :func:`intra_chunk`'s.
+
+    Returns:
+      [batch, g, heads, chunks, p, n] float32.
+    """
+    s, _, _, heads, p = x.shape
+    tiling = _tiling("chunk_states", s, chunk_size,
+                     unsupported_reason(chunk_size, p, heads, b.shape[-1]), block, num_warps,
+                     interpret)
+    return _chunk_states(x, b, tiling)
+
+
+def state_rows(c: jax.Array, state: jax.Array, *, chunk_size: int, block: int | None = None,
+               num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+    """``c[t] · S^T`` with S the state of t's chunk and head, differentiable, on the GPU.
+
+    With S the state entering each chunk, the SSD's inter-chunk output
+    before its decay ``exp(cum[t])``. The product runs in c's dtype.
+
+    Args:
+      c: [s, batch, g, n] (bf16 or float32), s = chunks · l.
+      state: [batch, g, heads, chunks, p, n] float32.
+      chunk_size: l.
+      block, num_warps, interpret: as :func:`intra_chunk`'s.
+
+    Returns:
+      [s, batch, g, heads, p] float32.
+    """
+    _, _, heads, chunks, p, n = state.shape
+    tiling = _tiling("state_rows", c.shape[0], chunk_size,
+                     unsupported_reason(chunk_size, p, heads, n), block, num_warps, interpret)
+    if c.shape[0] != chunks * chunk_size:
+        raise ValueError(f"ssd_pallas.state_rows: {chunks} chunks of state for a sequence "
+                         f"of {c.shape[0]} = {c.shape[0] // chunk_size} chunks")
+    return _state_rows(c, state, tiling)

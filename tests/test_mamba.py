@@ -84,7 +84,7 @@ def test_ssd_backward_keeps_only_its_inputs(rng):
 
 
 @pytest.mark.parametrize("impl, message", [
-    ("pallas", r"impl='pallas' cannot run this shape: head_dim=4 is below 16"),
+    ("pallas", r"impl='pallas' cannot run this shape: state_dim=5 is not a power of two"),
     ("triton", r"impl='triton' is not one of \('auto', 'xla', 'pallas'\)"),
 ])
 def test_ssd_impl_errors(rng, impl, message):

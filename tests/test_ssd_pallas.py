@@ -51,8 +51,8 @@ def _check_against_xla(inputs, chunk_size, dtype, rng):
 @pytest.fixture
 def interpreted(monkeypatch):
     """impl="pallas" runs the kernels in Pallas's interpreter (on CPU)."""
-    monkeypatch.setattr(mamba, "_intra_chunk_step", lambda *_: functools.partial(
-        mamba._intra_chunk_pallas, interpret=True))
+    monkeypatch.setattr(mamba, "_chunked_ssd_for", lambda *_: functools.partial(
+        mamba._chunked_ssd_pallas, interpret=True))
 
 
 @pytest.mark.parametrize("s, chunk_size", [(64, 16), (64, 32), (40, 16), (256, 128)],
@@ -63,17 +63,32 @@ def test_interpreted_kernels_equal_xla(interpreted, s, chunk_size, dtype, rng):
                        rng)
 
 
-@pytest.mark.parametrize("chunk_size, head_dim, heads, message", [
-    (48, 64, 8, "chunk_size=48 is not a power of two"),
-    (8, 64, 8, "chunk_size=8 is below 16"),
-    (64, 64, 6, "heads per group=6 is not a power of two"),
+@pytest.mark.parametrize("chunk_size, head_dim, heads, n, message", [
+    (48, 64, 8, 128, "chunk_size=48 is not a power of two"),
+    (8, 64, 8, 128, "chunk_size=8 is below 16"),
+    (64, 64, 6, 128, "heads per group=6 is not a power of two"),
+    (64, 64, 8, 96, "state_dim=96 is not a power of two"),
 ])
-def test_unsupported_shapes(chunk_size, head_dim, heads, message):
-    assert models.ssd_pallas.unsupported_reason(chunk_size, head_dim, heads) == message
-    args = [jnp.zeros((chunk_size, 1, 1, heads, head_dim)), jnp.zeros((chunk_size, 1, 1, heads))]
+def test_unsupported_shapes(chunk_size, head_dim, heads, n, message):
+    assert models.ssd_pallas.unsupported_reason(chunk_size, head_dim, heads, n) == message
+    x = jnp.zeros((chunk_size, 1, 1, heads, head_dim))
+    b = jnp.zeros((chunk_size, 1, 1, n))
     with pytest.raises(ValueError, match=message):
-        models.ssd_pallas.intra_chunk(jnp.zeros((1, 1, 1, chunk_size, chunk_size)), *args,
-                                      args[1], chunk_size=chunk_size)
+        models.ssd_pallas.chunk_states(x, b, chunk_size=chunk_size)
+    with pytest.raises(ValueError, match=message):
+        models.ssd_pallas.state_rows(b, jnp.zeros((1, 1, heads, 1, head_dim, n)),
+                                     chunk_size=chunk_size)
+    if n == 128:  # the intra-chunk kernels do not see the state
+        dt = jnp.zeros((chunk_size, 1, 1, heads))
+        with pytest.raises(ValueError, match=message):
+            models.ssd_pallas.intra_chunk(jnp.zeros((1, 1, 1, chunk_size, chunk_size)), x, dt,
+                                          dt, chunk_size=chunk_size)
+
+
+def test_state_rows_needs_a_state_per_chunk():
+    with pytest.raises(ValueError, match="3 chunks of state for a sequence of 128 = 2 chunks"):
+        models.ssd_pallas.state_rows(jnp.zeros((128, 1, 1, 16)),
+                                     jnp.zeros((1, 1, 2, 3, 16, 16)), chunk_size=64)
 
 
 def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
@@ -88,12 +103,13 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
     inputs = _inputs(np.random.default_rng(0), s, heads=8, p=64, n=128, dtype="bfloat16")
 
     def grads(*t):
-        return jax.grad(lambda *u: jnp.sum(mamba._ssd(*u, chunk, mamba._intra_chunk_pallas)[0]),
+        return jax.grad(lambda *u: jnp.sum(mamba._ssd(*u, chunk, mamba._chunked_ssd_pallas)[0]),
                         argnums=tuple(range(5)))(*t)
 
     text = jax.jit(grads).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
     for kernel in ("ssd_intra_chunk_forward", "ssd_intra_chunk_backward_columns",
-                   "ssd_intra_chunk_backward_rows"):
+                   "ssd_intra_chunk_backward_rows", "ssd_chunk_states", "ssd_state_rows",
+                   "ssd_state_group_rows"):
         assert kernel in text, kernel
 
 
@@ -101,9 +117,9 @@ def test_without_the_triton_backend_auto_runs_xla(monkeypatch):
     """jax 0.11 marks Pallas's Triton backend deprecated: where a jax lacks
     it, "auto" runs the einsums and "pallas" says why it cannot."""
     monkeypatch.setattr(models.ssd_pallas, "plgpu", None)
-    assert mamba._intra_chunk_step("auto", 64, 64, 8) is mamba._intra_chunk_xla
+    assert mamba._chunked_ssd_for("auto", 64, 64, 8, 128) is mamba._chunked_ssd_xla
     with pytest.raises(ValueError, match="this jax has no Pallas Triton backend"):
-        mamba._intra_chunk_step("pallas", 64, 64, 8)
+        mamba._chunked_ssd_for("pallas", 64, 64, 8, 128)
 
 
 def test_tile_side_errors():
