@@ -10,7 +10,7 @@ forward + backward (the gradients of every input), with ``impl`` "xla" and
 of 128, 8 KV heads, causal) the same way, in one process, by the project's
 protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
 results are checked against XLA's (relative error by norm, bf16 tolerance).
-``--sweep`` also times the intra-chunk kernels alone per tile side and warps
+``--sweep`` also times the chunk output's kernels alone per tile side and warps
 per program (a tiling that does not fit is recorded as skipped). The JSON is
 rewritten after each row.
 TFLOP/s count the SSD's FLOPs as ``MambaConfig.ssd_flops_per_token`` does
@@ -73,28 +73,32 @@ def attention_ops(config: models.TransformerConfig, seq_len: int, batch: int, ke
 
 
 def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[dict]:
-    """The intra-chunk kernels alone (``models.ssd_pallas.intra_chunk``), forward
-    and forward + backward, per tile side and warps per program."""
+    """The chunk output's kernels alone (``models.ssd_pallas.chunk_output``),
+    forward and forward + backward, per tile side and warps per program."""
     x, dt, a, b, c = inputs
     s, chunk = x.shape[0], config.chunk_size
     x, dt, b, c = (t.reshape(s // chunk, chunk, *t.shape[1:]) for t in (x, dt, b, c))
     operands = models.ssd_pallas.chunk_operands(x, dt, jnp.cumsum(dt * a, axis=1), b, c)
+    batch, groups, heads, p = x.shape[2:]
+    state = jax.random.normal(jax.random.key(1),
+                              (batch, groups, heads, s // chunk, p, c.shape[-1]), jnp.float32)
+    operands = (*operands, state)
     rows = []
     for block in (32, 64, 128):
         for warps in (4, 8):
             def forward(*t, block=block, warps=warps):
-                return models.ssd_pallas.intra_chunk(*t, chunk_size=chunk, block=block,
-                                                     num_warps=warps)
+                return models.ssd_pallas.chunk_output(*t, chunk_size=chunk, block=block,
+                                                      num_warps=warps)
 
             def backward(*t, forward=forward):
-                return jax.grad(lambda *u: jnp.sum(forward(*u)), argnums=(0, 1, 2, 3))(*t)
+                return jax.grad(lambda *u: jnp.sum(forward(*u)), argnums=tuple(range(6)))(*t)
 
             for phase, fn in (("forward", forward), ("forward+backward", backward)):
-                row = {"what": "intra_chunk kernels", "block": block, "num_warps": warps,
+                row = {"what": "chunk_output kernels", "block": block, "num_warps": warps,
                        "phase": phase}
                 try:
                     t = benchmarking.time_per_op(fn, operands, mesh=mesh,
-                                                 in_specs=(P(),) * 4, k1=2, k2=8, reps=reps)
+                                                 in_specs=(P(),) * 6, k1=2, k2=8, reps=reps)
                 except jax.errors.JaxRuntimeError as e:  # e.g. tiles beyond shared memory
                     row["skipped"] = str(e).splitlines()[0]
                 else:
@@ -121,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=None, help="default: the 1.4B model's")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the intra-chunk kernels alone per tile side and warps")
+                        help="also time the chunk output's kernels alone per tile side and warps")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks/ssd.py times the Pallas GPU kernels: it needs a CUDA GPU",

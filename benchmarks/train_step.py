@@ -78,7 +78,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
         *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else []),
         *(["--attention", args.attention] if model == "transformer" else ["--ssd", args.ssd]),
-        *([] if args.scan_layers else ["--unroll-layers"])])
+        *({None: [], True: ["--scan-layers"], False: ["--unroll-layers"]}[args.scan_layers])])
     trainer = train.build(targs)
     corpus = load_corpus(None, targs.seq_len)
     batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
@@ -178,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=8192)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU")
     parser.add_argument("--remat", action="store_true")
-    parser.add_argument("--unroll-layers", dest="scan_layers", action="store_false")
+    layers = parser.add_mutually_exclusive_group()
+    layers.add_argument("--unroll-layers", dest="scan_layers", action="store_false", default=None,
+                        help="unset: the trainer's default (jax-flashoverlap-train --help)")
+    layers.add_argument("--scan-layers", dest="scan_layers", action="store_true")
     parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--ssd", default="auto", choices=models.SSD_IMPLS,

@@ -238,6 +238,8 @@ class MambaConfig(_Presets):
       impl: implementation of the overlap ops.
       remat: recompute each block in the backward pass.
       scan_layers: run the blocks as one ``lax.scan``; False unrolls them.
+        None (default): unrolled on GPUs, scanned elsewhere (see
+        :func:`models.mamba.resolve_scan_layers`).
       ssd_impl: the SSD's intra-chunk step, one of :data:`SSD_IMPLS` (see
         :func:`models.mamba.ssd`).
       sharding: how it maps onto the mesh.
@@ -267,7 +269,7 @@ class MambaConfig(_Presets):
     dtype: str = "float32"
     impl: str = "auto"
     remat: bool = False
-    scan_layers: bool = True
+    scan_layers: bool | None = None
     ssd_impl: str = "auto"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)

@@ -16,7 +16,8 @@ runs well, everything per head stays on chip.
 Three kernels, each a grid over (chunk, batch, group, ...):
 
 - forward: a row block of one head's output, looping over the column blocks
-  on or before the diagonal;
+  on or before the diagonal, and adding the state entering the chunk (step
+  4 of the SSD, ``exp(cum[t]) · c[t] · S^T``);
 - backward by columns: a column block of one head, looping over the row
   blocks on or after the diagonal; gives dx, d(dt) and the column half of
   d(cum);
@@ -27,14 +28,13 @@ Three kernels, each a grid over (chunk, batch, group, ...):
 The tiles' products run on the tensor cores in the inputs' dtype (bf16 in
 training) with float32 accumulation; decays and sums are float32.
 
-Two more products carry the state across chunks: :func:`chunk_states`,
-each chunk's ``sum_u x[u]^T b[u]`` (the state it leaves), and
-:func:`state_rows`, ``c[t] · S^T`` (the entering state read at each
-position). Their kernels read x, b and c where the model keeps them,
-sequence-major, and write the states as [batch, g, heads, chunks, p, n],
-the layout the recurrence across chunks multiplies in: written as einsums,
-XLA transposes [chunks, l, batch, g, heads, p] float32 blocks around each
-product and its transpose (about 50 ms of a 1.4B training step).
+:func:`chunk_states` gives each chunk's ``sum_u x[u]^T b[u]`` (with x
+weighted, the state the chunk leaves). These kernels read x, b and c where
+the model keeps them, sequence-major, and keep the states as [batch, g,
+heads, chunks, p, n], the layout the recurrence across chunks multiplies
+in: written as einsums, XLA transposes [chunks, l, batch, g, heads, p]
+float32 blocks around each product and its transpose (about 50 ms of a
+1.4B training step).
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ try:  # jax 0.11 marks Pallas's Triton backend deprecated: without it, "auto" ru
 except ImportError:
     plgpu = None
 
-__all__ = ["Tiling", "chunk_operands", "chunk_states", "intra_chunk", "state_rows",
-           "unsupported_reason"]
+__all__ = ["Tiling", "chunk_operands", "chunk_output", "chunk_states", "unsupported_reason"]
 
 _MAX_BLOCK = 64
 
@@ -75,18 +74,15 @@ class Tiling(NamedTuple):
 
 
 def unsupported_reason(chunk_size: int, head_dim: int, heads_per_group: int,
-                       state_dim: int | None = None) -> str | None:
+                       state_dim: int) -> str | None:
     """Why these kernels cannot run a shape, or None when they can.
 
     Triton tiles have power-of-two sides, and its tensor-core products need
-    at least 16 along each. ``state_dim`` None: only :func:`intra_chunk`,
-    which does not see the state.
+    at least 16 along each.
     """
     if plgpu is None:
         return "this jax has no Pallas Triton backend"
-    sides = (("chunk_size", chunk_size), ("head_dim", head_dim))
-    if state_dim is not None:
-        sides += (("state_dim", state_dim),)
+    sides = (("chunk_size", chunk_size), ("head_dim", head_dim), ("state_dim", state_dim))
     for name, value in sides + (("heads per group", heads_per_group),):
         if value & (value - 1):
             return f"{name}={value} is not a power of two"
@@ -110,8 +106,9 @@ def _decay(cum_rows, cum_cols, row0, col0):
     return jnp.exp(jnp.where(t >= u, cum_rows[:, None] - cum_cols[None, :], -jnp.inf))
 
 
-def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, y_ref, *, block):
-    """One head's rows [t0, t0 + block) of one chunk."""
+def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, y_ref, *, block):
+    """One head's rows [t0, t0 + block) of one chunk: from inside the chunk,
+    plus the entering state's ``exp(cum[t]) · c[t] · S^T``."""
     row = pl.program_id(4)
     rows = pl.ds(row * block, block)
     cum_rows = cum_ref[rows]
@@ -123,8 +120,9 @@ def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, y_ref, *, block):
                 * dt_ref[cols][None, :])
         return acc + plgpu.dot(tile.astype(x_ref.dtype), x_ref[cols, :], precision=precision)
 
-    y_ref[...] = lax.fori_loop(0, row + 1, column,
-                               jnp.zeros(y_ref.shape, jnp.float32)).astype(y_ref.dtype)
+    entering = plgpu.dot(c_ref[...], state_ref[...].astype(c_ref.dtype), trans_b=True,
+                         precision=precision)
+    y_ref[...] = lax.fori_loop(0, row + 1, column, jnp.exp(cum_rows)[:, None] * entering)
 
 
 def _columns_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dx_ref, ddt_ref, dcum_ref, *,
@@ -198,7 +196,7 @@ def _same_variance(*arrays):
     return arrays, jax.typeof(arrays[0]).manual_axis_type
 
 
-def _grid_and_specs(x, tiling: Tiling):
+def _grid_and_specs(x, tiling: Tiling, n: int = 0):
     s, batch, groups, heads, p = x.shape
     chunk_size, block = tiling.chunk_size, tiling.block
     chunks, blocks = s // chunk_size, chunk_size // block
@@ -215,22 +213,27 @@ def _grid_and_specs(x, tiling: Tiling):
                              lambda c, b, g, h, i: (b, g, c, i, 0)),
         cb_whole=pl.BlockSpec((None, None, None, chunk_size, chunk_size),
                               lambda c, b, g, h, i: (b, g, c, 0, 0)),
+        c_rows=pl.BlockSpec((block, None, None, n),
+                            lambda c, b, g, h, i: (c * blocks + i, b, g, 0)),
+        state=pl.BlockSpec((None, None, None, None, p, n),
+                           lambda c, b, g, h, i: (b, g, h, c, 0, 0)),
     )
     return (chunks, batch, groups, heads, blocks), block, blocks, per_head
 
 
-def _forward(cb, x, dt, cum, tiling: Tiling):
-    grid, block, _, spec = _grid_and_specs(x, tiling)
-    (cb, x, dt, cum), varying = _same_variance(cb, x, dt, cum)
+def _forward(cb, x, dt, cum, c, state, tiling: Tiling):
+    grid, block, _, spec = _grid_and_specs(x, tiling, c.shape[-1])
+    (cb, x, dt, cum, c, state), varying = _same_variance(cb, x, dt, cum, c, state)
     return pl.pallas_call(
         functools.partial(_forward_kernel, block=block),
         grid=grid,
-        in_specs=[spec["cb_rows"], spec["whole_chunk"], spec["scalars"], spec["scalars"]],
+        in_specs=[spec["cb_rows"], spec["whole_chunk"], spec["scalars"], spec["scalars"],
+                  spec["c_rows"], spec["state"]],
         out_specs=spec["block_rows"],
         out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32, manual_axis_type=varying),
         **tiling.params(),
-        name="ssd_intra_chunk_forward",
-    )(cb, x, dt, cum)
+        name="ssd_chunk_output",
+    )(cb, x, dt, cum, c, state)
 
 
 def _backward(cb, x, dt, cum, dy, tiling: Tiling):
@@ -273,25 +276,34 @@ def _backward(cb, x, dt, cum, dy, tiling: Tiling):
     return dcb.astype(cb.dtype), dx, ddt.astype(dt.dtype), dcum.astype(cum.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _intra_chunk(cb, x, dt, cum, tiling):
-    return _forward(cb, x, dt, cum, tiling)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _chunk_output(cb, x, dt, cum, c, state, tiling):
+    return _forward(cb, x, dt, cum, c, state, tiling)
 
 
-def _intra_chunk_fwd(cb, x, dt, cum, tiling):
-    return _forward(cb, x, dt, cum, tiling), (cb, x, dt, cum)
+def _chunk_output_fwd(cb, x, dt, cum, c, state, tiling):
+    return _forward(cb, x, dt, cum, c, state, tiling), (cb, x, dt, cum, c, state)
 
 
-def _intra_chunk_bwd(tiling, residuals, dy):
-    return _backward(*residuals, dy, tiling)
+def _chunk_output_bwd(tiling, residuals, dy):
+    cb, x, dt, cum, c, state = residuals
+    dcb, dx, ddt, dcum = _backward(cb, x, dt, cum, dy, tiling)
+    # The entering state's part, exp(cum[t]) · c[t] · S^T: with dy weighted
+    # by exp(cum), S's gradient is a chunk state of it, c's the heads' sum of
+    # dy_h · S_h, and cum's the row sums of c times that product.
+    weighted = (dy * jnp.exp(cum)[..., None]).astype(x.dtype)
+    d_state = _outer(weighted, c, tiling)
+    dc, dcum_entering = _group(weighted, state, tiling, row_sums_with=c)
+    dcum = dcum + jnp.moveaxis(dcum_entering, -1, 0)
+    return dcb, dx, ddt, dcum, dc.astype(c.dtype), d_state
 
 
-_intra_chunk.defvjp(_intra_chunk_fwd, _intra_chunk_bwd)
+_chunk_output.defvjp(_chunk_output_fwd, _chunk_output_bwd)
 
 
 def chunk_operands(x: jax.Array, dt: jax.Array, cum: jax.Array, b: jax.Array,
                    c: jax.Array) -> tuple[jax.Array, ...]:
-    """:func:`intra_chunk`'s operands from the SSD's chunked inputs.
+    """:func:`chunk_output`'s operands, but the state, from the SSD's chunked inputs.
 
     Args:
       x: [chunks, l, batch, g, heads, p].
@@ -300,16 +312,17 @@ def chunk_operands(x: jax.Array, dt: jax.Array, cum: jax.Array, b: jax.Array,
 
     Returns:
       (cb [batch, g, chunks, l, l] float32 from one batched GEMM, and x, dt,
-      cum with their chunks merged into the sequence).
+      cum and c with their chunks merged into the sequence).
     """
     cb = jnp.einsum("ctbgn,cubgn->bgctu", c, b, preferred_element_type=jnp.float32)
-    return (cb, *(t.reshape(-1, *t.shape[2:]) for t in (x, dt, cum)))
+    return (cb, *(t.reshape(-1, *t.shape[2:]) for t in (x, dt, cum, c)))
 
 
-def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
-                chunk_size: int, block: int | None = None, num_warps: int | None = None,
-                interpret: bool = False) -> jax.Array:
-    """The SSD's intra-chunk output, differentiable, on the GPU.
+def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: jax.Array,
+                 state: jax.Array, *, chunk_size: int, block: int | None = None,
+                 num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+    """The SSD's output, from inside each chunk and from the state entering
+    it, differentiable, on the GPU.
 
     Args:
       cb: [batch, g, chunks, l, l] float32, ``C[t]·B[u]`` within each chunk.
@@ -317,6 +330,9 @@ def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
       dt: [s, batch, g, heads] float32, the step sizes.
       cum: [s, batch, g, heads] float32, the cumulative sum of ``dt·a``
         within each chunk.
+      c: [s, batch, g, n], x's dtype.
+      state: [batch, g, heads, chunks, p, n] float32, the state entering
+        each chunk; its product with c runs in c's dtype.
       chunk_size: l.
       block: the tiles' side, a power of two from 16 dividing l (default
         min(l, 64)).
@@ -324,12 +340,17 @@ def intra_chunk(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, *,
       interpret: run the kernels in Pallas's interpreter (any backend; for tests).
 
     Returns:
-      [s, batch, g, heads, p] float32.
+      [s, batch, g, heads, p] float32: ``sum_{u <= t} CB[t, u] exp(cum[t] -
+      cum[u]) dt[u] x[u] + exp(cum[t]) c[t] · S^T``.
     """
     s, _, _, heads, p = x.shape
-    tiling = _tiling("intra_chunk", s, chunk_size, unsupported_reason(chunk_size, p, heads),
-                     block, num_warps, interpret)
-    return _intra_chunk(cb, x, dt, cum, tiling)
+    n, chunks = c.shape[-1], state.shape[3]
+    tiling = _tiling("chunk_output", s, chunk_size,
+                     unsupported_reason(chunk_size, p, heads, n), block, num_warps, interpret)
+    if s != chunks * chunk_size:
+        raise ValueError(f"ssd_pallas.chunk_output: {chunks} chunks of state for a sequence "
+                         f"of {s} = {s // chunk_size} chunks")
+    return _chunk_output(cb, x, dt, cum, c, state, tiling)
 
 
 def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int | None,
@@ -352,8 +373,9 @@ def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int
 #   _outer:  S = sum_u x[u]^T b[u]                    (x [l, p], b [l, n])
 #   _rows:   out[t] = c[t] · S^T                      (c [l, n] -> [l, p])
 #   _group:  out[t] = sum_heads x_h[t] · S_h          (x [l, heads, p] -> [l, n])
-# Each is the other two's transpose, so two custom_vjps cover the SSD's
-# steps 2 and 4 and their gradients.
+#            and, if asked, each head's sum_n c[t, n] (x_h[t] · S_h)[n]
+# Each is the other two's transpose: :func:`chunk_states` is _outer, and
+# _rows the entering state's part of :func:`chunk_output`'s forward kernel.
 
 def _outer_kernel(x_ref, b_ref, s_ref, *, block, blocks):
     precision = _precision(x_ref.dtype)
@@ -377,13 +399,27 @@ def _rows_of_state_kernel(c_ref, s_ref, o_ref, *, block, blocks):
     lax.fori_loop(0, blocks, rows, None)
 
 
-def _group_kernel(x_ref, s_ref, o_ref, *, heads):
+def _group_kernel(*refs, heads, row_sums):
+    if row_sums:
+        x_ref, s_ref, c_ref, o_ref, sums_ref = refs
+        c = c_ref[...].astype(jnp.float32)
+    else:
+        x_ref, s_ref, o_ref = refs
     precision = _precision(x_ref.dtype)
+    head_ids = lax.broadcasted_iota(jnp.int32, (heads, o_ref.shape[0]), 0)
 
-    def head(h, acc):
-        return acc + plgpu.dot(x_ref[:, h, :], s_ref[h].astype(x_ref.dtype), precision=precision)
+    def head(h, carry):
+        acc, sums = carry
+        product = plgpu.dot(x_ref[:, h, :], s_ref[h].astype(x_ref.dtype), precision=precision)
+        if row_sums:
+            sums = sums + jnp.where(head_ids == h, jnp.sum(c * product, axis=1)[None, :], 0.0)
+        return acc + product, sums
 
-    o_ref[...] = lax.fori_loop(0, heads, head, jnp.zeros(o_ref.shape, jnp.float32))
+    acc, sums = lax.fori_loop(0, heads, head, (jnp.zeros(o_ref.shape, jnp.float32),
+                                               jnp.zeros(head_ids.shape, jnp.float32)))
+    o_ref[...] = acc
+    if row_sums:
+        sums_ref[...] = sums
 
 
 def _state_specs(x_shape, n: int, tiling: Tiling):
@@ -443,22 +479,33 @@ def _rows_of_state(c, state, tiling: Tiling):
     )(c, state)
 
 
-def _group(x, state, tiling: Tiling):
-    """[s, batch, g, heads, p], [batch, g, heads, chunks, p, n] -> [s, batch, g, n] float32."""
+def _group(x, state, tiling: Tiling, row_sums_with=None):
+    """[s, batch, g, heads, p], [batch, g, heads, chunks, p, n] -> [s, batch, g, n] float32;
+    with ``row_sums_with`` c [s, batch, g, n] also [batch, g, heads, s] float32, each
+    head's ``sum_n c[t, n] (x_h[t] · S_h)[n]``."""
     s, batch, groups, heads, _ = x.shape
-    n = state.shape[-1]
+    n, blocks = state.shape[-1], tiling.chunk_size // tiling.block
     spec = _state_specs(x.shape, n, tiling)
-    (x, state), varying = _same_variance(x, state)
-    return pl.pallas_call(
-        functools.partial(_group_kernel, heads=heads),
-        grid=(s // tiling.chunk_size, batch, groups, tiling.chunk_size // tiling.block),
-        in_specs=[spec["group_x"], spec["group_state"]],
-        out_specs=spec["group_out"],
-        out_shape=jax.ShapeDtypeStruct((s, batch, groups, n), jnp.float32,
-                                       manual_axis_type=varying),
+    operands = (x, state) if row_sums_with is None else (x, state, row_sums_with)
+    operands, varying = _same_variance(*operands)
+    result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
+    in_specs, out_specs = [spec["group_x"], spec["group_state"]], [spec["group_out"]]
+    out_shape = [result((s, batch, groups, n), jnp.float32)]
+    if row_sums_with is not None:
+        in_specs.append(spec["group_out"])
+        out_specs.append(pl.BlockSpec((None, None, heads, tiling.block),
+                                      lambda c, b, g, i: (b, g, 0, c * blocks + i)))
+        out_shape.append(result((batch, groups, heads, s), jnp.float32))
+    out = pl.pallas_call(
+        functools.partial(_group_kernel, heads=heads, row_sums=row_sums_with is not None),
+        grid=(s // tiling.chunk_size, batch, groups, blocks),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
         **tiling.params(),
         name="ssd_state_group_rows",
-    )(x, state)
+    )(*operands)
+    return out[0] if row_sums_with is None else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -480,24 +527,6 @@ def _chunk_states_bwd(tiling, residuals, d_state):
 _chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _state_rows(c, state, tiling):
-    return _rows_of_state(c, state, tiling)
-
-
-def _state_rows_fwd(c, state, tiling):
-    return _rows_of_state(c, state, tiling), (c, state)
-
-
-def _state_rows_bwd(tiling, residuals, d_rows):
-    c, state = residuals
-    d_rows = d_rows.astype(c.dtype)
-    return _group(d_rows, state, tiling).astype(c.dtype), _outer(d_rows, c, tiling)
-
-
-_state_rows.defvjp(_state_rows_fwd, _state_rows_bwd)
-
-
 def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | None = None,
                  num_warps: int | None = None, interpret: bool = False) -> jax.Array:
     """Each chunk's ``sum_u x[u]^T b[u]`` per head, differentiable, on the GPU.
@@ -509,7 +538,7 @@ def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | No
       x: [s, batch, g, heads, p] (bf16 or float32), s = chunks · l.
       b: [s, batch, g, n], the same dtype.
       chunk_size: l.
-      block, num_warps, interpret: as :func:`intra_chunk`'s.
+      block, num_warps, interpret: as :func:`chunk_output`'s.
 
     Returns:
       [batch, g, heads, chunks, p, n] float32.
@@ -519,28 +548,3 @@ def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | No
                      unsupported_reason(chunk_size, p, heads, b.shape[-1]), block, num_warps,
                      interpret)
     return _chunk_states(x, b, tiling)
-
-
-def state_rows(c: jax.Array, state: jax.Array, *, chunk_size: int, block: int | None = None,
-               num_warps: int | None = None, interpret: bool = False) -> jax.Array:
-    """``c[t] · S^T`` with S the state of t's chunk and head, differentiable, on the GPU.
-
-    With S the state entering each chunk, the SSD's inter-chunk output
-    before its decay ``exp(cum[t])``. The product runs in c's dtype.
-
-    Args:
-      c: [s, batch, g, n] (bf16 or float32), s = chunks · l.
-      state: [batch, g, heads, chunks, p, n] float32.
-      chunk_size: l.
-      block, num_warps, interpret: as :func:`intra_chunk`'s.
-
-    Returns:
-      [s, batch, g, heads, p] float32.
-    """
-    _, _, heads, chunks, p, n = state.shape
-    tiling = _tiling("state_rows", c.shape[0], chunk_size,
-                     unsupported_reason(chunk_size, p, heads, n), block, num_warps, interpret)
-    if c.shape[0] != chunks * chunk_size:
-        raise ValueError(f"ssd_pallas.state_rows: {chunks} chunks of state for a sequence "
-                         f"of {c.shape[0]} = {c.shape[0] // chunk_size} chunks")
-    return _state_rows(c, state, tiling)

@@ -171,3 +171,27 @@ def test_config_errors():
         MambaConfig(head_dim=48)
     with pytest.raises(ValueError, match=r"ssd_impl must be one of \('auto', 'xla', 'pallas'\)"):
         MambaConfig(ssd_impl="cuda")
+
+
+def test_scan_layers_default_is_per_platform(monkeypatch):
+    """None: scanned where compilation dominates (CPU), unrolled on GPUs (the
+    faster step); an explicit choice stays."""
+    resolve = models.mamba.resolve_scan_layers
+    config = models.MambaConfig()
+    assert config.scan_layers is None
+    assert resolve(config).scan_layers is True
+    assert resolve(dataclasses.replace(config, scan_layers=False)).scan_layers is False
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve(config).scan_layers is False
+    assert resolve(dataclasses.replace(config, scan_layers=True)).scan_layers is True
+
+
+def test_train_flags_choose_scanned_or_unrolled_layers(capsys):
+    from jax_flashoverlap.cli import train
+
+    assert train.parse_args(["--scan-layers"]).scan_layers is True
+    assert train.parse_args(["--unroll-layers"]).scan_layers is False
+    assert train.parse_args([]).scan_layers is None
+    with pytest.raises(SystemExit):
+        train.parse_args(["--scan-layers", "--unroll-layers"])
+    assert "not allowed with argument" in capsys.readouterr().err

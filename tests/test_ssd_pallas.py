@@ -75,20 +75,19 @@ def test_unsupported_shapes(chunk_size, head_dim, heads, n, message):
     b = jnp.zeros((chunk_size, 1, 1, n))
     with pytest.raises(ValueError, match=message):
         models.ssd_pallas.chunk_states(x, b, chunk_size=chunk_size)
+    dt = jnp.zeros((chunk_size, 1, 1, heads))
     with pytest.raises(ValueError, match=message):
-        models.ssd_pallas.state_rows(b, jnp.zeros((1, 1, heads, 1, head_dim, n)),
-                                     chunk_size=chunk_size)
-    if n == 128:  # the intra-chunk kernels do not see the state
-        dt = jnp.zeros((chunk_size, 1, 1, heads))
-        with pytest.raises(ValueError, match=message):
-            models.ssd_pallas.intra_chunk(jnp.zeros((1, 1, 1, chunk_size, chunk_size)), x, dt,
-                                          dt, chunk_size=chunk_size)
+        models.ssd_pallas.chunk_output(jnp.zeros((1, 1, 1, chunk_size, chunk_size)), x, dt, dt,
+                                       b, jnp.zeros((1, 1, heads, 1, head_dim, n)),
+                                       chunk_size=chunk_size)
 
 
-def test_state_rows_needs_a_state_per_chunk():
+def test_chunk_output_needs_a_state_per_chunk():
+    x, dt = jnp.zeros((128, 1, 1, 2, 16)), jnp.zeros((128, 1, 1, 2))
     with pytest.raises(ValueError, match="3 chunks of state for a sequence of 128 = 2 chunks"):
-        models.ssd_pallas.state_rows(jnp.zeros((128, 1, 1, 16)),
-                                     jnp.zeros((1, 1, 2, 3, 16, 16)), chunk_size=64)
+        models.ssd_pallas.chunk_output(jnp.zeros((1, 1, 2, 64, 64)), x, dt, dt,
+                                       jnp.zeros((128, 1, 1, 16)),
+                                       jnp.zeros((1, 1, 2, 3, 16, 16)), chunk_size=64)
 
 
 def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
@@ -107,7 +106,7 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
                         argnums=tuple(range(5)))(*t)
 
     text = jax.jit(grads).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
-    for kernel in ("ssd_intra_chunk_forward", "ssd_intra_chunk_backward_columns",
+    for kernel in ("ssd_chunk_output", "ssd_intra_chunk_backward_columns",
                    "ssd_intra_chunk_backward_rows", "ssd_chunk_states", "ssd_state_rows",
                    "ssd_state_group_rows"):
         assert kernel in text, kernel
@@ -123,12 +122,14 @@ def test_without_the_triton_backend_auto_runs_xla(monkeypatch):
 
 
 def test_tile_side_errors():
-    x = jnp.zeros((128, 1, 1, 2, 16))
-    dt = jnp.zeros((128, 1, 1, 2))
+    x, dt, b = jnp.zeros((128, 1, 1, 2, 16)), jnp.zeros((128, 1, 1, 2)), jnp.zeros((128, 1, 1, 16))
     with pytest.raises(ValueError, match="block=48 must be a power of two from 16 that "
                                          "divides chunk_size=64"):
-        models.ssd_pallas.intra_chunk(jnp.zeros((1, 1, 2, 64, 64)), x, dt, dt, chunk_size=64,
-                                      block=48)
+        models.ssd_pallas.chunk_output(jnp.zeros((1, 1, 2, 64, 64)), x, dt, dt, b,
+                                       jnp.zeros((1, 1, 2, 2, 16, 16)), chunk_size=64, block=48)
+    with pytest.raises(ValueError, match="sequence length 128 is not a multiple of "
+                                         "chunk_size=256"):
+        models.ssd_pallas.chunk_states(x, b, chunk_size=256)
 
 
 # (sequence, chunk, head_dim, dtype): each chunk size, both head dims and
@@ -158,7 +159,8 @@ def test_mamba_1b_trains_alike_with_either_ssd():
     for ssd in ("xla", "pallas"):
         args = train.parse_args(["--model", "mamba", "--size", "1b", "--mesh", "1x1",
                                  "--batch", "1", "--seq-len", "2048", "--steps", "10",
-                                 "--lr", "1e-4", "--ssd", ssd, "--no-progress"])
+                                 "--lr", "1e-4", "--ssd", ssd, "--no-progress",
+                                 "--scan-layers"])  # one block to compile, twice
         losses[ssd] = np.asarray(train.train(args).losses)
     assert np.all(np.isfinite(losses["pallas"])), losses
     assert losses["xla"][-1] < losses["xla"][0], losses  # it trains

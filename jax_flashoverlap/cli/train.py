@@ -43,6 +43,7 @@ from ..models import (
     attention_implementation,
     resolve_scan_layers,
 )
+from ..models.mamba import resolve_scan_layers as resolve_mamba_scan_layers
 from .data import batch_at, load_corpus
 from .progress import TrainingProgress
 
@@ -88,10 +89,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="replicate the residual stream over the tensor axis "
                              "(row-parallel layers all-reduce instead of reduce-scatter)")
     parser.add_argument("--remat", action="store_true", help="recompute blocks in backward")
-    parser.add_argument("--unroll-layers", dest="scan_layers", action="store_false",
+    layers = parser.add_mutually_exclusive_group()
+    layers.add_argument("--unroll-layers", dest="scan_layers", action="store_false",
                         default=None,
-                        help="unroll the blocks instead of one lax.scan over them (unset: "
-                             "scanned, but unrolled for the Transformer with cuDNN attention)")
+                        help="unroll the blocks (unset: unrolled for Mamba-2 on GPUs and for "
+                             "the Transformer with cuDNN attention; scanned otherwise)")
+    layers.add_argument("--scan-layers", dest="scan_layers", action="store_true",
+                        help="run the blocks as one lax.scan: one block to compile, "
+                             "slower steps")
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps (None: 5%% of --steps)")
@@ -222,8 +227,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
-    the default ``ShardingConfig()``. The Transformer's ``scan_layers`` is
-    resolved for the attention that runs here.
+    the default ``ShardingConfig()``. ``scan_layers`` None is resolved for
+    this platform and, for the Transformer, the attention that runs here.
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
@@ -234,8 +239,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention} if has_attention else {"ssd_impl": ssd}))
     if has_attention:
-        config = resolve_scan_layers(config, attention_implementation(config))
-    return config
+        return resolve_scan_layers(config, attention_implementation(config))
+    return resolve_mamba_scan_layers(config)
 
 
 def restore_model_state(directory: Path, model: nnx.Module, step: int | None = None) -> int:
