@@ -32,7 +32,8 @@ TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
 SSD = "ssd_1xh200.json"
-MAMBA_STEPS = ["train_step_mamba_1xh200.json", "train_step_mamba_ssd_xla_1xh200.json"]
+MAMBA_STEPS = ["train_step_mamba_1xh200.json", "train_step_mamba_scanned_1xh200.json",
+               "train_step_mamba_ssd_xla_1xh200.json"]
 
 
 def _load(name: str) -> dict:
@@ -170,36 +171,37 @@ def mamba_tables() -> tuple[str, dict]:
                    f"{both['ms'] / attention:.2f}× |")
     shapes = (f"SSD: {by[('ssd pallas', 'forward')]['shape']}; attention: "
               f"{by[('cudnn attention', 'forward')]['shape']}.")
-    steps = ["| model | SSD | commit | step ms, median [min, max] | × Transformer step | MFU | "
-             "peak memory GB |", "|---|---|---|---|---|---|---|"]
+    steps = ["| model | SSD | layers | commit | step ms, median [min, max] | "
+             "× Transformer step | MFU | peak memory GB |", "|---|---|---|---|---|---|---|---|"]
     sources = [_source(SSD, doc)]
-    transformer = None
+    ratios = {}
     for name in MAMBA_STEPS:
         step_doc = _load(name)
         sources.append(_source(name, step_doc))
-        for r in step_doc["rows"]:
-            if r["model"] == "transformer":
-                transformer = r
-    for name in MAMBA_STEPS:
-        step_doc = _load(name)
+        # The Transformer of the same process, where it ran: the baseline.
+        baseline = next((r for r in step_doc["rows"] if r["model"] == "transformer"), None)
         for i, r in enumerate(step_doc["rows"]):
             # A process's peak: a row's own only where it ran first.
             peak = f"{r['peak_memory_gb']:.1f}" if i == 0 else "–"
+            ratio = r["step_ms"] / baseline["step_ms"] if baseline else None
+            ratios[(name, r["model"])] = ratio
             steps.append(f"| {r['model']} {r['size']} | {r.get('ssd') or '–'} | "
+                         f"{'scanned' if r['scan_layers'] else 'unrolled'} | "
                          f"{step_doc['meta']['commit'][:7]} | "
                          f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
-                         f"{r['step_ms'] / transformer['step_ms']:.2f}× | {100 * r['mfu']:.1f}% | "
-                         f"{peak} |")
+                         f"{'–' if ratio is None else f'{ratio:.2f}×'} | "
+                         f"{100 * r['mfu']:.1f}% | {peak} |")
     mamba = next(r for r in _load(MAMBA_STEPS[0])["rows"] if r["model"] == "mamba")
     numbers = {"ssd_speedup": by[("ssd xla", "forward+backward")]["ms"]
                / by[("ssd pallas", "forward+backward")]["ms"],
-               "step_ratio": mamba["step_ms"] / transformer["step_ms"],
+               "step_ratio": ratios[(MAMBA_STEPS[0], "mamba")],
                "peak_gb": mamba["peak_memory_gb"]}
     text = (f"One H200, bf16, batch 1, sequence 8192. {shapes}\n\n" + "\n".join(ssd)
-            + "\n\nTraining steps (mesh 1x1, no `--remat`; the peak memory of the process, "
-            "whose first row each is; SSD \"auto\" runs the Pallas kernels; the \"xla\" row ran "
-            "before the SSD's states were multiplied in bf16 and before the saved residual "
-            "became the norm's bf16 input):\n\n"
+            + "\n\nTraining steps (mesh 1x1, no `--remat`; each ratio against the Transformer "
+            "of the same process; the peak memory of the process, whose first row each is; SSD "
+            "\"auto\" runs the Pallas kernels; layers unrolled is the GPU default; the \"xla\" "
+            "row ran before the SSD's states were multiplied in bf16 and before the saved "
+            "residual became the norm's bf16 input):\n\n"
             + "\n".join(steps) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources))
     return text, numbers
 
