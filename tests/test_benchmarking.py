@@ -5,7 +5,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from support import cpu_mesh, put, random
 
-from jax_flashoverlap.benchmarking import Timing, time_per_op
+from jax_flashoverlap.benchmarking import Timing, first_devices_mesh, time_per_op
 
 
 def test_times_a_dependent_loop(rng):
@@ -22,7 +22,7 @@ def test_times_a_dependent_loop(rng):
 def test_rejects_bad_loop_lengths(k1, k2, rng):
     mesh = cpu_mesh(tp=2)
     x = put(mesh, random(rng, (4, 4), "float32"), P("tensor"))
-    with pytest.raises(ValueError, match="0 < k1 < k2"):
+    with pytest.raises(ValueError, match=f"need 0 < k1 < k2, got k1={k1}, k2={k2}"):
         time_per_op(lambda a: a, [x], mesh=mesh, in_specs=(P("tensor"),), k1=k1, k2=k2)
 
 
@@ -38,7 +38,7 @@ def test_unrolled_loop_with_compiler_options(rng):
 def test_rejects_unroll_below_one(rng):
     mesh = cpu_mesh(tp=2)
     x = put(mesh, random(rng, (4, 4), "float32"), P("tensor"))
-    with pytest.raises(ValueError, match="unroll"):
+    with pytest.raises(ValueError, match="unroll must be >= 1, got 0"):
         time_per_op(lambda a: a, [x], mesh=mesh, in_specs=(P("tensor"),), unroll=0)
 
 
@@ -85,3 +85,12 @@ def test_a_timer_that_skips_the_op_fails_the_check(monkeypatch):
                         lambda op, *a, **k: real(lambda *xs: xs[0], *a, **k))
     with pytest.raises(AssertionError):
         _check_known_costs(benchmarking.time_per_op)
+
+
+def test_first_devices_mesh_takes_what_there_is():
+    import jax
+
+    count = len(jax.devices())
+    assert first_devices_mesh(2).devices.tolist() == jax.devices()[:2]
+    with pytest.raises(ValueError, match=rf"--devices {count + 1}: only {count} devices here"):
+        first_devices_mesh(count + 1)

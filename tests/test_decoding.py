@@ -187,7 +187,7 @@ def tiny():
     (_prompt(0), dict(max_new_tokens=2, temperature=1.0, top_k=300), ValueError,
      r"top_k=300 exceeds the vocabulary \(256 tokens\)"),
     (_prompt(0), dict(max_new_tokens=2, temperature=1.0), ValueError,
-     r"temperature > 0 samples tokens and needs rng=jax.random.key"),
+     r"temperature > 0 samples tokens and needs rng=jax.random.key\(seed\)"),
 ], ids=["too-long", "no-tokens", "fractional", "batch", "negative-id", "large-id", "float",
         "1-d", "empty", "temperature", "top-k-0", "top-k-large", "no-rng"])
 def test_bad_input_gets_a_clear_error(tiny, prompt, kwargs, error, message):
@@ -333,3 +333,12 @@ def test_meshes_with_explicit_axes(name, rng):
     (auto_tokens, auto_logits), (tokens, logits) = results
     np.testing.assert_array_equal(tokens, auto_tokens)
     np.testing.assert_allclose(logits, auto_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_generator_takes_the_prompt_shape_it_was_built_for(tiny):
+    model, mesh = tiny
+    with jax.set_mesh(mesh):
+        generator = models.Generator(model, batch=2, prompt_len=8, max_new_tokens=4)
+        with pytest.raises(ValueError, match=r"generate: prompt has shape \(2, 6\), this "
+                                             r"generator takes \(2, 8\)"):
+            generator.prefill(jnp.zeros((2, 6), jnp.int32))

@@ -94,3 +94,15 @@ def test_broadcast_bytes_one_process(rng):
         distributed.broadcast_bytes(None)
     with pytest.raises(ValueError, match="129 bytes exceed max_bytes=128"):
         distributed.broadcast_bytes(data + b"!", max_bytes=128)
+
+
+def test_initialize_outside_the_launcher_says_how_to_launch(monkeypatch):
+    for key in distributed.ENV.values():
+        monkeypatch.delenv(key, raising=False)
+    with pytest.raises(RuntimeError) as e:
+        distributed.initialize()
+    message = str(e.value)
+    assert message.startswith("jax_flashoverlap.distributed.initialize: "), message
+    for key in ("coordinator", "process_id", "num_processes"):
+        assert distributed.ENV[key] in message, (key, message)
+    assert "python -m jax_flashoverlap.cli.launch -n N" in message

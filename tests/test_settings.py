@@ -41,6 +41,8 @@ def test_nonsense_is_rejected_naming_the_variable_and_range(name, monkeypatch):
             settings.check_all()
         assert str(e.value).startswith(f"{name}={bad!r}: expected "), str(e.value)
         assert settings.SETTINGS[name].accepts in str(e.value)
+        assert str(e.value).endswith(f"unset it for the default "
+                                     f"({settings.SETTINGS[name].default!r})"), str(e.value)
 
 
 def test_import_fails_on_a_bad_variable(tmp_path):

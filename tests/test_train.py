@@ -180,7 +180,8 @@ def test_data_flag_reads_the_file(tmp_path):
     data.write_bytes(bytes(range(256)) * 4)
     assert np.array_equal(load_corpus(data, 64)[:256], np.arange(256))
     data.write_bytes(b"short")
-    with pytest.raises(ValueError, match=r"corpus.txt: 5 bytes, need more than --seq-len"):
+    with pytest.raises(ValueError,
+                       match=r"corpus.txt: 5 bytes, need more than --seq-len \+ 1 = 65"):
         load_corpus(data, 64)
 
 

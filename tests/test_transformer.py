@@ -126,6 +126,14 @@ def test_shapes_the_mesh_cannot_split(tp, dp, batch, seq_len, message):
         model(jnp.asarray(tokens(0, batch=batch, seq_len=seq_len)[:, :-1]))
 
 
+def test_a_mesh_without_the_configs_axes():
+    with pytest.raises(ValueError,
+                       match=r"Transformer: the mesh has axes \('x', 'y'\) but the sharding "
+                             r"config needs \['data', 'tensor'\]; build it as "
+                             r"jax.make_mesh\(\(data, tensor\), \('data', 'tensor'\)\)"):
+        CONFIG.check({"x": 1, "y": 2}, batch=1, seq_len=32)
+
+
 @pytest.mark.parametrize("dtype, head_dim, platform, capability, reason", [
     ("bfloat16", 128, "cuda", "9.0", None),
     ("float16", 256, "cuda", "9.0", None),
