@@ -14,6 +14,7 @@
 #ifdef JFO_WITH_CUBLASLT
 #include "gemm.h"
 #include "transport/peer_state.h"
+#include "transport/peer_region.h"
 #include "transport/transport.h"
 #endif
 

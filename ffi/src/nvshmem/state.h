@@ -12,7 +12,7 @@
 //          2 + steps + k step-k send        (k < steps = ceil(log2(npes)))
 //
 // Block b of a kernel touches only its own units and signal words (as in
-// ../all_reduce.cu), so the double-buffering argument is per block. Signal
+// ../all_reduce_flags.cu), so the double-buffering argument is per block. Signal
 // words (uint64, symmetric) per block: [RS from local rank j] (kNvMaxNode),
 // [AG from local rank j] (kNvMaxNode), [step k] (kNvMaxSteps).
 #pragma once

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "peer_region.h"
 #include "transport.h"
 
 namespace jfo {

@@ -1,7 +1,7 @@
 // Device side of the peer transport's signals: the clock, acquire/release
 // accesses to flag words at system scope, and the timeout report. Used by the
 // transport's own wait kernel (peer_kernels.cuh) and by kernels that work on
-// a PeerRegion (all_reduce.cu).
+// a PeerRegion (all_reduce_flags.cu, all_reduce_lamport.cu).
 #pragma once
 
 #include <cstdint>
