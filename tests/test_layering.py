@@ -42,3 +42,14 @@ def test_the_models_use_only_the_public_api():
             if name.startswith("jax_flashoverlap"):
                 assert not any(part.startswith("_") for part in name.split(".")), \
                     f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_no_source_file_is_over_500_lines():
+    """One concern per file: the library's modules and the extension's sources."""
+    sources = [*(ROOT / "jax_flashoverlap").rglob("*.py"),
+               *(p for p in (ROOT / "ffi" / "src").rglob("*") if p.suffix in (".cu", ".cuh",
+                                                                              ".h", ".cc"))]
+    assert len(sources) > 40, len(sources)
+    long = {str(p.relative_to(ROOT)): n for p in sources
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert not long, long

@@ -19,7 +19,7 @@
 // i.e. after it finished reading (End joins all readers) the slot of call k.
 //
 // The symmetric all-reduce region inside the same workspace is laid out and
-// handed out by peer_region.cu.
+// handed out by peer_region.cu; the Channel's calls are in channel.cu.
 #include <cuda.h>
 
 #include <algorithm>
@@ -31,29 +31,15 @@
 #include <set>
 #include <string>
 
-#include "peer_kernels.cuh"
 #include "peer_state.h"
 
 namespace jfo {
-namespace {
-
-
-using internal::FillIfFailedKernel;
-using internal::FillWordsKernel;
-using internal::WaitFlagKernel;
-
-using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
-                                    unsigned int);
-
-}  // namespace
-
 namespace {
 
 std::mutex g_mu;
 std::condition_variable g_cv;
 std::map<int, std::unique_ptr<DeviceState>> g_devices;
 std::map<std::vector<int>, std::set<int>> g_registered;  // group -> members
-WriteValue32Fn g_write_value32 = nullptr;
 
 // The range jax_flashoverlap/settings.py accepts; anything else is an error,
 // never a silent 64 MiB or a size that wraps around.
@@ -74,20 +60,6 @@ ffi::ErrorOr<size_t> WorkspaceBytesFromEnv() {
         "': expected an integer number of MiB from 64 to 1048576");
   }
   return mb << 20;
-}
-
-ffi::Error LoadDriverEntryPoints() {
-  if (g_write_value32) return ffi::Error::Success();
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult query;
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
-      "cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &query));
-  if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return ffi::Error::Internal(
-        "jax_flashoverlap: the CUDA driver has no cuStreamWriteValue32");
-  }
-  g_write_value32 = reinterpret_cast<WriteValue32Fn>(fn);
-  return ffi::Error::Success();
 }
 
 // Allocates everything a device needs once; called under g_mu.
@@ -142,17 +114,12 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   st->pair_calls.assign(st->num_devices, 0);
   // Load our kernels now: with CUDA lazy loading, a first launch while a
   // wait kernel spins can block until that wait times out.
-  cudaFuncAttributes attrs;
-  JFO_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, WaitFlagKernel));
-  JFO_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint16_t>));
-  JFO_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint32_t>));
+  JFO_RETURN_IF_ERROR(LoadChannelKernels());
   JFO_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
-  FillWordsKernel<<<256, 256, 0, st->copy_stream>>>(
-      reinterpret_cast<uint32_t*>(st->lamport_slots),
-      st->lamport_slots_bytes / sizeof(uint32_t), kLamportEmpty);
+  LaunchFillWords(reinterpret_cast<uint32_t*>(st->lamport_slots),
+                  st->lamport_slots_bytes / sizeof(uint32_t), kLamportEmpty,
+                  st->copy_stream);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st->copy_stream));
   DeviceState* raw = st.get();
@@ -364,206 +331,6 @@ std::string ModuleLoadingMode() {
     return "unknown";  // e.g. CUDA not initialised in this process
   }
   return mode == CU_MODULE_LAZY_LOADING ? "lazy" : "eager";
-}
-
-ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
-                          cudaStream_t stream) {
-  JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
-  dev_ = LookupDevice(group.ordinals[group.rank]);
-  lock_ = std::unique_lock<std::mutex>(dev_->mu);
-  std::string pending = TakeRecord(dev_);
-  if (!pending.empty()) return ffi::Error::Internal(WithTimeoutHint(pending));
-  group_ = &group;
-  op_ = op;
-  stream_ = stream;
-  timeout_ns_ = static_cast<uint64_t>(timeout_ms) * 1000000ull;
-  call_id_ = ++dev_->call_id;
-  events_used_ = 0;
-  sent_.assign(group.n, 0);
-  parity_.assign(group.n, 0);
-  for (int r = 0; r < group.n; ++r) {
-    parity_[r] = static_cast<int>(dev_->pair_calls[group.ordinals[r]] & 1);
-  }
-  auto start = NextEvent();
-  if (start.has_error()) return start.error();
-  start_ = *start;
-  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_, stream_));
-  return ffi::Error::Success();
-}
-
-ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
-  rehearsal_ = true;
-  events_rehearsed_ = 0;
-  ffi::Error rehearsed = schedule();
-  rehearsal_ = false;
-  if (rehearsed.failure()) return rehearsed;
-  // The budget is checked here, before anything is sent: an error halfway
-  // through the real pass would leave the peers' counters out of step. End
-  // takes one event per side stream: the copy stream and two per peer.
-  const int needed = events_used_ + events_rehearsed_ + 1 + 2 * (group_->n - 1);
-  if (needed > kEventsPerCall) {
-    return ffi::Error::InvalidArgument(
-        std::string("jax_flashoverlap ") + OpName(op_) + ": the schedule needs " +
-        std::to_string(needed) + " events per call, more than " +
-        std::to_string(kEventsPerCall) + "; use fewer chunks");
-  }
-  return schedule();
-}
-
-ffi::Error Channel::CheckCapacity(size_t slot_bytes,
-                                  size_t staging_bytes) const {
-  if (slot_bytes <= dev_->slot_bytes && staging_bytes <= dev_->staging_bytes) {
-    return ffi::Error::Success();
-  }
-  return ffi::Error::InvalidArgument(
-      std::string("jax_flashoverlap ") + OpName(op_) + ": needs " +
-      std::to_string(slot_bytes >> 20) + " MiB per receive slot and " +
-      std::to_string(staging_bytes >> 20) +
-      " MiB of staging, the workspace has " +
-      std::to_string(dev_->slot_bytes >> 20) + " and " +
-      std::to_string(dev_->staging_bytes >> 20) +
-      " MiB; raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first call)");
-}
-
-char* Channel::RecvSlot(int peer_rank) const {
-  return dev_->Slot(group_->ordinals[peer_rank], parity_[peer_rank]);
-}
-
-char* Channel::Staging() const { return dev_->staging; }
-
-void* Channel::GemmWorkspace(size_t* bytes) const {
-  *bytes = kGemmWorkspaceBytes;
-  return dev_->workspace;
-}
-
-ffi::ErrorOr<cudaEvent_t> Channel::NextEvent() {
-  if (events_used_ == kEventsPerCall) {
-    return ffi::Error::InvalidArgument(
-        std::string("jax_flashoverlap ") + OpName(op_) +
-        ": schedule needs more than " + std::to_string(kEventsPerCall) +
-        " events per call; use fewer chunks");
-  }
-  return dev_->events[events_used_++];
-}
-
-ffi::ErrorOr<cudaEvent_t> Channel::Mark() {
-  if (rehearsal_) {
-    ++events_rehearsed_;  // the real pass takes one
-    return start_;
-  }
-  auto ev = NextEvent();
-  if (ev.has_error()) return ev;
-  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, stream_));
-  return ev;
-}
-
-ffi::Error Channel::WaitOn(cudaEvent_t event) {
-  if (rehearsal_) return ffi::Error::Success();
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, event, 0));
-  return ffi::Error::Success();
-}
-
-ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
-                                size_t bytes, cudaEvent_t after) {
-  if (rehearsal_) return 0;
-  const int peer = group_->ordinals[peer_rank];
-  const int self = group_->ordinals[group_->rank];
-  DeviceState* dst = LookupDevice(peer);
-  cudaStream_t s = dev_->send_streams[peer];
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
-  if (bytes > 0) {
-    char* remote = dst->Slot(self, parity_[peer_rank]) + offset;
-    JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(remote, src, bytes,
-                                             cudaMemcpyDeviceToDevice, s));
-  }
-  // The default flags order the write after the copy's data is visible.
-  const uint32_t epoch = ++dev_->sent_epoch[peer];
-  CUresult res = g_write_value32(
-      reinterpret_cast<CUstream>(s),
-      reinterpret_cast<CUdeviceptr>(dst->flags + self), epoch, 0);
-  if (res != CUDA_SUCCESS) {
-    return ffi::Error::Internal("jax_flashoverlap: cuStreamWriteValue32 failed "
-                                "with CUresult " + std::to_string(res));
-  }
-  return sent_[peer_rank]++;
-}
-
-ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
-  if (rehearsal_) {
-    ++events_rehearsed_;  // the real pass takes one
-    return start_;
-  }
-  const int peer = group_->ordinals[peer_rank];
-  cudaStream_t s = waits_on_xla_stream_ ? stream_ : dev_->wait_streams[peer];
-  if (!waits_on_xla_stream_) {
-    // A wait starts its clock with the call, not while the stream runs ahead.
-    JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, start_, 0));
-  }
-  TimeoutRecord info{};
-  info.op = static_cast<int32_t>(op_);
-  info.rank = group_->rank;
-  info.ordinal = group_->ordinals[group_->rank];
-  info.peer_rank = peer_rank;
-  info.peer_ordinal = peer;
-  info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
-  const uint32_t expected = dev_->recv_epoch[peer] + index + 1;
-  WaitFlagKernel<<<1, 1, 0, s>>>(dev_->flags + peer, expected, timeout_ns_,
-                                 dev_->fail_call, call_id_, dev_->record,
-                                 dev_->record_lock, info);
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  auto ev = NextEvent();
-  if (ev.has_error()) return ev;
-  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, s));
-  return ev;
-}
-
-ffi::Error Channel::CopyLocal(void* dst, const void* src, size_t bytes,
-                              cudaEvent_t after) {
-  if (rehearsal_) return ffi::Error::Success();
-  cudaStream_t s = dev_->copy_stream;
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
-  JFO_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
-  return ffi::Error::Success();
-}
-
-ffi::Error Channel::End(const std::vector<Output>& outputs) {
-  std::vector<cudaStream_t> side = {dev_->copy_stream};
-  for (int r = 0; r < group_->n; ++r) {
-    if (r == group_->rank) continue;
-    const int peer = group_->ordinals[r];
-    side.push_back(dev_->send_streams[peer]);
-    side.push_back(dev_->wait_streams[peer]);
-    // Symmetric schedules: the peer sent us as many messages as we sent it.
-    dev_->recv_epoch[peer] += sent_[r];
-    dev_->pair_calls[peer] += 1;
-  }
-  for (cudaStream_t s : side) {
-    auto ev = NextEvent();
-    if (ev.has_error()) return ev.error();
-    JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, s));
-    JFO_RETURN_IF_ERROR(WaitOn(*ev));
-  }
-  if (group_->n == 1 || outputs.empty()) return ffi::Error::Success();
-  // Wrong results must be visible: NaN everywhere after a timed-out wait.
-  const Output& a = outputs[0];
-  const Output b =
-      outputs.size() > 1 ? outputs[1] : Output{nullptr, 0, a.dtype};
-  const size_t bytes = DataTypeBytes(a.dtype);
-  if (bytes == 4) {
-    FillIfFailedKernel<uint32_t><<<264, 256, 0, stream_>>>(
-        static_cast<uint32_t*>(a.data), a.elements,
-        static_cast<uint32_t*>(b.data), b.elements, 0x7FC00000u,
-        dev_->fail_call, call_id_);
-  } else {
-    const uint16_t nan = a.dtype == ffi::DataType::BF16 ? 0x7FC0 : 0x7E00;
-    FillIfFailedKernel<uint16_t><<<264, 256, 0, stream_>>>(
-        static_cast<uint16_t*>(a.data), a.elements,
-        static_cast<uint16_t*>(b.data), b.elements, nan, dev_->fail_call,
-        call_id_);
-  }
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  return ffi::Error::Success();
 }
 
 }  // namespace jfo

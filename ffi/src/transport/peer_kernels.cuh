@@ -1,5 +1,5 @@
 // Device side of the peer transport: the bounded flag wait and the NaN fill
-// after a timeout. Included by peer.cu only.
+// after a timeout. Included by channel.cu only.
 #pragma once
 
 #include <cstddef>

@@ -67,6 +67,13 @@ DeviceState* LookupDevice(int ordinal);
 std::string TakeRecord(DeviceState* st);
 // `records` followed by where the README explains timeouts.
 std::string WithTimeoutHint(const std::string& records);
+// channel.cu: resolves cuStreamWriteValue32 (once; under the caller's lock),
+// loads the Channel's kernels now (with CUDA lazy loading, a first launch
+// while a wait kernel spins can block until that wait times out), and fills
+// `count` words at `words` with `value` on `stream` (check cudaGetLastError).
+ffi::Error LoadDriverEntryPoints();
+ffi::Error LoadChannelKernels();
+void LaunchFillWords(uint32_t* words, size_t count, uint32_t value, cudaStream_t stream);
 // Lays the all-reduce region out in `bytes` at `base` (data) and in the
 // control area `control` (counters, flags); allocates nothing.
 ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
