@@ -370,12 +370,13 @@ def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int
 
 # The state products. Per (chunk, batch, group, head), with S that head's
 # [p, n] state of the chunk:
-#   _outer:  S = sum_u x[u]^T b[u]                    (x [l, p], b [l, n])
-#   _rows:   out[t] = c[t] · S^T                      (c [l, n] -> [l, p])
-#   _group:  out[t] = sum_heads x_h[t] · S_h          (x [l, heads, p] -> [l, n])
-#            and, if asked, each head's sum_n c[t, n] (x_h[t] · S_h)[n]
-# Each is the other two's transpose: :func:`chunk_states` is _outer, and
-# _rows the entering state's part of :func:`chunk_output`'s forward kernel.
+#   _outer:          S = sum_u x[u]^T b[u]            (x [l, p], b [l, n])
+#   _rows_of_state:  out[t] = c[t] · S^T              (c [l, n] -> [l, p])
+#   _group:          out[t] = sum_heads x_h[t] · S_h  (x [l, heads, p] -> [l, n])
+#                    and, if asked, each head's sum_n c[t, n] (x_h[t] · S_h)[n]
+# Each is the transpose of the other two. chunk_states is _outer, its
+# backward the other two; chunk_output's forward kernel computes the
+# entering state's c[t] · S^T inline, its backward _outer and _group.
 
 def _outer_kernel(x_ref, b_ref, s_ref, *, block, blocks):
     precision = _precision(x_ref.dtype)
