@@ -3,14 +3,16 @@
 Not a pytest module (pytest runs the installed package; this runs from
 Bazel's runfiles). It checks that ``jax_flashoverlap._ffi`` comes from the
 runfiles, not from an installed copy, and that it reports and registers
-every op of the CUDA build, as the pip build's tests/test_extension.py does.
+every op of the CUDA build, as the pip build's tests/test_extension.py does;
+and that the models (models/ in the checkout) import as
+``jax_flashoverlap.models``, as from the wheel.
 """
 
 import pathlib
 import sys
 
 import jax_flashoverlap
-from jax_flashoverlap import _ffi
+from jax_flashoverlap import _ffi, models
 
 EXPECTED_TARGETS = {"jfo_all_gather_matmul", "jfo_all_reduce", "jfo_matmul_all_reduce",
                     "jfo_matmul_reduce_scatter", "jfo_scale"}
@@ -32,6 +34,8 @@ def main() -> int:
         failures.append(f"cuda_version {info['cuda_version']!r}")
     if set(info["ffi_targets"]) != EXPECTED_TARGETS:
         failures.append(f"ffi_targets {sorted(info['ffi_targets'])} != {sorted(EXPECTED_TARGETS)}")
+    if ".runfiles" not in str(pathlib.Path(models.__file__)):
+        failures.append(f"jax_flashoverlap.models came from {models.__file__}")
     for failure in failures:
         print("FAIL:", failure)
     return 1 if failures else 0
