@@ -77,7 +77,8 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "--model", model, "--size", args.size, "--mesh", args.mesh, "--batch", str(args.batch),
         "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
         *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else []),
-        *(["--attention", args.attention] if model == "transformer" else ["--ssd", args.ssd]),
+        *(["--attention", args.attention] if model == "transformer"
+          else ["--ssd", args.ssd, "--conv", args.conv]),
         *({None: [], True: ["--scan-layers"], False: ["--unroll-layers"]}[args.scan_layers])])
     trainer = train.build(targs)
     corpus = load_corpus(None, targs.seq_len)
@@ -119,6 +120,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "model": model, "size": args.size, "params": trainer.num_params, "impl": impl,
         "attention": trainer.attention,
         "ssd": getattr(trainer.config, "ssd_impl", None),
+        "conv": getattr(trainer.config, "conv_impl", None),
         "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
         "dtype": trainer.config.dtype, "device": jax.devices()[0].device_kind,
@@ -186,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--ssd", default="auto", choices=models.SSD_IMPLS,
                         help="Mamba-2's SSD within chunks (auto: Pallas kernels on GPUs)")
+    parser.add_argument("--conv", default="xla", choices=models.CONV_IMPLS,
+                        help="Mamba-2's convolution + SiLU (pallas: the fused kernel)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10,
                         help="k: steps of the shorter timed run (the longer has 2k)")

@@ -13,7 +13,7 @@ from jax_flashoverlap import IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
-           "ATTENTION_IMPLS", "SSD_IMPLS"]
+           "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -24,6 +24,9 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
 # kernels where they can run (models.mamba.ssd).
 SSD_IMPLS = ("auto", "xla", "pallas")
+# Mamba-2's convolution + SiLU: XLA's ops, or the fused Pallas kernel
+# (models.conv_pallas; opt-in until measured against XLA's).
+CONV_IMPLS = ("xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +245,9 @@ class MambaConfig(_Presets):
         :func:`models.mamba.resolve_scan_layers`).
       ssd_impl: the SSD's intra-chunk step, one of :data:`SSD_IMPLS` (see
         :func:`models.mamba.ssd`).
+      conv_impl: the causal convolution and its SiLU, one of
+        :data:`CONV_IMPLS`: "xla" (default) or "pallas", one fused GPU
+        kernel (:mod:`models.conv_pallas`; experimental, not yet measured).
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
@@ -271,6 +277,7 @@ class MambaConfig(_Presets):
     remat: bool = False
     scan_layers: bool | None = None
     ssd_impl: str = "auto"
+    conv_impl: str = "xla"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
@@ -279,6 +286,9 @@ class MambaConfig(_Presets):
         if self.ssd_impl not in SSD_IMPLS:
             raise ValueError(f"MambaConfig: ssd_impl must be one of {SSD_IMPLS}, "
                              f"got {self.ssd_impl!r}")
+        if self.conv_impl not in CONV_IMPLS:
+            raise ValueError(f"MambaConfig: conv_impl must be one of {CONV_IMPLS}, "
+                             f"got {self.conv_impl!r}")
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")

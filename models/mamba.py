@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
-from . import ssd_pallas
+from . import conv_pallas, ssd_pallas
 from .config import SSD_IMPLS, MambaConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
@@ -301,6 +301,7 @@ class Mamba2Mixer(nnx.Module):
         self.heads_per_group = config.num_heads // g
         self.head_dim, self.state_dim = p, n
         self.chunk_size, self.ssd_impl = config.chunk_size, config.ssd_impl
+        self.conv_impl = config.conv_impl
         self.dtype = jnp.dtype(config.dtype)
         group_x = self.heads_per_group * p
         self.conv_channels = group_x + 2 * n                # [x, B, C] per group
@@ -363,14 +364,14 @@ class Mamba2Mixer(nnx.Module):
         del pos
         z, conv_in, dt = self._split(self.in_proj.decode(u))
         window = jnp.concatenate([cache.conv, conv_in])      # [k, b, c]
-        x, bmat, cmat, dt, a = self._ssm_inputs(self._conv(window)[-1:], dt)
+        x, bmat, cmat, dt, a = self._ssm_inputs(jax.nn.silu(self._conv(window)[-1:]), dt)
         y, state = ssd_step(x[0], dt[0], a, bmat[0], cmat[0], cache.ssm)
         return self._output(y[None], x, z, self.out_proj.decode), SSMCache(window[1:], state)
 
     def _mix(self, u: jax.Array, length: int | None = None):
         """(output, (the convolution's input [s, b, c], the final SSM state))."""
         z, conv_in, dt = self._split(checkpoint_name(self.in_proj(u), "mamba_in_proj"))
-        x, bmat, cmat, dt, a = self._ssm_inputs(self._conv(conv_in), dt)
+        x, bmat, cmat, dt, a = self._ssm_inputs(self._conv_silu(conv_in), dt)
         if length is not None:
             dt = jnp.where(jnp.arange(dt.shape[0])[:, None, None, None] < length, dt, 0.0)
         y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True,
@@ -390,12 +391,20 @@ class Mamba2Mixer(nnx.Module):
         return causal_conv1d(conv_in, self.conv_weight[...].astype(self.dtype),
                              self.conv_bias[...].astype(self.dtype))
 
+    def _conv_silu(self, conv_in: jax.Array) -> jax.Array:
+        """SiLU of the convolution over the whole sequence [s, b, c]."""
+        if self.conv_impl == "pallas":
+            return conv_pallas.causal_conv1d_silu(conv_in,
+                                                  self.conv_weight[...].astype(self.dtype),
+                                                  self.conv_bias[...].astype(self.dtype))
+        return jax.nn.silu(self._conv(conv_in))
+
     def _ssm_inputs(self, xbc: jax.Array, dt: jax.Array):
-        """The convolution's output [s, b, c] and in_proj's dt -> the SSD's x, B,
-        C, step sizes and decay rates (see :func:`ssd`)."""
+        """The convolution's activated output [s, b, c] and in_proj's dt -> the
+        SSD's x, B, C, step sizes and decay rates (see :func:`ssd`)."""
         hpg, p, n = self.heads_per_group, self.head_dim, self.state_dim
         s, b, groups = dt.shape[:3]
-        x, bmat, cmat = jnp.split(jax.nn.silu(xbc).reshape(s, b, groups, -1),
+        x, bmat, cmat = jnp.split(xbc.reshape(s, b, groups, -1),
                                   [hpg * p, hpg * p + n], axis=-1)
         x = x.reshape(s, b, groups, hpg, p)
         dt = jax.nn.softplus(dt.astype(jnp.float32) + self.dt_bias[...].reshape(groups, hpg))

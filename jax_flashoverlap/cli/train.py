@@ -34,6 +34,7 @@ from .. import dispatch
 from .._devices import ensure_cpu_devices
 from ..models import (
     ATTENTION_IMPLS,
+    CONV_IMPLS,
     IMPLS,
     MODELS,
     SIZES,
@@ -81,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ssd", choices=SSD_IMPLS, default="auto",
                         help="Mamba-2's SSD within chunks: fused Pallas GPU kernels, XLA "
                              "einsums, or auto (Pallas on GPUs)")
+    parser.add_argument("--conv", choices=CONV_IMPLS, default="xla",
+                        help="Mamba-2's causal convolution + SiLU: XLA's ops, or one fused "
+                             "Pallas GPU kernel (experimental)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
@@ -122,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--attention applies to --model transformer, not {args.model}")
     if args.ssd != "auto" and args.model != "mamba":
         parser.error(f"--ssd applies to --model mamba, not {args.model}")
+    if args.conv != "xla" and args.model != "mamba":
+        parser.error(f"--conv applies to --model mamba, not {args.model}")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     return args
@@ -223,7 +229,8 @@ def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sh
 
 def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None = None,
                  sharding: ShardingConfig | None = None, remat: bool = False,
-                 scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto"):
+                 scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
+                 conv: str = "xla"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
@@ -237,7 +244,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
         sharding=sharding or ShardingConfig(),
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
-        **({"attention_impl": attention} if has_attention else {"ssd_impl": ssd}))
+        **({"attention_impl": attention} if has_attention
+           else {"ssd_impl": ssd, "conv_impl": conv}))
     if has_attention:
         return resolve_scan_layers(config, attention_implementation(config))
     return resolve_mamba_scan_layers(config)
@@ -286,7 +294,7 @@ def build(args: argparse.Namespace) -> Trainer:
     _, model_cls = MODELS[args.model]
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
-                          attention=args.attention, ssd=args.ssd)
+                          attention=args.attention, ssd=args.ssd, conv=args.conv)
     # Before compiling anything: a clear error for a shape the mesh cannot split
     # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
