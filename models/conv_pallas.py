@@ -49,24 +49,23 @@ def _channel_block(channels: int) -> int:
     return block
 
 
-def _taps(xp_ref, w_ref, row0, width):
-    """The k shifted [rows, channels] tiles of the padded input, and the weight rows."""
+def _pre_activation(xp_ref, w_ref, b_ref, width):
+    """This program's [rows, channels] pre-activation in float32, and the k
+    shifted tiles of the padded input it summed."""
+    row0 = pl.program_id(0) * _ROWS
     tiles = [xp_ref[pl.ds(row0 + i, _ROWS), :].astype(jnp.float32) for i in range(width)]
-    weights = [w_ref[i, :].astype(jnp.float32) for i in range(width)]
-    return tiles, weights
+    pre = b_ref[...].astype(jnp.float32)[None, :] + sum(
+        w_ref[i, :].astype(jnp.float32)[None, :] * tile for i, tile in enumerate(tiles))
+    return pre, tiles
 
 
 def _forward_kernel(xp_ref, w_ref, b_ref, y_ref, *, width):
-    tiles, weights = _taps(xp_ref, w_ref, pl.program_id(0) * _ROWS, width)
-    pre = b_ref[...].astype(jnp.float32)[None, :] + sum(w[None, :] * t
-                                                        for w, t in zip(weights, tiles))
+    pre, _ = _pre_activation(xp_ref, w_ref, b_ref, width)
     y_ref[...] = (pre * jax.nn.sigmoid(pre)).astype(y_ref.dtype)
 
 
 def _backward_kernel(xp_ref, w_ref, b_ref, dy_ref, dpre_ref, dw_ref, db_ref, *, width):
-    tiles, weights = _taps(xp_ref, w_ref, pl.program_id(0) * _ROWS, width)
-    pre = b_ref[...].astype(jnp.float32)[None, :] + sum(w[None, :] * t
-                                                        for w, t in zip(weights, tiles))
+    pre, tiles = _pre_activation(xp_ref, w_ref, b_ref, width)
     gate = jax.nn.sigmoid(pre)
     dpre = dy_ref[...].astype(jnp.float32) * gate * (1.0 + pre * (1.0 - gate))
     dpre_ref[...] = dpre.astype(dpre_ref.dtype)

@@ -196,7 +196,7 @@ def _same_variance(*arrays):
     return arrays, jax.typeof(arrays[0]).manual_axis_type
 
 
-def _grid_and_specs(x, tiling: Tiling, n: int = 0):
+def _grid_and_specs(x, tiling: Tiling):
     s, batch, groups, heads, p = x.shape
     chunk_size, block = tiling.chunk_size, tiling.block
     chunks, blocks = s // chunk_size, chunk_size // block
@@ -213,22 +213,23 @@ def _grid_and_specs(x, tiling: Tiling, n: int = 0):
                              lambda c, b, g, h, i: (b, g, c, i, 0)),
         cb_whole=pl.BlockSpec((None, None, None, chunk_size, chunk_size),
                               lambda c, b, g, h, i: (b, g, c, 0, 0)),
-        c_rows=pl.BlockSpec((block, None, None, n),
-                            lambda c, b, g, h, i: (c * blocks + i, b, g, 0)),
-        state=pl.BlockSpec((None, None, None, None, p, n),
-                           lambda c, b, g, h, i: (b, g, h, c, 0, 0)),
     )
     return (chunks, batch, groups, heads, blocks), block, blocks, per_head
 
 
 def _forward(cb, x, dt, cum, c, state, tiling: Tiling):
-    grid, block, _, spec = _grid_and_specs(x, tiling, c.shape[-1])
+    grid, block, blocks, spec = _grid_and_specs(x, tiling)
+    n, p = c.shape[-1], x.shape[-1]
+    # The rows of c and the state entering this head's chunk.
+    c_rows = pl.BlockSpec((block, None, None, n), lambda c, b, g, h, i: (c * blocks + i, b, g, 0))
+    state_spec = pl.BlockSpec((None, None, None, None, p, n),
+                              lambda c, b, g, h, i: (b, g, h, c, 0, 0))
     (cb, x, dt, cum, c, state), varying = _same_variance(cb, x, dt, cum, c, state)
     return pl.pallas_call(
         functools.partial(_forward_kernel, block=block),
         grid=grid,
         in_specs=[spec["cb_rows"], spec["whole_chunk"], spec["scalars"], spec["scalars"],
-                  spec["c_rows"], spec["state"]],
+                  c_rows, state_spec],
         out_specs=spec["block_rows"],
         out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32, manual_axis_type=varying),
         **tiling.params(),
