@@ -70,7 +70,7 @@ def _peak_memory_gb() -> float | None:
     return stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None
 
 
-def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
+def _measure(model: str, impl: str, conv: str | None, args: argparse.Namespace) -> dict:
     import jax
 
     targs = train.parse_args([
@@ -78,7 +78,7 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
         "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
         *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else []),
         *(["--attention", args.attention] if model == "transformer"
-          else ["--ssd", args.ssd, "--conv", args.conv]),
+          else ["--ssd", args.ssd, "--conv", conv]),
         *({None: [], True: ["--scan-layers"], False: ["--unroll-layers"]}[args.scan_layers])])
     trainer = train.build(targs)
     corpus = load_corpus(None, targs.seq_len)
@@ -137,10 +137,11 @@ def _measure(model: str, impl: str, args: argparse.Namespace) -> dict:
 
 
 def _check_against_xla(row: dict, rows: list[dict]) -> None:
-    """The first step (same parameters, same batch) must lose what "xla"'s did,
-    to the dtype's rounding, before any speed-up of ``row`` is reported."""
+    """The first step (same parameters, same batch) must lose what the model's
+    first "xla" row's did, to the dtype's rounding, before any speed-up of
+    ``row`` is reported."""
     xla = [r for r in rows if r["model"] == row["model"] and r["impl"] == "xla"]
-    if not xla or row["impl"] == "xla":
+    if not xla:
         return
     want, got = xla[0]["loss_first"], row["loss_first"]
     tolerance = 1e-4 if row["dtype"] == "float32" else 2e-2
@@ -149,9 +150,20 @@ def _check_against_xla(row: dict, rows: list[dict]) -> None:
                          f"from xla's {want:.6g} by more than {tolerance:g} (relative)")
 
 
+def _kernels(row: dict) -> str:
+    """The row's attention, or its SSD and convolution."""
+    if row.get("attention"):
+        return row["attention"]
+    parts = [f"{name} {row[name]}" for name in ("ssd", "conv") if row.get(name)]
+    return ", ".join(parts) or "–"
+
+
 def _table(rows: list[dict]) -> str:
-    xla = {r["model"]: r["step_ms"] for r in rows if r["impl"] == "xla"}
-    lines = ["| model | params | impl | attention | step (ms), median [min, max] | "
+    xla = {}
+    for r in rows:  # Each model's first "xla" row is its baseline.
+        if r["impl"] == "xla":
+            xla.setdefault(r["model"], r["step_ms"])
+    lines = ["| model | params | impl | kernels | step (ms), median [min, max] | "
              "from idle (ms) | host dispatch (ms) | first call (ms) | tokens/s | MFU | "
              "speed-up vs xla |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -159,7 +171,7 @@ def _table(rows: list[dict]) -> str:
         mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
         speedup = f"{xla[r['model']] / r['step_ms']:.3f}x" if r["model"] in xla else "–"
         lines.append(f"| {r['model']} | {r['params'] / 1e6:,.1f}M | {r['impl']} | "
-                     f"{r.get('attention') or '–'} | "
+                     f"{_kernels(r)} | "
                      f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
                      f"{r['step_ms_from_idle']:.1f} | {r['dispatch_ms']:.1f} | "
                      f"{r['first_call_ms']:.1f} | "
@@ -188,8 +200,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--ssd", default="auto", choices=models.SSD_IMPLS,
                         help="Mamba-2's SSD within chunks (auto: Pallas kernels on GPUs)")
-    parser.add_argument("--conv", default="xla", choices=models.CONV_IMPLS,
-                        help="Mamba-2's convolution + SiLU (pallas: the fused kernel)")
+    parser.add_argument("--conv", nargs="+", default=["xla"], choices=models.CONV_IMPLS,
+                        help="Mamba-2's convolution + SiLU (pallas: the fused kernel); "
+                             "several are measured in turn, the first as the baseline")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10,
                         help="k: steps of the shorter timed run (the longer has 2k)")
@@ -198,24 +211,26 @@ def main(argv: list[str] | None = None) -> int:
     ensure_cpu_devices(train.CPU_DEVICES)  # CPU smoke runs; GPUs are unaffected.
 
     rows = []
-    for model in args.models:
-        for impl in args.impls:
-            print(f"--- {model}/{args.size} impl={impl}", flush=True)
-            try:
-                row = _measure(model, impl, args)
-            except NotImplementedError as e:
-                print(f"skip {model} impl={impl}: {e}", flush=True)
-                continue
-            finally:
-                gc.collect()  # Drop the last model's buffers before the next one.
-            _check_against_xla(row, rows)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                meta = benchmarking.provenance(
-                    {k: v for k, v in vars(args).items() if k != "json"})
-                with open(args.json, "w") as f:
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    cases = [(model, impl, conv) for model in args.models for impl in args.impls
+             for conv in (args.conv if model == "mamba" else [None])]
+    for model, impl, conv in cases:
+        label = f"{model}/{args.size} impl={impl}" + (f" conv={conv}" if conv else "")
+        print(f"--- {label}", flush=True)
+        try:
+            row = _measure(model, impl, conv, args)
+        except NotImplementedError as e:
+            print(f"skip {label}: {e}", flush=True)
+            continue
+        finally:
+            gc.collect()  # Drop the last model's buffers before the next one.
+        _check_against_xla(row, rows)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if args.json:
+            meta = benchmarking.provenance(
+                {k: v for k, v in vars(args).items() if k != "json"})
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print(f"\nTraining step, mesh {args.mesh} (data x tensor), batch {args.batch}, "
           f"seq {args.seq_len}; MFU vs 989 TFLOP/s per GPU\n")
     print(_table(rows))

@@ -247,6 +247,29 @@ def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
     assert "host dispatch (ms)" in printed and "first call (ms)" in printed
 
 
+def test_train_step_measures_each_conv_of_mamba_against_the_first(monkeypatch, capsys):
+    """--conv xla pallas: two Mamba-2 rows (the Transformer has no convolution),
+    each named by its kernels, the second's speed-up against the first's step."""
+    bench = _load("train_step")
+    step_ms = {("transformer", None): 100.0, ("mamba", "xla"): 300.0, ("mamba", "pallas"): 240.0}
+
+    def fake_measure(model, impl, conv, args):
+        return {"model": model, "params": 1e9, "impl": impl, "dtype": "bfloat16",
+                "attention": "cudnn" if model == "transformer" else None,
+                "ssd": "pallas" if model == "mamba" else None, "conv": conv,
+                "step_ms": step_ms[model, conv], "step_ms_min": 1.0, "step_ms_max": 1.0,
+                "step_ms_from_idle": 1.0, "dispatch_ms": 1.0, "first_call_ms": 1.0,
+                "tokens_per_s": 1.0, "mfu": None, "loss_first": 5.0}
+    monkeypatch.setattr(bench, "_measure", fake_measure)
+    assert bench.main(["--models", "transformer", "mamba", "--impls", "xla",
+                       "--conv", "xla", "pallas"]) == 0
+    table = capsys.readouterr().out.split("MFU vs")[-1]
+    assert "| transformer | 1,000.0M | xla | cudnn |" in table
+    assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla | 300.0" in table
+    assert "| mamba | 1,000.0M | xla | ssd pallas, conv pallas | 240.0" in table
+    assert table.rstrip().endswith("| 1.250x |")
+
+
 def test_train_step_times_are_the_difference_of_two_run_lengths():
     """A run pays 30 ms once (an empty queue) and 10 ms per step: the difference
     finds the 10, T(k) / k does not."""
