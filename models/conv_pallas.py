@@ -178,4 +178,8 @@ def causal_conv1d_silu(x: jax.Array, weight: jax.Array, bias: jax.Array, *,
         raise ValueError(f"conv_pallas.causal_conv1d_silu runs on CUDA GPUs only (Pallas "
                          f"Triton), and the default backend is {jax.default_backend()!r}; "
                          f"use conv_impl='xla'.")
+    # Inside shard_map the parameters are the same on every data shard while x is
+    # not: cast them to x's variance here, outside the custom_vjp, so that JAX
+    # transposes the cast into the sum of their gradients over the shards.
+    (x, weight, bias), _ = _same_variance(x, weight, bias)
     return _conv_silu(x, weight, bias, interpret)

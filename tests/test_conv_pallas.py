@@ -55,6 +55,37 @@ def test_interpreted_kernel_equals_xla(s, dtype, rng):
     _check(s, 48, dtype, rng, interpret=True)
 
 
+def test_parameter_gradients_sum_over_the_data_axis(monkeypatch):
+    """Inside shard_map, weight and bias are the same on every data shard while x
+    differs: their gradients must come back of the parameters' type (a
+    custom_vjp may not return them data-varying) and summed over the shards.
+    Traced and lowered for a GPU (Pallas's interpreter does not run inside
+    shard_map); test_mamba_trains_alike_with_either_convolution runs it."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+            for shape in ((512, 4, 256), (4, 256), (256,))]
+
+    def loss(x, weight, bias):
+        def local(x, weight, bias):
+            y = conv_pallas.causal_conv1d_silu(x, weight, bias)
+            return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), "data")
+        return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(None, "data"), jax.P(), jax.P()),
+                             out_specs=jax.P())(x, weight, bias)
+
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+    assert [g.shape for g in traced.out_info] == [a.shape for a in args]
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "causal_conv1d_silu_backward" in text
+    # One sum over the shards for each parameter's gradient (grad drops the
+    # loss's own psum: its value is not returned).
+    assert text.count("stablehlo.all_reduce") == 2, text.count("stablehlo.all_reduce")
+
+
 @pytest.mark.parametrize("channels, width, message", [
     (40, 4, "40 channels is not a multiple of 16"),
     (48, 3, "conv_width=3 is not a power of two"),
