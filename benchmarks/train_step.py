@@ -61,6 +61,18 @@ def step_times(runs, k: int) -> tuple[list[float], float, float]:
     return per_step, from_idle, dispatch
 
 
+def variant_flags(variant: str) -> list[str]:
+    """A ``--mamba-variants`` entry as trainer flags: "default" adds none;
+    "keep-residuals norm-backward=recompute" gives ``--keep-residuals
+    --norm-backward recompute``."""
+    flags = []
+    for token in variant.split():
+        if token != "default":
+            name, _, value = token.partition("=")
+            flags += [f"--{name}"] + ([value] if value else [])
+    return flags
+
+
 def _peak_memory_gb() -> float | None:
     """The first device's peak memory in use since the process started (GB),
     None where the backend keeps no statistics (CPU)."""
@@ -70,7 +82,7 @@ def _peak_memory_gb() -> float | None:
     return stats["peak_bytes_in_use"] / 1e9 if "peak_bytes_in_use" in stats else None
 
 
-def _measure(model: str, impl: str, conv: str | None, args: argparse.Namespace) -> dict:
+def _measure(model: str, impl: str, variant: str, args: argparse.Namespace) -> dict:
     import jax
 
     targs = train.parse_args([
@@ -78,8 +90,9 @@ def _measure(model: str, impl: str, conv: str | None, args: argparse.Namespace) 
         "--seq-len", str(args.seq_len), "--impl", impl, "--steps", "1000", "--no-progress",
         *(["--dtype", args.dtype] if args.dtype else []), *(["--remat"] if args.remat else []),
         *(["--attention", args.attention] if model == "transformer"
-          else ["--ssd", args.ssd, "--conv", conv]),
-        *({None: [], True: ["--scan-layers"], False: ["--unroll-layers"]}[args.scan_layers])])
+          else ["--ssd", args.ssd, "--conv", args.conv]),
+        *({None: [], True: ["--scan-layers"], False: ["--unroll-layers"]}[args.scan_layers]),
+        *variant_flags(variant)])
     trainer = train.build(targs)
     corpus = load_corpus(None, targs.seq_len)
     batches = [trainer.tokens(corpus, i) for i in range(args.steps)]
@@ -121,6 +134,9 @@ def _measure(model: str, impl: str, conv: str | None, args: argparse.Namespace) 
         "attention": trainer.attention,
         "ssd": getattr(trainer.config, "ssd_impl", None),
         "conv": getattr(trainer.config, "conv_impl", None),
+        "norm_backward": getattr(trainer.config, "norm_backward", None),
+        "keep_residuals": getattr(trainer.config, "keep_residuals", None),
+        "variant": variant,
         "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
         "dtype": trainer.config.dtype, "device": jax.devices()[0].device_kind,
@@ -151,10 +167,12 @@ def _check_against_xla(row: dict, rows: list[dict]) -> None:
 
 
 def _kernels(row: dict) -> str:
-    """The row's attention, or its SSD and convolution."""
+    """The row's attention, or its SSD and convolution, and its extra flags."""
     if row.get("attention"):
         return row["attention"]
     parts = [f"{name} {row[name]}" for name in ("ssd", "conv") if row.get(name)]
+    if row.get("variant", "default") != "default":
+        parts.append(row["variant"])
     return ", ".join(parts) or "–"
 
 
@@ -200,9 +218,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--ssd", default="auto", choices=models.SSD_IMPLS,
                         help="Mamba-2's SSD within chunks (auto: Pallas kernels on GPUs)")
-    parser.add_argument("--conv", nargs="+", default=["xla"], choices=models.CONV_IMPLS,
-                        help="Mamba-2's convolution + SiLU (pallas: the fused kernel); "
-                             "several are measured in turn, the first as the baseline")
+    parser.add_argument("--conv", default="xla", choices=models.CONV_IMPLS,
+                        help="Mamba-2's convolution + SiLU (pallas: the fused kernel)")
+    parser.add_argument("--mamba-variants", nargs="+", default=["default"], metavar="FLAGS",
+                        help="Mamba-2 runs once per FLAGS, extra jax-flashoverlap-train flags "
+                             "without their dashes (e.g. default keep-residuals "
+                             "'keep-residuals norm-backward=recompute'), in turn in this "
+                             "process; the first is the baseline")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10,
                         help="k: steps of the shorter timed run (the longer has 2k)")
@@ -211,13 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     ensure_cpu_devices(train.CPU_DEVICES)  # CPU smoke runs; GPUs are unaffected.
 
     rows = []
-    cases = [(model, impl, conv) for model in args.models for impl in args.impls
-             for conv in (args.conv if model == "mamba" else [None])]
-    for model, impl, conv in cases:
-        label = f"{model}/{args.size} impl={impl}" + (f" conv={conv}" if conv else "")
+    cases = [(model, impl, variant) for model in args.models for impl in args.impls
+             for variant in (args.mamba_variants if model == "mamba" else ["default"])]
+    for model, impl, variant in cases:
+        label = f"{model}/{args.size} impl={impl} {variant}"
         print(f"--- {label}", flush=True)
         try:
-            row = _measure(model, impl, conv, args)
+            row = _measure(model, impl, variant, args)
         except NotImplementedError as e:
             print(f"skip {label}: {e}", flush=True)
             continue

@@ -18,6 +18,7 @@ from .config import (
     ATTENTION_IMPLS,
     CONV_IMPLS,
     IMPLS,
+    NORM_BACKWARDS,
     SIZES,
     SSD_IMPLS,
     MambaConfig,
@@ -32,7 +33,7 @@ from .transformer import Transformer, attention_implementation, resolve_scan_lay
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
-           "CONV_IMPLS",
+           "CONV_IMPLS", "NORM_BACKWARDS",
            "attention_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

@@ -13,7 +13,7 @@ from jax_flashoverlap import IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
-           "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS"]
+           "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -27,6 +27,11 @@ SSD_IMPLS = ("auto", "xla", "pallas")
 # Mamba-2's convolution + SiLU: XLA's ops, or the fused Pallas kernel
 # (models.conv_pallas; opt-in until measured against XLA's).
 CONV_IMPLS = ("xla", "pallas")
+# How RMSNorm's backward gets what it needs: "autodiff" keeps (or, under a
+# checkpoint policy, recomputes) the float32 intermediates of the forward;
+# "recompute" is a custom_vjp that keeps only the norm's inputs and recomputes
+# its statistics inside the backward.
+NORM_BACKWARDS = ("autodiff", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,7 +252,15 @@ class MambaConfig(_Presets):
         :func:`models.mamba.ssd`).
       conv_impl: the causal convolution and its SiLU, one of
         :data:`CONV_IMPLS`: "xla" (default) or "pallas", one fused GPU
-        kernel (:mod:`models.conv_pallas`; experimental, not yet measured).
+        kernel (:mod:`models.conv_pallas`; 2% slower a 1.4B step on one
+        H200 than XLA's ops, docs/measurements.md session 21).
+      norm_backward: the gated norm's backward, one of
+        :data:`NORM_BACKWARDS` (see :class:`models.layers.RMSNorm`).
+      keep_residuals: keep every residual of a block for the backward instead
+        of recomputing its elementwise work (the convolution's SiLU, the
+        gated norm, the SSD's inputs) from the values named in
+        ``Mamba2.saved_in_backward``: faster, at about 0.7 GB more per layer
+        at the 1.4B size and sequence 8192 (docs/measurements.md, session 21).
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
@@ -278,6 +291,8 @@ class MambaConfig(_Presets):
     scan_layers: bool | None = None
     ssd_impl: str = "auto"
     conv_impl: str = "xla"
+    norm_backward: str = "autodiff"
+    keep_residuals: bool = False
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
@@ -289,6 +304,12 @@ class MambaConfig(_Presets):
         if self.conv_impl not in CONV_IMPLS:
             raise ValueError(f"MambaConfig: conv_impl must be one of {CONV_IMPLS}, "
                              f"got {self.conv_impl!r}")
+        if self.remat and self.keep_residuals:
+            raise ValueError("MambaConfig: remat (recompute every block) and keep_residuals "
+                             "(recompute nothing) exclude each other; set one")
+        if self.norm_backward not in NORM_BACKWARDS:
+            raise ValueError(f"MambaConfig: norm_backward must be one of {NORM_BACKWARDS}, "
+                             f"got {self.norm_backward!r}")
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")

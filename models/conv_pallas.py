@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .ssd_pallas import _same_variance, plgpu
+from .layers import same_variance
+from .ssd_pallas import plgpu
 
 __all__ = ["causal_conv1d_silu", "unsupported_reason"]
 
@@ -100,7 +101,7 @@ def _forward(x, weight, bias, interpret):
     width = weight.shape[0]
     xp, blocks = _padded(x, width)
     spec, cb = _specs(xp.shape[0], channels, width)
-    (xp, weight, bias), varying = _same_variance(xp, weight, bias)
+    (xp, weight, bias), varying = same_variance(xp, weight, bias)
     y = pl.pallas_call(
         functools.partial(_forward_kernel, width=width),
         grid=(blocks, batch, channels // cb),
@@ -120,7 +121,7 @@ def _backward(x, weight, bias, dy, interpret):
     xp, blocks = _padded(x, width)
     dy = jnp.pad(dy, ((0, blocks * _ROWS - s), (0, 0), (0, 0)))
     spec, cb = _specs(xp.shape[0], channels, width)
-    (xp, weight, bias, dy), varying = _same_variance(xp, weight, bias, dy)
+    (xp, weight, bias, dy), varying = same_variance(xp, weight, bias, dy)
     result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
     dpre, dw, db = pl.pallas_call(
         functools.partial(_backward_kernel, width=width),
@@ -181,5 +182,5 @@ def causal_conv1d_silu(x: jax.Array, weight: jax.Array, bias: jax.Array, *,
     # Inside shard_map the parameters are the same on every data shard while x is
     # not: cast them to x's variance here, outside the custom_vjp, so that JAX
     # transposes the cast into the sum of their gradients over the shards.
-    (x, weight, bias), _ = _same_variance(x, weight, bias)
+    (x, weight, bias), _ = same_variance(x, weight, bias)
     return _conv_silu(x, weight, bias, interpret)

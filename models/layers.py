@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -10,7 +11,26 @@ from flax import nnx
 
 from jax_flashoverlap.nn import shard_map_apply
 
-__all__ = ["RMSNorm", "CausalLM", "linear_options", "make_layers"]
+from .config import NORM_BACKWARDS
+
+__all__ = ["RMSNorm", "CausalLM", "linear_options", "make_layers", "rms_norm",
+           "same_variance"]
+
+
+def same_variance(*arrays: jax.Array) -> tuple[list[jax.Array], object]:
+    """The arrays made to vary over the same manual mesh axes (the union of
+    theirs), and that manual axis type.
+
+    Inside ``shard_map`` a custom_vjp's backward must return each gradient of
+    its input's type, and a Pallas kernel's operands and results must agree.
+    A parameter (the same on every data shard) cast here to vary like the
+    activations, before a custom_vjp, gets its gradient summed over the shards
+    by the cast's transpose.
+    """
+    union = frozenset().union(*(jax.typeof(t).manual_axis_type.varying for t in arrays))
+    arrays = [jax.lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
+                            to="varying") for t in arrays]
+    return arrays, jax.typeof(arrays[0]).manual_axis_type
 
 
 def linear_options(config, rngs: nnx.Rngs) -> dict:
@@ -72,22 +92,94 @@ class RMSNorm(nnx.Module):
         tensor-parallel rank); default the whole dim.
       sharding: ``out_sharding`` of the weight, e.g. ``("tensor",)`` when the
         channels are split over the tensor axis.
+      backward: one of :data:`~jax_flashoverlap.models.NORM_BACKWARDS` (see
+        :func:`rms_norm`).
     """
 
     def __init__(self, dim: int, *, eps: float, group_size: int | None = None,
-                 sharding: tuple = (None,)):
+                 sharding: tuple = (None,), backward: str = "autodiff"):
         self.weight = nnx.Param(jnp.ones((dim,), jnp.float32), out_sharding=sharding)
         self.eps = eps
         self.group_size = group_size
+        self.backward = backward
 
     def __call__(self, x: jax.Array, gate: jax.Array | None = None) -> jax.Array:
-        """x: [..., dim]; gate: like x, applied as ``x · silu(gate)`` before the norm."""
-        y = x.astype(jnp.float32)
-        if gate is not None:
-            y = y * jax.nn.silu(gate.astype(jnp.float32))
-        groups = y.reshape(*y.shape[:-1], -1, self.group_size or y.shape[-1])
-        groups = groups * jax.lax.rsqrt(jnp.mean(groups * groups, -1, keepdims=True) + self.eps)
-        return (groups.reshape(y.shape) * self.weight[...]).astype(x.dtype)
+        """x: [..., dim]; gate: like x, applied as ``x · silu(gate)`` before the norm.
+        Returns [..., dim] in x's dtype (computed in float32)."""
+        return rms_norm(x, self.weight[...], eps=self.eps, group_size=self.group_size,
+                        gate=gate, backward=self.backward)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | None = None,
+             gate: jax.Array | None = None, backward: str = "autodiff") -> jax.Array:
+    """``weight · y / rms(y)`` with ``y = x · silu(gate)`` (or x), per group.
+
+    Args:
+      x: [..., dim], any float dtype.
+      weight: [dim], float32.
+      eps: added to the mean square.
+      group_size: channels normalised together (dim must divide by it);
+        default the whole dim.
+      gate: like x, or None.
+      backward: one of :data:`~jax_flashoverlap.models.NORM_BACKWARDS`:
+        "autodiff" keeps the float32 intermediates for the backward;
+        "recompute" keeps only x, gate and weight and recomputes the rest in
+        the backward (less memory, fewer passes when a checkpoint policy would
+        otherwise recompute the forward too).
+
+    Returns:
+      [..., dim] in x's dtype, computed in float32.
+    """
+    group_size = group_size or x.shape[-1]
+    if backward == "autodiff":
+        return _rms_norm(x, gate, weight, eps, group_size)[0]
+    if backward != "recompute":
+        raise ValueError(f"rms_norm: backward must be one of {NORM_BACKWARDS}, got {backward!r}")
+    (x, weight, *gate), _ = same_variance(x, weight, *([] if gate is None else [gate]))
+    return _rms_norm_recomputed(x, gate[0] if gate else None, weight, eps, group_size)
+
+
+def _rms_norm(x, gate, weight, eps: float, group_size: int):
+    """(The norm in x's dtype, and in float32 per group: the normalized values
+    [..., dim / group_size, group_size] and their inverse rms [..., groups, 1])."""
+    y = x.astype(jnp.float32)
+    if gate is not None:
+        y = y * jax.nn.silu(gate.astype(jnp.float32))
+    groups = y.reshape(*y.shape[:-1], -1, group_size)
+    inv_rms = jax.lax.rsqrt(jnp.mean(groups * groups, -1, keepdims=True) + eps)
+    normalized = groups * inv_rms
+    return (normalized.reshape(y.shape) * weight).astype(x.dtype), normalized, inv_rms
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _rms_norm_recomputed(x, gate, weight, eps, group_size):
+    return _rms_norm(x, gate, weight, eps, group_size)[0]
+
+
+def _rms_norm_recomputed_fwd(x, gate, weight, eps, group_size):
+    return _rms_norm(x, gate, weight, eps, group_size)[0], (x, gate, weight)
+
+
+def _rms_norm_recomputed_bwd(eps, group_size, inputs, dout):
+    x, gate, weight = inputs
+    _, normalized, inv_rms = _rms_norm(x, gate, weight, eps, group_size)
+    dnormalized = (dout.astype(jnp.float32) * weight).reshape(normalized.shape)
+    dweight = jnp.sum((dout.astype(jnp.float32).reshape(normalized.shape) * normalized)
+                      .reshape(-1, weight.shape[0]), axis=0)
+    # d/dy of y / rms(y), per group: (dn - n · mean(dn · n)) / rms.
+    dy = inv_rms * (dnormalized - normalized * jnp.mean(dnormalized * normalized, -1,
+                                                        keepdims=True))
+    dy = dy.reshape(x.shape)
+    if gate is None:
+        return dy.astype(x.dtype), None, dweight.astype(weight.dtype)
+    z = gate.astype(jnp.float32)
+    sigmoid = jax.nn.sigmoid(z)
+    dx = dy * z * sigmoid
+    dgate = dy * x.astype(jnp.float32) * sigmoid * (1 + z * (1 - sigmoid))  # silu'(z)
+    return dx.astype(x.dtype), dgate.astype(gate.dtype), dweight.astype(weight.dtype)
+
+
+_rms_norm_recomputed.defvjp(_rms_norm_recomputed_fwd, _rms_norm_recomputed_bwd)
 
 
 class CausalLM(nnx.Module):

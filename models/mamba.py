@@ -322,7 +322,7 @@ class Mamba2Mixer(nnx.Module):
                                out_sharding=(tensor,))
         self.d_skip = nnx.Param(jnp.ones((heads,)), out_sharding=(tensor,))
         self.norm = RMSNorm(config.inner_dim, eps=config.norm_eps, group_size=group_x,
-                            sharding=(tensor,))
+                            sharding=(tensor,), backward=config.norm_backward)
         self.out_proj = RowParallelLinear(config.inner_dim, d, **linear_options(config, rngs))
 
     def __call__(self, u: jax.Array) -> jax.Array:
@@ -394,10 +394,12 @@ class Mamba2Mixer(nnx.Module):
     def _conv_silu(self, conv_in: jax.Array) -> jax.Array:
         """SiLU of the convolution over the whole sequence [s, b, c]."""
         if self.conv_impl == "pallas":
-            return conv_pallas.causal_conv1d_silu(conv_in,
-                                                  self.conv_weight[...].astype(self.dtype),
-                                                  self.conv_bias[...].astype(self.dtype))
-        return jax.nn.silu(self._conv(conv_in))
+            xbc = conv_pallas.causal_conv1d_silu(conv_in,
+                                                 self.conv_weight[...].astype(self.dtype),
+                                                 self.conv_bias[...].astype(self.dtype))
+        else:
+            xbc = jax.nn.silu(checkpoint_name(self._conv(conv_in), "mamba_conv"))
+        return checkpoint_name(xbc, "mamba_xbc")
 
     def _ssm_inputs(self, xbc: jax.Array, dt: jax.Array):
         """The convolution's activated output [s, b, c] and in_proj's dt -> the
@@ -464,14 +466,22 @@ class Mamba2(CausalLM):
     """
 
     # In the backward, each block recomputes its elementwise work (the
-    # convolution, activations, gated norm) and the SSD's inputs from these,
-    # in_proj's output and the SSD's with its skip (the gated norm's input):
-    # keeping every residual took 187 GB at 1.4B, sequence 8192.
-    saved_in_backward = ("mamba_in_proj", "mamba_ssd")
+    # activations, the gated norm, the SSD's inputs) from these: in_proj's
+    # output, the convolution's (before its SiLU) and the SSD's with its skip
+    # (the gated norm's input). On one H200 (1.4B, sequence 8192) keeping the
+    # convolution's output cost 4.7 GB and saved 5.9 ms of a 276.4 ms step;
+    # keeping every residual (config.keep_residuals) saved 22.4 ms at a peak
+    # of 64.5 GB against 31.1 (docs/measurements.md, session 21).
+    saved_in_backward = ("mamba_in_proj", "mamba_conv", "mamba_ssd")
 
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
         config = resolve_scan_layers(config)
         super().__init__(config, lambda rngs: Mamba2Block(config, rngs=rngs), rngs=rngs)
+
+    def _recompute_policy(self):
+        if self.config.keep_residuals:
+            return False
+        return super()._recompute_policy()
 
     def layer_cache_spec(self) -> SSMCache:
         """The ``PartitionSpec`` of each of a layer's cache arrays (global view)."""

@@ -47,6 +47,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .layers import same_variance
+
 try:  # jax 0.11 marks Pallas's Triton backend deprecated: without it, "auto" runs XLA.
     from jax.experimental.pallas import triton as plgpu
 except ImportError:
@@ -186,16 +188,6 @@ def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
     lax.fori_loop(row + 1, blocks, above_diagonal, None)
 
 
-def _same_variance(*arrays):
-    """The arrays made to vary over the same manual mesh axes (the union of
-    theirs; inside ``shard_map`` a kernel's operands and results must agree),
-    and that manual axis type, for the results."""
-    union = frozenset().union(*(jax.typeof(t).manual_axis_type.varying for t in arrays))
-    arrays = [lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
-                        to="varying") for t in arrays]
-    return arrays, jax.typeof(arrays[0]).manual_axis_type
-
-
 def _grid_and_specs(x, tiling: Tiling):
     s, batch, groups, heads, p = x.shape
     chunk_size, block = tiling.chunk_size, tiling.block
@@ -224,7 +216,7 @@ def _forward(cb, x, dt, cum, c, state, tiling: Tiling):
     c_rows = pl.BlockSpec((block, None, None, n), lambda c, b, g, h, i: (c * blocks + i, b, g, 0))
     state_spec = pl.BlockSpec((None, None, None, None, p, n),
                               lambda c, b, g, h, i: (b, g, h, c, 0, 0))
-    (cb, x, dt, cum, c, state), varying = _same_variance(cb, x, dt, cum, c, state)
+    (cb, x, dt, cum, c, state), varying = same_variance(cb, x, dt, cum, c, state)
     return pl.pallas_call(
         functools.partial(_forward_kernel, block=block),
         grid=grid,
@@ -241,7 +233,7 @@ def _backward(cb, x, dt, cum, dy, tiling: Tiling):
     grid, block, blocks, spec = _grid_and_specs(x, tiling)
     chunk_size = tiling.chunk_size
     s, batch, groups, heads, p = x.shape
-    (cb, x, dt, cum, dy), varying = _same_variance(cb, x, dt, cum, dy)
+    (cb, x, dt, cum, dy), varying = same_variance(cb, x, dt, cum, dy)
     result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
     dx, ddt, dcum_columns = pl.pallas_call(
         functools.partial(_columns_kernel, block=block, blocks=blocks),
@@ -448,7 +440,7 @@ def _outer(x, b, tiling: Tiling):
     s, batch, groups, heads, p = x.shape
     n, chunks = b.shape[-1], s // tiling.chunk_size
     spec = _state_specs(x.shape, n, tiling)
-    (x, b), varying = _same_variance(x, b)
+    (x, b), varying = same_variance(x, b)
     return pl.pallas_call(
         functools.partial(_outer_kernel, block=tiling.block,
                           blocks=tiling.chunk_size // tiling.block),
@@ -468,7 +460,7 @@ def _rows_of_state(c, state, tiling: Tiling):
     heads, p = state.shape[2], state.shape[4]
     x_shape = (s, batch, groups, heads, p)
     spec = _state_specs(x_shape, n, tiling)
-    (c, state), varying = _same_variance(c, state)
+    (c, state), varying = same_variance(c, state)
     return pl.pallas_call(
         functools.partial(_rows_of_state_kernel, block=tiling.block,
                           blocks=tiling.chunk_size // tiling.block),
@@ -489,7 +481,7 @@ def _group(x, state, tiling: Tiling, row_sums_with=None):
     n, blocks = state.shape[-1], tiling.chunk_size // tiling.block
     spec = _state_specs(x.shape, n, tiling)
     operands = (x, state) if row_sums_with is None else (x, state, row_sums_with)
-    operands, varying = _same_variance(*operands)
+    operands, varying = same_variance(*operands)
     result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
     in_specs, out_specs = [spec["group_x"], spec["group_state"]], [spec["group_out"]]
     out_shape = [result((s, batch, groups, n), jnp.float32)]

@@ -247,27 +247,44 @@ def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
     assert "host dispatch (ms)" in printed and "first call (ms)" in printed
 
 
-def test_train_step_measures_each_conv_of_mamba_against_the_first(monkeypatch, capsys):
-    """--conv xla pallas: two Mamba-2 rows (the Transformer has no convolution),
-    each named by its kernels, the second's speed-up against the first's step."""
+def test_train_step_measures_each_mamba_variant_against_the_first(monkeypatch, capsys):
+    """--mamba-variants default keep-residuals: two Mamba-2 rows (the Transformer
+    runs once), each named by its kernels and flags, the second's speed-up
+    against the first's step."""
     bench = _load("train_step")
-    step_ms = {("transformer", None): 100.0, ("mamba", "xla"): 300.0, ("mamba", "pallas"): 240.0}
+    step_ms = {("transformer", "default"): 100.0, ("mamba", "default"): 300.0,
+               ("mamba", "keep-residuals"): 240.0}
 
-    def fake_measure(model, impl, conv, args):
+    def fake_measure(model, impl, variant, args):
         return {"model": model, "params": 1e9, "impl": impl, "dtype": "bfloat16",
                 "attention": "cudnn" if model == "transformer" else None,
-                "ssd": "pallas" if model == "mamba" else None, "conv": conv,
-                "step_ms": step_ms[model, conv], "step_ms_min": 1.0, "step_ms_max": 1.0,
+                "ssd": "pallas" if model == "mamba" else None,
+                "conv": args.conv if model == "mamba" else None, "variant": variant,
+                "step_ms": step_ms[model, variant], "step_ms_min": 1.0, "step_ms_max": 1.0,
                 "step_ms_from_idle": 1.0, "dispatch_ms": 1.0, "first_call_ms": 1.0,
                 "tokens_per_s": 1.0, "mfu": None, "loss_first": 5.0}
     monkeypatch.setattr(bench, "_measure", fake_measure)
     assert bench.main(["--models", "transformer", "mamba", "--impls", "xla",
-                       "--conv", "xla", "pallas"]) == 0
+                       "--mamba-variants", "default", "keep-residuals"]) == 0
     table = capsys.readouterr().out.split("MFU vs")[-1]
     assert "| transformer | 1,000.0M | xla | cudnn |" in table
     assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla | 300.0" in table
-    assert "| mamba | 1,000.0M | xla | ssd pallas, conv pallas | 240.0" in table
+    assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla, keep-residuals | 240.0" in table
     assert table.rstrip().endswith("| 1.250x |")
+
+
+def test_train_step_passes_a_variants_flags_to_the_trainer(tmp_path):
+    """A variant's flags reach the trainer's config (a tiny Mamba-2 on the CPUs)."""
+    bench = _load("train_step")
+    out = tmp_path / "t.json"
+    assert bench.main(["--json", str(out), "--models", "mamba", "--impls", "xla",
+                       "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
+                       "--reps", "1", "--dtype", "float32", "--mamba-variants", "default",
+                       "keep-residuals norm-backward=recompute"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["keep_residuals"], r["norm_backward"]) for r in rows] == [
+        (False, "autodiff"), (True, "recompute")]
+    assert rows[0]["loss_first"] == pytest.approx(rows[1]["loss_first"], rel=1e-5)
 
 
 def test_train_step_times_are_the_difference_of_two_run_lengths():

@@ -137,7 +137,10 @@ def test_without_sequence_parallelism_matches_one_device(ref):
 
 
 @pytest.mark.parametrize("layers", [dict(scan_layers=False), dict(remat=True),
-                                    dict(scan_layers=False, remat=True)])
+                                    dict(scan_layers=False, remat=True),
+                                    dict(keep_residuals=True),
+                                    dict(scan_layers=False, norm_backward="recompute"),
+                                    dict(keep_residuals=True, norm_backward="recompute")])
 def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
     check_matches_reference(Mamba2, CONFIG, ref, tp=2, impl="decomposed", **layers)
 
@@ -171,6 +174,12 @@ def test_config_errors():
         MambaConfig(head_dim=48)
     with pytest.raises(ValueError, match=r"ssd_impl must be one of \('auto', 'xla', 'pallas'\)"):
         MambaConfig(ssd_impl="cuda")
+    with pytest.raises(ValueError, match=r"norm_backward must be one of \('autodiff', "
+                                         r"'recompute'\), got 'fused'"):
+        MambaConfig(norm_backward="fused")
+    with pytest.raises(ValueError, match="remat .recompute every block. and keep_residuals "
+                                         ".recompute nothing. exclude each other; set one"):
+        MambaConfig(remat=True, keep_residuals=True)
 
 
 def test_scan_layers_default_is_per_platform(monkeypatch):
@@ -184,6 +193,25 @@ def test_scan_layers_default_is_per_platform(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve(config).scan_layers is False
     assert resolve(dataclasses.replace(config, scan_layers=True)).scan_layers is True
+
+
+def test_train_flags_for_the_backward(capsys):
+    from jax_flashoverlap.cli import train
+
+    args = train.parse_args(["--model", "mamba", "--keep-residuals",
+                             "--norm-backward", "recompute"])
+    config = train.model_config("mamba", "tiny", keep_residuals=args.keep_residuals,
+                                norm_backward=args.norm_backward)
+    assert config.keep_residuals and config.norm_backward == "recompute"
+    for argv, message in [
+            (["--keep-residuals"], "--keep-residuals applies to --model mamba, not transformer"),
+            (["--norm-backward", "recompute"],
+             "--norm-backward applies to --model mamba, not transformer"),
+            (["--model", "mamba", "--keep-residuals", "--remat"],
+             "--keep-residuals and --remat exclude each other")]:
+        with pytest.raises(SystemExit):
+            train.parse_args(argv)
+        assert message in capsys.readouterr().err
 
 
 def test_train_flags_choose_scanned_or_unrolled_layers(capsys):
