@@ -63,11 +63,11 @@ def step_times(runs, k: int) -> tuple[list[float], float, float]:
 
 def variant_flags(variant: str) -> list[str]:
     """A ``--mamba-variants`` entry as trainer flags: "default" adds none;
-    "keep-residuals norm-backward=recompute" gives ``--keep-residuals
-    --norm-backward recompute``."""
+    "keep-residuals,norm-backward=recompute" gives ``--keep-residuals
+    --norm-backward recompute`` (commas, so that no shell quoting is needed)."""
     flags = []
-    for token in variant.split():
-        if token != "default":
+    for token in (t.strip() for t in variant.split(",")):
+        if token and token != "default":
             name, _, value = token.partition("=")
             flags += [f"--{name}"] + ([value] if value else [])
     return flags
@@ -222,9 +222,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Mamba-2's convolution + SiLU (pallas: the fused kernel)")
     parser.add_argument("--mamba-variants", nargs="+", default=["default"], metavar="FLAGS",
                         help="Mamba-2 runs once per FLAGS, extra jax-flashoverlap-train flags "
-                             "without their dashes (e.g. default keep-residuals "
-                             "'keep-residuals norm-backward=recompute'), in turn in this "
-                             "process; the first is the baseline")
+                             "without their dashes, joined by commas (e.g. default "
+                             "keep-residuals keep-residuals,norm-backward=recompute), in turn "
+                             "in this process; the first is the baseline")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10,
                         help="k: steps of the shorter timed run (the longer has 2k)")

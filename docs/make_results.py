@@ -34,6 +34,9 @@ DECODE = "decode_1xh200.json"
 SSD = "ssd_1xh200.json"
 MAMBA_STEPS = ["train_step_mamba_1xh200.json", "train_step_mamba_scanned_1xh200.json",
                "train_step_mamba_ssd_xla_1xh200.json"]
+# Mamba-2's options, each file one process whose rows compare against its first.
+MAMBA_OPTIONS = ["train_step_mamba_residuals_1xh200.json", "train_step_mamba_norm_1xh200.json",
+                 "train_step_mamba_conv_1xh200.json"]
 
 
 def _load(name: str) -> dict:
@@ -207,6 +210,30 @@ def mamba_tables() -> tuple[str, dict]:
     return text, numbers
 
 
+def mamba_options_table() -> str:
+    """Mamba-2 1.4B step per option, each against the first row of its process."""
+    lines = ["| process (commit) | variant | step ms, median [min, max] | vs the first row | "
+             "peak memory GB so far |", "|---|---|---|---|---|"]
+    sources = []
+    for name in MAMBA_OPTIONS:
+        doc = _load(name)
+        sources.append(_source(name, doc))
+        first = doc["rows"][0]["step_ms"]
+        for r in doc["rows"]:
+            variant = r.get("variant") or f"conv {r['conv']}"
+            lines.append(f"| {name.removesuffix('_1xh200.json')} ({doc['meta']['commit'][:7]}) | "
+                         f"{variant} | {r['step_ms']:.1f} [{r['step_ms_min']:.1f}, "
+                         f"{r['step_ms_max']:.1f}] | {first / r['step_ms']:.3f}× | "
+                         f"{r['peak_memory_gb']:.1f} |")
+    return ("Mamba-2 1.4B, one H200, mesh 1x1, batch 1, sequence 8192, impl \"xla\". In "
+            "`residuals` the rows set what a block keeps for the backward: base (in_proj's "
+            "output and the gated norm's input, the default until fb5dd71), conv (also "
+            "the convolution's output: the default now), xbc (the SiLU's output instead), none "
+            "(every residual: `keep_residuals=True`). Peak memory is the process's so far, "
+            "so a row's own only where it grows.\n\n" + "\n".join(lines) + "\n\n"
+            + "\n".join(f"From {s_}" for s_ in sources))
+
+
 def results_md() -> str:
     cm, _ = collective_matmul_table()
     ar, _ = all_reduce_table()
@@ -240,6 +267,10 @@ values.
 ## Mamba-2's SSD and training step, one H200
 
 {mamba}
+
+### Mamba-2's options (not at the defaults where a row says so)
+
+{mamba_options_table()}
 
 ## Decoding
 

@@ -25,7 +25,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # kernels where they can run (models.mamba.ssd).
 SSD_IMPLS = ("auto", "xla", "pallas")
 # Mamba-2's convolution + SiLU: XLA's ops, or the fused Pallas kernel
-# (models.conv_pallas; opt-in until measured against XLA's).
+# (models.conv_pallas; opt-in: 2% slower a 1.4B step than XLA's ops on one H200).
 CONV_IMPLS = ("xla", "pallas")
 # How RMSNorm's backward gets what it needs: "autodiff" keeps (or, under a
 # checkpoint policy, recomputes) the float32 intermediates of the forward;

@@ -280,7 +280,7 @@ def test_train_step_passes_a_variants_flags_to_the_trainer(tmp_path):
     assert bench.main(["--json", str(out), "--models", "mamba", "--impls", "xla",
                        "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
                        "--reps", "1", "--dtype", "float32", "--mamba-variants", "default",
-                       "keep-residuals norm-backward=recompute"]) == 0
+                       "keep-residuals,norm-backward=recompute"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["keep_residuals"], r["norm_backward"]) for r in rows] == [
         (False, "autodiff"), (True, "recompute")]

@@ -85,7 +85,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "einsums, or auto (Pallas on GPUs)")
     parser.add_argument("--conv", choices=CONV_IMPLS, default="xla",
                         help="Mamba-2's causal convolution + SiLU: XLA's ops, or one fused "
-                             "Pallas GPU kernel (experimental)")
+                             "Pallas GPU kernel (opt-in: 2%% slower a 1.4B step)")
     parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="autodiff",
                         help="Mamba-2's gated norm in the backward: autodiff, or a "
                              "custom_vjp that keeps only its inputs (recompute)")
