@@ -394,12 +394,11 @@ class Mamba2Mixer(nnx.Module):
     def _conv_silu(self, conv_in: jax.Array) -> jax.Array:
         """SiLU of the convolution over the whole sequence [s, b, c]."""
         if self.conv_impl == "pallas":
-            xbc = conv_pallas.causal_conv1d_silu(conv_in,
-                                                 self.conv_weight[...].astype(self.dtype),
-                                                 self.conv_bias[...].astype(self.dtype))
-        else:
-            xbc = jax.nn.silu(checkpoint_name(self._conv(conv_in), "mamba_conv"))
-        return checkpoint_name(xbc, "mamba_xbc")
+            return conv_pallas.causal_conv1d_silu(conv_in,
+                                                  self.conv_weight[...].astype(self.dtype),
+                                                  self.conv_bias[...].astype(self.dtype))
+        # Named for saved_in_backward: the SiLU's backward needs this, not its output.
+        return jax.nn.silu(checkpoint_name(self._conv(conv_in), "mamba_conv"))
 
     def _ssm_inputs(self, xbc: jax.Array, dt: jax.Array):
         """The convolution's activated output [s, b, c] and in_proj's dt -> the
