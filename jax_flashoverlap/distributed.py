@@ -32,13 +32,13 @@ __all__ = [
 
 # The variables a launcher gives each process (jax_flashoverlap.cli.launch sets them).
 ENV = {
-    "coordinator": "JFO_COORDINATOR_ADDRESS",
-    "process_id": "JFO_PROCESS_ID",
-    "num_processes": "JFO_NUM_PROCESSES",
-    "local_rank": "JFO_LOCAL_RANK",
-    "local_size": "JFO_LOCAL_SIZE",
-    "node_size": "JFO_NODE_SIZE",
-    "platform": "JFO_PLATFORM",
+    "coordinator": "JAX_FLASHOVERLAP_COORDINATOR_ADDRESS",
+    "process_id": "JAX_FLASHOVERLAP_PROCESS_ID",
+    "num_processes": "JAX_FLASHOVERLAP_NUM_PROCESSES",
+    "local_rank": "JAX_FLASHOVERLAP_LOCAL_RANK",
+    "local_size": "JAX_FLASHOVERLAP_LOCAL_SIZE",
+    "node_size": "JAX_FLASHOVERLAP_NODE_SIZE",
+    "platform": "JAX_FLASHOVERLAP_PLATFORM",
 }
 
 _REQUIRED = ("coordinator", "process_id", "num_processes")
@@ -54,9 +54,20 @@ def is_launched() -> bool:
     return all(ENV[k] in os.environ for k in _REQUIRED)
 
 
+def _env(key: str) -> str | None:
+    """The launcher's variable ``ENV[key]``, or None. Its name before the
+    JAX_FLASHOVERLAP_ prefix (``JFO_...``) raises rather than being ignored."""
+    name = ENV[key]
+    old = "JFO_" + name.removeprefix("JAX_FLASHOVERLAP_")
+    if name not in os.environ and old in os.environ:
+        raise RuntimeError(f"{old} is set, but the variable is now named {name}: rename it "
+                           f"in the job's environment")
+    return os.environ.get(name)
+
+
 def _env_int(key: str) -> int | None:
     name = ENV[key]
-    value = os.environ.get(name)
+    value = _env(key)
     if value is None:
         return None
     try:
@@ -84,7 +95,7 @@ def initialize(**kwargs) -> None:
     Raises:
       RuntimeError: the launcher's variables are missing.
     """
-    missing = [ENV[k] for k in _REQUIRED if ENV[k] not in os.environ]
+    missing = [ENV[k] for k in _REQUIRED if _env(k) is None]
     if missing:
         raise RuntimeError(f"jax_flashoverlap.distributed.initialize: {', '.join(missing)} "
                            f"not set; {_LAUNCH_HINT}")
@@ -93,7 +104,7 @@ def initialize(**kwargs) -> None:
     if jax.distributed.is_initialized():
         return
     node_size()  # a bad --node-size fails here, in every process, before any wait
-    address = os.environ[ENV["coordinator"]]
+    address = _env("coordinator")
     kwargs.setdefault("coordinator_bind_address", address)
     jax.distributed.initialize(coordinator_address=address,
                                num_processes=_env_int("num_processes"),
@@ -119,9 +130,9 @@ def num_processes() -> int:
 
 
 def node_size() -> int:
-    """Consecutive processes forming one node (``JFO_NODE_SIZE``, default: all).
+    """Consecutive processes forming one node (``JAX_FLASHOVERLAP_NODE_SIZE``, default: all).
 
-    Without the launcher (e.g. under SLURM) set ``JFO_NODE_SIZE`` to the
+    Without the launcher (e.g. under SLURM) set ``JAX_FLASHOVERLAP_NODE_SIZE`` to the
     processes per host yourself; the default treats the whole job as one node.
 
     Raises:

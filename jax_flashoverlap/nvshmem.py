@@ -132,7 +132,7 @@ def initialize(heap_mb: int = 1024) -> None:
         one GPU, or a process does not arrive within a minute, or NVSHMEM
         fails to start.
       ValueError: the processes passed different ``heap_mb`` or run with
-        different node sizes (``JFO_NODE_SIZE``).
+        different node sizes (``JAX_FLASHOVERLAP_NODE_SIZE``).
     """
     mod = _require_module("initialize")
     import jax

@@ -17,7 +17,7 @@ when the op first runs.
 - ``JAX_FLASHOVERLAP_NVSHMEM_INIT``: "hostlib" (default) or "inline".
 - ``JAX_FLASHOVERLAP_NVSHMEM_DEBUG``: 1 logs NVSHMEM start-up; 0 (default) quiet.
 
-The launcher's variables (``JFO_PROCESS_ID`` and the rest) are checked by
+The launcher's variables (``JAX_FLASHOVERLAP_PROCESS_ID`` and the rest) are checked by
 :mod:`jax_flashoverlap.distributed` when a program starts.
 """
 

@@ -34,7 +34,7 @@ def listening_addresses(port: int) -> list[str]:
     return sorted(found)
 
 
-coordinator_port = int(os.environ["JFO_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
+coordinator_port = int(os.environ["JAX_FLASHOVERLAP_COORDINATOR_ADDRESS"].rsplit(":", 1)[1])
 print(f"listening={','.join(listening_addresses(coordinator_port))}")
 print(f"node={distributed.node_rank()}/{distributed.num_nodes()} "
       f"in_node={distributed.rank_in_node()}/{distributed.node_size()}")

@@ -11,8 +11,7 @@ from jax_flashoverlap import distributed
 
 ROOT = Path(jax_flashoverlap.__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("distributed_child.py")
-LAUNCHER_VARS = ("JFO_COORDINATOR_ADDRESS", "JFO_PROCESS_ID", "JFO_NUM_PROCESSES",
-                 "JFO_NODE_SIZE")
+LAUNCHER_VARS = tuple(distributed.ENV.values())
 
 
 def test_two_processes_sum_and_broadcast(tmp_path):
@@ -51,7 +50,7 @@ def test_initialize_without_launcher_names_it(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert not distributed.is_launched()
     with pytest.raises(RuntimeError,
-                       match=r"JFO_COORDINATOR_ADDRESS.*jax_flashoverlap\.cli\.launch"):
+                       match=r"JAX_FLASHOVERLAP_COORDINATOR_ADDRESS.*jax_flashoverlap\.cli\.launch"):
         distributed.initialize()
 
 
@@ -61,25 +60,36 @@ def test_initialize_without_launcher_names_it(monkeypatch):
     (4, None, 3, (4, 1, 0, 3)),  # default: all processes one node
 ])
 def test_node_topology(monkeypatch, n, size, pid, expected):
-    monkeypatch.setenv("JFO_NUM_PROCESSES", str(n))
-    monkeypatch.setenv("JFO_PROCESS_ID", str(pid))
+    monkeypatch.setenv("JAX_FLASHOVERLAP_NUM_PROCESSES", str(n))
+    monkeypatch.setenv("JAX_FLASHOVERLAP_PROCESS_ID", str(pid))
     if size is None:
-        monkeypatch.delenv("JFO_NODE_SIZE", raising=False)
+        monkeypatch.delenv("JAX_FLASHOVERLAP_NODE_SIZE", raising=False)
     else:
-        monkeypatch.setenv("JFO_NODE_SIZE", size)
+        monkeypatch.setenv("JAX_FLASHOVERLAP_NODE_SIZE", size)
     assert (distributed.node_size(), distributed.num_nodes(), distributed.node_rank(),
             distributed.rank_in_node()) == expected
 
 
 @pytest.mark.parametrize("size, message", [
-    ("3", "JFO_NODE_SIZE=3 must be >= 1 and divide the number of processes \\(4\\)"),
-    ("0", "JFO_NODE_SIZE=0 must be >= 1"),
-    ("two", "JFO_NODE_SIZE='two' is not an integer"),
+    ("3", "JAX_FLASHOVERLAP_NODE_SIZE=3 must be >= 1 and divide the number of processes \\(4\\)"),
+    ("0", "JAX_FLASHOVERLAP_NODE_SIZE=0 must be >= 1"),
+    ("two", "JAX_FLASHOVERLAP_NODE_SIZE='two' is not an integer"),
 ])
 def test_node_size_validation(monkeypatch, size, message):
-    monkeypatch.setenv("JFO_NUM_PROCESSES", "4")
-    monkeypatch.setenv("JFO_NODE_SIZE", size)
+    monkeypatch.setenv("JAX_FLASHOVERLAP_NUM_PROCESSES", "4")
+    monkeypatch.setenv("JAX_FLASHOVERLAP_NODE_SIZE", size)
     with pytest.raises(ValueError, match=message):
+        distributed.node_size()
+
+
+def test_a_launcher_variable_by_its_old_name_is_an_error(monkeypatch):
+    """A job script that still sets JFO_NODE_SIZE is told the new name, not
+    silently treated as one node."""
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JFO_NODE_SIZE", "2")
+    with pytest.raises(RuntimeError, match="JFO_NODE_SIZE is set, but the variable is now "
+                                           "named JAX_FLASHOVERLAP_NODE_SIZE: rename it"):
         distributed.node_size()
 
 

@@ -31,7 +31,8 @@ def run_launch(args, tmp_path, *, env_extra=None, cwd=None, pythonpath=True, tim
 def script(tmp_path, body, name="child.py"):
     path = tmp_path / name
     path.write_text("import os, signal, sys, time\n"
-                    "rank = int(os.environ['JFO_PROCESS_ID'])\n" + textwrap.dedent(body))
+                    "rank = int(os.environ['JAX_FLASHOVERLAP_PROCESS_ID'])\n"
+                    + textwrap.dedent(body))
     return str(path)
 
 
@@ -55,12 +56,12 @@ def test_environment_prefixes_and_arguments(tmp_path):
     assert proc.returncode == 0, proc.stderr
     for rank in range(2):
         got = dict(line.split("=", 1) for line in lines_of(proc.stdout, rank))
-        port = got["JFO_COORDINATOR_ADDRESS"].split(":")[1]
-        assert got["JFO_COORDINATOR_ADDRESS"] == f"127.0.0.1:{port}"
-        assert (got["JFO_PROCESS_ID"], got["JFO_NUM_PROCESSES"], got["JFO_LOCAL_RANK"],
-                got["JFO_LOCAL_SIZE"], got["JFO_NODE_SIZE"]) == (str(rank), "2", str(rank),
-                                                                  "2", "1")
-        assert got["JFO_PLATFORM"] == "cpu" and got["JAX_PLATFORMS"] == "cpu"
+        port = got["JAX_FLASHOVERLAP_COORDINATOR_ADDRESS"].split(":")[1]
+        assert got["JAX_FLASHOVERLAP_COORDINATOR_ADDRESS"] == f"127.0.0.1:{port}"
+        assert tuple(got[f"JAX_FLASHOVERLAP_{name}"] for name in (
+            "PROCESS_ID", "NUM_PROCESSES", "LOCAL_RANK", "LOCAL_SIZE", "NODE_SIZE")) == (
+                str(rank), "2", str(rank), "2", "1")
+        assert got["JAX_FLASHOVERLAP_PLATFORM"] == "cpu" and got["JAX_PLATFORMS"] == "cpu"
         assert (got["NCCL_NVLS_ENABLE"], got["NVSHMEM_DISABLE_NVLS"],
                 got["TORCH_SYMM_MEM_DISABLE_MULTICAST"]) == ("0", "1", "1")
         assert got["XLA_FLAGS"] == "--a=1"  # one CPU device per process
@@ -73,7 +74,7 @@ def test_environment_prefixes_and_arguments(tmp_path):
 def test_gpu_mode_gives_each_process_one_gpu(tmp_path):
     # No GPU needed: the children only print what they were given.
     child = script(tmp_path, """
-        print(os.environ["CUDA_VISIBLE_DEVICES"], os.environ["JFO_PLATFORM"])
+        print(os.environ["CUDA_VISIBLE_DEVICES"], os.environ["JAX_FLASHOVERLAP_PLATFORM"])
     """)
     proc, _ = run_launch(["-n", "2", child], tmp_path, env_extra={"CUDA_VISIBLE_DEVICES": "5,7"})
     assert proc.returncode == 0, proc.stderr

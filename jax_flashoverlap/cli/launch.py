@@ -8,13 +8,13 @@ one device each, as NVSHMEM and XLA's multi-process GPU runtime want), else one
 CPU process each. The program calls :func:`jax_flashoverlap.distributed.initialize`,
 which reads what this launcher put in its environment:
 
-    JFO_COORDINATOR_ADDRESS  ``127.0.0.1:PORT``, served by process 0 on loopback only
-    JFO_PROCESS_ID           this process, 0 .. n-1
-    JFO_NUM_PROCESSES        n
-    JFO_LOCAL_RANK           index among the processes on this host
-    JFO_LOCAL_SIZE           processes on this host
-    JFO_NODE_SIZE            consecutive processes that form one "node" (--node-size)
-    JFO_PLATFORM             ``gpu`` or ``cpu``
+    JAX_FLASHOVERLAP_COORDINATOR_ADDRESS  ``127.0.0.1:PORT``, served by process 0 on loopback only
+    JAX_FLASHOVERLAP_PROCESS_ID           this process, 0 .. n-1
+    JAX_FLASHOVERLAP_NUM_PROCESSES        n
+    JAX_FLASHOVERLAP_LOCAL_RANK           index among the processes on this host
+    JAX_FLASHOVERLAP_LOCAL_SIZE           processes on this host
+    JAX_FLASHOVERLAP_NODE_SIZE            consecutive processes that form one "node" (--node-size)
+    JAX_FLASHOVERLAP_PLATFORM             ``gpu`` or ``cpu``
 
 Every output line is prefixed ``[rank i]``. If a process exits non-zero or is
 killed, the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the
