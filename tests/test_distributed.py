@@ -88,8 +88,8 @@ def test_a_launcher_variable_by_its_old_name_is_an_error(monkeypatch):
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("JFO_NODE_SIZE", "2")
-    with pytest.raises(RuntimeError, match="JFO_NODE_SIZE is set, but the variable is now "
-                                           "named JAX_FLASHOVERLAP_NODE_SIZE: rename it"):
+    with pytest.raises(RuntimeError, match="JFO_NODE_SIZE is set, but the variable is now named "
+                                           "JAX_FLASHOVERLAP_NODE_SIZE: rename it"):
         distributed.node_size()
 
 
