@@ -15,7 +15,10 @@ from typing import Any
 
 import jax
 
-__all__ = ["build_info", "cuda_ops_available", "require_cuda_ops", "check_device_errors"]
+from . import settings
+
+__all__ = ["build_info", "cuda_ops_available", "require_cuda_ops", "check_device_errors",
+           "push_settings"]
 
 _NOT_BUILT = ("jax_flashoverlap was installed without its compiled extension "
               "(jax_flashoverlap._ffi).")
@@ -64,6 +67,28 @@ def _point_at_cublaslt(mod: Any) -> None:
         if os.path.exists(path):
             mod.set_cublaslt_path(path)
             return
+
+
+def push_settings() -> dict[str, Any] | None:
+    """Checks every setting (:func:`settings.check_all`) and hands the
+    extension the ones its ops use, as :mod:`~jax_flashoverlap.settings`
+    parsed them: the extension reads no environment variable itself.
+
+    Called whenever a CUDA op is lowered, so the values in the environment at
+    that time apply; a GPU's workspace is sized at its first op, and whether
+    kernels store into peers is fixed at the first op of the process.
+
+    Returns:
+      The extension's settings after the call, None without the extension.
+    """
+    settings.check_all()
+    mod = _module()
+    if mod is None:
+        return None
+    mod.configure(workspace_mb=settings.get("JAX_FLASHOVERLAP_WORKSPACE_MB"),
+                  peer_stores=settings.get("JAX_FLASHOVERLAP_PEER_STORES"),
+                  gemm_autotune=settings.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE"))
+    return mod.settings()
 
 
 def build_info() -> dict[str, Any]:

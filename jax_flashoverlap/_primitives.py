@@ -293,7 +293,7 @@ def _make_primitive(op: OpDef) -> Primitive:
             return lower_portable(ctx, *args, axis_name=axis_name, n=n, impl=impl, opts=opts)
         _extension.require_cuda_ops(op.name, op.ffi_target)
         _module_loading.warn_if_lazy(op.name)
-        settings.check_all()  # the extension reads some of them when the op runs
+        _extension.push_settings()
         opts = dict(opts)
         transport = transport_attrs(
             groups if groups is not None else _group_ordinals(ctx, op.name, axis_name, n), n,

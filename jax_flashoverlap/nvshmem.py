@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from . import distributed
+from . import distributed, settings
 
 __all__ = [
     "TARGET",
@@ -160,7 +160,9 @@ def initialize(heap_mb: int = 1024) -> None:
     uid = distributed.broadcast_bytes(mod.get_unique_id() if me == 0 else None, root=0)
     ordinal = getattr(devices[0], "local_hardware_id", None)
     mod.init(uid, me, jax.process_count(), int(heap_mb) << 20,
-             0 if ordinal is None else int(ordinal))
+             0 if ordinal is None else int(ordinal),
+             hostlib=settings.get("JAX_FLASHOVERLAP_NVSHMEM_INIT") == "hostlib",
+             debug=settings.get("JAX_FLASHOVERLAP_NVSHMEM_DEBUG"))
     _register()
 
 

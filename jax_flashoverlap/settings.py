@@ -3,8 +3,9 @@
 A value that does not parse, or is out of range, raises an error naming the
 variable and what it accepts, never a silent default. The package checks
 every set variable when it is imported (:func:`check_all`), and again
-before it lowers a CUDA op, since the compiled extension reads some of them
-when the op first runs.
+whenever it lowers a CUDA op, when it hands the compiled extension the
+values its ops use (``_extension.push_settings``; NVSHMEM's two go to its
+``init``): the extension reads no environment variable itself.
 
 - ``JAX_FLASHOVERLAP_WORKSPACE_MB``: per-GPU workspace of the CUDA ops, MiB,
   64 to 1048576 (default 1024).

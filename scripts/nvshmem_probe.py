@@ -77,7 +77,9 @@ def child(rank: int, uid_file: str) -> None:
             time.sleep(0.05)
     with open(uid_file, "rb") as f:
         uid = f.read()
-    mod.init(uid, rank, 2, HEAP_BYTES, rank)
+    mod.init(uid, rank, 2, HEAP_BYTES, rank,
+             hostlib=os.environ.get("JAX_FLASHOVERLAP_NVSHMEM_INIT", "hostlib") == "hostlib",
+             debug=os.environ.get("JAX_FLASHOVERLAP_NVSHMEM_DEBUG") == "1")
     print(f"rank {rank}: started {mod.info()}", flush=True)
     mod.finalize()
     print(f"rank {rank}: finalized", flush=True)

@@ -53,3 +53,14 @@ def test_no_source_file_is_over_500_lines():
     long = {str(p.relative_to(ROOT)): n for p in sources
             if (n := len(p.read_text().splitlines())) > 500}
     assert not long, long
+
+
+def test_the_extension_reads_no_environment_variable():
+    """jax_flashoverlap/settings.py is the one parser: the C++ gets the values
+    from it (push_settings, NVSHMEM's init), never from getenv."""
+    sources = [p for p in (ROOT / "ffi" / "src").rglob("*") if p.suffix in (".cc", ".cu", ".h",
+                                                                            ".cuh")]
+    readers = [f"{p.relative_to(ROOT)}:{i}" for p in sources
+               for i, line in enumerate(p.read_text().splitlines(), 1)
+               if "getenv(" in line]
+    assert sources and not readers, readers

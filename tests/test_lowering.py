@@ -107,6 +107,21 @@ def test_timeout_comes_from_the_environment(monkeypatch):
     assert "timeout_ms = 1234" in _matmul_all_reduce_text(128, 256, "cuda")
 
 
+def test_lowering_hands_the_extension_the_settings(monkeypatch):
+    """A CUDA op's lowering is what updates the extension's settings, so the
+    environment at the op's first lowering applies to its first run."""
+    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "4096")
+    monkeypatch.setenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "0")
+    try:
+        _matmul_all_reduce_text(128, 256, "cuda")
+        assert _extension._module().settings() == {"workspace_mb": 4096, "peer_stores": True,
+                                                   "gemm_autotune": False}
+    finally:
+        monkeypatch.delenv("JAX_FLASHOVERLAP_WORKSPACE_MB")
+        monkeypatch.delenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE")
+        _extension.push_settings()
+
+
 @pytest.mark.parametrize("shape,names,order,groups", [
     ((2,), ("tp",), [1, 0], [1, 0]),
     ((2, 2), ("data", "tp"), None, [0, 1, 2, 3]),

@@ -52,3 +52,27 @@ def test_import_fails_on_a_bad_variable(tmp_path):
     assert proc.returncode != 0
     assert "JAX_FLASHOVERLAP_TIMEOUT_MS='soon': expected an integer number of milliseconds" in (
         proc.stderr)
+
+
+def test_the_extension_gets_the_parsed_values(monkeypatch):
+    """push_settings hands the extension what settings.py parsed; the
+    extension itself reads no environment variable (tests/test_layering.py)."""
+    from jax_flashoverlap import _extension
+
+    if _extension._module() is None:
+        pytest.skip("no compiled extension in this install")
+    monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "2048")
+    monkeypatch.setenv("JAX_FLASHOVERLAP_PEER_STORES", "0")
+    monkeypatch.setenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "0")
+    try:
+        assert _extension.push_settings() == {"workspace_mb": 2048, "peer_stores": False,
+                                              "gemm_autotune": False}
+        monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "lots")
+        with pytest.raises(ValueError, match="JAX_FLASHOVERLAP_WORKSPACE_MB='lots'"):
+            _extension.push_settings()
+    finally:
+        for name in ("JAX_FLASHOVERLAP_WORKSPACE_MB", "JAX_FLASHOVERLAP_PEER_STORES",
+                     "JAX_FLASHOVERLAP_GEMM_AUTOTUNE"):
+            monkeypatch.delenv(name)
+        assert _extension.push_settings() == {"workspace_mb": 1024, "peer_stores": True,
+                                              "gemm_autotune": True}

@@ -3,12 +3,13 @@
 #include <cublasLt.h>
 #include <dlfcn.h>
 
-#include <cstdlib>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
 #include <vector>
+
+#include "settings.h"
 
 namespace jfo {
 namespace {
@@ -56,10 +57,7 @@ struct TimingEvents {
 };
 std::map<int, TimingEvents> g_timing_events;  // by ordinal
 
-bool AutotuneRequested() {
-  const char* env = std::getenv("JAX_FLASHOVERLAP_GEMM_AUTOTUNE");
-  return env == nullptr || std::string(env) != "0";
-}
+bool AutotuneRequested() { return GetSettings().gemm_autotune; }
 
 // Called under g_mu.
 ffi::ErrorOr<TimingEvents> TimingEventsFor(int ordinal) {

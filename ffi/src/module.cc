@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include "settings.h"
+
 #ifdef JFO_WITH_CUDA
 #include "handlers.h"
 #endif
@@ -122,6 +124,19 @@ nb::dict DebugCounters() {
   return d;
 }
 
+void Configure(size_t workspace_mb, bool peer_stores, bool gemm_autotune) {
+  jfo::SetSettings({workspace_mb, peer_stores, gemm_autotune});
+}
+
+nb::dict Settings() {
+  const jfo::RuntimeSettings current = jfo::GetSettings();
+  nb::dict d;
+  d["workspace_mb"] = current.workspace_mb;
+  d["peer_stores"] = current.peer_stores;
+  d["gemm_autotune"] = current.gemm_autotune;
+  return d;
+}
+
 void SetCublasLtPath(const std::string& path) {
 #ifdef JFO_WITH_CUBLASLT
   jfo::SetCublasLtPath(path);
@@ -152,6 +167,13 @@ NB_MODULE(_ffi, m) {
         "all-reduce handler's host code ran; CUDA graph replays skip it), "
         "all_reduce_direct_gathers (of those, two-shot calls whose peers "
         "store into y directly).");
+  m.def("configure", &Configure, nb::kw_only(), nb::arg("workspace_mb"),
+        nb::arg("peer_stores"), nb::arg("gemm_autotune"),
+        "Sets the run-time settings, as jax_flashoverlap/settings.py parsed "
+        "them (validated there: nothing is checked here).");
+  m.def("settings", &Settings,
+        "Dict: the run-time settings the ops use (workspace_mb, peer_stores, "
+        "gemm_autotune).");
   m.def("set_cublaslt_path", &SetCublasLtPath, nb::arg("path"),
         "dlopen cuBLASLt from this path if it is not loaded yet.");
 }

@@ -45,14 +45,6 @@ void Check(cudaError_t err, const char* what) {
   }
 }
 
-bool HostlibInit() {
-  const char* mode = std::getenv("JAX_FLASHOVERLAP_NVSHMEM_INIT");
-  if (mode == nullptr || std::strcmp(mode, "hostlib") == 0) return true;
-  if (std::strcmp(mode, "inline") == 0) return false;
-  throw std::runtime_error(std::string("jax_flashoverlap nvshmem: JAX_FLASHOVERLAP_NVSHMEM_INIT=") + mode +
-                           ", expected hostlib or inline");
-}
-
 using FuncGetModuleFn = CUresult (*)(CUmodule*, CUfunction);
 
 // The CUDA module of this extension's kernels (the driver API through the
@@ -90,18 +82,14 @@ void PrintFramesAndDie(int sig) {
   raise(sig);
 }
 
-// JAX_FLASHOVERLAP_NVSHMEM_DEBUG=1 prints each start-up step before it runs, and the
-// native frames of a crash: a start that crashes inside NVSHMEM then shows
-// which step it was and where.
+// With debug (JAX_FLASHOVERLAP_NVSHMEM_DEBUG=1, passed to Init), each
+// start-up step is printed before it runs, and a crash prints its native
+// frames: a start that crashes inside NVSHMEM then shows which step it was
+// and where. Set under g_mutex by Init.
+bool g_debug = false;
+
 void Step(int rank, const char* what) {
-  static const bool on = [] {
-    const char* debug = std::getenv("JAX_FLASHOVERLAP_NVSHMEM_DEBUG");  // "0" or "1" (settings.py)
-    if (debug == nullptr || std::strcmp(debug, "1") != 0) return false;
-    std::signal(SIGSEGV, PrintFramesAndDie);
-    std::signal(SIGBUS, PrintFramesAndDie);
-    return true;
-  }();
-  if (on) std::fprintf(stderr, "[jax_flashoverlap nvshmem PE %d] %s\n", rank, what);
+  if (g_debug) std::fprintf(stderr, "[jax_flashoverlap nvshmem PE %d] %s\n", rank, what);
 }
 
 int CeilLog2(int n) {
@@ -143,8 +131,13 @@ std::string GetUniqueId() {
 }
 
 void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
-          int device) {
+          int device, bool hostlib, bool debug) {
   std::lock_guard<std::mutex> lock(g_mutex);
+  if (debug && !g_debug) {
+    std::signal(SIGSEGV, PrintFramesAndDie);
+    std::signal(SIGBUS, PrintFramesAndDie);
+  }
+  g_debug = debug;
   NvState& st = g_state;
   if (st.initialized) {
     if (st.rank == rank && st.npes == nranks) return;  // idempotent
@@ -177,7 +170,6 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   if (nvshmemx_set_attr_uniqueid_args(rank, nranks, &id, &attr) != 0) {
     throw std::runtime_error("jax_flashoverlap nvshmem: nvshmemx_set_attr_uniqueid_args failed");
   }
-  const bool hostlib = HostlibInit();
   Step(rank, hostlib ? "nvshmemx_hostlib_init_attr" : "nvshmemx_init_attr");
   const int started = hostlib ? nvshmemx_hostlib_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr)
                               : nvshmemx_init_attr(NVSHMEMX_INIT_WITH_UNIQUEID, &attr);

@@ -21,10 +21,11 @@ nb::bytes GetUniqueId() {
   return nb::bytes(id.data(), id.size());
 }
 
-void Init(nb::bytes uid, int rank, int nranks, size_t heap_bytes, int device) {
+void Init(nb::bytes uid, int rank, int nranks, size_t heap_bytes, int device, bool hostlib,
+          bool debug) {
   std::string id(static_cast<const char*>(uid.data()), uid.size());
   nb::gil_scoped_release release;  // collective: waits for the other processes
-  jfo::nv::Init(id, rank, nranks, heap_bytes, device);
+  jfo::nv::Init(id, rank, nranks, heap_bytes, device, hostlib, debug);
 }
 
 void Finalize() {
@@ -50,9 +51,12 @@ NB_MODULE(_nvshmem_ffi, m) {
   m.def("get_unique_id", &GetUniqueId,
         "nvshmemx_get_uniqueid() as bytes (call on one process, share with all).");
   m.def("init", &Init, nb::arg("uid"), nb::arg("rank"), nb::arg("nranks"),
-        nb::arg("heap_bytes"), nb::arg("device") = 0,
+        nb::arg("heap_bytes"), nb::arg("device") = 0, nb::arg("hostlib") = true,
+        nb::arg("debug") = false,
         "Collective: NVSHMEM init with the unique id (NVSHMEM_SYMMETRIC_SIZE = "
-        "heap_bytes, NVLS off) and one allocation of the all-reduce buffers.");
+        "heap_bytes, NVLS off) and one allocation of the all-reduce buffers; "
+        "hostlib: start through NVSHMEM's host library (else inline); debug: "
+        "print each start-up step.");
   m.def("finalize", &Finalize, "Collective: frees the buffers, nvshmem_finalize().");
   m.def("info", &Info, "Dict: initialized, rank, npes, heap_bytes, stripe_bytes.");
   m.def("max_message_bytes", &jfo::nv::MaxMessageBytes, nb::arg("node_size"),

@@ -67,8 +67,11 @@ NvState& State();
 
 // Bootstrap (bootstrap.cu). Errors are thrown as std::runtime_error.
 std::string GetUniqueId();
+// hostlib: start through NVSHMEM's host library (JAX_FLASHOVERLAP_NVSHMEM_INIT
+// "hostlib") rather than inline; debug: print each step
+// (JAX_FLASHOVERLAP_NVSHMEM_DEBUG). Both parsed by jax_flashoverlap/settings.py.
 void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
-          int device);
+          int device, bool hostlib, bool debug);
 void Finalize();
 // Returns (and clears) a recorded wait timeout, or nullopt.
 std::optional<std::string> TakePendingError();

@@ -25,13 +25,13 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
 
 #include "peer_state.h"
+#include "../settings.h"
 
 namespace jfo {
 namespace {
@@ -41,27 +41,6 @@ std::condition_variable g_cv;
 std::map<int, std::unique_ptr<DeviceState>> g_devices;
 std::map<std::vector<int>, std::set<int>> g_registered;  // group -> members
 
-// The range jax_flashoverlap/settings.py accepts; anything else is an error,
-// never a silent 64 MiB or a size that wraps around.
-constexpr size_t kMinWorkspaceMb = 64, kMaxWorkspaceMb = size_t{1} << 20;
-
-ffi::ErrorOr<size_t> WorkspaceBytesFromEnv() {
-  const char* env = std::getenv("JAX_FLASHOVERLAP_WORKSPACE_MB");
-  if (env == nullptr) return size_t{1024} << 20;
-  const std::string raw(env);
-  const size_t first = raw.find_first_not_of(' ');
-  const size_t last = raw.find_last_not_of(' ');
-  const bool digits = first != std::string::npos && last - first < 8 &&
-                      raw.find_first_not_of("0123456789", first) > last;
-  const size_t mb = digits ? std::stoull(raw.substr(first, last - first + 1)) : 0;
-  if (mb < kMinWorkspaceMb || mb > kMaxWorkspaceMb) {
-    return ffi::Error::InvalidArgument(
-        "JAX_FLASHOVERLAP_WORKSPACE_MB='" + raw +
-        "': expected an integer number of MiB from 64 to 1048576");
-  }
-  return mb << 20;
-}
-
 // Allocates everything a device needs once; called under g_mu.
 ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   auto it = g_devices.find(ordinal);
@@ -70,9 +49,9 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   st->ordinal = ordinal;
   DeviceGuard guard(ordinal);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&st->num_devices));
-  auto workspace_bytes = WorkspaceBytesFromEnv();
-  if (workspace_bytes.has_error()) return workspace_bytes.error();
-  const size_t bytes = *workspace_bytes;
+  // Validated by jax_flashoverlap/settings.py (64 MiB to 1 TiB) before it
+  // reached the extension.
+  const size_t bytes = GetSettings().workspace_mb << 20;
   JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&st->workspace, bytes));
   char* control = st->workspace + kGemmWorkspaceBytes;
   st->flags = reinterpret_cast<uint32_t*>(control);
@@ -279,10 +258,9 @@ std::string TakePendingError() {
 }
 
 bool PeerStoresAllowed(const void* ptr, const GroupSpec& group) {
-  static const bool disabled = [] {
-    const char* env = std::getenv("JAX_FLASHOVERLAP_PEER_STORES");
-    return env != nullptr && std::string(env) == "0";
-  }();
+  // Latched at the first call: every later call of this process takes the
+  // same path (a setting changed mid-run does not switch protocols).
+  static const bool disabled = !GetSettings().peer_stores;
   using GetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
   static const GetAttributeFn get_attribute = [] {
     void* fn = nullptr;
