@@ -63,7 +63,7 @@ def step_times(runs, k: int) -> tuple[list[float], float, float]:
 
 def variant_flags(variant: str) -> list[str]:
     """A ``--mamba-variants`` entry as trainer flags: "default" adds none;
-    "keep-residuals,norm-backward=recompute" gives ``--keep-residuals
+    "residuals=all,norm-backward=recompute" gives ``--residuals all
     --norm-backward recompute`` (commas, so that no shell quoting is needed)."""
     flags = []
     for token in (t.strip() for t in variant.split(",")):
@@ -135,7 +135,7 @@ def _measure(model: str, impl: str, variant: str, args: argparse.Namespace) -> d
         "ssd": getattr(trainer.config, "ssd_impl", None),
         "conv": getattr(trainer.config, "conv_impl", None),
         "norm_backward": getattr(trainer.config, "norm_backward", None),
-        "keep_residuals": getattr(trainer.config, "keep_residuals", None),
+        "residuals": getattr(trainer.config, "residuals", None),
         "variant": variant,
         "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
@@ -223,8 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mamba-variants", nargs="+", default=["default"], metavar="FLAGS",
                         help="Mamba-2 runs once per FLAGS, extra jax-flashoverlap-train flags "
                              "without their dashes, joined by commas (e.g. default "
-                             "keep-residuals keep-residuals,norm-backward=recompute), in turn "
-                             "in this process; the first is the baseline")
+                             "residuals=all residuals=computed,norm-backward=recompute), in "
+                             "turn in this process; the first is the baseline")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10,
                         help="k: steps of the shorter timed run (the longer has 2k)")

@@ -229,7 +229,7 @@ def mamba_options_table() -> str:
             "`residuals` the rows set what a block keeps for the backward: base (in_proj's "
             "output and the gated norm's input, the default until fb5dd71), conv (also "
             "the convolution's output: the default now), xbc (the SiLU's output instead), none "
-            "(every residual: `keep_residuals=True`). Peak memory is the process's so far, "
+            "(every residual: `residuals=\"all\"`). Peak memory is the process's so far, "
             "so a row's own only where it grows.\n\n" + "\n".join(lines) + "\n\n"
             + "\n".join(f"From {s_}" for s_ in sources))
 

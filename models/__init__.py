@@ -19,6 +19,7 @@ from .config import (
     CONV_IMPLS,
     IMPLS,
     NORM_BACKWARDS,
+    RESIDUALS,
     SIZES,
     SSD_IMPLS,
     MambaConfig,
@@ -33,7 +34,7 @@ from .transformer import Transformer, attention_implementation, resolve_scan_lay
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
-           "CONV_IMPLS", "NORM_BACKWARDS",
+           "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
            "attention_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

@@ -13,7 +13,7 @@ from jax_flashoverlap import IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
-           "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS"]
+           "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -32,6 +32,11 @@ CONV_IMPLS = ("xla", "pallas")
 # "recompute" is a custom_vjp that keeps only the norm's inputs and recomputes
 # its statistics inside the backward.
 NORM_BACKWARDS = ("autodiff", "recompute")
+# What a Mamba-2 block keeps for its backward (models.mamba.Mamba2): the
+# values Mamba2.saved_in_backward names, recomputing the rest; every computed
+# value, recomputing only copies, slices, reshapes and converts; or every
+# residual autodiff keeps.
+RESIDUALS = ("named", "computed", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +261,14 @@ class MambaConfig(_Presets):
         H200 than XLA's ops, docs/measurements.md session 21).
       norm_backward: the gated norm's backward, one of
         :data:`NORM_BACKWARDS` (see :class:`models.layers.RMSNorm`).
-      keep_residuals: keep every residual of a block for the backward instead
-        of recomputing its elementwise work (the convolution's SiLU, the
-        gated norm, the SSD's inputs) from the values named in
-        ``Mamba2.saved_in_backward``: faster, at about 0.7 GB more per layer
-        at the 1.4B size and sequence 8192 (docs/measurements.md, session 21).
+      residuals: what a block keeps for the backward, one of
+        :data:`RESIDUALS`: "named" (default) recomputes the block's
+        elementwise work from the values ``Mamba2.saved_in_backward`` names;
+        "all" keeps every residual (measured at the 1.4B size and sequence
+        8192 on one H200: 8% faster a step, about 0.6 GB more per layer;
+        docs/measurements.md, session 21); "computed" keeps every computed
+        value but recomputes copies, slices, reshapes and converts (not yet
+        measured on a GPU).
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
@@ -292,7 +300,7 @@ class MambaConfig(_Presets):
     ssd_impl: str = "auto"
     conv_impl: str = "xla"
     norm_backward: str = "autodiff"
-    keep_residuals: bool = False
+    residuals: str = "named"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
@@ -304,9 +312,12 @@ class MambaConfig(_Presets):
         if self.conv_impl not in CONV_IMPLS:
             raise ValueError(f"MambaConfig: conv_impl must be one of {CONV_IMPLS}, "
                              f"got {self.conv_impl!r}")
-        if self.remat and self.keep_residuals:
-            raise ValueError("MambaConfig: remat (recompute every block) and keep_residuals "
-                             "(recompute nothing) exclude each other; set one")
+        if self.residuals not in RESIDUALS:
+            raise ValueError(f"MambaConfig: residuals must be one of {RESIDUALS}, "
+                             f"got {self.residuals!r}")
+        if self.remat and self.residuals != "named":
+            raise ValueError(f"MambaConfig: remat (recompute every block) and "
+                             f"residuals={self.residuals!r} exclude each other; set one")
         if self.norm_backward not in NORM_BACKWARDS:
             raise ValueError(f"MambaConfig: norm_backward must be one of {NORM_BACKWARDS}, "
                              f"got {self.norm_backward!r}")

@@ -457,6 +457,22 @@ def resolve_scan_layers(config: MambaConfig) -> MambaConfig:
     return dataclasses.replace(config, scan_layers=jax.default_backend() != "gpu")
 
 
+# Primitives that only move, reshape or convert data. Recomputing them in the
+# backward is a fused read of what they came from, so keeping their results
+# (the convolution's shifted copies of its input, the splits of in_proj's
+# output, float32 copies of bf16 values) only costs memory.
+_LAYOUT_PRIMITIVES = frozenset({
+    "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "copy_p",
+    "dynamic_slice", "expand_dims", "pad", "pcast", "pvary", "reshape", "select_n", "slice",
+    "split", "squeeze", "transpose"})
+
+
+def _save_computed(primitive, *_, **__) -> bool:
+    """The ``residuals="computed"`` checkpoint policy: keep a residual unless a
+    layout primitive made it."""
+    return primitive.name not in _LAYOUT_PRIMITIVES
+
+
 class Mamba2(CausalLM):
     """The Mamba-2 LM: ``Mamba2(config, rngs=...)(tokens [b, s]) -> logits [b, s, v]``.
 
@@ -469,7 +485,7 @@ class Mamba2(CausalLM):
     # output, the convolution's (before its SiLU) and the SSD's with its skip
     # (the gated norm's input). On one H200 (1.4B, sequence 8192) keeping the
     # convolution's output cost 4.7 GB and saved 5.9 ms of a 276.4 ms step;
-    # keeping every residual (config.keep_residuals) saved 22.4 ms at a peak
+    # keeping every residual (config.residuals="all") saved 22.4 ms at a peak
     # of 64.5 GB against 31.1 (docs/measurements.md, session 21).
     saved_in_backward = ("mamba_in_proj", "mamba_conv", "mamba_ssd")
 
@@ -478,8 +494,10 @@ class Mamba2(CausalLM):
         super().__init__(config, lambda rngs: Mamba2Block(config, rngs=rngs), rngs=rngs)
 
     def _recompute_policy(self):
-        if self.config.keep_residuals:
+        if self.config.residuals == "all":
             return False
+        if self.config.residuals == "computed":
+            return _save_computed
         return super()._recompute_policy()
 
     def layer_cache_spec(self) -> SSMCache:

@@ -248,12 +248,12 @@ def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
 
 
 def test_train_step_measures_each_mamba_variant_against_the_first(monkeypatch, capsys):
-    """--mamba-variants default keep-residuals: two Mamba-2 rows (the Transformer
+    """--mamba-variants default residuals=all: two Mamba-2 rows (the Transformer
     runs once), each named by its kernels and flags, the second's speed-up
     against the first's step."""
     bench = _load("train_step")
     step_ms = {("transformer", "default"): 100.0, ("mamba", "default"): 300.0,
-               ("mamba", "keep-residuals"): 240.0}
+               ("mamba", "residuals=all"): 240.0}
 
     def fake_measure(model, impl, variant, args):
         return {"model": model, "params": 1e9, "impl": impl, "dtype": "bfloat16",
@@ -265,11 +265,11 @@ def test_train_step_measures_each_mamba_variant_against_the_first(monkeypatch, c
                 "tokens_per_s": 1.0, "mfu": None, "loss_first": 5.0}
     monkeypatch.setattr(bench, "_measure", fake_measure)
     assert bench.main(["--models", "transformer", "mamba", "--impls", "xla",
-                       "--mamba-variants", "default", "keep-residuals"]) == 0
+                       "--mamba-variants", "default", "residuals=all"]) == 0
     table = capsys.readouterr().out.split("MFU vs")[-1]
     assert "| transformer | 1,000.0M | xla | cudnn |" in table
     assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla | 300.0" in table
-    assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla, keep-residuals | 240.0" in table
+    assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla, residuals=all | 240.0" in table
     assert table.rstrip().endswith("| 1.250x |")
 
 
@@ -280,10 +280,10 @@ def test_train_step_passes_a_variants_flags_to_the_trainer(tmp_path):
     assert bench.main(["--json", str(out), "--models", "mamba", "--impls", "xla",
                        "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
                        "--reps", "1", "--dtype", "float32", "--mamba-variants", "default",
-                       "keep-residuals,norm-backward=recompute"]) == 0
+                       "residuals=computed,norm-backward=recompute"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["keep_residuals"], r["norm_backward"]) for r in rows] == [
-        (False, "autodiff"), (True, "recompute")]
+    assert [(r["residuals"], r["norm_backward"]) for r in rows] == [
+        ("named", "autodiff"), ("computed", "recompute")]
     assert rows[0]["loss_first"] == pytest.approx(rows[1]["loss_first"], rel=1e-5)
 
 

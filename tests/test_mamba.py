@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from model_support import build, check_is_causal, check_matches_reference, reference, tokens
 from support import assert_close, cpu_mesh, f64, random
 
@@ -138,11 +139,29 @@ def test_without_sequence_parallelism_matches_one_device(ref):
 
 @pytest.mark.parametrize("layers", [dict(scan_layers=False), dict(remat=True),
                                     dict(scan_layers=False, remat=True),
-                                    dict(keep_residuals=True),
+                                    dict(residuals="all"), dict(residuals="computed"),
                                     dict(scan_layers=False, norm_backward="recompute"),
-                                    dict(keep_residuals=True, norm_backward="recompute")])
+                                    dict(residuals="computed", norm_backward="recompute")])
 def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
     check_matches_reference(Mamba2, CONFIG, ref, tp=2, impl="decomposed", **layers)
+
+
+def _kept_bytes(config) -> int:
+    """Bytes the model's backward keeps from its forward (the vjp's residuals)."""
+    mesh = cpu_mesh(tp=1)
+    graphdef, state = nnx.split(build(Mamba2, config, mesh))
+    batch = jnp.asarray(tokens(0)[:, :-1])
+    with jax.set_mesh(mesh):
+        _, vjp = jax.vjp(lambda state: nnx.merge(graphdef, state)(batch).sum(), state)
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))
+
+
+def test_each_residuals_setting_keeps_more_than_the_last():
+    """"named" keeps three values a block, "computed" every result of
+    arithmetic, "all" also the copies, slices and converts."""
+    kept = {r: _kept_bytes(dataclasses.replace(CONFIG, residuals=r))
+            for r in models.RESIDUALS}
+    assert kept["named"] < kept["computed"] < kept["all"], kept
 
 
 def test_is_causal():
@@ -177,9 +196,12 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"norm_backward must be one of \('autodiff', "
                                          r"'recompute'\), got 'fused'"):
         MambaConfig(norm_backward="fused")
-    with pytest.raises(ValueError, match="remat .recompute every block. and keep_residuals "
-                                         ".recompute nothing. exclude each other; set one"):
-        MambaConfig(remat=True, keep_residuals=True)
+    with pytest.raises(ValueError, match=r"residuals must be one of \('named', 'computed', "
+                                         r"'all'\), got 'some'"):
+        MambaConfig(residuals="some")
+    with pytest.raises(ValueError, match="remat .recompute every block. and "
+                                         "residuals='all' exclude each other; set one"):
+        MambaConfig(remat=True, residuals="all")
 
 
 def test_scan_layers_default_is_per_platform(monkeypatch):
@@ -198,17 +220,17 @@ def test_scan_layers_default_is_per_platform(monkeypatch):
 def test_train_flags_for_the_backward(capsys):
     from jax_flashoverlap.cli import train
 
-    args = train.parse_args(["--model", "mamba", "--keep-residuals",
+    args = train.parse_args(["--model", "mamba", "--residuals", "computed",
                              "--norm-backward", "recompute"])
-    config = train.model_config("mamba", "tiny", keep_residuals=args.keep_residuals,
+    config = train.model_config("mamba", "tiny", residuals=args.residuals,
                                 norm_backward=args.norm_backward)
-    assert config.keep_residuals and config.norm_backward == "recompute"
+    assert config.residuals == "computed" and config.norm_backward == "recompute"
     for argv, message in [
-            (["--keep-residuals"], "--keep-residuals applies to --model mamba, not transformer"),
+            (["--residuals", "all"], "--residuals applies to --model mamba, not transformer"),
             (["--norm-backward", "recompute"],
              "--norm-backward applies to --model mamba, not transformer"),
-            (["--model", "mamba", "--keep-residuals", "--remat"],
-             "--keep-residuals and --remat exclude each other")]:
+            (["--model", "mamba", "--residuals", "all", "--remat"],
+             "--residuals all and --remat exclude each other")]:
         with pytest.raises(SystemExit):
             train.parse_args(argv)
         assert message in capsys.readouterr().err

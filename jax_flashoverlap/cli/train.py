@@ -38,6 +38,7 @@ from ..models import (
     IMPLS,
     MODELS,
     NORM_BACKWARDS,
+    RESIDUALS,
     SIZES,
     SSD_IMPLS,
     ShardingConfig,
@@ -89,9 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="autodiff",
                         help="Mamba-2's gated norm in the backward: autodiff, or a "
                              "custom_vjp that keeps only its inputs (recompute)")
-    parser.add_argument("--keep-residuals", action="store_true",
-                        help="Mamba-2: keep every residual of a block for the backward "
-                             "(faster, about 0.7 GB more per layer at 1b, seq 8192)")
+    parser.add_argument("--residuals", choices=RESIDUALS, default="named",
+                        help="Mamba-2: what a block keeps for the backward (all: every "
+                             "residual, 8%% faster a 1b step at seq 8192, about 0.6 GB more "
+                             "per layer; computed: all but copies, slices and converts)"),
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
@@ -137,11 +139,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--conv applies to --model mamba, not {args.model}")
     if args.norm_backward != "autodiff" and args.model != "mamba":
         parser.error(f"--norm-backward applies to --model mamba, not {args.model}")
-    if args.keep_residuals and args.model != "mamba":
-        parser.error(f"--keep-residuals applies to --model mamba, not {args.model}")
-    if args.keep_residuals and args.remat:
-        parser.error("--keep-residuals and --remat exclude each other (keep every residual, "
-                     "or recompute every block)")
+    if args.residuals != "named" and args.model != "mamba":
+        parser.error(f"--residuals applies to --model mamba, not {args.model}")
+    if args.residuals != "named" and args.remat:
+        parser.error(f"--residuals {args.residuals} and --remat exclude each other (keep "
+                     f"residuals, or recompute every block)")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     return args
@@ -245,7 +247,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
                  conv: str = "xla", norm_backward: str = "autodiff",
-                 keep_residuals: bool = False):
+                 residuals: str = "named"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
@@ -261,7 +263,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
-                 "keep_residuals": keep_residuals}))
+                 "residuals": residuals}))
     if has_attention:
         return resolve_scan_layers(config, attention_implementation(config))
     return resolve_mamba_scan_layers(config)
@@ -311,7 +313,7 @@ def build(args: argparse.Namespace) -> Trainer:
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
                           attention=args.attention, ssd=args.ssd, conv=args.conv,
-                          norm_backward=args.norm_backward, keep_residuals=args.keep_residuals)
+                          norm_backward=args.norm_backward, residuals=args.residuals)
     # Before compiling anything: a clear error for a shape the mesh cannot split
     # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
