@@ -46,8 +46,8 @@ import numpy as np
 from flax import nnx
 
 from jax_flashoverlap import benchmarking, cuda_policy, distributed, models
-from jax_flashoverlap._devices import ensure_cpu_devices
 from jax_flashoverlap.cli import train
+from jax_flashoverlap.cli.devices import ensure_cpu_devices
 
 # H200 HBM3e, datasheet.
 HBM_TB_S = 4.8

@@ -37,9 +37,9 @@ import sys
 import time
 
 from jax_flashoverlap import benchmarking, models
-from jax_flashoverlap._devices import ensure_cpu_devices
 from jax_flashoverlap.cli import train
 from jax_flashoverlap.cli.data import load_corpus
+from jax_flashoverlap.cli.devices import ensure_cpu_devices
 
 
 def step_times(runs, k: int) -> tuple[list[float], float, float]:

@@ -27,10 +27,9 @@ before the import) warns with the fix.
 
 from __future__ import annotations
 
-import os
 import warnings
 
-from . import _extension, _jax_shim
+from . import _extension, _jax_shim, settings
 
 __all__ = ["prefer_eager_loading", "driver_mode", "warn_if_lazy"]
 
@@ -47,9 +46,9 @@ def prefer_eager_loading() -> bool:
       already initialised (CUDA read the variable then; changing it later
       would only misreport the mode).
     """
-    if ENV in os.environ or _jax_shim.backends_initialized():
+    if settings.raw(ENV) is not None or _jax_shim.backends_initialized():
         return False
-    os.environ[ENV] = "EAGER"
+    settings.export(ENV, "EAGER")
     return True
 
 
@@ -71,13 +70,13 @@ def warn_if_lazy(op: str) -> None:
         return
     mode = driver_mode()
     if mode == "unknown":
-        mode = "eager" if os.environ.get(ENV) == "EAGER" else "lazy"
+        mode = "eager" if settings.raw(ENV) == "EAGER" else "lazy"
     if mode == "eager":
         return
     _warned = True
     warnings.warn(
         f"{op}(impl='cuda') in a process where CUDA loads kernels lazily ({ENV}="
-        f"{os.environ.get(ENV, 'unset')}): a kernel loaded while the op waits for a peer GPU "
+        f"{settings.raw(ENV) or 'unset'}): a kernel loaded while the op waits for a peer GPU "
         f"can stall both until the op's timeout. Set {ENV}=EAGER before CUDA starts "
         "(importing jax_flashoverlap before JAX starts its backends does this when the "
         "variable is unset).", RuntimeWarning, stacklevel=2)

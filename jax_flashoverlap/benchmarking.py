@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import statistics
 import subprocess
 import time
@@ -24,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
+
+from . import settings as environment
 
 __all__ = ["Timing", "time_per_op", "first_devices_mesh", "looped", "gemm_autotune_setting",
            "provenance"]
@@ -131,7 +132,7 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
 def gemm_autotune_setting() -> str:
     """``JAX_FLASHOVERLAP_GEMM_AUTOTUNE`` as a benchmark's JSON records it:
     the value, or "unset (on)" (the extension autotunes by default)."""
-    return os.environ.get("JAX_FLASHOVERLAP_GEMM_AUTOTUNE", "unset (on)")
+    return environment.raw("JAX_FLASHOVERLAP_GEMM_AUTOTUNE") or "unset (on)"
 
 
 def provenance(settings: dict | None = None) -> dict:
@@ -157,8 +158,8 @@ def provenance(settings: dict | None = None) -> dict:
 
     commit, dirty = _git_commit()
     devices = jax.devices()
-    env = {k: v for k, v in sorted(os.environ.items())
-           if k.startswith(("JAX_FLASHOVERLAP_", "JFO_", "XLA_FLAGS")) and k != "JFO_COMMIT"}
+    env = environment.snapshot(("JAX_FLASHOVERLAP_", "JFO_", "XLA_FLAGS"))
+    env.pop("JFO_COMMIT", None)
     return {
         "commit": commit, "dirty": dirty,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -171,8 +172,8 @@ def provenance(settings: dict | None = None) -> dict:
 
 
 def _git_commit() -> tuple[str | None, bool | None]:
-    if os.environ.get("JFO_COMMIT"):  # a copy of the tree, whose .git may be stale
-        return os.environ["JFO_COMMIT"], None
+    if environment.raw("JFO_COMMIT"):  # a copy of the tree, whose .git may be stale
+        return environment.raw("JFO_COMMIT"), None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()

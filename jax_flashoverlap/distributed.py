@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 from typing import Any
+
+from . import settings
 
 __all__ = [
     "ENV",
@@ -31,15 +32,7 @@ __all__ = [
 ]
 
 # The variables a launcher gives each process (jax_flashoverlap.cli.launch sets them).
-ENV = {
-    "coordinator": "JAX_FLASHOVERLAP_COORDINATOR_ADDRESS",
-    "process_id": "JAX_FLASHOVERLAP_PROCESS_ID",
-    "num_processes": "JAX_FLASHOVERLAP_NUM_PROCESSES",
-    "local_rank": "JAX_FLASHOVERLAP_LOCAL_RANK",
-    "local_size": "JAX_FLASHOVERLAP_LOCAL_SIZE",
-    "node_size": "JAX_FLASHOVERLAP_NODE_SIZE",
-    "platform": "JAX_FLASHOVERLAP_PLATFORM",
-}
+ENV = settings.LAUNCHER_VARIABLES
 
 _REQUIRED = ("coordinator", "process_id", "num_processes")
 _LAUNCH_HINT = ("start the program with `python -m jax_flashoverlap.cli.launch -n N script.py` "
@@ -51,7 +44,7 @@ _MAX_BYTES = 1 << 20
 
 def is_launched() -> bool:
     """Whether this process was started by :mod:`jax_flashoverlap.cli.launch`."""
-    return all(ENV[k] in os.environ for k in _REQUIRED)
+    return all(settings.raw(ENV[k]) is not None for k in _REQUIRED)
 
 
 def _env(key: str) -> str | None:
@@ -59,10 +52,11 @@ def _env(key: str) -> str | None:
     JAX_FLASHOVERLAP_ prefix (``JFO_...``) raises rather than being ignored."""
     name = ENV[key]
     old = "JFO_" + name.removeprefix("JAX_FLASHOVERLAP_")
-    if name not in os.environ and old in os.environ:
+    value = settings.raw(name)
+    if value is None and settings.raw(old) is not None:
         raise RuntimeError(f"{old} is set, but the variable is now named {name}: rename it "
                            f"in the job's environment")
-    return os.environ.get(name)
+    return value
 
 
 def _env_int(key: str) -> int | None:

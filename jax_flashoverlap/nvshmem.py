@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
 from typing import Any
 
 import numpy as np
@@ -152,10 +151,10 @@ def initialize(heap_mb: int = 1024) -> None:
     # first, with one, on everything the processes must share.
     distributed.check_same("jax_flashoverlap.nvshmem.initialize",
                            {"heap_mb": int(heap_mb), "node_size": distributed.node_size()})
-    os.environ["NVSHMEM_DISABLE_NVLS"] = "1"
+    settings.export("NVSHMEM_DISABLE_NVLS", "1")
     # NVSHMEM reads its environment once, at the first call (get_unique_id on
     # process 0): the heap size must be set before it, on every process alike.
-    os.environ["NVSHMEM_SYMMETRIC_SIZE"] = str(int(heap_mb) << 20)
+    settings.export("NVSHMEM_SYMMETRIC_SIZE", str(int(heap_mb) << 20))
     me = jax.process_index()
     uid = distributed.broadcast_bytes(mod.get_unique_id() if me == 0 else None, root=0)
     ordinal = getattr(devices[0], "local_hardware_id", None)

@@ -18,8 +18,12 @@ values its ops use (``_extension.push_settings``; NVSHMEM's two go to its
 - ``JAX_FLASHOVERLAP_NVSHMEM_INIT``: "hostlib" (default) or "inline".
 - ``JAX_FLASHOVERLAP_NVSHMEM_DEBUG``: 1 logs NVSHMEM start-up; 0 (default) quiet.
 
-The launcher's variables (``JAX_FLASHOVERLAP_PROCESS_ID`` and the rest) are checked by
-:mod:`jax_flashoverlap.distributed` when a program starts.
+The launcher's variables (:data:`LAUNCHER_VARIABLES`) are checked by
+:mod:`jax_flashoverlap.distributed` when a program starts. Every other
+variable the package reads or writes is listed, with why, in
+:data:`OTHER_VARIABLES`; the package touches the environment only through
+this module (:func:`raw`, :func:`export`, :func:`snapshot`), which refuses a
+name that is not listed, so these tables are the whole list.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Setting", "SETTINGS", "get", "check_all"]
+__all__ = ["Setting", "SETTINGS", "LAUNCHER_VARIABLES", "OTHER_VARIABLES", "get", "check_all",
+           "raw", "export", "snapshot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +79,59 @@ SETTINGS = {s.name: s for s in (
             _choice("hostlib", "inline")),
     Setting("JAX_FLASHOVERLAP_NVSHMEM_DEBUG", False, "0 or 1", _flag),
 )}
+
+
+# What jax_flashoverlap.cli.launch gives each process, by what it means.
+LAUNCHER_VARIABLES = {
+    "coordinator": "JAX_FLASHOVERLAP_COORDINATOR_ADDRESS",
+    "process_id": "JAX_FLASHOVERLAP_PROCESS_ID",
+    "num_processes": "JAX_FLASHOVERLAP_NUM_PROCESSES",
+    "local_rank": "JAX_FLASHOVERLAP_LOCAL_RANK",
+    "local_size": "JAX_FLASHOVERLAP_LOCAL_SIZE",
+    "node_size": "JAX_FLASHOVERLAP_NODE_SIZE",
+    "platform": "JAX_FLASHOVERLAP_PLATFORM",
+}
+
+OTHER_VARIABLES = {
+    **{name: "the launcher's (jax_flashoverlap.distributed parses them)"
+       for name in LAUNCHER_VARIABLES.values()},
+    **{"JFO_" + name.removeprefix("JAX_FLASHOVERLAP_"):
+       "a launcher variable's name before the one prefix: read only to say it was renamed"
+       for name in LAUNCHER_VARIABLES.values()},
+    "CUDA_MODULE_LOADING": "set to EAGER at import when unset: a kernel loaded lazily while an "
+                           "op waits for a peer GPU can stall both (_module_loading)",
+    "XLA_FLAGS": "the command-line programs add a CPU device count; benchmarks record it",
+    "NVSHMEM_DISABLE_NVLS": "set to 1 before NVSHMEM starts (no NVLink multicast)",
+    "NVSHMEM_SYMMETRIC_SIZE": "set to the heap size before NVSHMEM starts, which reads it once",
+    "XDG_CACHE_HOME": "where jax-flashoverlap-tune writes the tuning table",
+    "JFO_COMMIT": "the commit a benchmark records where the tree's .git may be stale (a copy "
+                  "on another machine)",
+}
+
+
+def _declared(name: str) -> str:
+    if name not in SETTINGS and name not in OTHER_VARIABLES:
+        raise KeyError(f"{name} is not in jax_flashoverlap.settings' tables: declare it there, "
+                       f"with why the package touches it")
+    return name
+
+
+def raw(name: str) -> str | None:
+    """The environment's value of a declared variable ``name``, unparsed (None
+    when unset)."""
+    return os.environ.get(_declared(name))
+
+
+def export(name: str, value: str) -> None:
+    """Sets a declared variable ``name`` in this process's environment, for a
+    library that reads it later (CUDA, XLA, NVSHMEM) and for child processes."""
+    os.environ[_declared(name)] = value
+
+
+def snapshot(prefixes: tuple[str, ...]) -> dict[str, str]:
+    """Every set variable whose name starts with one of ``prefixes`` (for a
+    benchmark's record of how it ran), sorted by name."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)}
 
 
 def get(name: str) -> Any:

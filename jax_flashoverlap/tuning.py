@@ -30,7 +30,7 @@ import os
 import pathlib
 from collections.abc import Iterable, Sequence
 
-from . import cuda_policy
+from . import cuda_policy, settings
 
 __all__ = ["Entry", "Table", "cache_path", "load", "rows_per_rank", "size_of",
            "table_from_results", "VERSION"]
@@ -173,7 +173,7 @@ class Table:
 
 def cache_path() -> pathlib.Path:
     """Where ``jax-flashoverlap-tune`` writes, and "auto" reads, this user's table."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    base = settings.raw("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return pathlib.Path(base) / "jax_flashoverlap" / "tuning.json"
 
 

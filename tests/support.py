@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jax_flashoverlap._devices import without_cpu_device_count
+from jax_flashoverlap.cli.devices import without_cpu_device_count
 
 TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}
 

@@ -64,3 +64,15 @@ def test_the_extension_reads_no_environment_variable():
                for i, line in enumerate(p.read_text().splitlines(), 1)
                if "getenv(" in line]
     assert sources and not readers, readers
+
+
+def test_the_package_touches_the_environment_only_through_settings():
+    """settings.py holds every variable the package reads or writes (and why);
+    only the launcher builds its children's environments itself."""
+    allowed = {ROOT / "jax_flashoverlap" / "settings.py",
+               ROOT / "jax_flashoverlap" / "cli" / "launch.py"}
+    readers = [f"{p.relative_to(ROOT)}:{i}"
+               for p in sorted((ROOT / "jax_flashoverlap").rglob("*.py")) if p not in allowed
+               for i, line in enumerate(p.read_text().splitlines(), 1)
+               if "os.environ" in line or "getenv(" in line]
+    assert not readers, readers

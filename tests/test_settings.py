@@ -76,3 +76,13 @@ def test_the_extension_gets_the_parsed_values(monkeypatch):
             monkeypatch.delenv(name)
         assert _extension.push_settings() == {"workspace_mb": 1024, "peer_stores": True,
                                               "gemm_autotune": True}
+
+
+def test_a_variable_the_tables_do_not_list_is_refused(monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", "/tmp/cache")
+    assert settings.raw("XDG_CACHE_HOME") == "/tmp/cache"
+    for call in (lambda: settings.raw("HOME"), lambda: settings.export("HOME", "/")):
+        with pytest.raises(KeyError, match="HOME is not in jax_flashoverlap.settings' tables: "
+                                           "declare it there"):
+            call()
+    assert settings.snapshot(("XDG_CACHE",)) == {"XDG_CACHE_HOME": "/tmp/cache"}

@@ -14,7 +14,7 @@ import functools
 import json
 import sys
 
-from .._devices import ensure_cpu_devices
+from .devices import ensure_cpu_devices
 
 
 def _cases(n: int, on_gpu: bool):

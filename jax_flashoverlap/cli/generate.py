@@ -33,8 +33,8 @@ import numpy as np
 from flax import nnx
 
 from .. import distributed
-from .._devices import ensure_cpu_devices
 from ..models import IMPLS, MODELS, Generator, ShardingConfig
+from .devices import ensure_cpu_devices
 from .train import (
     CPU_DEVICES,
     add_model_flags,

@@ -38,8 +38,8 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO
 
-from .._devices import without_cpu_device_count
 from ..distributed import ENV
+from .devices import without_cpu_device_count
 
 __all__ = ["ENV", "FORCED_ENV", "main", "visible_gpus"]
 

@@ -31,7 +31,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import dispatch
-from .._devices import ensure_cpu_devices
 from ..models import (
     ATTENTION_IMPLS,
     CONV_IMPLS,
@@ -48,6 +47,7 @@ from ..models import (
 )
 from ..models.mamba import resolve_scan_layers as resolve_mamba_scan_layers
 from .data import batch_at, load_corpus
+from .devices import ensure_cpu_devices
 from .progress import TrainingProgress
 
 __all__ = ["main", "train", "parse_args", "parse_mesh_shape", "make_mesh", "model_config",

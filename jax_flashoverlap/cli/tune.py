@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .. import _extension, benchmarking, cuda_policy, dispatch, tuning
-from .._devices import ensure_cpu_devices
+from .devices import ensure_cpu_devices
 
 __all__ = ["main", "parse_args", "default_grid", "model_grid", "run"]
 

@@ -1,7 +1,8 @@
 """Device set-up shared by the command-line programs."""
 
-import os
 import re
+
+from .. import settings
 
 _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
@@ -14,8 +15,9 @@ def ensure_cpu_devices(count: int) -> None:
     GPU backends are unaffected: on a GPU machine the programs use the GPUs.
     """
     flag = f"{_DEVICE_COUNT_FLAG}={count}"
-    if _DEVICE_COUNT_FLAG not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    flags = settings.raw("XLA_FLAGS") or ""
+    if _DEVICE_COUNT_FLAG not in flags:
+        settings.export("XLA_FLAGS", f"{flags} {flag}".strip())
 
 
 def without_cpu_device_count(xla_flags: str) -> str:
