@@ -42,6 +42,7 @@ def _register() -> tuple[str, ...]:
     if mod is None:
         return ()
     _point_at_cublaslt(mod)
+    push_settings()  # for ffi_call users that lower no op of this package first
     names = []
     for name, capsule in mod.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
@@ -74,9 +75,11 @@ def push_settings() -> dict[str, Any] | None:
     extension the ones its ops use, as :mod:`~jax_flashoverlap.settings`
     parsed them: the extension reads no environment variable itself.
 
-    Called whenever a CUDA op is lowered, so the values in the environment at
-    that time apply; a GPU's workspace is sized at its first op, and whether
-    kernels store into peers is fixed at the first op of the process.
+    Called when the handlers are registered and whenever a CUDA op is
+    lowered: an op runs with the values of the latest lowering before it (or
+    of the import). A GPU's workspace is sized at its first op, and whether
+    kernels store into peers is fixed at the process's first two-shot
+    all-reduce.
 
     Returns:
       The extension's settings after the call, None without the extension.

@@ -44,7 +44,8 @@ _MAX_BYTES = 1 << 20
 
 def is_launched() -> bool:
     """Whether this process was started by :mod:`jax_flashoverlap.cli.launch`."""
-    return all(settings.raw(ENV[k]) is not None for k in _REQUIRED)
+    values = [_env(k) for k in _REQUIRED]  # each, so that an old name raises
+    return all(v is not None for v in values)
 
 
 def _env(key: str) -> str | None:

@@ -101,6 +101,8 @@ OTHER_VARIABLES = {
     "CUDA_MODULE_LOADING": "set to EAGER at import when unset: a kernel loaded lazily while an "
                            "op waits for a peer GPU can stall both (_module_loading)",
     "XLA_FLAGS": "the command-line programs add a CPU device count; benchmarks record it",
+    # The NVSHMEM module's init sets these two again (C++), for callers of the
+    # module that do not go through jax_flashoverlap.nvshmem.initialize.
     "NVSHMEM_DISABLE_NVLS": "set to 1 before NVSHMEM starts (no NVLink multicast)",
     "NVSHMEM_SYMMETRIC_SIZE": "set to the heap size before NVSHMEM starts, which reads it once",
     "XDG_CACHE_HOME": "where jax-flashoverlap-tune writes the tuning table",
@@ -130,7 +132,8 @@ def export(name: str, value: str) -> None:
 
 def snapshot(prefixes: tuple[str, ...]) -> dict[str, str]:
     """Every set variable whose name starts with one of ``prefixes`` (for a
-    benchmark's record of how it ran), sorted by name."""
+    benchmark's record of how it ran), sorted by name: the one read of names
+    the tables need not list (the scripts' own ``JFO_*`` flags)."""
     return {k: v for k, v in sorted(os.environ.items()) if k.startswith(prefixes)}
 
 

@@ -265,10 +265,10 @@ class MambaConfig(_Presets):
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
         "all" keeps every residual (measured at the 1.4B size and sequence
-        8192 on one H200: 8% faster a step, about 0.6 GB more per layer;
-        docs/measurements.md, session 21); "computed" keeps every computed
-        value but recomputes copies, slices, reshapes and converts (not yet
-        measured on a GPU).
+        8192 on one H200: a step 254.0 ms against the default's 270.5, about
+        0.6 GB more per layer; docs/measurements.md, session 21); "computed"
+        keeps every computed value but recomputes copies, slices, reshapes
+        and widening converts (not yet measured on a GPU).
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by

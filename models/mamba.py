@@ -457,19 +457,21 @@ def resolve_scan_layers(config: MambaConfig) -> MambaConfig:
     return dataclasses.replace(config, scan_layers=jax.default_backend() != "gpu")
 
 
-# Primitives that only move, reshape or convert data. Recomputing them in the
-# backward is a fused read of what they came from, so keeping their results
-# (the convolution's shifted copies of its input, the splits of in_proj's
-# output, float32 copies of bf16 values) only costs memory.
+# Primitives (jax 0.11's names) that only move, reshape or widen data.
+# Recomputing them in the backward is a fused read of what they came from, so
+# keeping their results (the convolution's shifted copies of its input, the
+# splits of in_proj's output, float32 copies of bf16 values) only costs memory.
 _LAYOUT_PRIMITIVES = frozenset({
-    "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "copy_p",
-    "dynamic_slice", "expand_dims", "pad", "pcast", "pvary", "reshape", "select_n", "slice",
-    "split", "squeeze", "transpose"})
+    "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice", "pad",
+    "pvary", "reshape", "select_n", "slice", "split", "squeeze", "transpose"})
 
 
-def _save_computed(primitive, *_, **__) -> bool:
+def _save_computed(primitive, *operands, **params) -> bool:
     """The ``residuals="computed"`` checkpoint policy: keep a residual unless a
-    layout primitive made it."""
+    layout primitive made it. A narrowing convert (float32 -> bf16) is kept:
+    recomputing it would keep its wider input instead."""
+    if primitive.name == "convert_element_type":
+        return jnp.dtype(params["new_dtype"]).itemsize < operands[0].dtype.itemsize
     return primitive.name not in _LAYOUT_PRIMITIVES
 
 
@@ -485,8 +487,9 @@ class Mamba2(CausalLM):
     # output, the convolution's (before its SiLU) and the SSD's with its skip
     # (the gated norm's input). On one H200 (1.4B, sequence 8192) keeping the
     # convolution's output cost 4.7 GB and saved 5.9 ms of a 276.4 ms step;
-    # keeping every residual (config.residuals="all") saved 22.4 ms at a peak
-    # of 64.5 GB against 31.1 (docs/measurements.md, session 21).
+    # keeping every residual (config.residuals="all") took 254.0 ms against
+    # that 270.5, at a peak of 64.5 GB against 35.8 (docs/measurements.md,
+    # session 21).
     saved_in_backward = ("mamba_in_proj", "mamba_conv", "mamba_ssd")
 
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):

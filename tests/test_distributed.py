@@ -91,6 +91,11 @@ def test_a_launcher_variable_by_its_old_name_is_an_error(monkeypatch):
     with pytest.raises(RuntimeError, match="JFO_NODE_SIZE is set, but the variable is now named "
                                            "JAX_FLASHOVERLAP_NODE_SIZE: rename it"):
         distributed.node_size()
+    # A job started by an older launcher, or a script that sets the old names.
+    monkeypatch.setenv("JFO_PROCESS_ID", "0")
+    with pytest.raises(RuntimeError, match="JFO_PROCESS_ID is set, but the variable is now named "
+                                           "JAX_FLASHOVERLAP_PROCESS_ID"):
+        distributed.is_launched()
 
 
 def test_broadcast_bytes_one_process(rng):

@@ -164,6 +164,17 @@ def test_each_residuals_setting_keeps_more_than_the_last():
     assert kept["named"] < kept["computed"] < kept["all"], kept
 
 
+def test_computed_residuals_keep_the_narrow_side_of_a_convert():
+    """A float32 result rounded to bf16 is kept as bf16; a bf16 value widened
+    to float32 is recomputed from the bf16."""
+    policy = models.mamba._save_computed
+    convert = jax.lax.convert_element_type_p
+    f32, bf16 = (jax.ShapeDtypeStruct((4,), d) for d in (jnp.float32, jnp.bfloat16))
+    assert policy(convert, f32, new_dtype=jnp.bfloat16, weak_type=False, sharding=None)
+    assert not policy(convert, bf16, new_dtype=jnp.float32, weak_type=False, sharding=None)
+    assert not policy(jax.lax.slice_p, f32) and policy(jax.lax.mul_p, f32, f32)
+
+
 def test_is_causal():
     check_is_causal(Mamba2, CONFIG)
 

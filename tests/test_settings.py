@@ -70,6 +70,10 @@ def test_the_extension_gets_the_parsed_values(monkeypatch):
         monkeypatch.setenv("JAX_FLASHOVERLAP_WORKSPACE_MB", "lots")
         with pytest.raises(ValueError, match="JAX_FLASHOVERLAP_WORKSPACE_MB='lots'"):
             _extension.push_settings()
+        with pytest.raises(ValueError, match="configure: workspace_mb must be from 64 to "
+                                             "1048576"):
+            _extension._module().configure(workspace_mb=0, peer_stores=True,
+                                           gemm_autotune=True)
     finally:
         for name in ("JAX_FLASHOVERLAP_WORKSPACE_MB", "JAX_FLASHOVERLAP_PEER_STORES",
                      "JAX_FLASHOVERLAP_GEMM_AUTOTUNE"):

@@ -125,6 +125,11 @@ nb::dict DebugCounters() {
 }
 
 void Configure(size_t workspace_mb, bool peer_stores, bool gemm_autotune) {
+  // settings.py's range, checked again: a workspace below it has no room for
+  // the control words that sit after the GEMM workspace.
+  if (workspace_mb < 64 || workspace_mb > (size_t{1} << 20)) {
+    throw nb::value_error("configure: workspace_mb must be from 64 to 1048576 (MiB)");
+  }
   jfo::SetSettings({workspace_mb, peer_stores, gemm_autotune});
 }
 
@@ -170,7 +175,7 @@ NB_MODULE(_ffi, m) {
   m.def("configure", &Configure, nb::kw_only(), nb::arg("workspace_mb"),
         nb::arg("peer_stores"), nb::arg("gemm_autotune"),
         "Sets the run-time settings, as jax_flashoverlap/settings.py parsed "
-        "them (validated there: nothing is checked here).");
+        "them (validated there; a workspace out of its range raises here too).");
   m.def("settings", &Settings,
         "Dict: the run-time settings the ops use (workspace_mb, peer_stores, "
         "gemm_autotune).");
