@@ -261,6 +261,9 @@ class MambaConfig(_Presets):
         H200 than XLA's ops, docs/measurements.md session 21).
       norm_backward: the gated norm's backward, one of
         :data:`NORM_BACKWARDS` (see :class:`models.layers.RMSNorm`).
+      fuse_skip: the SSD adds the D skip and writes y in the compute dtype
+        (inside its output kernel on the Pallas path) instead of the model
+        adding it to a float32 y (opt-in until measured on a GPU).
       residuals: what a block keeps for the backward, one of
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
@@ -301,6 +304,7 @@ class MambaConfig(_Presets):
     conv_impl: str = "xla"
     norm_backward: str = "autodiff"
     residuals: str = "named"
+    fuse_skip: bool = False
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 

@@ -73,7 +73,8 @@ def _segsum(a: jax.Array) -> jax.Array:
 
 
 def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
-        chunk_size: int, *, return_final_state: bool = False, impl: str = "auto"):
+        chunk_size: int, *, return_final_state: bool = False, impl: str = "auto",
+        d_skip: jax.Array | None = None):
     """The SSD selective scan, chunked (Mamba-2's "minimal SSD" algorithm).
 
     Computes the recurrence ``h_t = exp(dt_t·a) h_{t-1} + dt_t x_t ⊗ b_t``,
@@ -101,9 +102,13 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
         powers of two with the first three at least 16), or "auto":
         "pallas" when it can run the shape, compiled for a CUDA GPU, else
         "xla".
+      d_skip: [g, heads] float32, Mamba-2's D, or None. With it, y is
+        ``ssd + d_skip · x`` in x's dtype, added inside the output kernel on
+        the Pallas path.
 
     Returns:
-      y: [s, batch, g, heads, p], float32; with ``return_final_state``,
+      y: [s, batch, g, heads, p], float32 (x's dtype with ``d_skip``); with
+      ``return_final_state``,
       ``(y, h)`` with h: [batch, g, heads, p, n], float32, the state
       :func:`ssd_step` continues from.
     """
@@ -112,7 +117,7 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
     pad = -s % chunk_size
     if pad:
         x, dt, b, c = (jnp.pad(t, ((0, pad),) + ((0, 0),) * (t.ndim - 1)) for t in (x, dt, b, c))
-    y, final = _ssd(x, dt, a, b, c, chunk_size, chunked)
+    y, final = _ssd(x, dt, a, b, c, d_skip, chunk_size, chunked)
     y = y[:s]
     return (y, final) if return_final_state else y
 
@@ -125,9 +130,10 @@ class _ChunkProducts(NamedTuple):
       states: (x weighted, b) -> [batch, g, heads, C, p, n], each chunk's
         ``sum_u x[u]^T b[u]``.
       output: (x, dt, log_decay, cum, b, c, entering states [batch, g,
-        heads, C, p, n] float32) -> y [C, l, batch, g, heads, p], from
-        inside each chunk and from the state entering it. dt, log_decay and
-        cum float32.
+        heads, C, p, n] float32, skip [C, l, batch, g, heads] float32 or
+        None) -> y [C, l, batch, g, heads, p], from inside each chunk and
+        from the state entering it (plus skip · x, then in x's dtype). dt,
+        log_decay and cum float32.
     """
 
     states: Callable
@@ -136,7 +142,7 @@ class _ChunkProducts(NamedTuple):
 
 def _chunked_ssd_for(impl: str, chunk_size: int, head_dim: int, heads_per_group: int,
                      state_dim: int):
-    """The function (x, dt, a, b, c, chunk_size) -> (y, final state) running
+    """The function (x, dt, a, b, c, d, chunk_size) -> (y, final state) running
     :func:`ssd` on a sequence of whole chunks for ``impl``."""
     if impl == "xla":
         return _chunked_ssd_xla
@@ -159,16 +165,18 @@ def _states_xla(x, b):
     return jnp.einsum("cubghp,cubgn->bghcpn", x, b, preferred_element_type=jnp.float32)
 
 
-def _output_xla(x, dt, log_decay, cum, b, c, entering):
+def _output_xla(x, dt, log_decay, cum, b, c, entering, skip):
     """y_t = sum_{u<=t} (c_t·b_u) exp(sum_{u<r<=t} log_decay_r) dt_u x_u
-    + exp(cum_t) c_t·S^T, as einsums."""
+    + exp(cum_t) c_t·S^T (+ skip_t x_t), as einsums."""
     from_entering = jnp.einsum("ctbgn,bghcpn->ctbghp", c, entering.astype(c.dtype),
                                preferred_element_type=jnp.float32)
+    dtype = x.dtype
     x, b, c = (t.astype(jnp.float32) for t in (x, b, c))
     decay = jnp.exp(_segsum(jnp.moveaxis(log_decay, 1, -1)))  # [C, batch, g, heads, t, u]
     cb = jnp.einsum("ctbgn,cubgn->cbgtu", c, b)
     inside = jnp.einsum("cbgtu,cbghtu,cubghp->ctbghp", cb, decay, x * dt[..., None])
-    return inside + from_entering * jnp.exp(cum)[..., None]
+    y = inside + from_entering * jnp.exp(cum)[..., None]
+    return y if skip is None else (y + skip[..., None] * x).astype(dtype)
 
 
 _XLA_PRODUCTS = _ChunkProducts(_states_xla, _output_xla)
@@ -183,36 +191,38 @@ def _pallas_products(interpret: bool = False) -> _ChunkProducts:
         return ssd_pallas.chunk_states(merged(x), merged(b), chunk_size=x.shape[1],
                                        interpret=interpret)
 
-    def output(x, dt, log_decay, cum, b, c, entering):
+    def output(x, dt, log_decay, cum, b, c, entering, skip):
         del log_decay
+        if skip is not None:
+            skip = skip.reshape(-1, *skip.shape[2:])
         y = ssd_pallas.chunk_output(*ssd_pallas.chunk_operands(x, dt, cum, b, c), entering,
-                                    chunk_size=x.shape[1], interpret=interpret)
+                                    chunk_size=x.shape[1], skip=skip, interpret=interpret)
         return y.reshape(x.shape[:2] + y.shape[1:])
 
     return _ChunkProducts(states, output)
 
 
-def _chunked_ssd_xla(x, dt, a, b, c, chunk_size):
-    return _chunked_ssd(x, dt, a, b, c, chunk_size, _XLA_PRODUCTS)
+def _chunked_ssd_xla(x, dt, a, b, c, d, chunk_size):
+    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _XLA_PRODUCTS)
 
 
-def _chunked_ssd_pallas(x, dt, a, b, c, chunk_size, *, interpret=False):
-    return _chunked_ssd(x, dt, a, b, c, chunk_size, _pallas_products(interpret))
+def _chunked_ssd_pallas(x, dt, a, b, c, d, chunk_size, *, interpret=False):
+    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _pallas_products(interpret))
 
 
-def _chunked_ssd_auto(x, dt, a, b, c, chunk_size):
+def _chunked_ssd_auto(x, dt, a, b, c, d, chunk_size):
     return jax.lax.platform_dependent(
-        x, dt, a, b, c, cuda=functools.partial(_chunked_ssd_pallas, chunk_size=chunk_size),
+        x, dt, a, b, c, d, cuda=functools.partial(_chunked_ssd_pallas, chunk_size=chunk_size),
         default=functools.partial(_chunked_ssd_xla, chunk_size=chunk_size))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _ssd(x, dt, a, b, c, chunk_size, chunked):
-    return chunked(x, dt, a, b, c, chunk_size)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _ssd(x, dt, a, b, c, d, chunk_size, chunked):
+    return chunked(x, dt, a, b, c, d, chunk_size)
 
 
-def _ssd_fwd(x, dt, a, b, c, chunk_size, chunked):
-    return chunked(x, dt, a, b, c, chunk_size), (x, dt, a, b, c)
+def _ssd_fwd(x, dt, a, b, c, d, chunk_size, chunked):
+    return chunked(x, dt, a, b, c, d, chunk_size), (x, dt, a, b, c, d)
 
 
 def _ssd_bwd(chunk_size, chunked, inputs, cotangents):
@@ -223,7 +233,7 @@ def _ssd_bwd(chunk_size, chunked, inputs, cotangents):
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
 
 
-def _chunked_ssd(x, dt, a, b, c, chunk_size, products: _ChunkProducts):
+def _chunked_ssd(x, dt, a, b, c, d, chunk_size, products: _ChunkProducts):
     """:func:`ssd` on a sequence that is a multiple of the chunk: (y, final state)."""
     chunks = x.shape[0] // chunk_size
     x, dt, b, c = (t.reshape(chunks, chunk_size, *t.shape[1:]) for t in (x, dt, b, c))
@@ -243,7 +253,8 @@ def _chunked_ssd(x, dt, a, b, c, chunk_size, products: _ChunkProducts):
     entering = jnp.einsum("bghzc,bghcpn->bghzpn", chunk_decay[..., :-1, 1:], states)
     final = jnp.einsum("bghc,bghcpn->bghpn", chunk_decay[..., -1, 1:], states)
     # 1 and 4. Within chunks, plus the entering state decayed to each position.
-    y = products.output(x, dt, log_decay, cum, b, c.astype(dtype), entering)
+    skip = None if d is None else jnp.broadcast_to(d.astype(jnp.float32), dt.shape)
+    y = products.output(x, dt, log_decay, cum, b, c.astype(dtype), entering, skip)
     return y.reshape(-1, *y.shape[2:]), final
 
 
@@ -301,6 +312,7 @@ class Mamba2Mixer(nnx.Module):
         self.heads_per_group = config.num_heads // g
         self.head_dim, self.state_dim = p, n
         self.chunk_size, self.ssd_impl = config.chunk_size, config.ssd_impl
+        self.fuse_skip = config.fuse_skip
         self.conv_impl = config.conv_impl
         self.dtype = jnp.dtype(config.dtype)
         group_x = self.heads_per_group * p
@@ -374,9 +386,10 @@ class Mamba2Mixer(nnx.Module):
         x, bmat, cmat, dt, a = self._ssm_inputs(self._conv_silu(conv_in), dt)
         if length is not None:
             dt = jnp.where(jnp.arange(dt.shape[0])[:, None, None, None] < length, dt, 0.0)
+        d_skip = self.d_skip[...].reshape(a.shape) if self.fuse_skip else None
         y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True,
-                       impl=self.ssd_impl)
-        return self._output(y, x, z, self.out_proj), (conv_in, state)
+                       impl=self.ssd_impl, d_skip=d_skip)
+        return self._output(y, x, z, self.out_proj, skip_added=self.fuse_skip), (conv_in, state)
 
     def _split(self, zxbcdt: jax.Array):
         """in_proj's [s, b, g/tp * per-group width] -> z [s, b, g/tp, heads/g * p],
@@ -412,11 +425,14 @@ class Mamba2Mixer(nnx.Module):
         a = -jnp.exp(self.a_log[...].reshape(groups, hpg))
         return x, bmat, cmat, dt, a
 
-    def _output(self, y: jax.Array, x: jax.Array, z: jax.Array, out_proj) -> jax.Array:
-        """The skip, the gated norm and ``out_proj`` (its sequence-parallel form
-        or its ``decode``) of the SSD's y [s, b, g, heads/g, p]."""
+    def _output(self, y: jax.Array, x: jax.Array, z: jax.Array, out_proj, *,
+                skip_added: bool = False) -> jax.Array:
+        """The skip (unless ``skip_added``: the SSD added it), the gated norm and
+        ``out_proj`` (its sequence-parallel form or its ``decode``) of the
+        SSD's y [s, b, g, heads/g, p]."""
         s, b, groups, hpg = x.shape[:4]
-        y = y + self.d_skip[...].reshape(groups, hpg, 1) * x.astype(jnp.float32)
+        if not skip_added:
+            y = y + self.d_skip[...].reshape(groups, hpg, 1) * x.astype(jnp.float32)
         y = checkpoint_name(y.reshape(s, b, -1).astype(self.dtype), "mamba_ssd")
         return out_proj(self.norm(y, gate=z.reshape(s, b, -1)))
 

@@ -108,9 +108,11 @@ def _decay(cum_rows, cum_cols, row0, col0):
     return jnp.exp(jnp.where(t >= u, cum_rows[:, None] - cum_cols[None, :], -jnp.inf))
 
 
-def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, y_ref, *, block):
+def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, *refs, block):
     """One head's rows [t0, t0 + block) of one chunk: from inside the chunk,
-    plus the entering state's ``exp(cum[t]) · c[t] · S^T``."""
+    plus the entering state's ``exp(cum[t]) · c[t] · S^T``; with a skip
+    (refs = skip, y), also ``skip[t] · x[t]``. y in its ref's dtype."""
+    *skip_ref, y_ref = refs
     row = pl.program_id(4)
     rows = pl.ds(row * block, block)
     cum_rows = cum_ref[rows]
@@ -124,7 +126,10 @@ def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, y_ref, *, 
 
     entering = plgpu.dot(c_ref[...], state_ref[...].astype(c_ref.dtype), trans_b=True,
                          precision=precision)
-    y_ref[...] = lax.fori_loop(0, row + 1, column, jnp.exp(cum_rows)[:, None] * entering)
+    y = lax.fori_loop(0, row + 1, column, jnp.exp(cum_rows)[:, None] * entering)
+    if skip_ref:
+        y = y + skip_ref[0][rows][:, None] * x_ref[rows, :].astype(jnp.float32)
+    y_ref[...] = y.astype(y_ref.dtype)
 
 
 def _columns_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dx_ref, ddt_ref, dcum_ref, *,
@@ -209,24 +214,25 @@ def _grid_and_specs(x, tiling: Tiling):
     return (chunks, batch, groups, heads, blocks), block, blocks, per_head
 
 
-def _forward(cb, x, dt, cum, c, state, tiling: Tiling):
+def _forward(cb, x, dt, cum, c, state, skip, tiling: Tiling, out_dtype):
     grid, block, blocks, spec = _grid_and_specs(x, tiling)
     n, p = c.shape[-1], x.shape[-1]
     # The rows of c and the state entering this head's chunk.
     c_rows = pl.BlockSpec((block, None, None, n), lambda c, b, g, h, i: (c * blocks + i, b, g, 0))
     state_spec = pl.BlockSpec((None, None, None, None, p, n),
                               lambda c, b, g, h, i: (b, g, h, c, 0, 0))
-    (cb, x, dt, cum, c, state), varying = same_variance(cb, x, dt, cum, c, state)
+    operands, varying = same_variance(cb, x, dt, cum, c, state,
+                                      *([] if skip is None else [skip]))
     return pl.pallas_call(
         functools.partial(_forward_kernel, block=block),
         grid=grid,
         in_specs=[spec["cb_rows"], spec["whole_chunk"], spec["scalars"], spec["scalars"],
-                  c_rows, state_spec],
+                  c_rows, state_spec] + ([] if skip is None else [spec["scalars"]]),
         out_specs=spec["block_rows"],
-        out_shape=jax.ShapeDtypeStruct(x.shape, jnp.float32, manual_axis_type=varying),
+        out_shape=jax.ShapeDtypeStruct(x.shape, out_dtype, manual_axis_type=varying),
         **tiling.params(),
         name="ssd_chunk_output",
-    )(cb, x, dt, cum, c, state)
+    )(*operands)
 
 
 def _backward(cb, x, dt, cum, dy, tiling: Tiling):
@@ -269,18 +275,25 @@ def _backward(cb, x, dt, cum, dy, tiling: Tiling):
     return dcb.astype(cb.dtype), dx, ddt.astype(dt.dtype), dcum.astype(cum.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _chunk_output(cb, x, dt, cum, c, state, tiling):
-    return _forward(cb, x, dt, cum, c, state, tiling)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _chunk_output(cb, x, dt, cum, c, state, skip, tiling, out_dtype):
+    return _forward(cb, x, dt, cum, c, state, skip, tiling, out_dtype)
 
 
-def _chunk_output_fwd(cb, x, dt, cum, c, state, tiling):
-    return _forward(cb, x, dt, cum, c, state, tiling), (cb, x, dt, cum, c, state)
+def _chunk_output_fwd(cb, x, dt, cum, c, state, skip, tiling, out_dtype):
+    return (_forward(cb, x, dt, cum, c, state, skip, tiling, out_dtype),
+            (cb, x, dt, cum, c, state, skip))
 
 
-def _chunk_output_bwd(tiling, residuals, dy):
-    cb, x, dt, cum, c, state = residuals
+def _chunk_output_bwd(tiling, out_dtype, residuals, dy):
+    del out_dtype
+    cb, x, dt, cum, c, state, skip = residuals
     dcb, dx, ddt, dcum = _backward(cb, x, dt, cum, dy, tiling)
+    dskip = None
+    if skip is not None:  # y += skip · x
+        dy32 = dy.astype(jnp.float32)
+        dx = (dx.astype(jnp.float32) + skip[..., None] * dy32).astype(x.dtype)
+        dskip = jnp.sum(dy32 * x.astype(jnp.float32), axis=-1)
     # The entering state's part, exp(cum[t]) · c[t] · S^T: with dy weighted
     # by exp(cum), S's gradient is a chunk state of it, c's the heads' sum of
     # dy_h · S_h, and cum's the row sums of c times that product.
@@ -288,7 +301,7 @@ def _chunk_output_bwd(tiling, residuals, dy):
     d_state = _outer(weighted, c, tiling)
     dc, dcum_entering = _group(weighted, state, tiling, row_sums_with=c)
     dcum = dcum + jnp.moveaxis(dcum_entering, -1, 0)
-    return dcb, dx, ddt, dcum, dc.astype(c.dtype), d_state
+    return dcb, dx, ddt, dcum, dc.astype(c.dtype), d_state, dskip
 
 
 _chunk_output.defvjp(_chunk_output_fwd, _chunk_output_bwd)
@@ -312,8 +325,9 @@ def chunk_operands(x: jax.Array, dt: jax.Array, cum: jax.Array, b: jax.Array,
 
 
 def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: jax.Array,
-                 state: jax.Array, *, chunk_size: int, block: int | None = None,
-                 num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+                 state: jax.Array, *, chunk_size: int, skip: jax.Array | None = None,
+                 block: int | None = None, num_warps: int | None = None,
+                 interpret: bool = False) -> jax.Array:
     """The SSD's output, from inside each chunk and from the state entering
     it, differentiable, on the GPU.
 
@@ -327,14 +341,18 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
       state: [batch, g, heads, chunks, p, n] float32, the state entering
         each chunk; its product with c runs in c's dtype.
       chunk_size: l.
+      skip: [s, batch, g, heads] float32, or None. With it the kernel also
+        adds ``skip[t] · x[t]`` (Mamba-2's D skip) and writes y in x's dtype,
+        so no float32 y goes through memory.
       block: the tiles' side, a power of two from 16 dividing l (default
         min(l, 64)).
       num_warps: warps per kernel program (default Triton's, 4).
       interpret: run the kernels in Pallas's interpreter (any backend; for tests).
 
     Returns:
-      [s, batch, g, heads, p] float32: ``sum_{u <= t} CB[t, u] exp(cum[t] -
-      cum[u]) dt[u] x[u] + exp(cum[t]) c[t] · S^T``.
+      [s, batch, g, heads, p]: ``sum_{u <= t} CB[t, u] exp(cum[t] - cum[u])
+      dt[u] x[u] + exp(cum[t]) c[t] · S^T`` (``+ skip[t] · x[t]``), float32
+      (x's dtype with ``skip``).
     """
     s, _, _, heads, p = x.shape
     n, chunks = c.shape[-1], state.shape[3]
@@ -343,7 +361,10 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
     if s != chunks * chunk_size:
         raise ValueError(f"ssd_pallas.chunk_output: {chunks} chunks of state for a sequence "
                          f"of {s} = {s // chunk_size} chunks")
-    return _chunk_output(cb, x, dt, cum, c, state, tiling)
+    out_dtype = jnp.float32 if skip is None else x.dtype
+    if skip is not None:  # made to vary like x outside the custom_vjp (see same_variance)
+        skip = same_variance(x, skip)[0][1]
+    return _chunk_output(cb, x, dt, cum, c, state, skip, tiling, out_dtype)
 
 
 def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int | None,

@@ -141,7 +141,8 @@ def test_without_sequence_parallelism_matches_one_device(ref):
                                     dict(scan_layers=False, remat=True),
                                     dict(residuals="all"), dict(residuals="computed"),
                                     dict(scan_layers=False, norm_backward="recompute"),
-                                    dict(residuals="computed", norm_backward="recompute")])
+                                    dict(residuals="computed", norm_backward="recompute"),
+                                    dict(fuse_skip=True)])
 def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
     check_matches_reference(Mamba2, CONFIG, ref, tp=2, impl="decomposed", **layers)
 
@@ -232,14 +233,16 @@ def test_train_flags_for_the_backward(capsys):
     from jax_flashoverlap.cli import train
 
     args = train.parse_args(["--model", "mamba", "--residuals", "computed",
-                             "--norm-backward", "recompute"])
+                             "--norm-backward", "recompute", "--fuse-skip"])
     config = train.model_config("mamba", "tiny", residuals=args.residuals,
-                                norm_backward=args.norm_backward)
+                                norm_backward=args.norm_backward, fuse_skip=args.fuse_skip)
     assert config.residuals == "computed" and config.norm_backward == "recompute"
+    assert config.fuse_skip
     for argv, message in [
             (["--residuals", "all"], "--residuals applies to --model mamba, not transformer"),
             (["--norm-backward", "recompute"],
              "--norm-backward applies to --model mamba, not transformer"),
+            (["--fuse-skip"], "--fuse-skip applies to --model mamba, not transformer"),
             (["--model", "mamba", "--residuals", "all", "--remat"],
              "--residuals all and --remat exclude each other")]:
         with pytest.raises(SystemExit):

@@ -63,6 +63,42 @@ def test_interpreted_kernels_equal_xla(interpreted, s, chunk_size, dtype, rng):
                        rng)
 
 
+def _check_skip_against_xla(inputs, chunk_size, dtype, rng):
+    """d_skip: y is the SSD plus D·x in x's dtype, from the output kernel on
+    the Pallas path; against the XLA SSD with the skip added here, forward and
+    the gradients of all six inputs."""
+    x, a = inputs[0], inputs[2]
+    d = random(rng, a.shape, "float32")
+    probe = random(rng, x.shape, "float32")
+
+    def fused(*t):
+        y = mamba.ssd(*t[:5], chunk_size, impl="pallas", d_skip=t[5])
+        return jnp.sum(y.astype(jnp.float32) * probe), y
+
+    def reference(*t):
+        y = mamba.ssd(*t[:5], chunk_size, impl="xla") + t[5][..., None] * t[0].astype(
+            jnp.float32)
+        return jnp.sum(y * probe), y
+
+    with jax.default_matmul_precision("highest"):
+        (_, y), grads = jax.jit(jax.value_and_grad(fused, argnums=tuple(range(6)),
+                                                   has_aux=True))(*inputs, d)
+        (_, want_y), want_grads = jax.jit(jax.value_and_grad(
+            reference, argnums=tuple(range(6)), has_aux=True))(*inputs, d)
+    assert y.dtype == x.dtype
+    assert_close(y, f64(want_y), dtype)
+    for name, got, want in zip(("x", "dt", "a", "b", "c", "d"), grads, want_grads):
+        try:
+            assert_close(got, f64(want), dtype)
+        except AssertionError as e:
+            raise AssertionError(f"gradient of {name}: {e}") from None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interpreted_kernels_with_the_skip_equal_xla_plus_the_skip(interpreted, dtype, rng):
+    _check_skip_against_xla(_inputs(rng, 40, heads=2, p=16, n=16, dtype=dtype), 16, dtype, rng)
+
+
 @pytest.mark.parametrize("chunk_size, head_dim, heads, n, message", [
     (48, 64, 8, 128, "chunk_size=48 is not a power of two"),
     (8, 64, 8, 128, "chunk_size=8 is below 16"),
@@ -99,11 +135,14 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
     monkeypatch.setattr(gpu_info, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
     s, chunk = 512, 256
-    inputs = _inputs(np.random.default_rng(0), s, heads=8, p=64, n=128, dtype="bfloat16")
+    rng = np.random.default_rng(0)
+    inputs = _inputs(rng, s, heads=8, p=64, n=128, dtype="bfloat16")
+    inputs += (random(rng, inputs[2].shape, "float32"),)  # D, added inside the output kernel
 
     def grads(*t):
-        return jax.grad(lambda *u: jnp.sum(mamba._ssd(*u, chunk, mamba._chunked_ssd_pallas)[0]),
-                        argnums=tuple(range(5)))(*t)
+        return jax.grad(lambda *u: jnp.sum(mamba._ssd(*u, chunk, mamba._chunked_ssd_pallas)[0]
+                                           .astype(jnp.float32)),
+                        argnums=tuple(range(6)))(*t)
 
     text = jax.jit(grads).trace(*inputs).lower(lowering_platforms=("cuda",)).as_text()
     for kernel in ("ssd_chunk_output", "ssd_intra_chunk_backward_columns",
@@ -146,6 +185,13 @@ GPU_SHAPES = [(s, chunk, p, dtype) for s, chunk, p in
 def test_kernels_equal_xla_on_gpu(s, chunk_size, head_dim, dtype, rng):
     _check_against_xla(_inputs(rng, s, heads=8, p=head_dim, n=128, dtype=dtype), chunk_size,
                        dtype, rng)
+
+
+@pytest.mark.gpu
+def test_kernels_with_the_skip_equal_xla_on_gpu(rng):
+    """The 1.4B layer's shape (sequence 8192, 8 heads of 64 per group, bf16)."""
+    _check_skip_against_xla(_inputs(rng, 8192, heads=8, p=64, n=128, dtype="bfloat16"), 256,
+                            "bfloat16", rng)
 
 
 @pytest.mark.gpu

@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Mamba-2: what a block keeps for the backward (all: every "
                              "residual, 6%% less time a 1b step at seq 8192, about 0.6 GB "
                              "more per layer; computed: all but copies, slices and converts)")
+    parser.add_argument("--fuse-skip", action="store_true",
+                        help="Mamba-2: the SSD's output kernel adds the D skip and writes "
+                             "the compute dtype (experimental)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
@@ -139,6 +142,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--conv applies to --model mamba, not {args.model}")
     if args.norm_backward != "autodiff" and args.model != "mamba":
         parser.error(f"--norm-backward applies to --model mamba, not {args.model}")
+    if args.fuse_skip and args.model != "mamba":
+        parser.error(f"--fuse-skip applies to --model mamba, not {args.model}")
     if args.residuals != "named" and args.model != "mamba":
         parser.error(f"--residuals applies to --model mamba, not {args.model}")
     if args.residuals != "named" and args.remat:
@@ -247,7 +252,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
                  conv: str = "xla", norm_backward: str = "autodiff",
-                 residuals: str = "named"):
+                 residuals: str = "named", fuse_skip: bool = False):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
@@ -263,7 +268,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
-                 "residuals": residuals}))
+                 "residuals": residuals, "fuse_skip": fuse_skip}))
     if has_attention:
         return resolve_scan_layers(config, attention_implementation(config))
     return resolve_mamba_scan_layers(config)
@@ -313,7 +318,8 @@ def build(args: argparse.Namespace) -> Trainer:
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
                           attention=args.attention, ssd=args.ssd, conv=args.conv,
-                          norm_backward=args.norm_backward, residuals=args.residuals)
+                          norm_backward=args.norm_backward, residuals=args.residuals,
+                          fuse_skip=args.fuse_skip)
     # Before compiling anything: a clear error for a shape the mesh cannot split
     # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
