@@ -107,6 +107,15 @@ class _Presets:
         return dataclasses.replace(getattr(cls, SIZES[name])(), **overrides)
 
 
+def _check_choices(config, choices: dict[str, tuple[str, ...]]) -> None:
+    """Each field of ``config`` that ``choices`` names holds one of its values."""
+    for field, allowed in choices.items():
+        value = getattr(config, field)
+        if value not in allowed:
+            raise ValueError(f"{type(config).__name__}: {field} must be one of {allowed}, "
+                             f"got {value!r}")
+
+
 def _check_impl(model: str, impl: str, auto_xla_ops: tuple[str, ...]) -> None:
     if impl not in IMPLS:
         raise ValueError(f"{model}: impl must be one of {IMPLS}, got {impl!r}")
@@ -169,9 +178,7 @@ class TransformerConfig(_Presets):
 
     def __post_init__(self):
         _check_impl("TransformerConfig", self.impl, self.auto_xla_ops)
-        if self.attention_impl not in ATTENTION_IMPLS:
-            raise ValueError(f"TransformerConfig: attention_impl must be one of "
-                             f"{ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        _check_choices(self, {"attention_impl": ATTENTION_IMPLS})
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TransformerConfig: num_heads={self.num_heads} must be a "
                              f"multiple of num_kv_heads={self.num_kv_heads}")
@@ -310,21 +317,11 @@ class MambaConfig(_Presets):
 
     def __post_init__(self):
         _check_impl("MambaConfig", self.impl, self.auto_xla_ops)
-        if self.ssd_impl not in SSD_IMPLS:
-            raise ValueError(f"MambaConfig: ssd_impl must be one of {SSD_IMPLS}, "
-                             f"got {self.ssd_impl!r}")
-        if self.conv_impl not in CONV_IMPLS:
-            raise ValueError(f"MambaConfig: conv_impl must be one of {CONV_IMPLS}, "
-                             f"got {self.conv_impl!r}")
-        if self.residuals not in RESIDUALS:
-            raise ValueError(f"MambaConfig: residuals must be one of {RESIDUALS}, "
-                             f"got {self.residuals!r}")
+        _check_choices(self, {"ssd_impl": SSD_IMPLS, "conv_impl": CONV_IMPLS,
+                              "residuals": RESIDUALS, "norm_backward": NORM_BACKWARDS})
         if self.remat and self.residuals != "named":
             raise ValueError(f"MambaConfig: remat (recompute every block) and "
                              f"residuals={self.residuals!r} exclude each other; set one")
-        if self.norm_backward not in NORM_BACKWARDS:
-            raise ValueError(f"MambaConfig: norm_backward must be one of {NORM_BACKWARDS}, "
-                             f"got {self.norm_backward!r}")
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")

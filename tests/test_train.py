@@ -226,6 +226,8 @@ def test_checkpoint_every_saves_on_schedule(tmp_path):
     (["--restore"], "--restore needs --checkpoint-dir"),
     (["--model", "transformer", "--ssd", "pallas"], "--ssd applies to --model mamba, not "
                                                      "transformer"),
+    (["--model", "mamba", "--attention", "xla"], "--attention applies to --model transformer, "
+                                                 "not mamba"),
 ])
 def test_bad_flags_and_files_get_one_line_errors(argv, message, capsys):
     try:

@@ -66,6 +66,11 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
 
 
+# The flags (by argparse dest) that only one model takes.
+_MODEL_FLAGS = {"attention": "transformer", "ssd": "mamba", "conv": "mamba",
+                "norm_backward": "mamba", "fuse_skip": "mamba", "residuals": "mamba"}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-train",
                                      description=__doc__.splitlines()[0],
@@ -134,18 +139,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.restore and args.checkpoint_dir is None:
         parser.error("--restore needs --checkpoint-dir")
-    if args.attention != "auto" and args.model != "transformer":
-        parser.error(f"--attention applies to --model transformer, not {args.model}")
-    if args.ssd != "auto" and args.model != "mamba":
-        parser.error(f"--ssd applies to --model mamba, not {args.model}")
-    if args.conv != "xla" and args.model != "mamba":
-        parser.error(f"--conv applies to --model mamba, not {args.model}")
-    if args.norm_backward != "autodiff" and args.model != "mamba":
-        parser.error(f"--norm-backward applies to --model mamba, not {args.model}")
-    if args.fuse_skip and args.model != "mamba":
-        parser.error(f"--fuse-skip applies to --model mamba, not {args.model}")
-    if args.residuals != "named" and args.model != "mamba":
-        parser.error(f"--residuals applies to --model mamba, not {args.model}")
+    for dest, model in _MODEL_FLAGS.items():  # a flag set away from its default
+        if getattr(args, dest) != parser.get_default(dest) and args.model != model:
+            parser.error(f"--{dest.replace('_', '-')} applies to --model {model}, "
+                         f"not {args.model}")
     if args.residuals != "named" and args.remat:
         parser.error(f"--residuals {args.residuals} and --remat exclude each other (keep "
                      f"residuals, or recompute every block)")
