@@ -172,8 +172,9 @@ def provenance(settings: dict | None = None) -> dict:
 
 
 def _git_commit() -> tuple[str | None, bool | None]:
-    if environment.raw("JFO_COMMIT"):  # a copy of the tree, whose .git may be stale
-        return environment.raw("JFO_COMMIT"), None
+    commit = environment.raw("JFO_COMMIT")
+    if commit:  # a copy of the tree, whose .git may be stale
+        return commit, None
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()

@@ -52,7 +52,7 @@ def _env(key: str) -> str | None:
     """The launcher's variable ``ENV[key]``, or None. Its name before the
     JAX_FLASHOVERLAP_ prefix (``JFO_...``) raises rather than being ignored."""
     name = ENV[key]
-    old = "JFO_" + name.removeprefix("JAX_FLASHOVERLAP_")
+    old = settings.LAUNCHER_OLD_NAMES[name]
     value = settings.raw(name)
     if value is None and settings.raw(old) is not None:
         raise RuntimeError(f"{old} is set, but the variable is now named {name}: rename it "

@@ -34,8 +34,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Setting", "SETTINGS", "LAUNCHER_VARIABLES", "OTHER_VARIABLES", "get", "check_all",
-           "raw", "export", "snapshot"]
+__all__ = ["Setting", "SETTINGS", "LAUNCHER_VARIABLES", "LAUNCHER_OLD_NAMES", "OTHER_VARIABLES",
+           "get", "check_all", "raw", "export", "snapshot"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +91,15 @@ LAUNCHER_VARIABLES = {
     "node_size": "JAX_FLASHOVERLAP_NODE_SIZE",
     "platform": "JAX_FLASHOVERLAP_PLATFORM",
 }
+# Each launcher variable's name before the one prefix, JFO_*.
+LAUNCHER_OLD_NAMES = {name: "JFO_" + name.removeprefix("JAX_FLASHOVERLAP_")
+                      for name in LAUNCHER_VARIABLES.values()}
 
 OTHER_VARIABLES = {
     **{name: "the launcher's (jax_flashoverlap.distributed parses them)"
        for name in LAUNCHER_VARIABLES.values()},
-    **{"JFO_" + name.removeprefix("JAX_FLASHOVERLAP_"):
-       "a launcher variable's name before the one prefix: read only to say it was renamed"
-       for name in LAUNCHER_VARIABLES.values()},
+    **{old: "a launcher variable's name before the one prefix: read only to say it was renamed"
+       for old in LAUNCHER_OLD_NAMES.values()},
     "CUDA_MODULE_LOADING": "set to EAGER at import when unset: a kernel loaded lazily while an "
                            "op waits for a peer GPU can stall both (_module_loading)",
     "XLA_FLAGS": "the command-line programs add a CPU device count; benchmarks record it",
