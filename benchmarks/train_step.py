@@ -63,8 +63,8 @@ def step_times(runs, k: int) -> tuple[list[float], float, float]:
 
 def variant_flags(variant: str) -> list[str]:
     """A ``--mamba-variants`` entry as trainer flags: "default" adds none;
-    "residuals=all,norm-backward=recompute" gives ``--residuals all
-    --norm-backward recompute`` (commas, so that no shell quoting is needed)."""
+    "residuals=all,no-fuse-skip" gives ``--residuals all
+    --no-fuse-skip`` (commas, so that no shell quoting is needed)."""
     flags = []
     for token in (t.strip() for t in variant.split(",")):
         if token and token != "default":
@@ -136,6 +136,7 @@ def _measure(model: str, impl: str, variant: str, args: argparse.Namespace) -> d
         "conv": getattr(trainer.config, "conv_impl", None),
         "norm_backward": getattr(trainer.config, "norm_backward", None),
         "residuals": getattr(trainer.config, "residuals", None),
+        "fuse_skip": getattr(trainer.config, "fuse_skip", None),
         "variant": variant,
         "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,
@@ -223,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mamba-variants", nargs="+", default=["default"], metavar="FLAGS",
                         help="Mamba-2 runs once per FLAGS, extra jax-flashoverlap-train flags "
                              "without their dashes, joined by commas (e.g. default "
-                             "residuals=all residuals=computed,norm-backward=recompute), in "
+                             "residuals=all residuals=all,norm-backward=recompute), in "
                              "turn in this process; the first is the baseline")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10,

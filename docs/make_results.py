@@ -36,7 +36,7 @@ MAMBA_STEPS = ["train_step_mamba_1xh200.json", "train_step_mamba_scanned_1xh200.
                "train_step_mamba_ssd_xla_1xh200.json"]
 # Mamba-2's options, each file one process whose rows compare against its first.
 MAMBA_OPTIONS = ["train_step_mamba_residuals_1xh200.json", "train_step_mamba_norm_1xh200.json",
-                 "train_step_mamba_conv_1xh200.json"]
+                 "train_step_mamba_conv_1xh200.json", "train_step_mamba_variants_1xh200.json"]
 
 
 def _load(name: str) -> dict:
@@ -213,24 +213,30 @@ def mamba_tables() -> tuple[str, dict]:
 def mamba_options_table() -> str:
     """Mamba-2 1.4B step per option, each against the first row of its process."""
     lines = ["| process (commit) | variant | step ms, median [min, max] | vs the first row | "
-             "peak memory GB so far |", "|---|---|---|---|---|"]
+             "× the process's Transformer step | peak memory GB so far |",
+             "|---|---|---|---|---|---|"]
     sources = []
     for name in MAMBA_OPTIONS:
         doc = _load(name)
         sources.append(_source(name, doc))
         first = doc["rows"][0]["step_ms"]
-        for r in doc["rows"]:
+        transformer = next((r["step_ms"] for r in doc["rows"] if r["model"] == "transformer"),
+                           None)
+        for r in (r for r in doc["rows"] if r["model"] == "mamba"):
             variant = r.get("variant") or f"conv {r['conv']}"
+            ratio = f"{r['step_ms'] / transformer:.2f}×" if transformer else "–"
             lines.append(f"| {name.removesuffix('_1xh200.json')} ({doc['meta']['commit'][:7]}) | "
                          f"{variant} | {r['step_ms']:.1f} [{r['step_ms_min']:.1f}, "
-                         f"{r['step_ms_max']:.1f}] | {first / r['step_ms']:.3f}× | "
+                         f"{r['step_ms_max']:.1f}] | {first / r['step_ms']:.3f}× | {ratio} | "
                          f"{r['peak_memory_gb']:.1f} |")
     return ("Mamba-2 1.4B, one H200, mesh 1x1, batch 1, sequence 8192, impl \"xla\". In "
             "`residuals` the rows set what a block keeps for the backward: base (in_proj's "
             "output and the gated norm's input, the default until fb5dd71), conv (also "
             "the convolution's output: the default now), xbc (the SiLU's output instead), none "
-            "(every residual: `residuals=\"all\"`). Peak memory is the process's so far, "
-            "so a row's own only where it grows.\n\n" + "\n".join(lines) + "\n\n"
+            "(every residual: `residuals=\"all\"`). In `variants`, \"default\" is the defaults "
+            "of its commit, without the fused skip (`fuse-skip`, the default since); "
+            "`residuals=computed` was an option since removed. Peak memory is the process's "
+            "so far, so a row's own only where it grows.\n\n" + "\n".join(lines) + "\n\n"
             + "\n".join(f"From {s_}" for s_ in sources))
 
 

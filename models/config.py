@@ -33,10 +33,9 @@ CONV_IMPLS = ("xla", "pallas")
 # its statistics inside the backward.
 NORM_BACKWARDS = ("autodiff", "recompute")
 # What a Mamba-2 block keeps for its backward (models.mamba.Mamba2): the
-# values Mamba2.saved_in_backward names, recomputing the rest; every computed
-# value, recomputing only copies, slices, reshapes and converts; or every
+# values Mamba2.saved_in_backward names, recomputing the rest; or every
 # residual autodiff keeps.
-RESIDUALS = ("named", "computed", "all")
+RESIDUALS = ("named", "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,16 +268,16 @@ class MambaConfig(_Presets):
       norm_backward: the gated norm's backward, one of
         :data:`NORM_BACKWARDS` (see :class:`models.layers.RMSNorm`).
       fuse_skip: the SSD adds the D skip and writes y in the compute dtype
-        (inside its output kernel on the Pallas path) instead of the model
-        adding it to a float32 y (opt-in until measured on a GPU).
+        (inside its output kernel on the Pallas path; default) instead of the
+        model adding it to a float32 y. At the 1.4B size and sequence 8192 on
+        one H200: a step 265.9 ms against 274.7 without, the same peak memory
+        (docs/measurements.md, session 22).
       residuals: what a block keeps for the backward, one of
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
         "all" keeps every residual (measured at the 1.4B size and sequence
         8192 on one H200: a step 254.0 ms against the default's 270.5, about
-        0.6 GB more per layer; docs/measurements.md, session 21); "computed"
-        keeps every computed value but recomputes copies, slices, reshapes
-        and widening converts (not yet measured on a GPU).
+        0.6 GB more per layer; docs/measurements.md, session 21).
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
@@ -311,7 +310,7 @@ class MambaConfig(_Presets):
     conv_impl: str = "xla"
     norm_backward: str = "autodiff"
     residuals: str = "named"
-    fuse_skip: bool = False
+    fuse_skip: bool = True
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 

@@ -477,20 +477,6 @@ def resolve_scan_layers(config: MambaConfig) -> MambaConfig:
 # Recomputing them in the backward is a fused read of what they came from, so
 # keeping their results (the convolution's shifted copies of its input, the
 # splits of in_proj's output, float32 copies of bf16 values) only costs memory.
-_LAYOUT_PRIMITIVES = frozenset({
-    "broadcast_in_dim", "concatenate", "convert_element_type", "copy", "dynamic_slice", "pad",
-    "pvary", "reshape", "select_n", "slice", "split", "squeeze", "transpose"})
-
-
-def _save_computed(primitive, *operands, **params) -> bool:
-    """The ``residuals="computed"`` checkpoint policy: keep a residual unless a
-    layout primitive made it. A narrowing convert (float32 -> bf16) is kept:
-    recomputing it would keep its wider input instead."""
-    if primitive.name == "convert_element_type":
-        return jnp.dtype(params["new_dtype"]).itemsize < operands[0].dtype.itemsize
-    return primitive.name not in _LAYOUT_PRIMITIVES
-
-
 class Mamba2(CausalLM):
     """The Mamba-2 LM: ``Mamba2(config, rngs=...)(tokens [b, s]) -> logits [b, s, v]``.
 
@@ -515,8 +501,6 @@ class Mamba2(CausalLM):
     def _recompute_policy(self):
         if self.config.residuals == "all":
             return False
-        if self.config.residuals == "computed":
-            return _save_computed
         return super()._recompute_policy()
 
     def layer_cache_spec(self) -> SSMCache:

@@ -283,10 +283,10 @@ def test_train_step_passes_a_variants_flags_to_the_trainer(tmp_path, monkeypatch
     assert bench.main(["--json", str(out), "--models", "mamba", "--impls", "xla",
                        "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
                        "--reps", "1", "--dtype", "float32", "--mamba-variants", "default",
-                       "residuals=computed,norm-backward=recompute"]) == 0
+                       "residuals=all,norm-backward=recompute,no-fuse-skip"]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["residuals"], r["norm_backward"]) for r in rows] == [
-        ("named", "autodiff"), ("computed", "recompute")]
+    assert [(r["residuals"], r["norm_backward"], r["fuse_skip"]) for r in rows] == [
+        ("named", "autodiff", True), ("all", "recompute", False)]
     assert rows[0]["loss_first"] == pytest.approx(rows[1]["loss_first"], rel=1e-5)
 
 

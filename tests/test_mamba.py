@@ -139,10 +139,10 @@ def test_without_sequence_parallelism_matches_one_device(ref):
 
 @pytest.mark.parametrize("layers", [dict(scan_layers=False), dict(remat=True),
                                     dict(scan_layers=False, remat=True),
-                                    dict(residuals="all"), dict(residuals="computed"),
+                                    dict(residuals="all"),
                                     dict(scan_layers=False, norm_backward="recompute"),
-                                    dict(residuals="computed", norm_backward="recompute"),
-                                    dict(fuse_skip=True)])
+                                    dict(residuals="all", norm_backward="recompute"),
+                                    dict(fuse_skip=False)])
 def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
     check_matches_reference(Mamba2, CONFIG, ref, tp=2, impl="decomposed", **layers)
 
@@ -157,23 +157,11 @@ def _kept_bytes(config) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(vjp))
 
 
-def test_each_residuals_setting_keeps_more_than_the_last():
-    """"named" keeps three values a block, "computed" every result of
-    arithmetic, "all" also the copies, slices and converts."""
+def test_named_residuals_keep_less_than_all():
+    """"named" keeps three values a block, "all" every residual."""
     kept = {r: _kept_bytes(dataclasses.replace(CONFIG, residuals=r))
             for r in models.RESIDUALS}
-    assert kept["named"] < kept["computed"] < kept["all"], kept
-
-
-def test_computed_residuals_keep_the_narrow_side_of_a_convert():
-    """A float32 result rounded to bf16 is kept as bf16; a bf16 value widened
-    to float32 is recomputed from the bf16."""
-    policy = models.mamba._save_computed
-    convert = jax.lax.convert_element_type_p
-    f32, bf16 = (jax.ShapeDtypeStruct((4,), d) for d in (jnp.float32, jnp.bfloat16))
-    assert policy(convert, f32, new_dtype=jnp.bfloat16, weak_type=False, sharding=None)
-    assert not policy(convert, bf16, new_dtype=jnp.float32, weak_type=False, sharding=None)
-    assert not policy(jax.lax.slice_p, f32) and policy(jax.lax.mul_p, f32, f32)
+    assert kept["named"] < kept["all"] / 2, kept
 
 
 def test_is_causal():
@@ -208,8 +196,8 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"norm_backward must be one of \('autodiff', "
                                          r"'recompute'\), got 'fused'"):
         MambaConfig(norm_backward="fused")
-    with pytest.raises(ValueError, match=r"residuals must be one of \('named', 'computed', "
-                                         r"'all'\), got 'some'"):
+    with pytest.raises(ValueError, match=r"residuals must be one of \('named', 'all'\), "
+                                         r"got 'some'"):
         MambaConfig(residuals="some")
     with pytest.raises(ValueError, match="remat .recompute every block. and "
                                          "residuals='all' exclude each other; set one"):
@@ -232,17 +220,18 @@ def test_scan_layers_default_is_per_platform(monkeypatch):
 def test_train_flags_for_the_backward(capsys):
     from jax_flashoverlap.cli import train
 
-    args = train.parse_args(["--model", "mamba", "--residuals", "computed",
-                             "--norm-backward", "recompute", "--fuse-skip"])
+    args = train.parse_args(["--model", "mamba", "--residuals", "all",
+                             "--norm-backward", "recompute", "--no-fuse-skip"])
     config = train.model_config("mamba", "tiny", residuals=args.residuals,
                                 norm_backward=args.norm_backward, fuse_skip=args.fuse_skip)
-    assert config.residuals == "computed" and config.norm_backward == "recompute"
-    assert config.fuse_skip
+    assert config.residuals == "all" and config.norm_backward == "recompute"
+    assert not config.fuse_skip
+    assert train.parse_args(["--model", "mamba"]).fuse_skip
     for argv, message in [
             (["--residuals", "all"], "--residuals applies to --model mamba, not transformer"),
             (["--norm-backward", "recompute"],
              "--norm-backward applies to --model mamba, not transformer"),
-            (["--fuse-skip"], "--fuse-skip applies to --model mamba, not transformer"),
+            (["--no-fuse-skip"], "--fuse-skip applies to --model mamba, not transformer"),
             (["--model", "mamba", "--residuals", "all", "--remat"],
              "--residuals all and --remat exclude each other")]:
         with pytest.raises(SystemExit):
