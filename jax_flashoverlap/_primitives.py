@@ -64,13 +64,15 @@ class OpDef:
       reduces: the result is identical on every rank (typed invariant).
       xla: the ``impl="xla"`` function ``(*args, axis_name, **opts) -> results``.
       decomposed: the ``impl="decomposed"`` function, same signature.
-      cuda_attrs: ``(n, opts) -> FFI attributes`` other than the groups.
+      cuda_attrs: ``(n, opts) -> FFI attributes`` other than the groups, a
+        pure function of the options the steps below decided.
       single_rank: the op on an axis of one rank, for every impl: the local
         dot (all_reduce: the operand), ``(*args) -> results``.
       options: ``(ctx, n, opts) -> opts`` with the options every impl
         takes that depend on the shapes, resolved at lowering.
-      cuda_options: ``(ctx, n, opts) -> opts`` with the kernel's options
-        that depend on the shapes resolved (and checked) at lowering.
+      cuda_options: ``(ctx, n, opts) -> opts`` with every choice of the
+        kernel's (by shape, or :mod:`.cuda_policy`'s) decided and checked at
+        lowering.
       cuda_lowering: ``(ctx, args, transport, n, opts) -> lowering or None``:
         another CUDA lowering for some shapes (None: the op's own kernel).
       spans_processes: over an axis of one GPU per process, impl "cuda"
@@ -107,8 +109,6 @@ def _policy_choice(name: str, choices: tuple[str, ...]) -> str:
     return value
 
 
-def _waits_on_xla_stream() -> np.int32:
-    return np.int32(_policy_choice("PEER_WAIT_STREAM", cuda_policy.PEER_WAIT_STREAMS) == "xla")
 
 
 # The CUDA kernels send straight to every peer over NVLink: they always run
@@ -124,15 +124,14 @@ def transport_attrs(group_ordinals: np.ndarray, n: int, timeout: int) -> dict:
 def _ag_attrs(n, opts):
     sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
-            "waits_on_xla_stream": _waits_on_xla_stream()}
+            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla")}
 
 
 def _rs_attrs(n, opts):
     sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
-    fold = _policy_choice("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLDS)
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
-            "add_after": np.int32(fold == "add_after"),
-            "waits_on_xla_stream": _waits_on_xla_stream()}
+            "add_after": np.int32(opts["fold"] == "add_after"),
+            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla")}
 
 
 def _mar_attrs(n, opts):
@@ -143,12 +142,18 @@ def _ar_attrs(n, opts):
     return {"algorithm": np.int32(cuda_policy.ALL_REDUCE_ALGORITHMS.index(opts["algorithm"]))}
 
 
-def _chunks_by_shape(op_name: str):
-    """cuda_options of the collective matmuls: chunks=None picked by shape."""
+def _collective_matmul_options(op_name: str):
+    """cuda_options of the collective matmuls, every kernel choice decided here
+    from cuda_policy: chunks=None picked by shape, where peer waits run, and
+    matmul_reduce_scatter's fold."""
     def options(ctx, n, opts):
         if opts.get("chunks") is None:
             opts["chunks"] = cuda_policy.collective_matmul_chunks(
                 op_name, [a.shape for a in ctx.avals_in], n)
+        opts["peer_wait_stream"] = _policy_choice("PEER_WAIT_STREAM",
+                                                  cuda_policy.PEER_WAIT_STREAMS)
+        if op_name == "matmul_reduce_scatter":
+            opts["fold"] = _policy_choice("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLDS)
         return opts
     return options
 
@@ -210,13 +215,13 @@ OPS: dict[str, OpDef] = {
         _as_tuple(_baseline(xla_baseline.all_gather_matmul)),
         _as_tuple(_decomposed_with(decomposed.all_gather_matmul, "topology")), _ag_attrs,
         lambda x, w: (_local_dot(x, w), x),
-        cuda_options=_chunks_by_shape("all_gather_matmul")),
+        cuda_options=_collective_matmul_options("all_gather_matmul")),
     "matmul_reduce_scatter": OpDef(
         "matmul_reduce_scatter", "jfo_matmul_reduce_scatter",
         lambda xs, ws, n, opts: ((xs[0] // n, ws[1]),), False,
         _as_tuple(_baseline(xla_baseline.matmul_reduce_scatter)),
         _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs,
-        _as_tuple(_local_dot), cuda_options=_chunks_by_shape("matmul_reduce_scatter")),
+        _as_tuple(_local_dot), cuda_options=_collective_matmul_options("matmul_reduce_scatter")),
     "matmul_all_reduce": OpDef(
         "matmul_all_reduce", "jfo_matmul_all_reduce",
         lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,

@@ -326,7 +326,9 @@ _FFI_TYPES = {"int32_t": lambda v: isinstance(v, np.int32),
               "I32Span": lambda v: isinstance(v, np.ndarray) and v.dtype == np.int32
               and v.ndim == 1,
               "float": lambda v: isinstance(v, np.float32)}
-_SAMPLE_OPTIONS = {"all_gather_matmul": {"chunks": 2}, "matmul_reduce_scatter": {"chunks": 2},
+_SAMPLE_OPTIONS = {"all_gather_matmul": {"chunks": 2, "peer_wait_stream": "side"},
+                   "matmul_reduce_scatter": {"chunks": 2, "peer_wait_stream": "side",
+                                             "fold": "add_after"},
                    "matmul_all_reduce": {"chunk_rows": [16, 8]},
                    "all_reduce": {"algorithm": "lamport"}}
 
