@@ -11,6 +11,7 @@ and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
 from . import _checkout  # noqa: F401  # isort: skip
 from . import _module_loading, schedule, settings, sharded  # noqa: F401
 from ._extension import build_info, check_device_errors
+from .faults import reset
 from ._validation import IMPLS
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
@@ -25,6 +26,7 @@ __all__ = [
     "IMPLS",
     "build_info",
     "check_device_errors",
+    "reset",
     "schedule",
     "sharded",
 ]

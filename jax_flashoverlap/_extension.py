@@ -143,11 +143,15 @@ def require_cuda_ops(op: str, target: str) -> None:
 
 
 def check_device_errors() -> None:
-    """Raises if a CUDA op recorded an error on the device (e.g. a peer timeout).
+    """Raises if a CUDA op recorded an error on the device (e.g. a peer
+    timeout), or if a group of GPUs has failed (:mod:`jax_flashoverlap.faults`).
 
     The kernels cannot raise from the GPU: a bounded wait that expires records
-    which rank it waited for and fills the op's output with NaN. The next call
-    of any op raises; call this after ``block_until_ready`` to raise at once.
+    which rank it waited for and fills the op's output with NaN. From then on
+    the group has failed: every call on it raises (under CUDA graph replay,
+    returns NaN) and this function raises, until
+    :func:`jax_flashoverlap.reset`. Call it after ``block_until_ready`` to
+    raise at once.
     """
     mod = _module()
     message = mod.pending_error() if mod is not None and hasattr(mod, "pending_error") else None

@@ -1,7 +1,8 @@
-"""Run by tests/test_cuda_all_reduce.py in a fresh process (the poison it
-tests lasts as long as the process): a Lamport all-reduce whose peer never
-comes times out with NaN and an error naming the peer, and leaves the Lamport
-kernel poisoned on both GPUs, while the classic kernels still sum exactly.
+"""Run by tests/test_cuda_all_reduce.py in a fresh process: a Lamport
+all-reduce whose peer never comes times out with NaN and an error naming the
+peer; every later call on the group raises until jax_flashoverlap.reset(),
+after which the Lamport kernel (poisoned until then) and the classic kernels
+sum exactly again.
 
     python tests/lamport_timeout_child.py    # prints LAMPORT TIMEOUT OK
 """
@@ -40,8 +41,15 @@ def main():
         assert "all_reduce (lamport): rank 0" in str(e) and "waiting for rank 1" in str(e), e
     else:
         raise AssertionError("the timeout left no error")
-    lamport = all_reduce(mesh, "lamport")
-    assert np.all(np.isnan(lamport)), f"not poisoned on every GPU: {lamport}"
+    for algorithm in ("lamport", "one_shot"):
+        try:
+            all_reduce(mesh, algorithm)
+        except jax.errors.JaxRuntimeError as e:
+            assert "failed earlier" in str(e) and "jax_flashoverlap.reset()" in str(e), e
+        else:
+            raise AssertionError(f"{algorithm} ran on a failed group")
+    jfo.reset()
+    np.testing.assert_array_equal(all_reduce(mesh, "lamport"), 2.0)
     np.testing.assert_array_equal(all_reduce(mesh, "one_shot"), 2.0)
     jfo.check_device_errors()
     print("LAMPORT TIMEOUT OK", flush=True)

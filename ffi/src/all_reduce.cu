@@ -151,8 +151,17 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   const bool vector = reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   const int threads = algorithm == kLamport ? kLamportThreads : kFlagThreads;
+  JFO_RETURN_IF_ERROR(ApplyFault(kOp, *group, stream));
   PickKernel(dtype, vector, algorithm)<<<blocks, threads, 0, stream>>>(a);
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  const cudaError_t launched = cudaGetLastError();
+  if (launched != cudaSuccess) {
+    // The peers' kernels run and wait for this one's data: a fault.
+    const std::string why = std::string("jax_flashoverlap all_reduce: "
+                                        "launch failed: ") +
+                            cudaGetErrorString(launched);
+    MarkFailed(group->ordinals, why);
+    return ffi::Error::Internal(why);
+  }
   return ffi::Error::Success();
 }
 

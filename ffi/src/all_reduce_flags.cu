@@ -23,7 +23,9 @@
 // (and command buffers in their default LHS/serial mode) guarantees.
 //
 // A wait that times out records who was missing (check_device_errors()),
-// writes NaN over its block's chunk and returns: nothing hangs.
+// marks the region failed on this device and its peers, writes NaN over its
+// block's chunk and returns: nothing hangs. A kernel that starts on a failed
+// region writes NaN and sends nothing (PeerRegion::region_failed).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -62,6 +64,7 @@ __device__ void Wait(const Args& a, int kind, const uint32_t* seq,
       if (signal::Reached(seen, seq[q])) break;
       if (signal::GlobalTimerNs() > deadline) {
         *failed = 1;
+        signal::FailRegion(a.region, a.n, a.rank);
         signal::RecordTimeout(a.region.record, a.region.record_lock, a.info, q,
                               a.region.ordinals[q], seq[q], seen);
         break;
@@ -83,7 +86,7 @@ __global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
   __shared__ int failed;
   const int b = blockIdx.x;
   const uint64_t deadline = signal::GlobalTimerNs() + a.timeout_ns;
-  if (threadIdx.x == 0) failed = 0;
+  if (threadIdx.x == 0) failed = signal::RegionFailed(a.region);
   if (IsPeer(a, threadIdx.x)) {
     const int q = threadIdx.x;
     seq[q] = a.region.seq[q][b] + 1;
@@ -95,6 +98,11 @@ __global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
   const size_t count = min(a.elements, lo + a.chunk) - lo;
   const T* x = static_cast<const T*>(a.x) + lo;
   T* y = static_cast<T*>(a.y) + lo;
+  const T nan = static_cast<T>(__int_as_float(0x7fc00000));
+  if (failed) {  // an earlier timeout: the counters of a pair may not agree
+    for (size_t i = threadIdx.x; i < count; i += blockDim.x) y[i] = nan;
+    return;
+  }
   // Stripe b of the current parity of rank q's slot here / ours on q.
   auto stripe = [&](const char* slot, int q) {
     return reinterpret_cast<T*>(const_cast<char*>(slot) +
@@ -187,7 +195,6 @@ __global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
     __syncthreads();
   }
   if (failed) {  // a peer is missing: make the wrong result visible
-    const T nan = static_cast<T>(__int_as_float(0x7fc00000));
     for (size_t i = threadIdx.x; i < count; i += blockDim.x) y[i] = nan;
   }
 }

@@ -17,8 +17,9 @@
 // which bytes depends on the size), with at least one element per call (a
 // call of none launches nothing on any rank). A timeout breaks it: a late
 // message may fill a slot its reader gave up on. So a Lamport wait that
-// times out sets a sticky poison word on its device and on its peers, and
-// every later Lamport kernel there writes NaN instead of reading its slots.
+// times out marks the region failed on its device and on its peers, and
+// every later all-reduce kernel there writes NaN instead of reading its
+// slots (PeerRegion::region_failed), until reset.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -103,8 +104,8 @@ __device__ __forceinline__ void StoreVolatile(uint4* p, uint4 v) {
 }
 
 // Polls until `ready(value)` or the deadline; on a timeout (or another
-// thread's) sets *failed and returns the last value read. A timeout poisons
-// the Lamport slots of this device and of every peer (see the top).
+// thread's) sets *failed and returns the last value read. A timeout fails
+// the region of this device and of every peer (see the top).
 template <typename V, typename Load, typename Ready>
 __device__ __forceinline__ V Poll(Load load, Ready ready, const Args& a, int q,
                                   uint32_t expected, uint64_t deadline,
@@ -115,10 +116,7 @@ __device__ __forceinline__ V Poll(Load load, Ready ready, const Args& a, int q,
     if (*reinterpret_cast<volatile int*>(failed)) return v;
     if (signal::GlobalTimerNs() > deadline) {
       *reinterpret_cast<volatile int*>(failed) = 1;
-      signal::StoreRelease(a.region.lamport_poison, 1u);
-      for (int p = 0; p < a.n; ++p) {
-        if (p != a.rank) signal::StoreRelease(a.region.lamport_poison_peer[p], 1u);
-      }
+      signal::FailRegion(a.region, a.n, a.rank);
       TimeoutRecord info = a.info;
       info.op = static_cast<int32_t>(OpId::kAllReduceLamport);
       signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
@@ -146,9 +144,7 @@ __global__ void __launch_bounds__(kLamportThreads) LamportAllReduceKernel(Args a
   __shared__ int failed;
   const int b = blockIdx.x;
   const uint64_t deadline = signal::GlobalTimerNs() + a.timeout_ns;
-  if (threadIdx.x == 0) {
-    failed = *reinterpret_cast<volatile uint32_t*>(a.region.lamport_poison) != 0;
-  }
+  if (threadIdx.x == 0) failed = signal::RegionFailed(a.region);
   if (IsPeer(a, threadIdx.x)) {
     const int q = threadIdx.x;
     seq[q] = a.region.lamport_seq[q][b] + 1;
@@ -162,7 +158,7 @@ __global__ void __launch_bounds__(kLamportThreads) LamportAllReduceKernel(Args a
   const T* x = static_cast<const T*>(a.x) + lo;
   T* y = static_cast<T*>(a.y) + lo;
   const T nan = static_cast<T>(__int_as_float(0x7fc00000));
-  if (failed) {  // poisoned by an earlier timeout: the slots are not to be read
+  if (failed) {  // an earlier timeout: the slots are not to be read
     for (size_t i = threadIdx.x; i < count; i += blockDim.x) y[i] = nan;
     return;
   }

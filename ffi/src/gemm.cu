@@ -5,8 +5,10 @@
 
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "settings.h"
@@ -21,6 +23,7 @@ struct LtApi {
   decltype(&cublasLtMatmulDescSetAttribute) MatmulDescSetAttribute;
   decltype(&cublasLtMatrixLayoutCreate) MatrixLayoutCreate;
   decltype(&cublasLtMatmulPreferenceCreate) PreferenceCreate;
+  decltype(&cublasLtMatmulPreferenceDestroy) PreferenceDestroy;
   decltype(&cublasLtMatmulPreferenceSetAttribute) PreferenceSetAttribute;
   decltype(&cublasLtMatmulAlgoGetHeuristic) AlgoGetHeuristic;
   decltype(&cublasLtMatmul) Matmul;
@@ -100,6 +103,7 @@ ffi::Error LoadApi() {
       reinterpret_cast<void**>(&api.MatmulDescSetAttribute),
       reinterpret_cast<void**>(&api.MatrixLayoutCreate),
       reinterpret_cast<void**>(&api.PreferenceCreate),
+      reinterpret_cast<void**>(&api.PreferenceDestroy),
       reinterpret_cast<void**>(&api.PreferenceSetAttribute),
       reinterpret_cast<void**>(&api.AlgoGetHeuristic),
       reinterpret_cast<void**>(&api.Matmul),
@@ -107,7 +111,8 @@ ffi::Error LoadApi() {
   const char* names[] = {
       "cublasLtCreate", "cublasLtMatmulDescCreate",
       "cublasLtMatmulDescSetAttribute", "cublasLtMatrixLayoutCreate",
-      "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceSetAttribute",
+      "cublasLtMatmulPreferenceCreate", "cublasLtMatmulPreferenceDestroy",
+      "cublasLtMatmulPreferenceSetAttribute",
       "cublasLtMatmulAlgoGetHeuristic", "cublasLtMatmul",
       "cublasLtGetStatusString"};
   for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); ++i) {
@@ -209,6 +214,10 @@ ffi::ErrorOr<Plan> MakePlan(cublasLtHandle_t handle, const GemmArgs& g,
   JFO_LT_RETURN_IF_ERROR(g_api->MatrixLayoutCreate(&p.d, t, g.n, g.m, g.ldd));
   cublasLtMatmulPreference_t pref;
   JFO_LT_RETURN_IF_ERROR(g_api->PreferenceCreate(&pref));
+  // Needed only for the heuristic query below.
+  std::unique_ptr<std::remove_pointer_t<cublasLtMatmulPreference_t>,
+                  decltype(g_api->PreferenceDestroy)>
+      owned_pref(pref, g_api->PreferenceDestroy);
   uint64_t ws = 32u << 20;
   uint32_t a32 = static_cast<uint32_t>(align);
   JFO_LT_RETURN_IF_ERROR(g_api->PreferenceSetAttribute(
@@ -260,6 +269,13 @@ ffi::Error Gemm(int ordinal, const GemmArgs& g, void* workspace,
                 size_t workspace_bytes, cudaStream_t stream,
                 bool only_if_new) {
   if (g.m == 0 || g.n == 0) return ffi::Error::Success();
+  if (g.k <= 0) {
+    // cuBLASLt has no layout for an empty K; the wrappers refuse empty
+    // operands before they reach a kernel.
+    return ffi::Error::InvalidArgument(
+        "jax_flashoverlap: a GEMM needs K >= 1, got M=" + std::to_string(g.m) +
+        " N=" + std::to_string(g.n) + " K=" + std::to_string(g.k));
+  }
   const int align = Alignment(g);
   const PlanKey key{ordinal, static_cast<int>(g.dtype), g.m, g.n, g.k, g.ldx,
                     g.ldw, g.c ? g.ldc : 0, g.ldd, g.c != nullptr, align};

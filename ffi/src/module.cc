@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 
 #include <optional>
+#include <stdexcept>
 #include <string>
 
 #include "settings.h"
@@ -142,6 +143,33 @@ nb::dict Settings() {
   return d;
 }
 
+void Reset() {
+#ifdef JFO_WITH_CUBLASLT
+  const std::string why = jfo::ResetTransport();
+  if (!why.empty()) throw std::runtime_error("jax_flashoverlap.reset: " + why);
+#endif
+}
+
+void InjectFault(const std::string& kind, int ordinal, int call, int stall_ms) {
+#ifdef JFO_WITH_CUBLASLT
+  using jfo::FaultKind;
+  const FaultKind parsed = kind == "error"   ? FaultKind::kError
+                           : kind == "skip"  ? FaultKind::kSkip
+                           : kind == "stall" ? FaultKind::kStall
+                           : kind == "none"  ? FaultKind::kNone
+                                             : static_cast<FaultKind>(-1);
+  if (static_cast<int>(parsed) < 0 || ordinal < 0 || call < 1 || stall_ms < 0) {
+    throw nb::value_error(
+        "inject_fault: kind must be error, skip, stall or none, ordinal >= 0, "
+        "call >= 1 and stall_ms >= 0");
+  }
+  jfo::InjectFault(parsed, ordinal, call, stall_ms);
+#else
+  (void)kind, (void)ordinal, (void)call, (void)stall_ms;
+  throw std::runtime_error("inject_fault: this build has no CUDA ops");
+#endif
+}
+
 void SetCublasLtPath(const std::string& path) {
 #ifdef JFO_WITH_CUBLASLT
   jfo::SetCublasLtPath(path);
@@ -179,6 +207,15 @@ NB_MODULE(_ffi, m) {
   m.def("settings", &Settings,
         "Dict: the run-time settings the ops use (workspace_mb, peer_stores, "
         "gemm_autotune).");
+  m.def("reset", &Reset,
+        "Waits until every GPU of the transport is idle and returns the "
+        "transport to its state before the first call (no failed group, no "
+        "injected fault).");
+  m.def("inject_fault", &InjectFault, nb::arg("kind"), nb::arg("ordinal"),
+        nb::arg("call"), nb::arg("stall_ms"),
+        "Test hook: the call-th next call on CUDA device `ordinal` fails "
+        "('error': after its first send; 'skip': at its start) or starts "
+        "stall_ms late ('stall'); 'none' clears it.");
   m.def("set_cublaslt_path", &SetCublasLtPath, nb::arg("path"),
         "dlopen cuBLASLt from this path if it is not loaded yet.");
 }

@@ -297,7 +297,7 @@ std::optional<std::string> TakePendingError() {
                                  "intra-node all-gather"};
   std::string phase = kPhase[(r.phase >= 1 && r.phase <= 3) ? r.phase : 0];
   if (r.phase == 2) phase += " " + std::to_string(r.step);
-  return "jax_flashoverlap nvshmem all_reduce: PE " + std::to_string(r.pe) +
+  std::string msg = "jax_flashoverlap nvshmem all_reduce: PE " + std::to_string(r.pe) +
          " waited " + std::to_string(r.timeout_ms) + " ms for PE " +
          std::to_string(r.peer_pe) + " (" + phase + ", block " +
          std::to_string(r.block) + ", call " + std::to_string(r.expected) +
@@ -305,6 +305,8 @@ std::optional<std::string> TakePendingError() {
          "); the output was filled with NaN. Is process " +
          std::to_string(r.peer_pe) +
          " alive and running the same all-reduces in the same order?";
+  if (st.failed.empty()) st.failed = msg;
+  return msg;
 }
 
 size_t MaxMessageBytes(int node_size) {

@@ -303,6 +303,13 @@ ffi::Error AllReduceImpl(cudaStream_t stream, Buffer_Type x, Result_Type y,
   if (auto pending = TakePendingError()) {
     return ffi::Error::Internal(*pending);
   }
+  if (!st.failed.empty()) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap nvshmem all_reduce: an earlier call of this process "
+        "timed out, so every call fails until the processes restart (the "
+        "PEs' call counters may no longer agree). The first fault: " +
+        st.failed);
+  }
   const auto dtype = x.element_type();
   if (!IsSupportedFloat(dtype) || y->element_type() != dtype) {
     return Invalid("x and y must both be bfloat16, float16 or float32");

@@ -60,6 +60,9 @@ struct NvState {
   NvTimeoutRecord* record_dev = nullptr;  // its device address
   uint32_t* record_lock = nullptr;    // device word
   CUmodule module = nullptr;  // set when started through the host library
+  // The first timeout seen: every later all-reduce of the process fails with
+  // it (the PEs' call counters may no longer agree), until it restarts.
+  std::string failed;
 };
 
 // The process's state (initialized == false before init / after finalize).
@@ -73,7 +76,8 @@ std::string GetUniqueId();
 void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
           int device, bool hostlib, bool debug);
 void Finalize();
-// Returns (and clears) a recorded wait timeout, or nullopt.
+// Returns (and clears) a recorded wait timeout, or nullopt; the first one
+// stays in NvState::failed.
 std::optional<std::string> TakePendingError();
 // Loads the all-reduce kernels eagerly (hierarchical_all_reduce.cu).
 cudaError_t LoadKernels();

@@ -15,6 +15,7 @@ namespace {
 
 using internal::FillIfFailedKernel;
 using internal::FillWordsKernel;
+using internal::SleepKernel;
 using internal::WaitFlagKernel;
 
 using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
@@ -45,6 +46,7 @@ ffi::Error LoadChannelKernels() {
       cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint16_t>));
   JFO_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint32_t>));
+  JFO_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, SleepKernel));
   return ffi::Error::Success();
 }
 
@@ -53,16 +55,58 @@ void LaunchFillWords(uint32_t* words, size_t count, uint32_t value,
   FillWordsKernel<<<256, 256, 0, stream>>>(words, count, value);
 }
 
+Channel::~Channel() {
+  if (committed_ && !ended_) {
+    MarkFailed(group_->ordinals,
+               std::string("jax_flashoverlap ") + OpName(op_) + ": rank " +
+                   std::to_string(group_->rank) + " (CUDA device " +
+                   std::to_string(ordinal()) + ") stopped in the middle of a "
+                   "call: " + (failure_.empty() ? "an error" : failure_));
+  }
+}
+
+ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
+  int stall_ms = 0;
+  const FaultKind kind = TakeFault(group.ordinals[group.rank], &stall_ms);
+  if (kind == FaultKind::kStall) {
+    SleepKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(stall_ms) *
+                                     1000000ull);
+    JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  } else if (kind != FaultKind::kNone) {
+    const std::string why = std::string("jax_flashoverlap ") + OpName(op) +
+                            ": injected fault: rank " +
+                            std::to_string(group.rank) + " did not run a call";
+    MarkFailed(group.ordinals, why);
+    return ffi::Error::Internal(why);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
                           cudaStream_t stream) {
   JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
   dev_ = LookupDevice(group.ordinals[group.rank]);
   lock_ = std::unique_lock<std::mutex>(dev_->mu);
-  std::string pending = TakeRecord(dev_);
-  if (!pending.empty()) return ffi::Error::Internal(WithTimeoutHint(pending));
+  JFO_RETURN_IF_ERROR(CheckGroupHealthy(op, group));
   group_ = &group;
   op_ = op;
   stream_ = stream;
+  // From here on the peers may run this call: any error is a fault.
+  committed_ = true;
+  int stall_ms = 0;
+  fault_ = TakeFault(ordinal(), &stall_ms);
+  if (fault_ == FaultKind::kSkip) {
+    failure_ = "injected fault: this call was skipped";
+    return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op) +
+                                ": " + failure_);
+  }
+  if (fault_ == FaultKind::kStall) {
+    SleepKernel<<<1, 1, 0, stream_>>>(static_cast<uint64_t>(stall_ms) *
+                                      1000000ull);
+    JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  // Calls of this device in host order, whichever stream each came on.
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, dev_->last_end, 0));
   timeout_ns_ = static_cast<uint64_t>(timeout_ms) * 1000000ull;
   call_id_ = ++dev_->call_id;
   events_used_ = 0;
@@ -83,25 +127,42 @@ ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
   events_rehearsed_ = 0;
   ffi::Error rehearsed = schedule();
   rehearsal_ = false;
-  if (rehearsed.failure()) return rehearsed;
+  // Errors of the rehearsal and of the budget are the same on every rank (a
+  // function of the shapes), and nothing has moved: the group stays sound.
+  if (rehearsed.failure()) {
+    committed_ = false;
+    return rehearsed;
+  }
   // The budget is checked here, before anything is sent: an error halfway
   // through the real pass would leave the peers' counters out of step. End
   // takes one event per side stream: the copy stream and two per peer.
   const int needed = events_used_ + events_rehearsed_ + 1 + 2 * (group_->n - 1);
   if (needed > kEventsPerCall) {
+    committed_ = false;
     return ffi::Error::InvalidArgument(
         std::string("jax_flashoverlap ") + OpName(op_) + ": the schedule needs " +
         std::to_string(needed) + " events per call, more than " +
         std::to_string(kEventsPerCall) + "; use fewer chunks");
   }
-  return schedule();
+  ffi::Error done = schedule();
+  // An injected error after the schedule: it sent nothing (a group of one).
+  if (done.success() && fault_ == FaultKind::kError) done = InjectedError();
+  if (done.failure()) failure_ = done.message();
+  return done;
 }
 
-ffi::Error Channel::CheckCapacity(size_t slot_bytes,
-                                  size_t staging_bytes) const {
+ffi::Error Channel::InjectedError() {
+  fault_ = FaultKind::kNone;
+  return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op_) +
+                              ": injected fault: an error in the middle of "
+                              "the call");
+}
+
+ffi::Error Channel::CheckCapacity(size_t slot_bytes, size_t staging_bytes) {
   if (slot_bytes <= dev_->slot_bytes && staging_bytes <= dev_->staging_bytes) {
     return ffi::Error::Success();
   }
+  committed_ = false;  // the same on every rank, before anything moved
   return ffi::Error::InvalidArgument(
       std::string("jax_flashoverlap ") + OpName(op_) + ": needs " +
       std::to_string(slot_bytes >> 20) + " MiB per receive slot and " +
@@ -172,6 +233,7 @@ ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
     return ffi::Error::Internal("jax_flashoverlap: cuStreamWriteValue32 failed "
                                 "with CUresult " + std::to_string(res));
   }
+  if (fault_ == FaultKind::kError) return InjectedError();
   return sent_[peer_rank]++;
 }
 
@@ -231,7 +293,7 @@ ffi::Error Channel::End(const std::vector<Output>& outputs) {
     JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, s));
     JFO_RETURN_IF_ERROR(WaitOn(*ev));
   }
-  if (group_->n == 1 || outputs.empty()) return ffi::Error::Success();
+  if (group_->n == 1 || outputs.empty()) return Ended();
   // Wrong results must be visible: NaN everywhere after a timed-out wait.
   const Output& a = outputs[0];
   const Output b =
@@ -250,6 +312,12 @@ ffi::Error Channel::End(const std::vector<Output>& outputs) {
         call_id_);
   }
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return Ended();
+}
+
+ffi::Error Channel::Ended() {
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev_->last_end, stream_));
+  ended_ = true;
   return ffi::Error::Success();
 }
 

@@ -40,13 +40,68 @@ std::mutex g_mu;
 std::condition_variable g_cv;
 std::map<int, std::unique_ptr<DeviceState>> g_devices;
 std::map<std::vector<int>, std::set<int>> g_registered;  // group -> members
+std::map<int, std::string> g_failed;  // CUDA ordinal -> the first fault seen
 
-// Allocates everything a device needs once; called under g_mu.
+struct InjectedFault {
+  FaultKind kind = FaultKind::kNone;
+  int ordinal = -1;
+  int calls = 0;  // calls on `ordinal` until it fires, this one included
+  int stall_ms = 0;
+};
+InjectedFault g_fault;
+
+// Frees what a DeviceState holds (any part may be missing).
+void Release(DeviceState* st) {
+  DeviceGuard guard(st->ordinal);
+  for (cudaEvent_t e : st->events) {
+    if (e) cudaEventDestroy(e);
+  }
+  if (st->last_end) cudaEventDestroy(st->last_end);
+  for (auto* streams : {&st->send_streams, &st->wait_streams}) {
+    for (cudaStream_t s : *streams) {
+      if (s) cudaStreamDestroy(s);
+    }
+  }
+  if (st->copy_stream) cudaStreamDestroy(st->copy_stream);
+  if (st->record) cudaFreeHost(st->record);
+  if (st->workspace) cudaFree(st->workspace);
+  cudaGetLastError();  // the error being reported is the caller's
+}
+
+// Zeroes the control words (flags, counters, Lamport poison) and refills the
+// Lamport slots, on the device's copy stream, and waits for it.
+ffi::Error ClearControl(DeviceState* st) {
+  char* control = st->workspace + kGemmWorkspaceBytes;
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
+  LaunchFillWords(reinterpret_cast<uint32_t*>(st->lamport_slots),
+                  st->lamport_slots_bytes / sizeof(uint32_t), kLamportEmpty,
+                  st->copy_stream);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st->copy_stream));
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<DeviceState*> AllocateDevice(DeviceState* st);
+
+// Allocates everything a device needs once; called under g_mu. A failure
+// frees what it allocated, and the next call tries again from nothing.
 ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   auto it = g_devices.find(ordinal);
   if (it != g_devices.end()) return it->second.get();
   auto st = std::make_unique<DeviceState>();
   st->ordinal = ordinal;
+  auto made = AllocateDevice(st.get());
+  if (made.has_error()) {
+    Release(st.get());
+    return made.error();
+  }
+  g_devices[ordinal] = std::move(st);
+  return *made;
+}
+
+ffi::ErrorOr<DeviceState*> AllocateDevice(DeviceState* st) {
+  const int ordinal = st->ordinal;
   DeviceGuard guard(ordinal);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&st->num_devices));
   // Validated by jax_flashoverlap/settings.py (64 MiB to 1 TiB) before it
@@ -63,7 +118,7 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
   // slots two thirds.
   const size_t ar_bytes = data / 4 / 256 * 256;
   char* ar = control + kControlBytes;
-  JFO_RETURN_IF_ERROR(LayOutAllReduceRegion(st.get(), control, ar, ar_bytes));
+  JFO_RETURN_IF_ERROR(LayOutAllReduceRegion(st, control, ar, ar_bytes));
   st->staging = ar + ar_bytes;
   st->staging_bytes = (data - ar_bytes) / 3 / 256 * 256;
   st->recv = st->staging + st->staging_bytes;
@@ -88,22 +143,16 @@ ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
     JFO_CUDA_RETURN_IF_ERROR(
         cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaEventCreateWithFlags(&st->last_end, cudaEventDisableTiming));
   st->sent_epoch.assign(st->num_devices, 0);
   st->recv_epoch.assign(st->num_devices, 0);
   st->pair_calls.assign(st->num_devices, 0);
   // Load our kernels now: with CUDA lazy loading, a first launch while a
   // wait kernel spins can block until that wait times out.
   JFO_RETURN_IF_ERROR(LoadChannelKernels());
-  JFO_CUDA_RETURN_IF_ERROR(
-      cudaMemsetAsync(control, 0, kControlBytes, st->copy_stream));
-  LaunchFillWords(reinterpret_cast<uint32_t*>(st->lamport_slots),
-                  st->lamport_slots_bytes / sizeof(uint32_t), kLamportEmpty,
-                  st->copy_stream);
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(st->copy_stream));
-  DeviceState* raw = st.get();
-  g_devices[ordinal] = std::move(st);
-  return raw;
+  JFO_RETURN_IF_ERROR(ClearControl(st));
+  return st;
 }
 
 ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
@@ -142,8 +191,8 @@ std::string FormatTimeout(const TimeoutRecord& r) {
   const std::string what =
       op == OpId::kAllReduceLamport
           ? "its data of call " + std::to_string(r.expected) +
-                " of the pair (Lamport calls on this device now return NaN "
-                "until the process restarts)"
+                " of the pair (Lamport calls on this device return NaN until "
+                "jax_flashoverlap.reset())"
           : "epoch " + std::to_string(r.expected) + " (flag holds " +
                 std::to_string(r.seen) + ")";
   return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
@@ -245,16 +294,124 @@ std::string WithTimeoutHint(const std::string& records) {
   return records + "\n(README, Troubleshooting: 'timed out waiting for rank')";
 }
 
-// Every device's record, one per line: when two ranks wait for each other,
-// both sides say what they waited for.
-std::string TakePendingError() {
-  std::lock_guard<std::mutex> lock(g_mu);
+namespace {
+
+// Every device's record, one per line (when two ranks wait for each other,
+// both sides say what they waited for), or "". The devices of each record
+// are marked failed. Called under g_mu.
+std::string TakeRecords() {
   std::string all;
   for (auto& [ordinal, st] : g_devices) {
+    if (!__atomic_load_n(&st->record->set, __ATOMIC_ACQUIRE)) continue;
+    const int peer = st->record->peer_ordinal;  // fixed while `set` is 1
     std::string msg = TakeRecord(st.get());
-    if (!msg.empty()) all += (all.empty() ? "" : "\n") + msg;
+    if (msg.empty()) continue;
+    all += (all.empty() ? "" : "\n") + msg;
+    g_failed.emplace(ordinal, msg);
+    g_failed.emplace(peer, msg);
   }
   return all.empty() ? all : WithTimeoutHint(all);
+}
+
+// "CUDA devices {a, b}" of `ordinals` that failed, and the first fault of
+// the first of them; "" if none did. Called under g_mu.
+std::string FailedAmong(const std::vector<int>& ordinals, std::string* why) {
+  std::string failed;
+  for (int o : ordinals) {
+    auto it = g_failed.find(o);
+    if (it == g_failed.end()) continue;
+    failed += (failed.empty() ? "" : ", ") + std::to_string(o);
+    if (why->empty()) *why = it->second;
+  }
+  return failed.empty() ? failed : "CUDA devices {" + failed + "}";
+}
+
+}  // namespace
+
+std::string TakePendingError() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  std::string records = TakeRecords();
+  if (!records.empty() || g_failed.empty()) return records;
+  std::vector<int> all;
+  for (const auto& [ordinal, why] : g_failed) all.push_back(ordinal);
+  std::string why;
+  const std::string failed = FailedAmong(all, &why);
+  return "jax_flashoverlap: " + failed + " failed earlier, so every call on "
+         "their groups fails until jax_flashoverlap.reset(). The first fault: " +
+         why;
+}
+
+void MarkFailed(const std::vector<int>& ordinals, const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (int o : ordinals) g_failed.emplace(o, why);
+}
+
+ffi::Error CheckGroupHealthy(OpId op, const GroupSpec& group) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const std::string records = TakeRecords();
+  std::string why;
+  const std::string failed = FailedAmong(group.ordinals, &why);
+  if (failed.empty()) return ffi::Error::Success();
+  return ffi::Error::Internal(
+      std::string("jax_flashoverlap ") + OpName(op) + ": " + failed +
+      " of this group failed earlier, so every call on it fails until "
+      "jax_flashoverlap.reset(). The first fault: " + why +
+      (records.empty() ? "" : "\nRecorded now: " + records));
+}
+
+std::string ResetTransport() {
+  std::vector<DeviceState*> devices;
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    for (auto& [ordinal, st] : g_devices) devices.push_back(st.get());
+  }
+  // No call in flight on any device (the same order as every caller: a
+  // Channel takes its device's lock before g_mu).
+  std::vector<std::unique_lock<std::mutex>> held;
+  for (DeviceState* st : devices) held.emplace_back(st->mu);
+  // Every wait of the transport gives up within its timeout, so this ends.
+  for (DeviceState* st : devices) {
+    DeviceGuard guard(st->ordinal);
+    cudaError_t err = cudaDeviceSynchronize();
+    if (err != cudaSuccess) {
+      return "CUDA device " + std::to_string(st->ordinal) +
+             " reports an error (" + cudaGetErrorString(err) +
+             "); the process must restart";
+    }
+  }
+  for (DeviceState* st : devices) {
+    DeviceGuard guard(st->ordinal);
+    ffi::Error cleared = ClearControl(st);
+    if (cleared.failure()) {
+      return "clearing CUDA device " + std::to_string(st->ordinal) +
+             ": " + std::string(cleared.message());
+    }
+    std::fill(st->sent_epoch.begin(), st->sent_epoch.end(), 0u);
+    std::fill(st->recv_epoch.begin(), st->recv_epoch.end(), 0u);
+    std::fill(st->pair_calls.begin(), st->pair_calls.end(), 0u);
+    __atomic_store_n(&st->record->set, 0, __ATOMIC_RELEASE);
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_failed.clear();
+  g_fault = InjectedFault{};
+  return "";
+}
+
+void InjectFault(FaultKind kind, int ordinal, int calls, int stall_ms) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_fault = InjectedFault{kind, ordinal, calls, stall_ms};
+}
+
+FaultKind TakeFault(int ordinal, int* stall_ms) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_fault.kind == FaultKind::kNone || g_fault.ordinal != ordinal ||
+      --g_fault.calls > 0) {
+    return FaultKind::kNone;
+  }
+  const FaultKind kind = g_fault.kind;
+  *stall_ms = g_fault.stall_ms;
+  g_fault = InjectedFault{};
+  return kind;
 }
 
 bool PeerStoresAllowed(const void* ptr, const GroupSpec& group) {

@@ -1,5 +1,5 @@
-// Device side of the peer transport: the bounded flag wait and the NaN fill
-// after a timeout. Included by channel.cu only.
+// Device side of the peer transport: the bounded flag wait, the NaN fill
+// after a timeout and the injected stall. Included by channel.cu only.
 #pragma once
 
 #include <cstddef>
@@ -27,6 +27,13 @@ __global__ void WaitFlagKernel(const uint32_t* flag, uint32_t expected,
   if (atomicExch(fail_call, call_id) == call_id) return;
   signal::RecordTimeout(record, record_lock, info, info.peer_rank,
                         info.peer_ordinal, expected, seen);
+}
+
+// Holds the stream for `ns` (the "stall" of the fault-injection hook).
+__global__ void SleepKernel(uint64_t ns) {
+  const uint64_t start = signal::GlobalTimerNs();
+  while (signal::GlobalTimerNs() - start < ns) {
+  }
 }
 
 // Sets `words` 32-bit words to `value` (the Lamport slots' empty pattern).

@@ -7,7 +7,7 @@
 //     seq  [num_devices][kArMaxBlocks]            calls of pair (this, peer)
 //     flags[kArFlagKinds][num_devices][kArMaxBlocks]   written by the sender
 //     lamport_seq[num_devices][kLamportBlocks]      calls of the Lamport kernel
-//     lamport_poison                                 one word, see PeerRegion
+//     region_failed                                 one word, see PeerRegion
 //   data: Lamport slots [num_devices - 1 senders][2 parities] of
 //     LamportSlotBytes(num_devices) (kept at kLamportEmpty, filled at
 //     allocation), then
@@ -35,7 +35,7 @@ ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
   st->ar_seq = reinterpret_cast<uint32_t*>(control + kArControlOffset);
   st->ar_flags = st->ar_seq + words;
   st->lamport_seq = st->ar_flags + kArFlagKinds * words;
-  st->lamport_poison = st->lamport_seq + lamport_words;
+  st->region_failed = st->lamport_seq + lamport_words;
   const size_t senders = SenderCount(st->num_devices);
   const size_t lamport_bytes = senders * 2 * LamportSlotBytes(st->num_devices);
   if (lamport_bytes >= bytes) {
@@ -63,8 +63,7 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
   JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
   const int self = group.ordinals[group.rank];
   DeviceState* me = LookupDevice(self);
-  std::string pending = TakeRecord(me);
-  if (!pending.empty()) return ffi::Error::Internal(WithTimeoutHint(pending));
+  JFO_RETURN_IF_ERROR(CheckGroupHealthy(op, group));
 
   PeerRegion r{};
   const size_t lamport_slot = LamportSlotBytes(me->num_devices);
@@ -95,10 +94,10 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
         me->lamport_slots + me->SenderIndex(other) * 2 * lamport_slot;
     r.lamport_seq[q] =
         me->lamport_seq + static_cast<size_t>(other) * kLamportBlocks;
-    r.lamport_poison_peer[q] = peer->lamport_poison;
+    r.region_failed_peer[q] = peer->region_failed;
   }
   r.lamport_parity_bytes = lamport_slot;
-  r.lamport_poison = me->lamport_poison;
+  r.region_failed = me->region_failed;
   r.parity_bytes = me->ar_slot_bytes;
   r.stripe_bytes = me->ar_slot_bytes / kArMaxBlocks;
   r.flag_kind_stride = kind_stride;

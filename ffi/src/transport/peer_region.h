@@ -73,15 +73,19 @@ struct PeerRegion {
   const char* lamport_recv[kArMaxRanks];
   uint32_t* lamport_seq[kArMaxRanks];
   size_t lamport_parity_bytes;
-  // Sticky "do not trust the Lamport slots" words: this device's, and each
-  // peer's (in its memory). A Lamport wait that times out sets its own and
-  // its peers'; a late message may still land in a slot after that.
-  uint32_t* lamport_poison;
-  uint32_t* lamport_poison_peer[kArMaxRanks];
+  // Sticky "this region failed" words: this device's, and each peer's (in
+  // its memory). Any all-reduce wait that times out sets its own and its
+  // peers' (a late message may still land in a slot after that, and the
+  // pair's counters no longer agree); every all-reduce kernel on a device
+  // whose word is set writes NaN and sends nothing, until reset. The host
+  // code cannot stop a call replayed from a CUDA graph: this word does.
+  uint32_t* region_failed;
+  uint32_t* region_failed_peer[kArMaxRanks];
 };
 // The region of `group` for this device. Waits (bounded) for the group like
-// EnsureGroupReady, and reports a timeout recorded by an earlier call. Host
-// only; allocates nothing, so it may run while a CUDA graph is captured.
+// EnsureGroupReady, and fails when a device of the group failed earlier
+// (CheckGroupHealthy). Host only; allocates nothing, so it may run while a
+// CUDA graph is captured.
 ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
                                          int timeout_ms);
 

@@ -39,13 +39,16 @@ struct DeviceState {
   char* ar_slots = nullptr;      // [sender index][parity], ar_slot_bytes each
   size_t ar_slot_bytes = 0;
   uint32_t* lamport_seq = nullptr;     // [peer ordinal][kLamportBlocks]
-  uint32_t* lamport_poison = nullptr;  // one word, see PeerRegion
+  uint32_t* region_failed = nullptr;  // one word, see PeerRegion
   char* lamport_slots = nullptr;       // [sender index][parity], LamportSlotBytes
   size_t lamport_slots_bytes = 0;      // all of them
   TimeoutRecord* record = nullptr;  // host-mapped pinned memory
   std::vector<cudaStream_t> send_streams, wait_streams;  // per peer ordinal
   cudaStream_t copy_stream = nullptr;
   std::vector<cudaEvent_t> events;
+  // Recorded at the end of every Channel call, waited on at the start of the
+  // next: calls on one device run in host order even from different streams.
+  cudaEvent_t last_end = nullptr;
   std::vector<uint32_t> sent_epoch, recv_epoch;  // per peer ordinal
   std::vector<uint64_t> pair_calls;              // per peer ordinal
   uint32_t call_id = 0;

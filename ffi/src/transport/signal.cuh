@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "peer_region.h"
 #include "transport.h"
 
 namespace jfo {
@@ -78,6 +79,20 @@ __device__ __forceinline__ void RecordTimeout(TimeoutRecord* record,
   }
   __threadfence();
   atomicExch(lock, 0u);
+}
+
+// After a timeout of an all-reduce wait: the region of this device and of
+// every peer of the group has failed (PeerRegion::region_failed).
+__device__ __forceinline__ void FailRegion(const PeerRegion& region, int n,
+                                           int rank) {
+  StoreRelease(region.region_failed, 1u);
+  for (int p = 0; p < n; ++p) {
+    if (p != rank) StoreRelease(region.region_failed_peer[p], 1u);
+  }
+}
+
+__device__ __forceinline__ bool RegionFailed(const PeerRegion& region) {
+  return *reinterpret_cast<volatile uint32_t*>(region.region_failed) != 0;
 }
 
 }  // namespace signal

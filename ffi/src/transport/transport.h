@@ -45,8 +45,35 @@ ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
 ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms);
 
 // Returns (and clears) the recorded wait timeouts of every device, one per
-// line, or "".
+// line, or "". The devices of each record (the waiter and the peer it waited
+// for) are marked failed: see CheckGroupHealthy.
 std::string TakePendingError();
+
+// Sticky failure. After a timeout, or an error once a call may have moved
+// anything, the devices involved are marked failed, and every later call on a
+// group with a failed device fails at once, before it sends anything, on
+// every member, until ResetTransport: a rank whose counters fell out of step
+// never runs again and so never reads a peer's stale data.
+ffi::Error CheckGroupHealthy(OpId op, const GroupSpec& group);
+void MarkFailed(const std::vector<int>& ordinals, const std::string& why);
+
+// Waits until every device of the transport is idle, then returns it to its
+// state after allocation (flags, counters, Lamport slots zeroed or refilled,
+// no failures, no injected fault). Returns "" or why it could not.
+std::string ResetTransport();
+
+// The fault-injection hook for tests (off unless InjectFault is called): the
+// `calls`-th next call on CUDA device `ordinal` raises an error after its
+// first send ("error"), raises at its start and sends nothing ("skip", what a
+// rank that drops out does), or starts `stall_ms` late ("stall").
+enum class FaultKind : int { kNone = 0, kError = 1, kSkip = 2, kStall = 3 };
+void InjectFault(FaultKind kind, int ordinal, int calls, int stall_ms);
+// The fault due now on `ordinal` (counting this call), or kNone.
+FaultKind TakeFault(int ordinal, int* stall_ms);
+// For single-kernel ops, before their launch on `stream`: the fault due now
+// on this device. "error" and "skip" mark the group failed and return the
+// error; "stall" enqueues the delay (captured into a CUDA graph with the op).
+ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream);
 
 // The CUDA driver's module loading mode in this process: "lazy", "eager",
 // or "unknown" (no driver, or CUDA not initialised yet).
@@ -77,8 +104,17 @@ struct DeviceState;
 // issue the same number of messages to every peer in a call.
 class Channel {
  public:
-  // Reports a timeout recorded by an earlier call, records the call start on
-  // `stream` (every copy into an output or a peer is ordered after it).
+  Channel() = default;
+  Channel(const Channel&) = delete;
+  Channel& operator=(const Channel&) = delete;
+  // A call that ends between its real pass's start and a successful End
+  // (an error return) marks its group failed: its counters and its peers'
+  // may no longer agree.
+  ~Channel();
+  // Fails at once when a device of the group failed earlier
+  // (CheckGroupHealthy); orders the call after this device's previous one,
+  // and records the call start on `stream` (every copy into an output or a
+  // peer is ordered after it).
   ffi::Error Begin(OpId op, const GroupSpec& group, int timeout_ms,
                    cudaStream_t stream);
   // Runs the op's `schedule` (the calls below) twice. The first pass is a
@@ -93,7 +129,7 @@ class Channel {
   bool rehearsal() const { return rehearsal_; }
   // Fails, naming the fix, when one message or the local scratch exceed the
   // workspace (JAX_FLASHOVERLAP_WORKSPACE_MB).
-  ffi::Error CheckCapacity(size_t slot_bytes, size_t staging_bytes) const;
+  ffi::Error CheckCapacity(size_t slot_bytes, size_t staging_bytes);
 
   int rank() const { return group_->rank; }
   int n() const { return group_->n; }
@@ -137,6 +173,8 @@ class Channel {
 
  private:
   ffi::ErrorOr<cudaEvent_t> NextEvent();
+  ffi::Error InjectedError();  // clears the injected fault, returns its error
+  ffi::Error Ended();          // the call's last step
 
   DeviceState* dev_ = nullptr;
   const GroupSpec* group_ = nullptr;
@@ -148,6 +186,10 @@ class Channel {
   int events_rehearsed_ = 0;  // events the real pass of the schedule will take
   uint32_t call_id_ = 0;
   bool rehearsal_ = false;
+  bool committed_ = false;  // past the checks: peers may see this call
+  bool ended_ = false;
+  FaultKind fault_ = FaultKind::kNone;
+  std::string failure_;  // the error that stopped the call, for MarkFailed
   bool waits_on_xla_stream_ = false;
   std::vector<int> sent_;    // messages sent to each rank in this call
   std::vector<int> parity_;  // receive-slot parity per rank in this call

@@ -1,0 +1,75 @@
+"""What happens after a fault in the CUDA transport: the sticky failure of a
+group, :func:`reset`, and the fault-injection hook for tests.
+
+A wait on another GPU that times out, or an error in the middle of a call,
+can leave the GPUs of a group disagreeing about which message belongs to
+which call. A GPU that ran on would then read its peers' stale data as if it
+were new. So the group has *failed*, everywhere and for good: the outputs of
+the call that failed are NaN, and every later call on a group with a failed
+GPU raises at once, on every GPU, naming the first fault, until
+:func:`reset`. Errors that are the same on every rank and come before
+anything moves (a shape the workspace cannot hold, too many chunks) fail
+only their own call.
+
+Under CUDA graph replay (XLA's command buffers) the all-reduce's host code
+does not run: a replayed call after a fault returns NaN, and
+:func:`~jax_flashoverlap.check_device_errors` raises.
+
+The NVSHMEM all-reduce across processes fails the same way, for the rest of
+the processes' lives (:func:`reset` does not cover it).
+"""
+
+from __future__ import annotations
+
+from . import _extension
+
+__all__ = ["reset", "inject_fault", "FAULT_KINDS"]
+
+FAULT_KINDS = ("error", "skip", "stall", "none")
+
+
+def _ops_module(what: str):
+    mod = _extension._module()
+    if mod is None or not hasattr(mod, "reset") or not _extension.build_info()["cuda"]:
+        raise RuntimeError(f"jax_flashoverlap.{what} needs the CUDA build of the extension "
+                           f"(build_info()['cuda'] is False)")
+    return mod
+
+
+def reset() -> None:
+    """Returns this process's CUDA transport to its state before its first
+    call: no failed group, every flag and call counter zero, no injected
+    fault.
+
+    Waits until every GPU the transport has used is idle (a pending wait
+    gives up within its timeout, ``JAX_FLASHOVERLAP_TIMEOUT_MS``), so call it
+    when no other thread is running CUDA ops. A CPU-only build has no
+    transport: there it does nothing.
+
+    Raises:
+      RuntimeError: a GPU reports a CUDA error (the process must restart).
+    """
+    mod = _extension._module()
+    if mod is None or not hasattr(mod, "reset"):
+        return
+    mod.reset()
+
+
+def inject_fault(kind: str, *, device: int, call: int = 1, stall_ms: int = 0) -> None:
+    """Test hook, off unless called: makes a chosen call on one GPU fail.
+
+    Args:
+      kind: "error" (the call raises after its first send, or at its end when
+        it sends nothing), "skip" (the call raises at its start and sends
+        nothing, as a rank that dropped out), "stall" (the call starts
+        ``stall_ms`` late) or "none" (clears an injected fault).
+      device: the CUDA ordinal (``jax.Device.local_hardware_id``).
+      call: the ``call``-th next call of a CUDA op on that GPU (1: the next).
+      stall_ms: the delay of a "stall".
+    """
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"inject_fault: kind must be one of {FAULT_KINDS}, got {kind!r}")
+    if device < 0 or call < 1 or stall_ms < 0:
+        raise ValueError(f"inject_fault: need device >= 0, call >= 1 and stall_ms >= 0, got "
+                         f"device={device}, call={call}, stall_ms={stall_ms}")
+    _ops_module("inject_fault").inject_fault(kind, device, call, stall_ms)

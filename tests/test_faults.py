@@ -1,0 +1,121 @@
+"""Sticky failure of the CUDA transport, jax_flashoverlap.reset() and the
+fault-injection hook (jax_flashoverlap/faults.py).
+
+The GPU tests drive one op's handler directly over a group of one GPU (the
+wrappers lower an axis of one rank to the local dot, without the transport),
+so the failure, the refusal of later calls and the reset run on one GPU. The
+faults between two GPUs are in test_cuda_all_reduce.py (gpus(2)).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from support import assert_close, f64, poison_allocator
+
+import jax_flashoverlap as jfo
+from jax_flashoverlap import _extension, faults
+
+STICKY = r"failed earlier, so every call on it fails until jax_flashoverlap.reset\(\)"
+
+
+def test_reset_is_exported_and_runs_without_a_failure():
+    assert jfo.reset is faults.reset
+    jfo.reset()  # CPU: no transport; GPU: nothing failed, a no-op either way
+    jfo.check_device_errors()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kind="crash", device=0), r"kind must be one of \('error', 'skip', 'stall', 'none'\), "
+                                   r"got 'crash'"),
+    (dict(kind="error", device=-1), r"need device >= 0, call >= 1 and stall_ms >= 0, got "
+                                    r"device=-1, call=1, stall_ms=0"),
+    (dict(kind="stall", device=0, call=0), "call=0"),
+    (dict(kind="stall", device=0, stall_ms=-5), "stall_ms=-5"),
+])
+def test_inject_fault_checks_its_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        faults.inject_fault(**kwargs)
+
+
+def test_inject_fault_needs_the_cuda_build(monkeypatch):
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda": False})
+    with pytest.raises(RuntimeError, match=r"jax_flashoverlap.inject_fault needs the CUDA "
+                                           r"build of the extension"):
+        faults.inject_fault("error", device=0)
+
+
+def _one_gpu_matmul_all_reduce(rows: int, chunk_rows: list[int]):
+    """The matmul_all_reduce handler over a group of GPU 0 alone: x [rows, 64]
+    @ w [64, 48] -> y [rows, 48] float32, in ``chunk_rows`` chunks."""
+    _extension.require_cuda_ops("matmul_all_reduce", "jfo_matmul_all_reduce")  # registers
+    device = jax.devices("gpu")[0]
+    call = jax.ffi.ffi_call("jfo_matmul_all_reduce",
+                            jax.ShapeDtypeStruct((rows, 48), jnp.float32))
+    attrs = dict(group_ordinals=np.asarray([device.local_hardware_id], np.int32),
+                 n=np.int32(1), timeout_ms=np.int32(2000),
+                 chunk_rows=np.asarray(chunk_rows, np.int32))
+    return jax.jit(lambda x, w: call(x, w, **attrs)), device
+
+
+def _operands(rng, rows, device):
+    x = jax.device_put(rng.standard_normal((rows, 64), dtype=np.float32), device)
+    w = jax.device_put(rng.standard_normal((64, 48), dtype=np.float32), device)
+    return x, w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["error", "skip"])
+def test_a_fault_fails_every_later_call_until_reset(kind, rng):
+    """The call that fails raises the injected error; every later call on the
+    group raises naming it, until reset(); then the op is exact again."""
+    f, device = _one_gpu_matmul_all_reduce(96, [64, 32])
+    x, w = _operands(rng, 96, device)
+    expected = f64(x) @ f64(w)
+    assert_close(f(x, w), expected, "float32")
+    faults.inject_fault(kind, device=device.local_hardware_id, call=2)
+    assert_close(f(x, w), expected, "float32")  # call 1 of the countdown
+    with pytest.raises(jax.errors.JaxRuntimeError, match="injected fault"):
+        f(x, w).block_until_ready()
+    for _ in range(2):
+        with pytest.raises(jax.errors.JaxRuntimeError, match=STICKY + ".*injected fault"):
+            f(x, w).block_until_ready()
+    with pytest.raises(RuntimeError, match="injected fault"):
+        jfo.check_device_errors()  # sticky there too
+    jfo.reset()
+    jfo.check_device_errors()
+    poison_allocator(96 * 48 * 4, devices=[device])
+    x, w = _operands(rng, 96, device)
+    assert_close(f(x, w), f64(x) @ f64(w), "float32")
+
+
+@pytest.mark.gpu
+def test_a_refusal_before_anything_moves_leaves_the_group_sound(rng):
+    """Too many chunks for the per-call event budget: refused before the
+    first send, the same on every rank, so the next call runs."""
+    rows = 1100
+    too_many, device = _one_gpu_matmul_all_reduce(rows, [1] * rows)
+    x, w = _operands(rng, rows, device)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="events per call, more than 1024; "
+                                                         "use fewer chunks"):
+        too_many(x, w).block_until_ready()
+    jfo.check_device_errors()
+    f, _ = _one_gpu_matmul_all_reduce(rows, [rows])
+    assert_close(f(x, w), f64(x) @ f64(w), "float32")
+
+
+@pytest.mark.gpu
+def test_a_stall_delays_the_call_and_breaks_nothing(rng):
+    """A stalled call on a group of one has nobody to keep waiting: it ends
+    late and exact, and the group stays sound."""
+    import time
+
+    f, device = _one_gpu_matmul_all_reduce(64, [64])
+    x, w = _operands(rng, 64, device)
+    f(x, w).block_until_ready()
+    faults.inject_fault("stall", device=device.local_hardware_id, stall_ms=300)
+    start = time.perf_counter()
+    y = f(x, w).block_until_ready()
+    assert time.perf_counter() - start >= 0.3
+    assert_close(y, f64(x) @ f64(w), "float32")
+    jfo.check_device_errors()
