@@ -11,10 +11,10 @@ and ``jax.jit``; :mod:`jax_flashoverlap.sharded` has the global-array forms.
 from . import _checkout  # noqa: F401  # isort: skip
 from . import _module_loading, schedule, settings, sharded  # noqa: F401
 from ._extension import build_info, check_device_errors
-from .faults import reset
 from ._validation import IMPLS
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
+from .faults import reset
 from .matmul_all_reduce import matmul_all_reduce
 from .matmul_reduce_scatter import matmul_reduce_scatter
 
