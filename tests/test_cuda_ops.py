@@ -131,7 +131,7 @@ def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monke
 def test_waits_on_the_xla_stream(chunks, fold, rng, monkeypatch):
     """cuda_policy.PEER_WAIT_STREAM = "xla": each peer wait runs on XLA's stream
     just before its GEMM or add; forward, gradients and back-to-back calls
-    (epochs over several calls) equal the reference."""
+    (flags over several calls) equal the reference."""
     monkeypatch.setattr(cuda_policy, "PEER_WAIT_STREAM", "xla")
     monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_FOLD", fold)
     mesh, n = _mesh()

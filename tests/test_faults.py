@@ -119,3 +119,26 @@ def test_a_stall_delays_the_call_and_breaks_nothing(rng):
     assert time.perf_counter() - start >= 0.3
     assert_close(y, f64(x) @ f64(w), "float32")
     jfo.check_device_errors()
+
+
+def _flag(call: int, message: int) -> int:
+    """A copy-engine flag: the pair's call number (20 bits, wrapping) over
+    the message's index in the call (12 bits)."""
+    return ((call % (1 << 20)) << 12) | message
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seen, expected, timeout_ms, outcome", [
+    (_flag(5, 3), _flag(5, 3), 100, "reached"),
+    (_flag(5, 9), _flag(5, 3), 100, "reached"),      # later messages of the call
+    (_flag(6, 1), _flag(5, 3), 100, "reached"),      # the peer one call ahead
+    (_flag(7, 1), _flag(5, 3), 100, "out of step"),  # two calls: out of step
+    (_flag(5, 2), _flag(5, 3), 50, "timed out"),
+    (_flag(1 << 20, 1), _flag((1 << 20) - 1, 4), 100, "reached"),  # call numbers wrap
+    (_flag((1 << 20) + 1, 1), _flag((1 << 20) - 1, 4), 100, "out of step"),
+])
+def test_the_copy_engine_wait_rejects_a_peer_two_calls_ahead(seen, expected, timeout_ms,
+                                                             outcome):
+    _extension.require_cuda_ops("all_gather_matmul", "jfo_all_gather_matmul")
+    ordinal = jax.devices("gpu")[0].local_hardware_id
+    assert _extension._module().debug_wait_flag(ordinal, seen, expected, timeout_ms) == outcome

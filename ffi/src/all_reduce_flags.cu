@@ -61,11 +61,15 @@ __device__ void Wait(const Args& a, int kind, const uint32_t* seq,
         a.region.recv_flag[q] + kind * a.region.flag_kind_stride + blockIdx.x;
     for (;;) {
       const uint32_t seen = signal::LoadAcquire(flag);
-      if (signal::Reached(seen, seq[q])) break;
-      if (signal::GlobalTimerNs() > deadline) {
+      // A peer leads by at most one call (see the top): two is out of step.
+      const bool ahead = signal::Reached(seen, seq[q] + 2);
+      if (signal::Reached(seen, seq[q]) && !ahead) break;
+      if (ahead || signal::GlobalTimerNs() > deadline) {
         *failed = 1;
         signal::FailRegion(a.region, a.n, a.rank);
-        signal::RecordTimeout(a.region.record, a.region.record_lock, a.info, q,
+        TimeoutRecord info = a.info;
+        info.out_of_step = ahead;
+        signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
                               a.region.ordinals[q], seq[q], seen);
         break;
       }

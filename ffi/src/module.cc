@@ -170,6 +170,16 @@ void InjectFault(const std::string& kind, int ordinal, int call, int stall_ms) {
 #endif
 }
 
+std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
+                          int timeout_ms) {
+#ifdef JFO_WITH_CUBLASLT
+  return jfo::DebugWaitFlag(ordinal, flag, expected, timeout_ms);
+#else
+  (void)ordinal, (void)flag, (void)expected, (void)timeout_ms;
+  throw std::runtime_error("debug_wait_flag: this build has no CUDA ops");
+#endif
+}
+
 void SetCublasLtPath(const std::string& path) {
 #ifdef JFO_WITH_CUBLASLT
   jfo::SetCublasLtPath(path);
@@ -216,6 +226,10 @@ NB_MODULE(_ffi, m) {
         "Test hook: the call-th next call on CUDA device `ordinal` fails "
         "('error': after its first send; 'skip': at its start) or starts "
         "stall_ms late ('stall'); 'none' clears it.");
+  m.def("debug_wait_flag", &DebugWaitFlag, nb::arg("ordinal"), nb::arg("flag"),
+        nb::arg("expected"), nb::arg("timeout_ms"),
+        "Test hook: the copy-engine wait kernel against a flag holding `flag`: "
+        "'reached', 'timed out' or 'out of step'.");
   m.def("set_cublaslt_path", &SetCublasLtPath, nb::arg("path"),
         "dlopen cuBLASLt from this path if it is not loaded yet.");
 }

@@ -65,6 +65,40 @@ Channel::~Channel() {
   }
 }
 
+std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
+                          int timeout_ms) {
+  DeviceGuard guard(ordinal);
+  uint32_t* words = nullptr;  // [flag, fail_call, record_lock]
+  TimeoutRecord* record = nullptr;
+  std::string result;
+  auto check = [&](cudaError_t err) {
+    if (err != cudaSuccess && result.empty()) {
+      result = std::string("CUDA error: ") + cudaGetErrorString(err);
+    }
+    return err == cudaSuccess;
+  };
+  if (check(cudaMalloc(&words, 3 * sizeof(uint32_t))) &&
+      check(cudaHostAlloc(&record, sizeof(TimeoutRecord),
+                          cudaHostAllocMapped | cudaHostAllocPortable))) {
+    *record = TimeoutRecord{};
+    const uint32_t init[3] = {flag, 0, 0};
+    TimeoutRecord info{};
+    if (check(cudaMemcpy(words, init, sizeof(init), cudaMemcpyHostToDevice))) {
+      WaitFlagKernel<<<1, 1>>>(words, expected,
+                               static_cast<uint64_t>(timeout_ms) * 1000000ull,
+                               words + 1, 1, record, words + 2, info);
+      if (check(cudaGetLastError()) && check(cudaDeviceSynchronize())) {
+        result = !record->set ? "reached"
+                 : record->out_of_step ? "out of step"
+                                       : "timed out";
+      }
+    }
+  }
+  if (record) cudaFreeHost(record);
+  if (words) cudaFree(words);
+  return result;
+}
+
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
   int stall_ms = 0;
   const FaultKind kind = TakeFault(group.ordinals[group.rank], &stall_ms);
@@ -214,6 +248,12 @@ ffi::Error Channel::WaitOn(cudaEvent_t event) {
 ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
                                 size_t bytes, cudaEvent_t after) {
   if (rehearsal_) return 0;
+  if (sent_[peer_rank] >= kMaxMessagesPerCall) {  // the event budget keeps it far off
+    return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op_) +
+                                ": more than " +
+                                std::to_string(kMaxMessagesPerCall) +
+                                " messages to one peer in a call");
+  }
   const int peer = group_->ordinals[peer_rank];
   const int self = group_->ordinals[group_->rank];
   DeviceState* dst = LookupDevice(peer);
@@ -225,10 +265,11 @@ ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
                                              cudaMemcpyDeviceToDevice, s));
   }
   // The default flags order the write after the copy's data is visible.
-  const uint32_t epoch = ++dev_->sent_epoch[peer];
+  const uint32_t flag =
+      ChannelFlag(dev_->pair_calls[peer] + 1, sent_[peer_rank] + 1);
   CUresult res = g_write_value32(
       reinterpret_cast<CUstream>(s),
-      reinterpret_cast<CUdeviceptr>(dst->flags + self), epoch, 0);
+      reinterpret_cast<CUdeviceptr>(dst->flags + self), flag, 0);
   if (res != CUDA_SUCCESS) {
     return ffi::Error::Internal("jax_flashoverlap: cuStreamWriteValue32 failed "
                                 "with CUresult " + std::to_string(res));
@@ -255,7 +296,7 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
   info.peer_rank = peer_rank;
   info.peer_ordinal = peer;
   info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
-  const uint32_t expected = dev_->recv_epoch[peer] + index + 1;
+  const uint32_t expected = ChannelFlag(dev_->pair_calls[peer] + 1, index + 1);
   WaitFlagKernel<<<1, 1, 0, s>>>(dev_->flags + peer, expected, timeout_ns_,
                                  dev_->fail_call, call_id_, dev_->record,
                                  dev_->record_lock, info);
@@ -283,8 +324,6 @@ ffi::Error Channel::End(const std::vector<Output>& outputs) {
     const int peer = group_->ordinals[r];
     side.push_back(dev_->send_streams[peer]);
     side.push_back(dev_->wait_streams[peer]);
-    // Symmetric schedules: the peer sent us as many messages as we sent it.
-    dev_->recv_epoch[peer] += sent_[r];
     dev_->pair_calls[peer] += 1;
   }
   for (cudaStream_t s : side) {

@@ -4,12 +4,13 @@
 // flag, waits are one-thread kernels with a timeout.
 //
 // Flow control. Every ordered pair (sender s, receiver d) has one flag word in
-// d's workspace. Each message raises it to the next epoch; epochs only grow
-// (a flag is never reset), so a waiter checks `flag >= epoch` and a late or
-// repeated signal cannot satisfy a future wait early. Both sides count epochs
-// on the host: the handlers run their host code every call (they are not
-// command-buffer compatible), and every op sends the same number of messages
-// in both directions of a pair.
+// d's workspace. Each message raises it to (the pair's call number, the
+// message's index in the call) (ChannelFlag); flags only grow (until a
+// reset), so a waiter checks `flag >= (call, index)` and a late or repeated
+// signal cannot satisfy a future wait early, and a flag two calls ahead
+// means the ranks are out of step (the wait fails). Both sides count the
+// pair's calls on the host: the handlers run their host code every call
+// (they are not command-buffer compatible).
 //
 // Slot reuse. The receive slot of a pair is double-buffered by call parity,
 // and a call's sends are ordered after that call's start on the sender's XLA
@@ -145,8 +146,6 @@ ffi::ErrorOr<DeviceState*> AllocateDevice(DeviceState* st) {
   }
   JFO_CUDA_RETURN_IF_ERROR(
       cudaEventCreateWithFlags(&st->last_end, cudaEventDisableTiming));
-  st->sent_epoch.assign(st->num_devices, 0);
-  st->recv_epoch.assign(st->num_devices, 0);
   st->pair_calls.assign(st->num_devices, 0);
   // Load our kernels now: with CUDA lazy loading, a first launch while a
   // wait kernel spins can block until that wait times out.
@@ -188,12 +187,20 @@ std::string FormatTimeout(const TimeoutRecord& r) {
            std::to_string(r.expected) + " after its " +
            std::to_string(r.timeout_ms) + " ms timeout";
   }
+  if (r.out_of_step) {
+    return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
+           std::to_string(r.rank) + " (CUDA device " + std::to_string(r.ordinal) +
+           ") found rank " + std::to_string(r.peer_rank) + " (CUDA device " +
+           std::to_string(r.peer_ordinal) + ") at least two calls ahead (flag " +
+           std::to_string(r.seen) + ", expected " + std::to_string(r.expected) +
+           "): the ranks are out of step (a call ran on some ranks only)";
+  }
   const std::string what =
       op == OpId::kAllReduceLamport
           ? "its data of call " + std::to_string(r.expected) +
                 " of the pair (Lamport calls on this device return NaN until "
                 "jax_flashoverlap.reset())"
-          : "epoch " + std::to_string(r.expected) + " (flag holds " +
+          : "flag value " + std::to_string(r.expected) + " (flag holds " +
                 std::to_string(r.seen) + ")";
   return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
          std::to_string(r.rank) + " (CUDA device " + std::to_string(r.ordinal) +
@@ -386,8 +393,6 @@ std::string ResetTransport() {
       return "clearing CUDA device " + std::to_string(st->ordinal) +
              ": " + std::string(cleared.message());
     }
-    std::fill(st->sent_epoch.begin(), st->sent_epoch.end(), 0u);
-    std::fill(st->recv_epoch.begin(), st->recv_epoch.end(), 0u);
     std::fill(st->pair_calls.begin(), st->pair_calls.end(), 0u);
     __atomic_store_n(&st->record->set, 0, __ATOMIC_RELEASE);
   }

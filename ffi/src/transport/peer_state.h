@@ -49,8 +49,7 @@ struct DeviceState {
   // Recorded at the end of every Channel call, waited on at the start of the
   // next: calls on one device run in host order even from different streams.
   cudaEvent_t last_end = nullptr;
-  std::vector<uint32_t> sent_epoch, recv_epoch;  // per peer ordinal
-  std::vector<uint64_t> pair_calls;              // per peer ordinal
+  std::vector<uint64_t> pair_calls;  // calls of the pair, per peer ordinal
   uint32_t call_id = 0;
   std::mutex mu;
 

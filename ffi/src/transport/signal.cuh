@@ -74,6 +74,7 @@ __device__ __forceinline__ void RecordTimeout(TimeoutRecord* record,
     record->timeout_ms = info.timeout_ms;
     record->expected = expected;
     record->seen = seen;
+    record->out_of_step = info.out_of_step;
     __threadfence_system();  // the fields before `set`
     record->set = 1;
   }

@@ -74,6 +74,10 @@ FaultKind TakeFault(int ordinal, int* stall_ms);
 // on this device. "error" and "skip" mark the group failed and return the
 // error; "stall" enqueues the delay (captured into a CUDA graph with the op).
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream);
+// Test hook: runs the Channel's wait kernel on CUDA device `ordinal` against
+// a flag holding `flag` and returns "reached", "timed out" or "out of step".
+std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
+                          int timeout_ms);
 
 // The CUDA driver's module loading mode in this process: "lazy", "eager",
 // or "unknown" (no driver, or CUDA not initialised yet).
@@ -84,13 +88,27 @@ std::string ModuleLoadingMode();
 // pointers while JAX_FLASHOVERLAP_PEER_STORES=0 (a switch for debugging).
 bool PeerStoresAllowed(const void* ptr, const GroupSpec& group);
 
-// What a wait that timed out leaves for the host (host-mapped memory, written
-// by the device under PeerRegion::record_lock, read by TakePendingError).
+// What a wait that failed leaves for the host (host-mapped memory, written
+// by the device under PeerRegion::record_lock, read by TakePendingError):
+// it timed out, or it saw its peer at least two calls ahead, which no
+// schedule allows (a peer leads by at most one call), so the ranks are out of
+// step.
 struct TimeoutRecord {
   volatile int32_t set;
   int32_t op, rank, ordinal, peer_rank, peer_ordinal, timeout_ms;
   uint32_t expected, seen;
+  int32_t out_of_step;  // 0: timed out; 1: the peer was two calls ahead
 };
+
+// A copy-engine flag (Channel): the pair's call number, wrapping, in the high
+// bits and the message's index in the call, from 1, in the low ones. A later
+// message of the pair always holds a larger value (in wrapping order).
+constexpr int kFlagMessageBits = 12;
+constexpr int kMaxMessagesPerCall = (1 << kFlagMessageBits) - 1;
+inline uint32_t ChannelFlag(uint64_t pair_call, int message) {
+  return static_cast<uint32_t>(pair_call << kFlagMessageBits) |
+         static_cast<uint32_t>(message);
+}
 
 // The workspace starts with the GEMMs' cuBLASLt workspace; every call may
 // record up to kEventsPerCall CUDA events (peer.cu).
