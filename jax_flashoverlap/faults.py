@@ -15,11 +15,15 @@ Under CUDA graph replay (XLA's command buffers) the all-reduce's host code
 does not run: a replayed call after a fault returns NaN, and
 :func:`~jax_flashoverlap.check_device_errors` raises.
 
-The NVSHMEM all-reduce across processes fails the same way, for the rest of
-the processes' lives (:func:`reset` does not cover it).
+The NVSHMEM all-reduce across processes fails on the host only (a call
+replayed from a CUDA graph returns NaN), for the rest of the processes'
+lives (:func:`reset` does not cover it).
 """
 
 from __future__ import annotations
+
+import jax
+import numpy as np
 
 from . import _extension
 
@@ -41,10 +45,16 @@ def reset() -> None:
     call: no failed group, every flag and call counter zero, no injected
     fault.
 
-    Waits until every GPU the transport has used is idle (a pending wait
-    gives up within its timeout, ``JAX_FLASHOVERLAP_TIMEOUT_MS``), so call it
-    when no other thread is running CUDA ops. A CPU-only build has no
-    transport: there it does nothing.
+    First it runs a small computation on every local GPU and waits for it:
+    JAX runs a device's computations in the order they were dispatched, so
+    the host code of every earlier one (e.g. the other shards of the call
+    that failed) has run by then. Then it waits until every GPU the
+    transport has used is idle (a pending wait gives up within its timeout,
+    ``JAX_FLASHOVERLAP_TIMEOUT_MS``) and clears the transport. No other
+    thread may dispatch CUDA ops meanwhile: a call that runs across the reset
+    fails (its peers time out), but one that starts on some GPUs before it
+    and on others after it may pair with the wrong call. A CPU-only build
+    has no transport: there it does nothing.
 
     Raises:
       RuntimeError: a GPU reports a CUDA error (the process must restart).
@@ -52,6 +62,8 @@ def reset() -> None:
     mod = _extension._module()
     if mod is None or not hasattr(mod, "reset"):
         return
+    gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
+    jax.block_until_ready([jax.device_put(np.float32(0), d) + 1 for d in gpus])
     mod.reset()
 
 
@@ -59,10 +71,11 @@ def inject_fault(kind: str, *, device: int, call: int = 1, stall_ms: int = 0) ->
     """Test hook, off unless called: makes a chosen call on one GPU fail.
 
     Args:
-      kind: "error" (the call raises after its first send, or at its end when
-        it sends nothing), "skip" (the call raises at its start and sends
-        nothing, as a rank that dropped out), "stall" (the call starts
-        ``stall_ms`` late) or "none" (clears an injected fault).
+      kind: "error" (a collective matmul raises after its first send, or
+        at its end when it sends nothing; the all-reduce before its launch),
+        "skip" (the call raises at its start and sends nothing, as a rank
+        that dropped out), "stall" (the call starts ``stall_ms`` late) or
+        "none" (clears an injected fault).
       device: the CUDA ordinal (``jax.Device.local_hardware_id``).
       call: the ``call``-th next call of a CUDA op on that GPU (1: the next).
       stall_ms: the delay of a "stall".

@@ -145,7 +145,13 @@ nb::dict Settings() {
 
 void Reset() {
 #ifdef JFO_WITH_CUBLASLT
-  const std::string why = jfo::ResetTransport();
+  std::string why;
+  {
+    // It waits for every GPU (up to a wait's timeout): XLA's threads may
+    // need the GIL meanwhile.
+    nb::gil_scoped_release release;
+    why = jfo::ResetTransport();
+  }
   if (!why.empty()) throw std::runtime_error("jax_flashoverlap.reset: " + why);
 #endif
 }

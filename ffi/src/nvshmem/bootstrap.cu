@@ -285,7 +285,16 @@ void Finalize() {
   st = NvState{};
 }
 
+std::mutex g_failure_mu;  // the handler's threads and Python's
+std::string g_failure;
+
+std::string Failure() {
+  std::lock_guard<std::mutex> lock(g_failure_mu);
+  return g_failure;
+}
+
 std::optional<std::string> TakePendingError() {
+  std::lock_guard<std::mutex> lock(g_failure_mu);
   NvState& st = g_state;
   if (st.record == nullptr ||
       !__atomic_load_n(&st.record->set, __ATOMIC_ACQUIRE)) {
@@ -305,7 +314,7 @@ std::optional<std::string> TakePendingError() {
          "); the output was filled with NaN. Is process " +
          std::to_string(r.peer_pe) +
          " alive and running the same all-reduces in the same order?";
-  if (st.failed.empty()) st.failed = msg;
+  if (g_failure.empty()) g_failure = msg;
   return msg;
 }
 

@@ -303,12 +303,12 @@ ffi::Error AllReduceImpl(cudaStream_t stream, Buffer_Type x, Result_Type y,
   if (auto pending = TakePendingError()) {
     return ffi::Error::Internal(*pending);
   }
-  if (!st.failed.empty()) {
+  if (const std::string failure = Failure(); !failure.empty()) {
     return ffi::Error::Internal(
         "jax_flashoverlap nvshmem all_reduce: an earlier call of this process "
         "timed out, so every call fails until the processes restart (the "
         "PEs' call counters may no longer agree). The first fault: " +
-        st.failed);
+        failure);
   }
   const auto dtype = x.element_type();
   if (!IsSupportedFloat(dtype) || y->element_type() != dtype) {

@@ -60,9 +60,6 @@ struct NvState {
   NvTimeoutRecord* record_dev = nullptr;  // its device address
   uint32_t* record_lock = nullptr;    // device word
   CUmodule module = nullptr;  // set when started through the host library
-  // The first timeout seen: every later all-reduce of the process fails with
-  // it (the PEs' call counters may no longer agree), until it restarts.
-  std::string failed;
 };
 
 // The process's state (initialized == false before init / after finalize).
@@ -77,8 +74,11 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
           int device, bool hostlib, bool debug);
 void Finalize();
 // Returns (and clears) a recorded wait timeout, or nullopt; the first one
-// stays in NvState::failed.
+// is kept (Failure).
 std::optional<std::string> TakePendingError();
+// The first timeout seen, or "": every later all-reduce of the process fails
+// with it (the PEs' call counters may no longer agree), until it restarts.
+std::string Failure();
 // Loads the all-reduce kernels eagerly (hierarchical_all_reduce.cu).
 cudaError_t LoadKernels();
 // One of this module's kernels: finds the CUDA module whose copy of the

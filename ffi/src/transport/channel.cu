@@ -62,7 +62,29 @@ Channel::~Channel() {
                    std::to_string(group_->rank) + " (CUDA device " +
                    std::to_string(ordinal()) + ") stopped in the middle of a "
                    "call: " + (failure_.empty() ? "an error" : failure_));
+    JoinSideStreams();
   }
+}
+
+// After an error return: the copies and waits already enqueued on the side
+// streams read XLA's inputs and write its outputs, so XLA's stream (and the
+// device's next call) must not run ahead of them. Best effort: the call is
+// failing already.
+void Channel::JoinSideStreams() {
+  std::vector<cudaStream_t> side = {dev_->copy_stream};
+  for (int r = 0; r < group_->n; ++r) {
+    if (r == group_->rank) continue;
+    side.push_back(dev_->send_streams[group_->ordinals[r]]);
+    side.push_back(dev_->wait_streams[group_->ordinals[r]]);
+  }
+  for (cudaStream_t s : side) {
+    cudaEvent_t done;
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) continue;
+    if (cudaEventRecord(done, s) == cudaSuccess) cudaStreamWaitEvent(stream_, done, 0);
+    cudaEventDestroy(done);  // released once it completes
+  }
+  cudaEventRecord(dev_->last_end, stream_);
+  cudaGetLastError();  // the error being reported is the call's own
 }
 
 std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
@@ -161,10 +183,11 @@ ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
   events_rehearsed_ = 0;
   ffi::Error rehearsed = schedule();
   rehearsal_ = false;
-  // Errors of the rehearsal and of the budget are the same on every rank (a
-  // function of the shapes), and nothing has moved: the group stays sound.
+  // A rehearsal can fail on one rank only (its GEMMs run cuBLASLt, which may
+  // fail on one device) while the peers send: a fault, which the destructor
+  // marks.
   if (rehearsed.failure()) {
-    committed_ = false;
+    failure_ = rehearsed.message();
     return rehearsed;
   }
   // The budget is checked here, before anything is sent: an error halfway
@@ -172,7 +195,11 @@ ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
   // takes one event per side stream: the copy stream and two per peer.
   const int needed = events_used_ + events_rehearsed_ + 1 + 2 * (group_->n - 1);
   if (needed > kEventsPerCall) {
+    // The same on every rank (a function of the schedule), and nothing has
+    // moved: the group stays sound. The rehearsal's GEMMs are still queued on
+    // the stream, so the device's next call waits for them.
     committed_ = false;
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev_->last_end, stream_));
     return ffi::Error::InvalidArgument(
         std::string("jax_flashoverlap ") + OpName(op_) + ": the schedule needs " +
         std::to_string(needed) + " events per call, more than " +

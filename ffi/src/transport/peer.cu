@@ -284,6 +284,12 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
       lock, std::chrono::milliseconds(timeout_ms),
       [&] { return static_cast<int>(members.size()) == group.n; });
   if (ok) return ffi::Error::Success();
+  // This device counts as a member from here on, so a late peer will run the
+  // call and wait for it: the group has failed.
+  for (int o : group.ordinals) {
+    g_failed.emplace(o, "CUDA device " + std::to_string(self) +
+                            " gave up waiting for its group to initialize");
+  }
   std::string missing;
   for (int o : group.ordinals) {
     if (members.count(o)) continue;

@@ -71,8 +71,9 @@ void InjectFault(FaultKind kind, int ordinal, int calls, int stall_ms);
 // The fault due now on `ordinal` (counting this call), or kNone.
 FaultKind TakeFault(int ordinal, int* stall_ms);
 // For single-kernel ops, before their launch on `stream`: the fault due now
-// on this device. "error" and "skip" mark the group failed and return the
-// error; "stall" enqueues the delay (captured into a CUDA graph with the op).
+// on this device. "error" and "skip" both mark the group failed and return
+// the error before the launch; "stall" enqueues the delay (captured into a
+// CUDA graph with the op).
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream);
 // Test hook: runs the Channel's wait kernel on CUDA device `ordinal` against
 // a flag holding `flag` and returns "reached", "timed out" or "out of step".
@@ -193,6 +194,7 @@ class Channel {
   ffi::ErrorOr<cudaEvent_t> NextEvent();
   ffi::Error InjectedError();  // clears the injected fault, returns its error
   ffi::Error Ended();          // the call's last step
+  void JoinSideStreams();      // after an error return
 
   DeviceState* dev_ = nullptr;
   const GroupSpec* group_ = nullptr;
