@@ -178,6 +178,7 @@ def _two_gpu_op(op: str):
     return f, reference, mesh
 
 
+@pytest.mark.gpu
 @pytest.mark.gpus(2)
 @pytest.mark.parametrize("kind", ["error", "skip", "stall"])
 @pytest.mark.parametrize("op", ["all_reduce", "all_gather_matmul"])
