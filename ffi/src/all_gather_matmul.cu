@@ -33,6 +33,7 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
         DimsToString(x) + " and " + DimsToString(w));
   }
   const int64_t m = xd[0], k = xd[1], cols = wd[1];
+  JFO_RETURN_IF_ERROR(CheckInnerDim(kOp, k));
   JFO_RETURN_IF_ERROR(CheckShape(kOp, "y", *y, n * m, cols));
   // x_gathered is the backward pass's residual; a forward-only call asks for
   // none ([0, K]) and saves the copy-engine traffic of assembling it.

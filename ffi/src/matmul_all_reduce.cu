@@ -124,6 +124,7 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
         DimsToString(x) + " and " + DimsToString(w));
   }
   const int64_t m = xd[0], k = xd[1], cols = wd[1];
+  JFO_RETURN_IF_ERROR(CheckInnerDim(kOp, k));
   JFO_RETURN_IF_ERROR(CheckShape(kOp, "y", *y, m, cols));
   std::vector<int64_t> start = {0};
   bool positive = chunk_rows.size() > 0;

@@ -39,6 +39,7 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
         " and " + DimsToString(w));
   }
   const int64_t m = xd[0] / n, k = xd[1], cols = wd[1];
+  JFO_RETURN_IF_ERROR(CheckInnerDim(kOp, k));
   JFO_RETURN_IF_ERROR(CheckShape(kOp, "y", *y, m, cols));
 
   Channel ch;

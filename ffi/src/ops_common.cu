@@ -94,6 +94,12 @@ ffi::Error CheckCommon(OpId op, int32_t timeout_ms, int32_t chunks) {
   return ffi::Error::Success();
 }
 
+ffi::Error CheckInnerDim(OpId op, int64_t k) {
+  if (k >= 1) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(Where(op) + "x and w share no inner dimension (K = " +
+                                     std::to_string(k) + "); K must be at least 1");
+}
+
 ffi::Error CheckSwitch(OpId op, const char* name, int32_t value) {
   if (value == 0 || value == 1) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(Where(op) + name + " must be 0 or 1, got " +

@@ -30,6 +30,11 @@ ffi::Error FusedOpSetup(int ordinal);
           .Ctx<ffi::DeviceOrdinal>() /* ordinal */                     \
           .Attrs() /* group_ordinals, n, timeout_ms, ... */)
 
+// K, the GEMM's inner dimension, is at least 1: cuBLASLt has no layout for
+// an empty one, and an error in the call would be a fault (the same on every
+// rank, so refused before the call starts).
+ffi::Error CheckInnerDim(OpId op, int64_t k);
+
 // Same floating dtype for every operand, one of bf16/f16/f32.
 ffi::Error CheckDtypes(OpId op, std::initializer_list<ffi::DataType> types);
 // Shape check with the offending shapes in the message.
