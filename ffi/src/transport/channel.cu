@@ -23,6 +23,13 @@ using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
 
 WriteValue32Fn g_write_value32 = nullptr;
 
+// The injected "stall": `stream` idles `ms` before the call's work.
+ffi::Error Stall(cudaStream_t stream, int ms) {
+  SleepKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(ms) * 1000000ull);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 ffi::Error LoadDriverEntryPoints() {
@@ -124,11 +131,8 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
   int stall_ms = 0;
   const FaultKind kind = TakeFault(group.ordinals[group.rank], &stall_ms);
-  if (kind == FaultKind::kStall) {
-    SleepKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(stall_ms) *
-                                     1000000ull);
-    JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  } else if (kind != FaultKind::kNone) {
+  if (kind == FaultKind::kStall) return Stall(stream, stall_ms);
+  if (kind != FaultKind::kNone) {
     const std::string why = std::string("jax_flashoverlap ") + OpName(op) +
                             ": injected fault: rank " +
                             std::to_string(group.rank) + " did not run a call";
@@ -156,11 +160,7 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
     return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op) +
                                 ": " + failure_);
   }
-  if (fault_ == FaultKind::kStall) {
-    SleepKernel<<<1, 1, 0, stream_>>>(static_cast<uint64_t>(stall_ms) *
-                                      1000000ull);
-    JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  }
+  if (fault_ == FaultKind::kStall) JFO_RETURN_IF_ERROR(Stall(stream_, stall_ms));
   // Calls of this device in host order, whichever stream each came on.
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, dev_->last_end, 0));
   timeout_ns_ = static_cast<uint64_t>(timeout_ms) * 1000000ull;
