@@ -4,9 +4,9 @@ group, :func:`reset`, and the fault-injection hook for tests.
 A wait on another GPU that times out, or an error in the middle of a call,
 can leave the GPUs of a group disagreeing about which message belongs to
 which call. A GPU that ran on would then read its peers' stale data as if it
-were new. So the group has *failed*, everywhere and for good: the outputs of
-the call that failed are NaN, and every later call on a group with a failed
-GPU raises at once, on every GPU, naming the first fault, until
+were new. So the group has *failed*, everywhere and for good: the call
+that failed raises or returns NaN, and every later call on a group with a
+failed GPU raises at once, on every GPU, naming the first fault, until
 :func:`reset`. Errors that are the same on every rank and come before
 anything moves (a shape the workspace cannot hold, too many chunks) fail
 only their own call.

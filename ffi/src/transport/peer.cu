@@ -69,8 +69,8 @@ void Release(DeviceState* st) {
   cudaGetLastError();  // the error being reported is the caller's
 }
 
-// Zeroes the control words (flags, counters, Lamport poison) and refills the
-// Lamport slots, on the device's copy stream, and waits for it.
+// Zeroes the control words (flags, counters, the region's failed word) and
+// refills the Lamport slots, on the device's copy stream, and waits for it.
 ffi::Error ClearControl(DeviceState* st) {
   char* control = st->workspace + kGemmWorkspaceBytes;
   JFO_CUDA_RETURN_IF_ERROR(
