@@ -54,8 +54,8 @@ def test_inject_fault_needs_the_cuda_build(monkeypatch):
 
 
 def _one_gpu_matmul_all_reduce(rows: int, chunk_rows: list[int]):
-    """The matmul_all_reduce handler over a group of GPU 0 alone: x [rows, 64]
-    @ w [64, 48] -> y [rows, 48] float32, in ``chunk_rows`` chunks."""
+    """The matmul_all_reduce handler over a group of GPU 0 alone: x [rows, k]
+    @ w [k, 48] -> y [rows, 48] float32, in ``chunk_rows`` chunks."""
     _extension.require_cuda_ops("matmul_all_reduce", "jfo_matmul_all_reduce")  # registers
     device = jax.devices("gpu")[0]
     call = jax.ffi.ffi_call("jfo_matmul_all_reduce",
@@ -231,16 +231,10 @@ def test_injected_faults_end_in_errors_never_in_wrong_data(op, kind, rng, monkey
 def test_an_empty_inner_dimension_is_refused_and_breaks_nothing(rng):
     """x [64, 0] @ w [0, 48] reaches no cuBLASLt call: the handler refuses it
     before the call starts, and the group stays sound."""
-    _extension.require_cuda_ops("matmul_all_reduce", "jfo_matmul_all_reduce")
-    device = jax.devices("gpu")[0]
-    call = jax.ffi.ffi_call("jfo_matmul_all_reduce", jax.ShapeDtypeStruct((64, 48), jnp.float32))
-    attrs = dict(group_ordinals=np.asarray([device.local_hardware_id], np.int32),
-                 n=np.int32(1), timeout_ms=np.int32(2000), chunk_rows=np.asarray([64], np.int32))
-    empty = jax.jit(lambda x, w: call(x, w, **attrs))
+    f, device = _one_gpu_matmul_all_reduce(64, [64])
     x, w = (jax.device_put(np.zeros(s, np.float32), device) for s in ((64, 0), (0, 48)))
     with pytest.raises(jax.errors.JaxRuntimeError, match=r"K must be at least 1"):
-        empty(x, w).block_until_ready()
+        f(x, w).block_until_ready()
     jfo.check_device_errors()
-    f, _ = _one_gpu_matmul_all_reduce(64, [64])
     x, w = _operands(rng, 64, device)
     assert_close(f(x, w), f64(x) @ f64(w), "float32")

@@ -207,7 +207,8 @@ NB_MODULE(_ffi, m) {
   m.def("limits", &Limits, "The transport's layout limits (empty without the CUDA ops).");
   m.def("pending_error", &PendingError,
         "Returns and clears the recorded wait timeouts of every device (one "
-        "per line), or None.");
+        "per line); else, while GPUs of the transport have failed, a line "
+        "naming them and the first fault; else None.");
   m.def("module_loading_mode", &ModuleLoadingMode,
         "The CUDA driver's module loading mode: 'lazy', 'eager' or 'unknown' "
         "(no driver, or CUDA not initialised).");

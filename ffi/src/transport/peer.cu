@@ -24,6 +24,7 @@
 #include <cuda.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <map>
@@ -50,6 +51,9 @@ struct InjectedFault {
   int stall_ms = 0;
 };
 InjectedFault g_fault;
+// Whether g_fault holds a fault: every call asks, and almost always none is
+// armed, so the answer needs no lock.
+std::atomic<bool> g_fault_armed{false};
 
 // Frees what a DeviceState holds (any part may be missing).
 void Release(DeviceState* st) {
@@ -405,15 +409,18 @@ std::string ResetTransport() {
   std::lock_guard<std::mutex> lock(g_mu);
   g_failed.clear();
   g_fault = InjectedFault{};
+  g_fault_armed.store(false);
   return "";
 }
 
 void InjectFault(FaultKind kind, int ordinal, int calls, int stall_ms) {
   std::lock_guard<std::mutex> lock(g_mu);
   g_fault = InjectedFault{kind, ordinal, calls, stall_ms};
+  g_fault_armed.store(kind != FaultKind::kNone);
 }
 
 FaultKind TakeFault(int ordinal, int* stall_ms) {
+  if (!g_fault_armed.load()) return FaultKind::kNone;
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_fault.kind == FaultKind::kNone || g_fault.ordinal != ordinal ||
       --g_fault.calls > 0) {
@@ -422,6 +429,7 @@ FaultKind TakeFault(int ordinal, int* stall_ms) {
   const FaultKind kind = g_fault.kind;
   *stall_ms = g_fault.stall_ms;
   g_fault = InjectedFault{};
+  g_fault_armed.store(false);
   return kind;
 }
 
