@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import gc
 import importlib.util
+import itertools
 import json
 import math
 import statistics
@@ -60,6 +61,7 @@ CHECK_TOKENS = 8
 class Case(NamedTuple):
     model: str
     impl: str
+    decode_matmul: str
     batch: int
     context: int
 
@@ -98,8 +100,9 @@ def forced_algorithm(algorithm: str | None):
         cuda_policy.all_reduce_algorithm = chosen
 
 
-def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str):
-    config = train.model_config(name, size, impl=impl, dtype=dtype,
+def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
+                decode_matmul: str = "xla"):
+    config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
                                 **({"attention": attention} if name == "transformer" else {}))
     _, model_cls = models.MODELS[name]
     with jax.set_mesh(mesh):
@@ -191,7 +194,8 @@ def measure(model, case: Case, args: argparse.Namespace, rng: np.random.Generato
     floor_s = (weights + cache) / (args.hbm_tb_s * 1e12)
     mesh = jax.sharding.get_mesh()
     return {
-        "model": case.model, "size": args.size, "impl": case.impl, "batch": case.batch,
+        "model": case.model, "size": args.size, "impl": case.impl,
+        "decode_matmul": case.decode_matmul, "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
         "attention": getattr(model.blocks[0], "attn", None) and model.blocks[0].attn.implementation,
@@ -209,14 +213,16 @@ def measure(model, case: Case, args: argparse.Namespace, rng: np.random.Generato
 
 def table(rows: list[dict]) -> str:
     xla = {(r["model"], r["batch"], r["context"]): r["per_token_ms"]
-           for r in rows if r["impl"] == "xla"}
-    lines = ["| model | impl | batch | context | prefill (ms) | per token (ms), median [min, max] "
-             "| tokens/s | HBM floor (ms) | × floor | vs xla |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+           for r in rows if r["impl"] == "xla" and r.get("decode_matmul", "xla") == "xla"}
+    lines = ["| model | impl | decode matmul | batch | context | prefill (ms) "
+             "| per token (ms), median [min, max] | tokens/s | HBM floor (ms) | × floor "
+             "| vs xla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = xla.get((r["model"], r["batch"], r["context"]))
         lines.append(
-            f"| {r['model']} | {r['impl']} | {r['batch']} | {r['context']} | "
+            f"| {r['model']} | {r['impl']} | {r.get('decode_matmul', 'xla')} | {r['batch']} "
+            f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
             f"{r['per_token_ms_max']:.3f}] | {r['tokens_per_s']:,.0f} | "
             f"{r['hbm_floor_ms']:.3f} | {r['x_floor']:.2f} | "
@@ -235,11 +241,15 @@ def plot(rows: list[dict], path: str) -> None:
                              squeeze=False)
     for ax, name in zip(axes[0], model_names):
         for impl in dict.fromkeys(r["impl"] for r in rows):
-            for context in sorted({r["context"] for r in rows}):
+            for matmul, context in itertools.product(
+                    dict.fromkeys(r.get("decode_matmul", "xla") for r in rows),
+                    sorted({r["context"] for r in rows})):
                 sel = sorted((r["batch"], r["per_token_ms"]) for r in rows
-                             if (r["model"], r["impl"], r["context"]) == (name, impl, context))
+                             if (r["model"], r["impl"], r.get("decode_matmul", "xla"),
+                                 r["context"]) == (name, impl, matmul, context))
                 if sel:
-                    ax.plot(*zip(*sel), marker="o", label=f"{impl}, context {context}")
+                    ax.plot(*zip(*sel), marker="o",
+                            label=f"{impl}, {matmul} matmuls, context {context}")
         floor = sorted({(r["batch"], r["hbm_floor_ms"]) for r in rows if r["model"] == name})
         ax.plot(*zip(*floor), "k--", label="HBM floor")
         ax.set(xscale="log", xlabel="batch", ylabel="ms per decode step", title=name)
@@ -260,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="DATAxTENSOR")
     parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda:lamport",
                                                        "cuda:one_shot", "cuda:two_shot"])
+    parser.add_argument("--decode-matmuls", nargs="+", default=["xla"],
+                        choices=models.DECODE_MATMUL_IMPLS,
+                        help="the decode step's weight matmuls to compare (each with every impl)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--steps", nargs=2, type=int, default=(16, 48), metavar=("K1", "K2"),
@@ -302,11 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     rng = np.random.default_rng(0)
     for model_name in args.models:
-        for label, impl, algorithm in impls:
-            model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention)
+        for (label, impl, algorithm), decode_matmul in itertools.product(
+                impls, args.decode_matmuls):
+            model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
+                                decode_matmul)
             for batch in args.batches:
                 for context in args.contexts:
-                    case = Case(model_name, label, batch, context)
+                    case = Case(model_name, label, decode_matmul, batch, context)
                     if lead:
                         print(f"--- {case}", flush=True)
                     with jax.set_mesh(mesh), forced_algorithm(algorithm):

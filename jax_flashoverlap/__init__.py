@@ -14,6 +14,7 @@ from ._extension import build_info, check_device_errors
 from ._validation import IMPLS
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
+from .decode_matmul import decode_matmul
 from .faults import reset
 from .matmul_all_reduce import matmul_all_reduce
 from .matmul_reduce_scatter import matmul_reduce_scatter
@@ -23,6 +24,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "matmul_all_reduce",
     "all_reduce",
+    "decode_matmul",
     "IMPLS",
     "build_info",
     "check_device_errors",

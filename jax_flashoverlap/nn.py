@@ -35,7 +35,6 @@ small messages.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -45,6 +44,7 @@ from flax import nnx
 
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
+from .decode_matmul import decode_matmul
 from .matmul_all_reduce import matmul_all_reduce
 from .matmul_reduce_scatter import matmul_reduce_scatter
 
@@ -63,7 +63,7 @@ class _ParallelLinear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, *, axis_name: str = "tensor",
                  sequence_parallel: bool = True, sequence_axis: int = 0, impl: str = "auto",
-                 dtype: Any = None, param_dtype: Any = jnp.float32,
+                 decode_impl: str = "xla", dtype: Any = None, param_dtype: Any = jnp.float32,
                  kernel_init: Initializer = DEFAULT_KERNEL_INIT,
                  rngs: nnx.Rngs):
         sharding = tuple(axis_name if i == self._sharded_dim else None for i in range(2))
@@ -75,6 +75,7 @@ class _ParallelLinear(nnx.Module):
         self.sequence_parallel = sequence_parallel
         self.sequence_axis = sequence_axis
         self.impl = impl
+        self.decode_impl = decode_impl
         self.dtype = dtype
 
     def _operands(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -97,6 +98,8 @@ class ColumnParallelLinear(_ParallelLinear):
       sequence_axis: the sequence dim of ``x``; 0 ([seq, batch, k]) avoids
         transposes.
       impl: the ops' implementation: "auto", "xla", "decomposed" or "cuda".
+      decode_impl: the decoding form's matmul, "xla" or "cuda" (see
+        :func:`~jax_flashoverlap.decode_matmul.decode_matmul`).
       dtype: compute dtype (default: that of ``x``); parameters stay in
         ``param_dtype``.
       param_dtype: storage dtype of the kernel.
@@ -131,7 +134,7 @@ class ColumnParallelLinear(_ParallelLinear):
         Returns:
           [..., N/n]: this rank's output features.
         """
-        return _dot_rows(*self._operands(x))
+        return decode_matmul(*self._operands(x), impl=self.decode_impl)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -149,6 +152,8 @@ class RowParallelLinear(_ParallelLinear):
         ``sequence_axis`` (reduce-scatter) or whole on every rank (all-reduce).
       sequence_axis: the sequence dim of ``x``; 0 avoids transposes.
       impl: the ops' implementation: "auto", "xla", "decomposed" or "cuda".
+      decode_impl: the decoding form's matmul, "xla" or "cuda" (see
+        :func:`~jax_flashoverlap.decode_matmul.decode_matmul`).
       dtype: compute dtype (default: that of ``x``).
       param_dtype: storage dtype of the kernel.
       kernel_init: initializer of the global [K, N] kernel.
@@ -188,24 +193,8 @@ class RowParallelLinear(_ParallelLinear):
         Returns:
           [..., N]: the sum, identical on every rank.
         """
-        return all_reduce(_dot_rows(*self._operands(x)), self.axis_name, impl=self.impl)
-
-
-def _dot_rows(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``jnp.dot(x, w)``, x: [..., k], kept a GEMM when x has a single row.
-
-    XLA on GPUs rewrites a dot whose left side is one row (a vector), with
-    fewer than 10M elements in the row and w together, into a multiply and a
-    reduction ("dot strength reduction"); for decoding's weight dots it
-    materialised the product of the row with the whole weight matrix,
-    several times slower than the GEMM. A zero row added below keeps it a
-    GEMM (the weight is read once either way), and the barrier keeps XLA
-    from slicing the row back off before the dot.
-    """
-    if math.prod(x.shape[:-1]) != 1:
-        return jnp.dot(x, w)
-    y = jax.lax.optimization_barrier(jnp.dot(jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))), w))
-    return y[:1].reshape(*x.shape[:-1], w.shape[-1])
+        return all_reduce(decode_matmul(*self._operands(x), impl=self.decode_impl),
+                          self.axis_name, impl=self.impl)
 
 
 def shard_map_apply(fn: Callable[..., Any], module: nnx.Module, *args: Any,

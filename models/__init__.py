@@ -17,6 +17,7 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
 from .config import (
     ATTENTION_IMPLS,
     CONV_IMPLS,
+    DECODE_MATMUL_IMPLS,
     IMPLS,
     NORM_BACKWARDS,
     RESIDUALS,
@@ -34,7 +35,7 @@ from .transformer import Transformer, attention_implementation, resolve_scan_lay
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
-           "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
+           "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",
            "attention_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

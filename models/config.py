@@ -10,10 +10,12 @@ import dataclasses
 from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap import IMPLS
+from jax_flashoverlap.decode_matmul import DECODE_MATMUL_IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
-           "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS"]
+           "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
+           "DECODE_MATMUL_IMPLS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -146,6 +148,10 @@ class TransformerConfig(_Presets):
       impl: implementation of the overlap ops.
       attention_impl: "auto", "xla" or "cudnn" (see :data:`ATTENTION_IMPLS`
         and :func:`models.transformer.attention_implementation`).
+      decode_matmul: the weight matmuls of a decode step, one of
+        :data:`DECODE_MATMUL_IMPLS`: "xla" (default) or "cuda", the
+        library's kernel for a few rows (bf16, at most 8 rows per device;
+        XLA's dot elsewhere; see :mod:`jax_flashoverlap.decode_matmul`).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled
@@ -170,6 +176,7 @@ class TransformerConfig(_Presets):
     dtype: str = "float32"
     impl: str = "auto"
     attention_impl: str = "auto"
+    decode_matmul: str = "xla"
     remat: bool = False
     scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()
@@ -177,7 +184,8 @@ class TransformerConfig(_Presets):
 
     def __post_init__(self):
         _check_impl("TransformerConfig", self.impl, self.auto_xla_ops)
-        _check_choices(self, {"attention_impl": ATTENTION_IMPLS})
+        _check_choices(self, {"attention_impl": ATTENTION_IMPLS,
+                              "decode_matmul": DECODE_MATMUL_IMPLS})
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TransformerConfig: num_heads={self.num_heads} must be a "
                              f"multiple of num_kv_heads={self.num_kv_heads}")
@@ -272,6 +280,8 @@ class MambaConfig(_Presets):
         model adding it to a float32 y. At the 1.4B size and sequence 8192 on
         one H200: a step 265.9 ms against 274.7 without, the same peak memory
         (docs/measurements.md, session 22).
+      decode_matmul: the weight matmuls of a decode step, one of
+        :data:`DECODE_MATMUL_IMPLS` (see :class:`TransformerConfig`).
       residuals: what a block keeps for the backward, one of
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
@@ -311,13 +321,15 @@ class MambaConfig(_Presets):
     norm_backward: str = "autodiff"
     residuals: str = "named"
     fuse_skip: bool = True
+    decode_matmul: str = "xla"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
     def __post_init__(self):
         _check_impl("MambaConfig", self.impl, self.auto_xla_ops)
         _check_choices(self, {"ssd_impl": SSD_IMPLS, "conv_impl": CONV_IMPLS,
-                              "residuals": RESIDUALS, "norm_backward": NORM_BACKWARDS})
+                              "residuals": RESIDUALS, "norm_backward": NORM_BACKWARDS,
+                              "decode_matmul": DECODE_MATMUL_IMPLS})
         if self.remat and self.residuals != "named":
             raise ValueError(f"MambaConfig: remat (recompute every block) and "
                              f"residuals={self.residuals!r} exclude each other; set one")

@@ -37,7 +37,8 @@ def linear_options(config, rngs: nnx.Rngs) -> dict:
     """Keyword arguments of :mod:`jax_flashoverlap.nn`'s parallel layers for ``config``."""
     sharding = config.sharding
     return dict(axis_name=sharding.tensor, sequence_parallel=sharding.sequence_parallel,
-                impl=config.impl, dtype=jnp.dtype(config.dtype), rngs=rngs)
+                impl=config.impl, decode_impl=config.decode_matmul,
+                dtype=jnp.dtype(config.dtype), rngs=rngs)
 
 
 def make_layers(make: Callable[..., nnx.Module], count: int, *,

@@ -1,6 +1,6 @@
 """Probe: which kernels would bring the one-GPU decode step closer to the HBM floor?
 
-    python3 scripts/decode_kernels_probe.py     # writes $OUT/decode_kernels_probe.json
+    python3 scripts/decode_kernels_probe.py [gemm|attention]   # $OUT/decode_kernels_probe.json
 
 The 1B Transformer's decode step spent 608 µs per token in its 64 weight
 GEMMs (~3.3 TB/s) and 130 µs in cuDNN's attention at batch 1, context 512
@@ -9,7 +9,8 @@ project's in-graph protocol (benchmarking.time_per_op):
 
 - the 16 layers' weight GEMMs as the decode step chains them, with XLA's
   Triton GEMM fusions (default) against cuBLAS (``xla_gpu_enable_triton_gemm``
-  off), next to the time the weights take to stream at 4.8 TB/s;
+  off) and the library's decode kernel (``decode_matmul(impl="cuda")``),
+  next to the time the weights take to stream at 4.8 TB/s;
 - the attention over a 16-layer stack of KV caches: cuDNN (the model's
   default), jax's Pallas flash-decoding kernel (``pallas.ops.gpu.decode_attention.gqa``)
   and XLA's einsums, each checked against a float32 reference first.
@@ -19,6 +20,7 @@ import functools
 import json
 import math
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +29,15 @@ from jax.experimental.pallas.ops.gpu import decode_attention
 from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap import benchmarking
-from jax_flashoverlap.nn import _dot_rows
+from jax_flashoverlap.decode_matmul import _xla_dot, decode_matmul
 
 LAYERS, D, HEADS, KV, H, F = 16, 2048, 16, 8, 128, 8192
 HBM = 4.8e12
 
 
-def gemm_chain(x, *weights):
+def gemm_chain(x, *weights, dot=_xla_dot):
     """The decode step's weight GEMMs of LAYERS layers, x: [m, D]."""
+    _dot_rows = dot
     for wqkv, wo, wgu, wd in zip(*(iter(weights),) * 4):
         a = _dot_rows(x, wqkv)[:, :D]
         h = x + _dot_rows(a, wo)
@@ -101,24 +104,27 @@ def main():
     weights = [jnp.asarray(rng.standard_normal(s, np.float32) / s[0], jnp.bfloat16)
                for _ in range(LAYERS) for s in shapes]
     weight_bytes = sum(w.size * 2 for w in weights)
-    options = {"triton": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
-    for m in (1, 8, 32):
+    options = {"triton": None, "cublas": {"xla_gpu_enable_triton_gemm": False}, "jfo": None}
+    kernel = functools.partial(decode_matmul, impl="cuda")
+    for m in (1, 8, 32) if "attention" not in sys.argv[1:] else ():
         x = jnp.asarray(rng.standard_normal((m, D), np.float32), jnp.bfloat16)
         args = [x, *weights]
         specs = (P(),) * len(args)
         want = reference_chain(x, weights)
         for name, opts in options.items():
-            fn = jax.jit(gemm_chain)
+            chain = functools.partial(gemm_chain, dot=kernel) if name == "jfo" else gemm_chain
+            fn = jax.jit(chain)
             got = fn.lower(*args).compile(opts)(*args) if opts else fn(*args)
             err = float(np.max(np.abs(np.asarray(got, np.float64) - want)) /
                         np.max(np.abs(want)))
-            t = benchmarking.time_per_op(gemm_chain, args, mesh=mesh, in_specs=specs,
+            t = benchmarking.time_per_op(chain, args, mesh=mesh, in_specs=specs,
                                          k1=2, k2=6, reps=5, compiler_options=opts)
             record({"kind": "gemm", "rows": m, "gemm": name, "us": t.median_us,
                     "floor_us": weight_bytes / HBM * 1e6,
                     "tb_s": weight_bytes / t.median_s / 1e12, "rel_err_vs_float64": err})
 
-    for b, length in ((1, 512), (8, 512), (1, 4096), (32, 512)):
+    attention_cases = ((1, 512), (8, 512), (1, 4096), (32, 512))
+    for b, length in attention_cases if "gemm" not in sys.argv[1:] else ():
         q = jnp.asarray(rng.standard_normal((b, HEADS, H), np.float32), jnp.bfloat16)
         caches = [tuple(jnp.asarray(rng.standard_normal((b, KV, length, H), np.float32),
                                     jnp.bfloat16) for _ in range(2)) for _ in range(LAYERS)]

@@ -310,7 +310,8 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
     bench = _load("decode")
     out = tmp_path / "d.json"
     assert bench.main(["--json", str(out), "--size", "tiny", "--mesh",
-                       "1x2", "--impls", "xla", "decomposed", "--batches", "2",
+                       "1x2", "--impls", "xla", "decomposed", "--decode-matmuls", "xla",
+                       "--batches", "2",
                        "--contexts", "32", "--steps", "2", "6", "--reps", "2"]) == 0
     result = json.loads(out.read_text())
     meta = result["meta"]
@@ -324,7 +325,7 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
         assert r["check_error"] < 1e-4  # float32 on CPUs
         assert r["weight_bytes"] > 0 and r["cache_bytes"] > 0 and r["hbm_floor_ms"] > 0
         assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
-    assert "| transformer | decomposed | 2 | 32 |" in capsys.readouterr().out
+    assert "| transformer | decomposed | xla | 2 | 32 |" in capsys.readouterr().out
 
 
 def test_decode_benchmark_rejects_a_wrong_decode(monkeypatch):

@@ -252,21 +252,47 @@ def test_generate_command_samples_with_top_k(tmp_path):
     assert texts[0] == texts[1]
 
 
+def test_generate_command_passes_the_decode_matmul_to_the_layers(tmp_path, monkeypatch):
+    """--decode-matmul cuda reaches every decode matmul (on CPU the kernel's
+    platform branch is XLA's dot, so the text is greedy's as with xla)."""
+    from jax_flashoverlap import _extension, nn
+
+    monkeypatch.setattr(_extension, "require_cuda_ops", lambda *args: None)
+    impls, decode_matmul = [], nn.decode_matmul
+
+    def recording(x, w, *, impl):
+        impls.append(impl)
+        return decode_matmul(x, w, impl=impl)
+    monkeypatch.setattr(nn, "decode_matmul", recording)
+    texts = []
+    for flag in ("xla", "cuda"):
+        out = tmp_path / f"{flag}.json"
+        assert generate_cli.main(["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "4",
+                                  "--warmup", "0", "--decode-matmul", flag,
+                                  "--json", str(out)]) == 0
+        texts.append(json.loads(out.read_text())["texts"])
+        assert set(impls) == {flag}
+        impls.clear()
+    assert texts[0] == texts[1]
+
+
 def test_byte_tokens_round_trip():
     text = "naïve – ok"
     assert generate_cli.decode_text(generate_cli.encode(text)) == text
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("decode_matmul", models.DECODE_MATMUL_IMPLS)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_bf16_decoding_is_as_accurate_as_the_forward_pass(name):
-    """On one GPU (cuDNN attention for the Transformer): the bf16 decode
-    loop's logits are as close to a float32 forward pass as the bf16 forward
-    pass's own."""
+def test_bf16_decoding_is_as_accurate_as_the_forward_pass(name, decode_matmul):
+    """On one GPU (cuDNN attention for the Transformer), with XLA's decode
+    matmuls and the library's kernel: the bf16 decode loop's logits are as
+    close to a float32 forward pass as the bf16 forward pass's own."""
     model_cls, config = MODELS[name]
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
                              ("data", "tensor"))
-    bf16 = build(model_cls, dataclasses.replace(config, dtype="bfloat16"), mesh)
+    bf16 = build(model_cls, dataclasses.replace(config, dtype="bfloat16",
+                                                decode_matmul=decode_matmul), mesh)
     exact = build(model_cls, config, mesh, nnx.state(bf16))
     prompt = _prompt(3)
     with jax.set_mesh(mesh):

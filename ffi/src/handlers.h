@@ -6,6 +6,7 @@
 namespace jfo {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoScale);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoDecodeMatmul);
 
 #ifdef JFO_WITH_CUBLASLT
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllGatherMatmulInitialize);

@@ -44,6 +44,7 @@ nb::dict Registrations() {
   nb::dict d;
 #ifdef JFO_WITH_CUDA
   d["jfo_scale"] = Capsule(jfo::JfoScale);
+  d["jfo_decode_matmul"] = Capsule(jfo::JfoDecodeMatmul);
 #endif
 #ifdef JFO_WITH_CUBLASLT
   d["jfo_all_gather_matmul"] =

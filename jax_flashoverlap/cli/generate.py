@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 
 from .. import distributed
+from ..decode_matmul import DECODE_MATMUL_IMPLS
 from ..models import IMPLS, MODELS, Generator, ShardingConfig
 from .devices import ensure_cpu_devices
 from .train import (
@@ -68,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="implementation of the overlap ops and the all-reduce")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--decode-matmul", choices=DECODE_MATMUL_IMPLS, default="xla",
+                        help="the decode step's weight matmuls: XLA's, or the library's "
+                             "kernel for a few bf16 rows (cuda)")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel",
                         action="store_false", help="prefill without sequence parallelism")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     sharding = ShardingConfig(sequence_parallel=args.sequence_parallel)
     mesh = make_mesh(args.mesh or (1, min(2, jax.device_count())), sharding)
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
-                          sharding=sharding)
+                          sharding=sharding, decode_matmul=args.decode_matmul)
     _, model_cls = MODELS[args.model]
     prompts = np.tile(prompt, (args.batch, 1))
     lead = jax.process_index() == 0

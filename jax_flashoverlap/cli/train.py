@@ -249,7 +249,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
                  conv: str = "xla", norm_backward: str = "autodiff",
-                 residuals: str = "named", fuse_skip: bool = True):
+                 residuals: str = "named", fuse_skip: bool = True,
+                 decode_matmul: str = "xla"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
@@ -261,7 +262,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
     on_gpu = jax.default_backend() == "gpu"
     config = config_cls.preset(
         size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
-        sharding=sharding or ShardingConfig(),
+        sharding=sharding or ShardingConfig(), decode_matmul=decode_matmul,
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,

@@ -1,0 +1,102 @@
+"""``x @ w`` for a decode step's few rows.
+
+A decode step multiplies one row per sequence by every weight matrix, so its
+GEMMs are reads of the weights, and their time is the weights' bytes over
+the memory bandwidth. :func:`decode_matmul` runs them as XLA's dot, or as
+``jfo_decode_matmul`` (``ffi/src/decode_matmul.cu``): one kernel that
+streams each weight once in 16-byte loads, its CTAs splitting the inner
+dimension in thread-block clusters that sum their parts on chip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _extension
+
+__all__ = ["decode_matmul", "DECODE_MATMUL_IMPLS", "MAX_KERNEL_ROWS"]
+
+DECODE_MATMUL_IMPLS = ("xla", "cuda")
+MAX_KERNEL_ROWS = 8
+_TARGET = "jfo_decode_matmul"
+
+
+def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla") -> jax.Array:
+    """``x @ w`` where x holds a few rows, per device.
+
+    Args:
+      x: [..., k].
+      w: [k, n], x's dtype.
+      impl: "xla", XLA's dot; or "cuda", the kernel wherever it applies:
+        bfloat16 operands, at most :data:`MAX_KERNEL_ROWS` rows in x's
+        leading dims, n a multiple of 8, and a program compiled for a CUDA
+        GPU. Elsewhere (other shapes, dtypes or platforms) "cuda" runs XLA's
+        dot too. Both are differentiable.
+
+    Returns:
+      [..., n] in x's dtype (float32 accumulation).
+    """
+    if impl not in DECODE_MATMUL_IMPLS:
+        raise ValueError(f"decode_matmul: impl={impl!r} is not one of {DECODE_MATMUL_IMPLS}")
+    if w.ndim != 2 or x.shape[-1] != w.shape[0] or x.dtype != w.dtype:
+        raise ValueError(f"decode_matmul: needs x [..., k] and w [k, n] of one dtype; got "
+                         f"x {x.dtype}{list(x.shape)} and w {w.dtype}{list(w.shape)}")
+    if impl == "cuda":
+        _extension.require_cuda_ops("decode_matmul", _TARGET)
+    rows = math.prod(x.shape[:-1])
+    if impl == "xla" or not _kernel_applies(rows, w):
+        return _xla_dot(x, w)
+    y = _kernel_dot(x.reshape(rows, -1), w)
+    return y.reshape(*x.shape[:-1], w.shape[1])
+
+
+def _kernel_applies(rows: int, w: jax.Array) -> bool:
+    return 1 <= rows <= MAX_KERNEL_ROWS and w.dtype == jnp.bfloat16 and w.shape[1] % 8 == 0
+
+
+def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.dot(x, w)``, kept a GEMM when x has a single row.
+
+    XLA on GPUs rewrites a dot whose left side is one row (a vector), with
+    fewer than 10M elements in the row and w together, into a multiply and a
+    reduction ("dot strength reduction"); for decoding's weight dots it
+    materialised the product of the row with the whole weight matrix,
+    several times slower than the GEMM. A zero row added below keeps it a
+    GEMM (the weight is read once either way), and the barrier keeps XLA
+    from slicing the row back off before the dot.
+    """
+    if math.prod(x.shape[:-1]) != 1:
+        return jnp.dot(x, w)
+    y = lax.optimization_barrier(jnp.dot(jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))), w))
+    return y[:1].reshape(*x.shape[:-1], w.shape[-1])
+
+
+def _same_variance(x: jax.Array, w: jax.Array):
+    """x and w varying over the same manual mesh axes (an FFI call's operands
+    must), and that manual axis type for the result."""
+    union = jax.typeof(x).manual_axis_type.varying | jax.typeof(w).manual_axis_type.varying
+    x, w = (lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
+                      to="varying") for t in (x, w))
+    return x, w, jax.typeof(x).manual_axis_type
+
+
+def _ffi_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    x, w, varying = _same_variance(x, w)
+    result = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype, manual_axis_type=varying)
+    return jax.ffi.ffi_call(_TARGET, result)(x, w)
+
+
+@jax.custom_jvp
+def _kernel_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """[rows, k] @ [k, n]: the kernel in programs for CUDA GPUs, XLA's dot elsewhere."""
+    return lax.platform_dependent(x, w, cuda=_ffi_dot, default=_xla_dot)
+
+
+@_kernel_dot.defjvp
+def _kernel_dot_jvp(primals, tangents):
+    (x, w), (dx, dw) = primals, tangents
+    return _kernel_dot(x, w), jnp.dot(dx, w) + jnp.dot(x, dw)
