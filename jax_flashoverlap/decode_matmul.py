@@ -75,18 +75,19 @@ def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return y[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _same_variance(x: jax.Array, w: jax.Array):
-    """x and w varying over the same manual mesh axes (an FFI call's operands
-    must), and that manual axis type for the result."""
+def _same_variance(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x and w varying over the same manual mesh axes (inside ``shard_map`` an
+    FFI call's operands must)."""
     union = jax.typeof(x).manual_axis_type.varying | jax.typeof(w).manual_axis_type.varying
-    x, w = (lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
-                      to="varying") for t in (x, w))
-    return x, w, jax.typeof(x).manual_axis_type
+    return tuple(lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
+                           to="varying") for t in (x, w))
 
 
 def _ffi_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    x, w, varying = _same_variance(x, w)
-    result = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype, manual_axis_type=varying)
+    x, w = _same_variance(x, w)
+    typ = jax.typeof(x)  # the result varies like x, on x's (manual) mesh
+    result = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype, sharding=typ.sharding,
+                                  manual_axis_type=typ.manual_axis_type)
     return jax.ffi.ffi_call(_TARGET, result)(x, w)
 
 

@@ -73,6 +73,27 @@ def test_cuda_impl_elsewhere_than_cuda_is_the_dot_and_differentiable(monkeypatch
         assert_close(got, f64(expected), jnp.bfloat16)
 
 
+def test_the_kernel_call_is_typed_inside_shard_map():
+    """Inside shard_map the FFI call's result varies over the manual axes
+    its operands vary over (the weight is cast to the activations')."""
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
+
+    from jax_flashoverlap.decode_matmul import _ffi_dot
+
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    seen = []
+
+    def per_device(x, w):
+        y = _ffi_dot(x, w)
+        seen.append(jax.typeof(y).manual_axis_type.varying)
+        return y
+    f = jax.shard_map(per_device, mesh=mesh, in_specs=(P("data"), P(None, "tensor")),
+                      out_specs=P("data", "tensor"))
+    jax.jit(f).trace(jnp.ones((4, 16), jnp.bfloat16), jnp.ones((16, 32), jnp.bfloat16))
+    assert seen == [frozenset({"data", "tensor"})]
+
+
 # Shapes: the 1B Transformer's decode matmuls (qkv, out, gate/up, down), and
 # uneven ones: n not a multiple of the 64-column tile, k not a multiple of
 # the splits, k too short to split.

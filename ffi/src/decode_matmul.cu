@@ -71,27 +71,39 @@ __global__ void __launch_bounds__(kThreads)
   const bool in_range = column < n;  // n is a multiple of 8: a thread's columns all or none
   const __nv_bfloat16* w_tile = w + static_cast<size_t>(k0) * n + column;
 
+  // With programmatic dependent launch, the CTAs are resident before the
+  // kernel ahead of this one ends; every read waits for it here.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  constexpr int kPass = kRowLanes * UNROLL;  // rows one pass of loads covers
+  // Streaming loads: each weight is read once a step; L1 and L2 keep the rest.
+  auto load_pass = [&](const __nv_bfloat16* w_stage, int stage_rows, int base,
+                       uint4 (&loaded)[UNROLL]) {
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int r = base + u * kRowLanes;
+      loaded[u] = (in_range && r < stage_rows)
+                      ? __ldcs(reinterpret_cast<const uint4*>(w_stage + static_cast<size_t>(r) * n))
+                      : make_uint4(0, 0, 0, 0);
+    }
+  };
+
   float acc[M][kColumnsPerThread] = {};
   for (int stage = 0; stage < rows; stage += kStageRows) {
     const int stage_rows = min(kStageRows, rows - stage);
-    __syncthreads();  // the previous stage's reads are done
+    const __nv_bfloat16* w_stage = w_tile + static_cast<size_t>(stage) * n;
+    uint4 loaded[UNROLL];
+    load_pass(w_stage, stage_rows, row_lane, loaded);  // in flight while x is staged
+    __syncthreads();  // the previous stage's reads of xs are done
     for (int i = threadIdx.x; i < stage_rows * M; i += kThreads) {
       const int row = i / stage_rows, r = i % stage_rows;  // coalesced along k
       xs[r * M + row] = __bfloat162float(x[static_cast<size_t>(row) * k + k0 + stage + r]);
     }
     __syncthreads();
-    const __nv_bfloat16* w_stage = w_tile + static_cast<size_t>(stage) * n;
-    for (int base = row_lane; base < stage_rows; base += kRowLanes * UNROLL) {
-      uint4 loaded[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-        const int r = base + u * kRowLanes;
-        // Streaming loads: each weight is read once a step; L1 and L2 keep the rest.
-        loaded[u] = (in_range && r < stage_rows)
-                        ? __ldcs(reinterpret_cast<const uint4*>(w_stage +
-                                                                static_cast<size_t>(r) * n))
-                        : make_uint4(0, 0, 0, 0);
-      }
+    for (int base = row_lane; base < stage_rows; base += kPass) {
+      uint4 next[UNROLL];  // the next pass's loads in flight during this one's arithmetic
+      load_pass(w_stage, stage_rows, base + kPass, next);
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
         const int r = base + u * kRowLanes;
@@ -100,6 +112,8 @@ __global__ void __launch_bounds__(kThreads)
           for (int row = 0; row < M; ++row) AddProducts(acc[row], loaded[u], xs[r * M + row]);
         }
       }
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) loaded[u] = next[u];
     }
   }
 
@@ -205,14 +219,18 @@ ffi::Error Launch(cudaStream_t stream, const __nv_bfloat16* x, const __nv_bfloat
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = shared;
   config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  if (splits > 1) {
-    cluster[0].id = cudaLaunchAttributeClusterDimension;
-    cluster[0].val.clusterDim.x = 1;
-    cluster[0].val.clusterDim.y = splits;
-    cluster[0].val.clusterDim.z = 1;
-    config.attrs = cluster;
-    config.numAttrs = 1;
+  cudaLaunchAttribute attrs[2];
+  config.attrs = attrs;
+  if (splits > 1) {  // splits > 1 only on sm_90 and later (SplitsFor)
+    attrs[0].id = cudaLaunchAttributeClusterDimension;
+    attrs[0].val.clusterDim.x = 1;
+    attrs[0].val.clusterDim.y = splits;
+    attrs[0].val.clusterDim.z = 1;
+    // Launched before the kernel ahead ends (it waits in griddepcontrol.wait):
+    // the launch and the CTAs' start overlap that kernel's tail.
+    attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[1].val.programmaticStreamSerializationAllowed = 1;
+    config.numAttrs = 2;
   }
   JFO_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, x, w, y, k, n, k_per_cta));
   return ffi::Error::Success();
