@@ -10,10 +10,12 @@ dimension in thread-block clusters that sum their parts on chip.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from . import _extension
@@ -23,6 +25,10 @@ __all__ = ["decode_matmul", "DECODE_MATMUL_IMPLS", "MAX_KERNEL_ROWS"]
 DECODE_MATMUL_IMPLS = ("xla", "cuda")
 MAX_KERNEL_ROWS = 8
 _TARGET = "jfo_decode_matmul"
+# Columns of w each CTA streams (each row's 2 * TILE contiguous bytes):
+# what the kernel is compiled for, and its default.
+TILE_COLUMNS = (64, 128, 256)
+_DEFAULT_TILE_COLUMNS = 64
 
 
 def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla") -> jax.Array:
@@ -50,7 +56,7 @@ def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla") -> jax.Array
     rows = math.prod(x.shape[:-1])
     if impl == "xla" or not _kernel_applies(rows, w):
         return _xla_dot(x, w)
-    y = _kernel_dot(x.reshape(rows, -1), w)
+    y = _kernel_dot(x.reshape(rows, -1), w, _DEFAULT_TILE_COLUMNS)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -83,21 +89,24 @@ def _same_variance(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
                            to="varying") for t in (x, w))
 
 
-def _ffi_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+def _ffi_dot(x: jax.Array, w: jax.Array, tile_columns: int = _DEFAULT_TILE_COLUMNS) -> jax.Array:
     x, w = _same_variance(x, w)
     typ = jax.typeof(x)  # the result varies like x, on x's (manual) mesh
     result = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype, sharding=typ.sharding,
                                   manual_axis_type=typ.manual_axis_type)
-    return jax.ffi.ffi_call(_TARGET, result)(x, w)
+    return jax.ffi.ffi_call(_TARGET, result)(x, w, tile_columns=np.int32(tile_columns))
 
 
-@jax.custom_jvp
-def _kernel_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """[rows, k] @ [k, n]: the kernel in programs for CUDA GPUs, XLA's dot elsewhere."""
-    return lax.platform_dependent(x, w, cuda=_ffi_dot, default=_xla_dot)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _kernel_dot(x: jax.Array, w: jax.Array, tile_columns: int) -> jax.Array:
+    """[rows, k] @ [k, n]: the kernel (``tile_columns`` of :data:`TILE_COLUMNS`)
+    in programs for CUDA GPUs, XLA's dot elsewhere."""
+    return lax.platform_dependent(x, w, cuda=functools.partial(_ffi_dot,
+                                                               tile_columns=tile_columns),
+                                  default=_xla_dot)
 
 
 @_kernel_dot.defjvp
-def _kernel_dot_jvp(primals, tangents):
+def _kernel_dot_jvp(tile_columns, primals, tangents):
     (x, w), (dx, dw) = primals, tangents
-    return _kernel_dot(x, w), jnp.dot(dx, w) + jnp.dot(x, dw)
+    return _kernel_dot(x, w, tile_columns), jnp.dot(dx, w) + jnp.dot(x, dw)

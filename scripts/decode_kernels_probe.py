@@ -29,7 +29,7 @@ from jax.experimental.pallas.ops.gpu import decode_attention
 from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap import benchmarking
-from jax_flashoverlap.decode_matmul import _xla_dot, decode_matmul
+from jax_flashoverlap.decode_matmul import TILE_COLUMNS, _kernel_dot, _xla_dot
 
 LAYERS, D, HEADS, KV, H, F = 16, 2048, 16, 8, 128, 8192
 HBM = 4.8e12
@@ -104,15 +104,20 @@ def main():
     weights = [jnp.asarray(rng.standard_normal(s, np.float32) / s[0], jnp.bfloat16)
                for _ in range(LAYERS) for s in shapes]
     weight_bytes = sum(w.size * 2 for w in weights)
-    options = {"triton": None, "cublas": {"xla_gpu_enable_triton_gemm": False}, "jfo": None}
-    kernel = functools.partial(decode_matmul, impl="cuda")
-    for m in (1, 8, 32) if "attention" not in sys.argv[1:] else ():
+    options = {"triton": None, "cublas": {"xla_gpu_enable_triton_gemm": False},
+               **{f"jfo{tile}": None for tile in TILE_COLUMNS}}
+
+    def kernel(tile):  # decode_matmul(impl="cuda")'s kernel with a tile width
+        return lambda x, w: _kernel_dot(x.reshape(-1, x.shape[-1]), w, tile).reshape(
+            *x.shape[:-1], w.shape[1])
+    for m in (1, 4, 8) if "attention" not in sys.argv[1:] else ():
         x = jnp.asarray(rng.standard_normal((m, D), np.float32), jnp.bfloat16)
         args = [x, *weights]
         specs = (P(),) * len(args)
         want = reference_chain(x, weights)
         for name, opts in options.items():
-            chain = functools.partial(gemm_chain, dot=kernel) if name == "jfo" else gemm_chain
+            chain = (functools.partial(gemm_chain, dot=kernel(int(name[3:])))
+                     if name.startswith("jfo") else gemm_chain)
             fn = jax.jit(chain)
             got = fn.lower(*args).compile(opts)(*args) if opts else fn(*args)
             err = float(np.max(np.abs(np.asarray(got, np.float64) - want)) /

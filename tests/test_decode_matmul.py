@@ -8,7 +8,7 @@ from support import assert_close, f64, poison_allocator
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import _extension
-from jax_flashoverlap.decode_matmul import _kernel_applies
+from jax_flashoverlap.decode_matmul import TILE_COLUMNS, _kernel_applies, _kernel_dot
 
 
 def _operands(rng, rows, k, n, dtype=jnp.bfloat16, lead=()):
@@ -102,14 +102,15 @@ GPU_SHAPES = [(2048, 4096), (2048, 2048), (2048, 16384), (8192, 2048), (1000, 20
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", TILE_COLUMNS)
 @pytest.mark.parametrize("k, n", GPU_SHAPES)
 @pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_kernel_equals_float64_on_gpu(rows, k, n, rng):
+def test_kernel_equals_float64_on_gpu(rows, k, n, tile, rng):
     """Every output element written (poisoned memory first), as close to the
-    float64 product as XLA's own bf16 dot is."""
+    float64 product as XLA's own bf16 dot is, at each tile width."""
     x, w = _operands(rng, rows, k, n)
     poison_allocator(rows * n * 2)
-    got = jax.jit(lambda x, w: jfo.decode_matmul(x, w, impl="cuda"))(x, w)
+    got = jax.jit(lambda x, w: _kernel_dot(x, w, tile))(x, w)
     xla = jax.jit(jnp.dot)(x, w)
     want = _reference(x, w)
     assert_close(got, want, jnp.bfloat16)

@@ -23,19 +23,16 @@ namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kColumnsPerThread = 8;                                  // 16 bytes of bf16
-constexpr int kTileColumns = 64;                                      // a 128-byte row segment
-constexpr int kThreadsPerRow = kTileColumns / kColumnsPerThread;      // 8
-constexpr int kRowLanes = kThreads / kThreadsPerRow;                  // rows in flight per pass
+constexpr int kColumnsPerThread = 8;  // 16 bytes of bf16
 constexpr int kMaxRows = 8;
 constexpr int kMaxClusterSplits = 8;  // the portable cluster size
 constexpr int kStageRows = 1024;      // rows of x staged in shared memory at a time
 
 // Shared memory of one CTA: a stage of x as float [rows][m], then the warps'
 // sums [warps][m][tile], then the CTA's part [m][tile] its cluster reads.
-constexpr size_t SharedBytes(int m) {
+constexpr size_t SharedBytes(int m, int tile) {
   return sizeof(float) * (static_cast<size_t>(kStageRows) * m +
-                          static_cast<size_t>(kWarps + 1) * m * kTileColumns);
+                          static_cast<size_t>(kWarps + 1) * m * tile);
 }
 
 __device__ __forceinline__ void AddProducts(float (&acc)[kColumnsPerThread], uint4 packed,
@@ -51,11 +48,15 @@ __device__ __forceinline__ void AddProducts(float (&acc)[kColumnsPerThread], uin
 
 // Grid (column tiles, splits of k); the splits of a tile form one cluster
 // (on sm_90 and later; with one split, no cluster). M rows, UNROLL 16-byte
-// loads in flight per thread.
-template <int M, int UNROLL>
+// loads in flight per thread, TILE columns per CTA: each row's TILE * 2
+// contiguous bytes are read by TILE / 8 threads.
+template <int M, int UNROLL, int TILE>
 __global__ void __launch_bounds__(kThreads)
     DecodeMatmulKernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ w,
                        __nv_bfloat16* __restrict__ y, int k, int n, int k_per_cta) {
+  constexpr int kTileColumns = TILE;
+  constexpr int kThreadsPerRow = TILE / kColumnsPerThread;
+  constexpr int kRowLanes = kThreads / kThreadsPerRow;  // rows in flight per pass
   extern __shared__ float shared[];
   [[maybe_unused]] const int splits = gridDim.y;
   const int split = blockIdx.y;
@@ -117,15 +118,17 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  // Sum the warp's row lanes (lanes 8 and 16 apart hold the same columns).
+  // Sum the warp's row lanes (lanes kThreadsPerRow apart hold the same columns).
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
   for (int row = 0; row < M; ++row) {
 #pragma unroll
     for (int j = 0; j < kColumnsPerThread; ++j) {
       float v = acc[row][j];
-      v += __shfl_xor_sync(0xffffffffu, v, 8);
-      v += __shfl_xor_sync(0xffffffffu, v, 16);
+#pragma unroll
+      for (int offset = kThreadsPerRow; offset < 32; offset *= 2) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      }
       if (lane < kThreadsPerRow) {
         warp_sums[(warp * M + row) * kTileColumns + lane * kColumnsPerThread + j] = v;
       }
@@ -192,10 +195,10 @@ int SmCount(int device) {
 
 // Splits of k per column tile: enough CTAs for two per SM, a power of two
 // up to a portable cluster, each with at least 32 rows of k.
-int SplitsFor(int device, int k, int n) {
+int SplitsFor(int device, int k, int n, int tile) {
   const int sms = SmCount(device);
   if (sms < 0) return 1;
-  const int tiles = (n + kTileColumns - 1) / kTileColumns;
+  const int tiles = (n + tile - 1) / tile;
   int splits = 1;
   while (splits < kMaxClusterSplits && tiles * splits < 2 * sms && k / (2 * splits) >= 32) {
     splits *= 2;
@@ -203,19 +206,19 @@ int SplitsFor(int device, int k, int n) {
   return splits;
 }
 
-template <int M>
+template <int M, int TILE>
 ffi::Error Launch(cudaStream_t stream, const __nv_bfloat16* x, const __nv_bfloat16* w,
                   __nv_bfloat16* y, int k, int n, int splits) {
   constexpr int kUnroll = M <= 2 ? 8 : 4;
-  auto kernel = DecodeMatmulKernel<M, kUnroll>;
+  auto kernel = DecodeMatmulKernel<M, kUnroll, TILE>;
   const int k_per_cta = (k + splits - 1) / splits;
-  constexpr size_t shared = SharedBytes(M);
+  constexpr size_t shared = SharedBytes(M, TILE);
   if constexpr (shared > 48 * 1024) {
     JFO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
   }
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((n + kTileColumns - 1) / kTileColumns, splits, 1);
+  config.gridDim = dim3((n + TILE - 1) / TILE, splits, 1);
   config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = shared;
   config.stream = stream;
@@ -236,8 +239,24 @@ ffi::Error Launch(cudaStream_t stream, const __nv_bfloat16* x, const __nv_bfloat
   return ffi::Error::Success();
 }
 
+template <int TILE>
+ffi::Error LaunchRows(cudaStream_t stream, int64_t m, const __nv_bfloat16* x,
+                      const __nv_bfloat16* w, __nv_bfloat16* y, int k, int n, int device) {
+  const int splits = SplitsFor(device, k, n, TILE);
+  switch (m) {
+    case 1: return Launch<1, TILE>(stream, x, w, y, k, n, splits);
+    case 2: return Launch<2, TILE>(stream, x, w, y, k, n, splits);
+    case 3: return Launch<3, TILE>(stream, x, w, y, k, n, splits);
+    case 4: return Launch<4, TILE>(stream, x, w, y, k, n, splits);
+    case 5: return Launch<5, TILE>(stream, x, w, y, k, n, splits);
+    case 6: return Launch<6, TILE>(stream, x, w, y, k, n, splits);
+    case 7: return Launch<7, TILE>(stream, x, w, y, k, n, splits);
+    default: return Launch<8, TILE>(stream, x, w, y, k, n, splits);
+  }
+}
+
 ffi::Error DecodeMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                            ffi::Result<ffi::AnyBuffer> y) {
+                            ffi::Result<ffi::AnyBuffer> y, int32_t tile_columns) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
       y->element_type() != ffi::DataType::BF16) {
@@ -258,20 +277,17 @@ ffi::Error DecodeMatmulImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffe
   }
   int device = 0;
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  const int splits = SplitsFor(device, static_cast<int>(k), static_cast<int>(n));
   const auto* xp = static_cast<const __nv_bfloat16*>(x.untyped_data());
   const auto* wp = static_cast<const __nv_bfloat16*>(w.untyped_data());
   auto* yp = static_cast<__nv_bfloat16*>(y->untyped_data());
   const int ki = static_cast<int>(k), ni = static_cast<int>(n);
-  switch (m) {
-    case 1: return Launch<1>(stream, xp, wp, yp, ki, ni, splits);
-    case 2: return Launch<2>(stream, xp, wp, yp, ki, ni, splits);
-    case 3: return Launch<3>(stream, xp, wp, yp, ki, ni, splits);
-    case 4: return Launch<4>(stream, xp, wp, yp, ki, ni, splits);
-    case 5: return Launch<5>(stream, xp, wp, yp, ki, ni, splits);
-    case 6: return Launch<6>(stream, xp, wp, yp, ki, ni, splits);
-    case 7: return Launch<7>(stream, xp, wp, yp, ki, ni, splits);
-    default: return Launch<8>(stream, xp, wp, yp, ki, ni, splits);
+  switch (tile_columns) {
+    case 64: return LaunchRows<64>(stream, m, xp, wp, yp, ki, ni, device);
+    case 128: return LaunchRows<128>(stream, m, xp, wp, yp, ki, ni, device);
+    case 256: return LaunchRows<256>(stream, m, xp, wp, yp, ki, ni, device);
+    default:
+      return ffi::Error::InvalidArgument("jax_flashoverlap decode_matmul: tile_columns must be "
+                                         "64, 128 or 256, got " + std::to_string(tile_columns));
   }
 }
 
@@ -283,7 +299,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<FFI_Stream_Type>()   // XLA's stream
         .Arg<ffi::AnyBuffer>()    // x [m, k]
         .Arg<ffi::AnyBuffer>()    // w [k, n]
-        .Ret<ffi::AnyBuffer>(),   // y [m, n]
+        .Ret<ffi::AnyBuffer>()    // y [m, n]
+        .Attr<int32_t>("tile_columns"),  // columns per CTA: 64, 128 or 256
     {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jfo
