@@ -90,6 +90,7 @@ def _same_variance(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _ffi_dot(x: jax.Array, w: jax.Array, tile_columns: int = _DEFAULT_TILE_COLUMNS) -> jax.Array:
+    _extension.cuda_ops_available(_TARGET)  # registers the handlers with XLA, once
     x, w = _same_variance(x, w)
     typ = jax.typeof(x)  # the result varies like x, on x's (manual) mesh
     result = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype, sharding=typ.sharding,

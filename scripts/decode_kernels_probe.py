@@ -1,6 +1,6 @@
 """Probe: which kernels would bring the one-GPU decode step closer to the HBM floor?
 
-    python3 scripts/decode_kernels_probe.py [gemm|attention]   # $OUT/decode_kernels_probe.json
+    python3 scripts/decode_kernels_probe.py [gemm|attention] [ROWS ...]   # $OUT/...json
 
 The 1B Transformer's decode step spent 608 µs per token in its 64 weight
 GEMMs (~3.3 TB/s) and 130 µs in cuDNN's attention at batch 1, context 512
@@ -110,7 +110,8 @@ def main():
     def kernel(tile):  # decode_matmul(impl="cuda")'s kernel with a tile width
         return lambda x, w: _kernel_dot(x.reshape(-1, x.shape[-1]), w, tile).reshape(
             *x.shape[:-1], w.shape[1])
-    for m in (1, 4, 8) if "attention" not in sys.argv[1:] else ():
+    row_counts = [int(a) for a in sys.argv[1:] if a.isdigit()] or [1, 4, 8]
+    for m in row_counts if "attention" not in sys.argv[1:] else ():
         x = jnp.asarray(rng.standard_normal((m, D), np.float32), jnp.bfloat16)
         args = [x, *weights]
         specs = (P(),) * len(args)
