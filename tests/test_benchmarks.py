@@ -337,7 +337,7 @@ def test_decode_benchmark_rejects_a_wrong_decode(monkeypatch):
         tokens, logits = generate(self, prompt, rng)
         return tokens, None if logits is None else logits * 1.01
     monkeypatch.setattr(bench.models.Generator, "__call__", perturbed)
-    with pytest.raises(AssertionError, match="decode logits differ from the forward pass"):
+    with pytest.raises(AssertionError, match="decode logits differ from the float32 forward pass"):
         bench.main(["--size", "tiny", "--mesh", "1x1", "--models", "mamba", "--impls", "xla",
                     "--batches", "1", "--contexts", "16", "--steps", "1", "2", "--reps", "1"])
 
