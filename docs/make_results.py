@@ -36,7 +36,8 @@ MAMBA_STEPS = ["train_step_mamba_1xh200.json", "train_step_mamba_scanned_1xh200.
                "train_step_mamba_ssd_xla_1xh200.json"]
 # Mamba-2's options, each file one process whose rows compare against its first.
 MAMBA_OPTIONS = ["train_step_mamba_residuals_1xh200.json", "train_step_mamba_norm_1xh200.json",
-                 "train_step_mamba_conv_1xh200.json", "train_step_mamba_variants_1xh200.json"]
+                 "train_step_mamba_conv_1xh200.json", "train_step_mamba_variants_1xh200.json",
+                 "train_step_mamba_conv_parts_1xh200.json"]
 
 
 def _load(name: str) -> dict:
@@ -235,9 +236,10 @@ def mamba_options_table() -> str:
             "the convolution's output: the default now), xbc (the SiLU's output instead), none "
             "(every residual: `residuals=\"all\"`). In `variants`, \"default\" is the defaults "
             "of its commit, without the fused skip (`fuse-skip`, the default since); "
-            "`residuals=computed` was an option since removed. Peak memory is the process's "
-            "so far, so a row's own only where it grows.\n\n" + "\n".join(lines) + "\n\n"
-            + "\n".join(f"From {s_}" for s_ in sources))
+            "`residuals=computed` was an option since removed. In `conv_parts`, \"default\" "
+            "convolves x, B and C part by part (6ee1220, the default since). Peak memory is "
+            "the process's so far, so a row's own only where it grows.\n\n"
+            + "\n".join(lines) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources))
 
 
 def results_md() -> str:

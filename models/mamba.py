@@ -422,8 +422,10 @@ class Mamba2Mixer(nnx.Module):
                 self.conv_bias[...].astype(self.dtype)))
         # One convolution per part, each written where the SSD reads it: a
         # convolution over all channels made XLA copy x, B and C out of its
-        # output, in the forward and the recomputation (12.5 ms of a 1.4B
-        # step on one H200).
+        # output, in the forward and the recomputation (12.5 ms of copies a
+        # 1.4B step on one H200; the step gained about 4 ms, as in_proj's
+        # gradient concatenation took in the convolutions' backward:
+        # docs/measurements.md, session 23).
         parts = zip(self._conv_parts(conv_in),
                     self._conv_parts(self.conv_weight[...].astype(self.dtype)),
                     self._conv_parts(self.conv_bias[...].astype(self.dtype)))
