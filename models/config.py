@@ -151,7 +151,8 @@ class TransformerConfig(_Presets):
       decode_matmul: the weight matmuls of a decode step, one of
         :data:`DECODE_MATMUL_IMPLS`: "xla" (default) or "cuda", the
         library's kernel for a few rows (bf16, at most 8 rows per device;
-        XLA's dot elsewhere; see :mod:`jax_flashoverlap.decode_matmul`).
+        XLA's dot elsewhere; see :mod:`jax_flashoverlap.decode_matmul`), an
+        experiment slower than XLA's on one H200 so far.
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled
