@@ -6,17 +6,29 @@
 // the extension's GEMMs) in a few tile configurations, after checking 256
 // random outputs of each against a float64 dot on the host.
 //
+// The "signalling" configuration is issue 24's tile GEMM: after each output
+// tile's stores, its epilogue adds 1 to a counter of the tile's row block
+// (SignallingEpilogue). Checked here beyond the values: every row block's
+// counter ends at the number of column tiles, and copies on a second stream,
+// each held by cuStreamWaitValue32 until its row block's counter says the
+// rows are written (as a copy-engine send to a peer would be), copy exactly
+// the GEMM's output out of poisoned memory. Against "nosmem", the same
+// epilogue without the counters, its time is the signalling's cost.
+//
 // CUTLASS is header-only and not on the GPU machine (no registry there), so
 // build here and carry the binary:
 //   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr \
 //     -I<cutlass>/include -I<cutlass>/tools/util/include \
 //     -o build/cutlass_gemm_probe scripts/cutlass_gemm_probe.cu
+// with <cutlass> the headers of the pinned wheel: `pip download --no-deps
+// nvidia-cutlass==4.2.0.0`, unzipped, cutlass_library/source.
 //   build/cutlass_gemm_probe > cutlass_gemm_probe.json   # on the GPU
 // Compare with cuBLAS at the same shapes in the same call, e.g. torch.matmul
 // (scripts/gemm_lanes_probe.py times it as "whole").
 //
 // Timing: CUDA events around 20 back-to-back launches, median of 7 such
 // batches after one warm-up batch; fresh random data, one set per shape.
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -31,6 +43,7 @@
 #include "cuda_check.cuh"
 
 #include "cute/tensor.hpp"
+#include "cutlass/arch/barrier.h"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -46,12 +59,82 @@ using Element = cutlass::bfloat16_t;
 using Layout = cutlass::layout::RowMajor;
 constexpr int kAlignment = 8;  // 16 bytes of bf16
 
-template <class TileShape, class ClusterShape, class Schedule, class EpilogueSchedule>
+// An operator-style epilogue (stores from registers) that publishes each
+// finished tile: every thread of the tile fences its stores, the tile's
+// kThreads threads meet at a named barrier, and one of them adds 1 to the
+// counter of the tile's row block (counters[m tile]). A row block of n
+// columns is written when its counter has grown by ceil(n / tile n).
+template <class Base, int kThreads>
+class SignallingEpilogue : public Base {
+ public:
+  struct Arguments {
+    typename Base::Arguments base;
+    uint32_t* counters = nullptr;
+  };
+  struct Params {
+    typename Base::Params base;
+    uint32_t* counters;
+  };
+
+  template <class ProblemShape>
+  static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args,
+                                        void* workspace) {
+    return {Base::to_underlying_arguments(shape, args.base, workspace), args.counters};
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const& shape, Arguments const& args) {
+    return Base::get_workspace_size(shape, args.base);
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const& shape, Arguments const& args,
+                                              void* workspace, cudaStream_t stream,
+                                              cutlass::CudaHostAdapter* adapter = nullptr) {
+    return Base::initialize_workspace(shape, args.base, workspace, stream, adapter);
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    return args.counters != nullptr && Base::can_implement(shape, args.base);
+  }
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const&) {}
+
+  CUTLASS_HOST_DEVICE SignallingEpilogue(Params const& params,
+                                         typename Base::TensorStorage const& storage)
+      : Base(params.base, storage), counters_(params.counters) {}
+
+  template <class ProblemShape, class TileShape, class TileCoord, class Acc, class TiledMma,
+            class Storage>
+  CUTLASS_DEVICE auto store(typename Base::LoadPipeline load_pipeline,
+                            typename Base::LoadPipelineState load_state,
+                            typename Base::StorePipeline store_pipeline,
+                            typename Base::StorePipelineState store_state,
+                            ProblemShape problem_shape, TileShape tile_shape,
+                            TileCoord tile_coord, Acc accumulators, TiledMma tiled_mma,
+                            int thread_idx, Storage& storage, int subtile_index = -1) {
+    auto states = Base::store(load_pipeline, load_state, store_pipeline, store_state,
+                              problem_shape, tile_shape, tile_coord, accumulators, tiled_mma,
+                              thread_idx, storage, subtile_index);
+    __threadfence();  // this thread's stores before the count that publishes them
+    cutlass::arch::NamedBarrier::sync(kThreads, 0);
+    if (thread_idx == 0) atomicAdd(counters_ + cute::get<0>(tile_coord), 1u);
+    return states;
+  }
+
+ private:
+  uint32_t* counters_;
+};
+
+template <class TileShape, class ClusterShape, class EpilogueSchedule>
+using BuiltEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+    cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+    cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout, kAlignment,
+    Element, Layout, kAlignment, EpilogueSchedule>::CollectiveOp;
+
+template <class TileShape_, class ClusterShape, class Schedule, class Epilogue_,
+          bool kSignals_ = false>
 struct Config {
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout,
-      kAlignment, Element, Layout, kAlignment, EpilogueSchedule>::CollectiveOp;
+  using TileShape = TileShape_;
+  static constexpr bool kSignals = kSignals_;
+  using Epilogue = Epilogue_;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlignment,
       Element, Layout, kAlignment, float, TileShape, ClusterShape,
@@ -63,25 +146,109 @@ struct Config {
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 };
 
+template <class TileShape, class ClusterShape, class Schedule, class EpilogueSchedule>
+using BuiltConfig = Config<TileShape, ClusterShape, Schedule,
+                           BuiltEpilogue<TileShape, ClusterShape, EpilogueSchedule>>;
+
 using Cooperative256x128 =
+    BuiltConfig<Shape<_256, _128, _64>, Shape<_1, _2, _1>,
+                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Cooperative128x256 =
+    BuiltConfig<Shape<_128, _256, _64>, Shape<_2, _1, _1>,
+                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using Pingpong128x128 =
+    BuiltConfig<Shape<_128, _128, _64>, Shape<_1, _2, _1>,
+                cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+                cutlass::epilogue::TmaWarpSpecialized>;
+// The signalling GEMM and its epilogue without the counters. Cooperative:
+// both consumer warp groups (256 threads) share a tile.
+using NoSmem256x128 =
+    BuiltConfig<Shape<_256, _128, _64>, Shape<_1, _2, _1>,
+                cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+                cutlass::epilogue::NoSmemWarpSpecialized>;
+using Signalling256x128 =
     Config<Shape<_256, _128, _64>, Shape<_1, _2, _1>,
            cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-           cutlass::epilogue::TmaWarpSpecializedCooperative>;
-using Cooperative128x256 =
-    Config<Shape<_128, _256, _64>, Shape<_2, _1, _1>,
-           cutlass::gemm::KernelTmaWarpSpecializedCooperative,
-           cutlass::epilogue::TmaWarpSpecializedCooperative>;
-using Pingpong128x128 =
-    Config<Shape<_128, _128, _64>, Shape<_1, _2, _1>,
-           cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-           cutlass::epilogue::TmaWarpSpecialized>;
+           SignallingEpilogue<typename NoSmem256x128::Epilogue, 256>, true>;
 
 struct Problem {
   int m, n, k;
   const Element* a;
   const Element* b;
   Element* d;
+  Element* copy;       // [M, N]: the row blocks the second stream copies out
+  uint32_t* counters;  // one per row block
 };
+
+using WaitValue32 = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+WaitValue32 StreamWaitValue32() {
+  static WaitValue32 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found;
+    CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000,
+                                                cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess) {
+      std::fprintf(stderr, "cuStreamWaitValue32 not found\n");
+      std::exit(1);
+    }
+    return reinterpret_cast<WaitValue32>(p);
+  }();
+  return fn;
+}
+
+// The signalling checks, after `runs` runs from zeroed counters: each row
+// block's counter, then one more run whose row blocks a second stream copies
+// out as their counters allow, from memory poisoned before the run. Null when
+// both hold, else what failed.
+template <class Gemm>
+const char* CheckSignals(Gemm& gemm, const Problem& p, int tile_m, int tile_n, int runs,
+                         cudaStream_t stream) {
+  const int blocks = (p.m + tile_m - 1) / tile_m, tiles_n = (p.n + tile_n - 1) / tile_n;
+  std::vector<uint32_t> counts(blocks);
+  CHECK_CUDA(cudaMemcpyAsync(counts.data(), p.counters, blocks * sizeof(uint32_t),
+                             cudaMemcpyDeviceToHost, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  for (int b = 0; b < blocks; ++b) {
+    if (counts[b] != uint32_t(runs * tiles_n)) {
+      std::fprintf(stderr, "row block %d counted %u, want %d\n", b, counts[b], runs * tiles_n);
+      return "wrong counters";
+    }
+  }
+  cudaStream_t copies;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking));
+  const size_t bytes = size_t(p.m) * p.n * sizeof(Element);
+  CHECK_CUDA(cudaMemsetAsync(p.copy, 0xff, bytes, copies));
+  CHECK_CUDA(cudaStreamSynchronize(copies));
+  for (int b = 0; b < blocks; ++b) {  // queued first: they wait for the run's counts
+    if (StreamWaitValue32()(copies, reinterpret_cast<CUdeviceptr>(p.counters + b),
+                            uint32_t((runs + 1) * tiles_n), CU_STREAM_WAIT_VALUE_GEQ)
+        != CUDA_SUCCESS) {
+      return "cuStreamWaitValue32 failed";
+    }
+    const size_t offset = size_t(b) * tile_m * p.n;
+    const size_t rows = std::min(tile_m, p.m - b * tile_m);
+    CHECK_CUDA(cudaMemcpyAsync(p.copy + offset, p.d + offset, rows * p.n * sizeof(Element),
+                               cudaMemcpyDeviceToDevice, copies));
+  }
+  CHECK_CUDA(cudaMemsetAsync(p.d, 0xff, bytes, stream));  // poison: a copy too early sees it
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return "run failed";
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  CHECK_CUDA(cudaStreamSynchronize(copies));
+  CHECK_CUDA(cudaStreamDestroy(copies));
+  std::vector<uint16_t> d(size_t(p.m) * p.n), copy(d.size());
+  CHECK_CUDA(cudaMemcpy(d.data(), p.d, bytes, cudaMemcpyDeviceToHost));
+  CHECK_CUDA(cudaMemcpy(copy.data(), p.copy, bytes, cudaMemcpyDeviceToHost));
+  for (size_t i = 0; i < d.size(); ++i) {
+    if (d[i] != copy[i] || d[i] == 0xffff) {
+      std::fprintf(stderr, "element %zu: D %04x, copied %04x\n", i, d[i], copy[i]);
+      return "a copy ran before its rows were written";
+    }
+  }
+  return nullptr;
+}
 
 // Median microseconds per launch, or a negative value if the configuration
 // cannot run the problem or gets wrong results.
@@ -101,10 +268,17 @@ double Time(const Problem& p, const std::vector<float>& ha, const std::vector<fl
   CHECK_CUDA(cudaGetDevice(&device));
   auto hw = cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename Gemm::GemmKernel>(
       device);
+  typename Gemm::GemmKernel::EpilogueArguments epilogue;
+  if constexpr (C::kSignals) {
+    epilogue = {{{1.0f, 0.0f}, p.d, sc, p.d, sd}, p.counters};
+    CHECK_CUDA(cudaMemsetAsync(p.counters, 0, ((p.m + 127) / 128) * sizeof(uint32_t), stream));
+  } else {
+    epilogue = {{1.0f, 0.0f}, p.d, sc, p.d, sd};
+  }
   typename Gemm::Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                                 {p.m, p.n, p.k, 1},
                                 {p.a, sa, p.b, sb},
-                                {{1.0f, 0.0f}, p.d, sc, p.d, sd},
+                                epilogue,
                                 hw};
   Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
@@ -138,6 +312,14 @@ double Time(const Problem& p, const std::vector<float>& ha, const std::vector<fl
     if (!(std::fabs(got - want) <= 1e-2 * std::fabs(want) + 1e-3 * std::sqrt(double(p.k)))) {
       *why = "wrong result";
       std::fprintf(stderr, "D[%d, %d] = %g, float64 says %g\n", i, j, got, want);
+      return -1;
+    }
+  }
+  if constexpr (C::kSignals) {
+    constexpr int tile_m = cute::size<0>(typename C::TileShape{});
+    constexpr int tile_n = cute::size<1>(typename C::TileShape{});
+    if (const char* failed = CheckSignals(gemm, p, tile_m, tile_n, 1, stream)) {
+      *why = failed;
       return -1;
     }
   }
@@ -189,11 +371,14 @@ int main() {
   std::printf("{\"rows\": [\n");
   bool first = true;
   for (const auto& s : shapes) {
-    Problem p{s[0], s[2], s[1], nullptr, nullptr, nullptr};
+    Problem p{s[0], s[2], s[1], nullptr, nullptr, nullptr, nullptr, nullptr};
     Element *a, *b, *d;
     CHECK_CUDA(cudaMalloc(&a, size_t(p.m) * p.k * sizeof(Element)));
     CHECK_CUDA(cudaMalloc(&b, size_t(p.k) * p.n * sizeof(Element)));
     CHECK_CUDA(cudaMalloc(&d, size_t(p.m) * p.n * sizeof(Element)));
+    CHECK_CUDA(cudaMalloc(&p.copy, size_t(p.m) * p.n * sizeof(Element)));
+    // One counter per row block of the smallest tile height here (128 rows).
+    CHECK_CUDA(cudaMalloc(&p.counters, ((p.m + 127) / 128) * sizeof(uint32_t)));
     const auto ha = Random(size_t(p.m) * p.k, rng, a);
     const auto hb = Random(size_t(p.k) * p.n, rng, b);
     p.a = a;
@@ -208,6 +393,8 @@ int main() {
         {"cooperative_256x128_cluster1x2", Time<Cooperative256x128>},
         {"cooperative_128x256_cluster2x1", Time<Cooperative128x256>},
         {"pingpong_128x128_cluster1x2", Time<Pingpong128x128>},
+        {"nosmem_256x128_cluster1x2", Time<NoSmem256x128>},
+        {"signalling_256x128_cluster1x2", Time<Signalling256x128>},
     };
     for (const auto& c : configs) {
       const char* why = "";
@@ -222,6 +409,8 @@ int main() {
     CHECK_CUDA(cudaFree(a));
     CHECK_CUDA(cudaFree(b));
     CHECK_CUDA(cudaFree(d));
+    CHECK_CUDA(cudaFree(p.copy));
+    CHECK_CUDA(cudaFree(p.counters));
   }
   std::printf("\n]}\n");
   return 0;
