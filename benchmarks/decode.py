@@ -137,16 +137,32 @@ def floor_bytes(generator: models.Generator, steps: tuple[int, int]) -> tuple[in
     return int(weights), int(cache)
 
 
-def check(model, generator_args: dict, prompt: np.ndarray) -> tuple[float, float]:
+def float32_copy(model):
+    """The model with float32 compute, XLA's collectives and the same
+    parameters (float32 in both), to check a low-precision model against;
+    None for a float32 model."""
+    if model.config.dtype == "float32":
+        return None
+    config = dataclasses.replace(model.config, dtype="float32", impl="xla")
+    exact = nnx.jit(lambda: type(model)(config, rngs=nnx.Rngs(0)))()
+    nnx.update(exact, nnx.state(model))
+    return exact
+
+
+def check(model, exact, generator_args: dict, prompt: np.ndarray) -> tuple[float, float]:
     """A short generation's logits against a float32 forward pass.
 
     The prompt's last ``CHECK_TOKENS`` positions are dropped so that the
     forward runs over ``context`` tokens (a length the model splits).
 
+    Args:
+      model: the model timed.
+      exact: :func:`float32_copy` of it (None: the model is float32).
+
     Returns:
       (largest relative error of the decode loop's logits, that of the
       model's own forward pass in its compute dtype), both against the
-      forward pass of a float32 copy of the model (the same parameters).
+      forward pass in float32.
     """
     context = prompt.shape[1]
     short = prompt[:, :context - CHECK_TOKENS]
@@ -167,21 +183,19 @@ def check(model, generator_args: dict, prompt: np.ndarray) -> tuple[float, float
                             / np.linalg.norm(want, axis=-1)))
 
     own = forward(model)
-    if model.config.dtype == "float32":
+    if exact is None:
         return error(got, own), 0.0
-    config = dataclasses.replace(model.config, dtype="float32")
-    exact = nnx.jit(lambda: type(model)(config, rngs=nnx.Rngs(0)))()
-    nnx.update(exact, nnx.state(model))  # parameters are float32 in both
     want = forward(exact)
-    del exact
     return error(got, want), error(own, want)
 
 
-def measure(model, case: Case, args: argparse.Namespace, rng: np.random.Generator) -> dict:
+def measure(model, exact, case: Case, args: argparse.Namespace,
+            rng: np.random.Generator) -> dict:
+    """One row: ``model`` checked against ``exact`` (see :func:`check`), then timed."""
     k1, k2 = args.steps
     prompt = rng.integers(0, model.config.vocab_size, (case.batch, case.context), np.int32)
     common = dict(batch=case.batch, compiler_options=args.xla_options)
-    error, forward_error = check(model, common, prompt)
+    error, forward_error = check(model, exact, common, prompt)
     tolerance = max(2 * forward_error, CHECK_TOLERANCE[model.config.dtype])
     if not error <= tolerance:
         raise AssertionError(f"{case}: decode logits differ from the float32 forward pass by "
@@ -340,17 +354,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     rng = np.random.default_rng(0)
     for model_name in args.models:
+        exact = None  # one float32 reference per model: every impl has the same parameters
         for (label, impl, algorithm), decode_matmul in itertools.product(
                 impls, args.decode_matmuls):
             model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
                                 decode_matmul)
+            if exact is None:
+                with jax.set_mesh(mesh):
+                    exact = float32_copy(model)
             for batch in args.batches:
                 for context in args.contexts:
                     case = Case(model_name, label, decode_matmul, batch, context)
                     if lead:
                         print(f"--- {case}", flush=True)
                     with jax.set_mesh(mesh), forced_algorithm(algorithm):
-                        row = measure(model, case, args, rng)
+                        row = measure(model, exact, case, args, rng)
                     rows.append(row)
                     gc.collect()
                     if lead:
@@ -360,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
                                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
             del model
             gc.collect()
+        del exact
     if lead:
         print(f"\nDecoding, mesh {args.mesh[0]}x{args.mesh[1]} (data x tensor) in "
               f"{jax.process_count()} process(es), {rows[0]['dtype'] if rows else ''}; "
