@@ -7,12 +7,18 @@ default): the NVRAR all-reduce reduces within a node over NVLink and across
 nodes with NVSHMEM, and declaring each GPU its own node exercises the
 cross-node path on one machine. :func:`broadcast_bytes` shares a small byte
 string, such as an NVSHMEM unique id, from one process to all.
+:func:`exit_if_stuck` bounds native collective calls that cannot be.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
+import os
+import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from . import settings
@@ -29,7 +35,12 @@ __all__ = [
     "rank_in_node",
     "broadcast_bytes",
     "check_same",
+    "exit_if_stuck",
+    "STUCK_EXIT_STATUS",
 ]
+
+# The exit status of a process that :func:`exit_if_stuck` ended.
+STUCK_EXIT_STATUS = 75
 
 # The variables a launcher gives each process (jax_flashoverlap.cli.launch sets them).
 ENV = settings.LAUNCHER_VARIABLES
@@ -267,3 +278,41 @@ def check_same(name: str, settings: dict[str, Any], *, timeout_s: float = 60.0) 
                            for k in differing)
         raise ValueError(f"{name}: the processes disagree on {detail}; every process must use "
                          f"the same values")
+
+
+@contextlib.contextmanager
+def exit_if_stuck(what: str, timeout_s: float) -> Iterator[None]:
+    """Ends the process if the block has not finished after ``timeout_s``.
+
+    For native collective calls that wait on every process without a bound
+    of their own (NVSHMEM's start-up and shut-down barriers), made with the
+    GIL released: a process that died or stopped leaves the others waiting
+    there forever, and neither an exception nor Ctrl-C can reach a thread
+    inside native code. So a watchdog thread prints what was stuck, and for
+    how long, to stderr and exits with :data:`STUCK_EXIT_STATUS`; the
+    launcher then stops the other processes.
+
+    Args:
+      what: the call, for the message.
+      timeout_s: the bound, in seconds.
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"exit_if_stuck({what!r}): timeout_s={timeout_s} must be positive")
+    done = threading.Event()
+
+    def watch() -> None:
+        if not done.wait(timeout_s):
+            sys.stderr.write(f"jax_flashoverlap: {what} did not finish within {timeout_s:g} s "
+                             f"in process {process_id()}: another process died or stopped "
+                             f"before it; exiting with status {STUCK_EXIT_STATUS}\n")
+            sys.stderr.flush()
+            os._exit(STUCK_EXIT_STATUS)
+
+    watchdog = threading.Thread(target=watch, name=f"exit_if_stuck({what})", daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watchdog.join()
+

@@ -109,7 +109,7 @@ def _register() -> None:
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 
 
-def initialize(heap_mb: int = 1024) -> None:
+def initialize(heap_mb: int = 1024, *, timeout_s: float = 300.0) -> None:
     """Starts NVSHMEM on every process and allocates the all-reduce buffers.
 
     Collective: every process calls it, after
@@ -124,12 +124,18 @@ def initialize(heap_mb: int = 1024) -> None:
       heap_mb: NVSHMEM symmetric heap per GPU (``NVSHMEM_SYMMETRIC_SIZE``), MiB.
         It comes out of the GPU memory XLA has not taken: with XLA's default
         preallocation (75%) keep it well under a quarter of the GPU.
+      timeout_s: the bound of NVSHMEM's own start-up (its barriers and
+        collective allocations wait on every process without one): a process
+        still inside it after this long exits with
+        :data:`~jax_flashoverlap.distributed.STUCK_EXIT_STATUS` and a message
+        (:func:`~jax_flashoverlap.distributed.exit_if_stuck`).
 
     Raises:
       RuntimeError: the module was not built (names the CMake option), or
         ``jax.distributed`` is not initialised, or a process has more than
         one GPU, or a process does not arrive within a minute, or NVSHMEM
-        fails to start.
+        fails to start. (A process stuck in NVSHMEM's start-up exits
+        instead, after ``timeout_s``.)
       ValueError: the processes passed different ``heap_mb`` or run with
         different node sizes (``JAX_FLASHOVERLAP_NODE_SIZE``).
     """
@@ -147,6 +153,8 @@ def initialize(heap_mb: int = 1024) -> None:
                            f"process one GPU")
     if heap_mb < 1:
         raise ValueError(f"heap_mb={heap_mb} must be positive")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s} must be positive")
     # NVSHMEM's own start-up waits on every process without a bound: agree
     # first, with one, on everything the processes must share.
     distributed.check_same("jax_flashoverlap.nvshmem.initialize",
@@ -158,23 +166,30 @@ def initialize(heap_mb: int = 1024) -> None:
     me = jax.process_index()
     uid = distributed.broadcast_bytes(mod.get_unique_id() if me == 0 else None, root=0)
     ordinal = getattr(devices[0], "local_hardware_id", None)
-    mod.init(uid, me, jax.process_count(), int(heap_mb) << 20,
-             0 if ordinal is None else int(ordinal),
-             hostlib=settings.get("JAX_FLASHOVERLAP_NVSHMEM_INIT") == "hostlib",
-             debug=settings.get("JAX_FLASHOVERLAP_NVSHMEM_DEBUG"))
+    with distributed.exit_if_stuck("jax_flashoverlap.nvshmem.initialize (NVSHMEM start-up)",
+                                   timeout_s):
+        mod.init(uid, me, jax.process_count(), int(heap_mb) << 20,
+                 0 if ordinal is None else int(ordinal),
+                 hostlib=settings.get("JAX_FLASHOVERLAP_NVSHMEM_INIT") == "hostlib",
+                 debug=settings.get("JAX_FLASHOVERLAP_NVSHMEM_DEBUG"))
     _register()
 
 
-def finalize() -> None:
+def finalize(*, timeout_s: float = 60.0) -> None:
     """Collective: frees the buffers and shuts NVSHMEM down (no-op if not started).
 
     Also drops JAX's compiled functions (``jax.clear_caches()``): those that
     ``jax_flashoverlap.all_reduce`` lowered to the NVSHMEM all-reduce would
     otherwise keep calling it.
+
+    Args:
+      timeout_s: the bound of NVSHMEM's shut-down barrier, as in :func:`initialize`.
     """
     mod = _module()
     if mod is not None and mod.info()["initialized"]:
-        mod.finalize()
+        with distributed.exit_if_stuck("jax_flashoverlap.nvshmem.finalize (NVSHMEM shut-down)",
+                                       timeout_s):
+            mod.finalize()
         import jax
 
         jax.clear_caches()

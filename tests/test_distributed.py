@@ -121,3 +121,33 @@ def test_initialize_outside_the_launcher_says_how_to_launch(monkeypatch):
     for key in ("coordinator", "process_id", "num_processes"):
         assert distributed.ENV[key] in message, (key, message)
     assert "python -m jax_flashoverlap.cli.launch -n N" in message
+
+
+def _watched(seconds: float, timeout_s: float) -> subprocess.CompletedProcess:
+    """A child that spends ``seconds`` in a call without the GIL (a sleep)
+    inside exit_if_stuck(timeout_s), then prints "finished"."""
+    code = ("import time; from jax_flashoverlap import distributed\n"
+            f"with distributed.exit_if_stuck('the test call', {timeout_s}):\n"
+            f"    time.sleep({seconds})\n"
+            "print('finished')")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_stuck_native_call_ends_the_process_with_a_message():
+    child = _watched(seconds=60, timeout_s=0.5)
+    assert child.returncode == distributed.STUCK_EXIT_STATUS, child.stderr
+    assert "the test call did not finish within 0.5 s in process 0" in child.stderr
+    assert "finished" not in child.stdout
+
+
+def test_a_call_that_finishes_in_time_is_left_alone():
+    child = _watched(seconds=0.1, timeout_s=30)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.strip() == "finished"
+
+
+def test_exit_if_stuck_needs_a_positive_bound():
+    with pytest.raises(ValueError, match="timeout_s=0 must be positive"):
+        with distributed.exit_if_stuck("x", 0):
+            pass
