@@ -12,14 +12,17 @@
 // counter ends at the number of column tiles, and copies on a second stream,
 // each held by cuStreamWaitValue32 until its row block's counter says the
 // rows are written (as a copy-engine send to a peer would be), copy exactly
-// the GEMM's output out of poisoned memory. Against "nosmem", the same
-// epilogue without the counters, its time is the signalling's cost.
+// the GEMM's output out of poisoned memory: that checks the counts and their
+// row blocks; a fence too weak would rarely show, since a copy starts well
+// after its wait is met. Against "nosmem", the same epilogue without the
+// counters, its time is the signalling's cost.
 //
 // CUTLASS is header-only and not on the GPU machine (no registry there), so
 // build here and carry the binary:
-//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr \
+//   nvcc -O3 -std=c++17 -arch=sm_90a --expt-relaxed-constexpr -DNDEBUG \
 //     -I<cutlass>/include -I<cutlass>/tools/util/include \
 //     -o build/cutlass_gemm_probe scripts/cutlass_gemm_probe.cu
+// (-DNDEBUG: CUTLASS's device asserts would serialize the wgmma instructions)
 // with <cutlass> the headers of the pinned wheel: `pip download --no-deps
 // nvidia-cutlass==4.2.0.0`, unzipped, cutlass_library/source.
 //   build/cutlass_gemm_probe > cutlass_gemm_probe.json   # on the GPU
@@ -60,10 +63,13 @@ using Layout = cutlass::layout::RowMajor;
 constexpr int kAlignment = 8;  // 16 bytes of bf16
 
 // An operator-style epilogue (stores from registers) that publishes each
-// finished tile: every thread of the tile fences its stores, the tile's
-// kThreads threads meet at a named barrier, and one of them adds 1 to the
-// counter of the tile's row block (counters[m tile]). A row block of n
-// columns is written when its counter has grown by ceil(n / tile n).
+// finished tile: the tile's kThreads threads meet at a named barrier after
+// their stores, and one of them fences (cumulatively: the others' stores it
+// has synchronized with too) and adds 1 to the counter of the tile's row
+// block (counters[m tile]). A row block of n columns is written when its
+// counter has grown by ceil(n / tile n). Tiles wholly outside the problem
+// (the scheduler pads the column tiles to a multiple of the cluster) store
+// nothing and count nothing.
 template <class Base, int kThreads>
 class SignallingEpilogue : public Base {
  public:
@@ -113,9 +119,14 @@ class SignallingEpilogue : public Base {
     auto states = Base::store(load_pipeline, load_state, store_pipeline, store_state,
                               problem_shape, tile_shape, tile_coord, accumulators, tiled_mma,
                               thread_idx, storage, subtile_index);
-    __threadfence();  // this thread's stores before the count that publishes them
-    cutlass::arch::NamedBarrier::sync(kThreads, 0);
-    if (thread_idx == 0) atomicAdd(counters_ + cute::get<0>(tile_coord), 1u);
+    const bool inside =
+        cute::get<0>(tile_coord) * cute::size<0>(tile_shape) < cute::get<0>(problem_shape) &&
+        cute::get<1>(tile_coord) * cute::size<1>(tile_shape) < cute::get<1>(problem_shape);
+    cutlass::arch::NamedBarrier::sync(kThreads, 0);  // every thread's stores are done
+    if (thread_idx == 0 && inside) {
+      __threadfence();  // those stores before the count that publishes them
+      atomicAdd(counters_ + cute::get<0>(tile_coord), 1u);
+    }
     return states;
   }
 
@@ -221,20 +232,26 @@ const char* CheckSignals(Gemm& gemm, const Problem& p, int tile_m, int tile_n, i
   CHECK_CUDA(cudaStreamCreateWithFlags(&copies, cudaStreamNonBlocking));
   const size_t bytes = size_t(p.m) * p.n * sizeof(Element);
   CHECK_CUDA(cudaMemsetAsync(p.copy, 0xff, bytes, copies));
+  CHECK_CUDA(cudaMemsetAsync(p.d, 0xff, bytes, stream));  // poison: a copy too early sees it
   CHECK_CUDA(cudaStreamSynchronize(copies));
-  for (int b = 0; b < blocks; ++b) {  // queued first: they wait for the run's counts
+  // The run first, then the copies' waits: queued the other way round, a
+  // wait could hold the run behind it where streams share a hardware queue.
+  if (gemm.run(stream) != cutlass::Status::kSuccess) {
+    CHECK_CUDA(cudaStreamDestroy(copies));
+    return "run failed";
+  }
+  for (int b = 0; b < blocks; ++b) {
     if (StreamWaitValue32()(copies, reinterpret_cast<CUdeviceptr>(p.counters + b),
                             uint32_t((runs + 1) * tiles_n), CU_STREAM_WAIT_VALUE_GEQ)
         != CUDA_SUCCESS) {
-      return "cuStreamWaitValue32 failed";
+      std::fprintf(stderr, "cuStreamWaitValue32 failed\n");
+      std::exit(1);  // waits already queued may never be met: no clean return
     }
     const size_t offset = size_t(b) * tile_m * p.n;
     const size_t rows = std::min(tile_m, p.m - b * tile_m);
     CHECK_CUDA(cudaMemcpyAsync(p.copy + offset, p.d + offset, rows * p.n * sizeof(Element),
                                cudaMemcpyDeviceToDevice, copies));
   }
-  CHECK_CUDA(cudaMemsetAsync(p.d, 0xff, bytes, stream));  // poison: a copy too early sees it
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return "run failed";
   CHECK_CUDA(cudaStreamSynchronize(stream));
   CHECK_CUDA(cudaStreamSynchronize(copies));
   CHECK_CUDA(cudaStreamDestroy(copies));
