@@ -252,7 +252,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
 
 def table(rows: list[dict]) -> str:
     xla = {(r["model"], r["batch"], r["context"]): r["per_token_ms"]
-           for r in rows if r["impl"] == "xla" and r.get("decode_matmul", "xla") == "xla"}
+           for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"}
     lines = ["| model | impl | decode matmul | batch | context | prefill (ms) "
              "| per token (ms), median [min, max] | tokens/s | HBM floor (ms) | × floor "
              "| vs xla |",
@@ -260,7 +260,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         base = xla.get((r["model"], r["batch"], r["context"]))
         lines.append(
-            f"| {r['model']} | {r['impl']} | {r.get('decode_matmul', 'xla')} | {r['batch']} "
+            f"| {r['model']} | {r['impl']} | {r['decode_matmul']} | {r['batch']} "
             f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
             f"{r['per_token_ms_max']:.3f}] | {r['tokens_per_s']:,.0f} | "
@@ -281,10 +281,10 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, name in zip(axes[0], model_names):
         for impl in dict.fromkeys(r["impl"] for r in rows):
             for matmul, context in itertools.product(
-                    dict.fromkeys(r.get("decode_matmul", "xla") for r in rows),
+                    dict.fromkeys(r["decode_matmul"] for r in rows),
                     sorted({r["context"] for r in rows})):
                 sel = sorted((r["batch"], r["per_token_ms"]) for r in rows
-                             if (r["model"], r["impl"], r.get("decode_matmul", "xla"),
+                             if (r["model"], r["impl"], r["decode_matmul"],
                                  r["context"]) == (name, impl, matmul, context))
                 if sel:
                     ax.plot(*zip(*sel), marker="o",

@@ -18,7 +18,8 @@ from typing import Any
 
 import jax
 
-__all__ = ["varying_axes", "with_varying_axes", "lowering_mesh", "backends_initialized"]
+__all__ = ["varying_axes", "with_varying_axes", "same_variance", "lowering_mesh",
+           "backends_initialized"]
 
 
 def varying_axes(aval: Any) -> frozenset:
@@ -36,6 +37,22 @@ def with_varying_axes(aval: Any, shape: tuple[int, ...], varying: frozenset) -> 
     new_mat = type(mat)(varying=varying, unreduced=mat.unreduced, reduced=mat.reduced,
                         unreduced_kind=mat.unreduced_kind)
     return aval.update(shape=shape, manual_axis_type=new_mat)
+
+
+def same_variance(*arrays: jax.Array) -> tuple[list[jax.Array], Any]:
+    """The arrays made to vary over the same manual mesh axes (the union of
+    theirs), and that manual axis type.
+
+    Inside ``shard_map`` the operands of an FFI call or a Pallas kernel must
+    agree, and a custom_vjp's backward must return each gradient of its
+    input's type. A parameter (the same on every data shard) cast here to
+    vary like the activations, before a custom_vjp, gets its gradient summed
+    over the shards by the cast's transpose.
+    """
+    union = frozenset().union(*(jax.typeof(t).manual_axis_type.varying for t in arrays))
+    arrays = [jax.lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
+                            to="varying") for t in arrays]
+    return arrays, jax.typeof(arrays[0]).manual_axis_type
 
 
 def lowering_mesh(ctx: Any) -> Any | None:

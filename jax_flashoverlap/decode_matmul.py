@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _extension
+from . import _extension, _jax_shim
 
 __all__ = ["decode_matmul", "DECODE_MATMUL_IMPLS", "MAX_KERNEL_ROWS"]
 
@@ -86,20 +86,12 @@ def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     return y[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 
-def _same_variance(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x and w varying over the same manual mesh axes (inside ``shard_map`` an
-    FFI call's operands must)."""
-    union = jax.typeof(x).manual_axis_type.varying | jax.typeof(w).manual_axis_type.varying
-    return tuple(lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
-                           to="varying") for t in (x, w))
-
-
 def _ffi_dot(x: jax.Array, w: jax.Array, tile_columns: int = _DEFAULT_TILE_COLUMNS) -> jax.Array:
     _extension.cuda_ops_available(_TARGET)  # registers the handlers with XLA, once
-    x, w = _same_variance(x, w)
-    typ = jax.typeof(x)  # the result varies like x, on x's (manual) mesh
-    result = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype, sharding=typ.sharding,
-                                  manual_axis_type=typ.manual_axis_type)
+    (x, w), varying = _jax_shim.same_variance(x, w)
+    # The result varies like its operands, on x's (manual) mesh.
+    result = jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), x.dtype,
+                                  sharding=jax.typeof(x).sharding, manual_axis_type=varying)
     return jax.ffi.ffi_call(_TARGET, result)(x, w, tile_columns=np.int32(tile_columns))
 
 

@@ -299,12 +299,13 @@ def exit_if_stuck(what: str, timeout_s: float) -> Iterator[None]:
     if not timeout_s > 0:
         raise ValueError(f"exit_if_stuck({what!r}): timeout_s={timeout_s} must be positive")
     done = threading.Event()
+    message = (f"jax_flashoverlap: {what} did not finish within {timeout_s:g} s in process "
+               f"{process_id()}: another process died or stopped before it; exiting with "
+               f"status {STUCK_EXIT_STATUS}\n")
 
     def watch() -> None:
         if not done.wait(timeout_s):
-            sys.stderr.write(f"jax_flashoverlap: {what} did not finish within {timeout_s:g} s "
-                             f"in process {process_id()}: another process died or stopped "
-                             f"before it; exiting with status {STUCK_EXIT_STATUS}\n")
+            sys.stderr.write(message)
             sys.stderr.flush()
             os._exit(STUCK_EXIT_STATUS)
 

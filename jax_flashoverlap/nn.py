@@ -42,13 +42,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ._jax_shim import same_variance
 from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
 from .decode_matmul import decode_matmul
 from .matmul_all_reduce import matmul_all_reduce
 from .matmul_reduce_scatter import matmul_reduce_scatter
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_map_apply"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "shard_map_apply", "same_variance"]
 
 Initializer = Callable[..., jax.Array]
 # Fan-in scaled normal over the global kernel shape, as nnx.Linear's default.

@@ -9,28 +9,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_flashoverlap.nn import shard_map_apply
+from jax_flashoverlap.nn import same_variance, shard_map_apply
 
 from .config import NORM_BACKWARDS
 
 __all__ = ["RMSNorm", "CausalLM", "linear_options", "make_layers", "rms_norm",
            "same_variance"]
-
-
-def same_variance(*arrays: jax.Array) -> tuple[list[jax.Array], object]:
-    """The arrays made to vary over the same manual mesh axes (the union of
-    theirs), and that manual axis type.
-
-    Inside ``shard_map`` a custom_vjp's backward must return each gradient of
-    its input's type, and a Pallas kernel's operands and results must agree.
-    A parameter (the same on every data shard) cast here to vary like the
-    activations, before a custom_vjp, gets its gradient summed over the shards
-    by the cast's transpose.
-    """
-    union = frozenset().union(*(jax.typeof(t).manual_axis_type.varying for t in arrays))
-    arrays = [jax.lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
-                            to="varying") for t in arrays]
-    return arrays, jax.typeof(arrays[0]).manual_axis_type
 
 
 def linear_options(config, rngs: nnx.Rngs) -> dict:

@@ -409,26 +409,27 @@ class Mamba2Mixer(nnx.Module):
         x, bmat, cmat = jnp.split(grouped, [hpg * p, hpg * p + n], axis=-1)
         return x, bmat, cmat
 
+    def _conv_params(self) -> tuple[jax.Array, jax.Array]:
+        """The convolution's weight [k, c] and bias [c] in the compute dtype."""
+        return (self.conv_weight[...].astype(self.dtype),
+                self.conv_bias[...].astype(self.dtype))
+
     def _conv(self, conv_in: jax.Array) -> jax.Array:
-        return causal_conv1d(conv_in, self.conv_weight[...].astype(self.dtype),
-                             self.conv_bias[...].astype(self.dtype))
+        return causal_conv1d(conv_in, *self._conv_params())
 
     def _conv_silu(self, conv_in: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """SiLU of the convolution over the whole sequence [s, b, c], as
         :meth:`_conv_parts`' x, B and C."""
         if self.conv_impl == "pallas":
-            return self._conv_parts(conv_pallas.causal_conv1d_silu(
-                conv_in, self.conv_weight[...].astype(self.dtype),
-                self.conv_bias[...].astype(self.dtype)))
+            return self._conv_parts(conv_pallas.causal_conv1d_silu(conv_in,
+                                                                   *self._conv_params()))
         # One convolution per part, each written where the SSD reads it: a
         # convolution over all channels made XLA copy x, B and C out of its
         # output, in the forward and the recomputation (12.5 ms of copies a
         # 1.4B step on one H200; the step gained about 4 ms, as in_proj's
         # gradient concatenation took in the convolutions' backward:
         # docs/measurements.md, session 23).
-        parts = zip(self._conv_parts(conv_in),
-                    self._conv_parts(self.conv_weight[...].astype(self.dtype)),
-                    self._conv_parts(self.conv_bias[...].astype(self.dtype)))
+        parts = zip(self._conv_parts(conv_in), *map(self._conv_parts, self._conv_params()))
         # Named for saved_in_backward: the SiLU's backward needs this, not its output.
         return tuple(jax.nn.silu(checkpoint_name(causal_conv1d(*part), "mamba_conv"))
                      for part in parts)

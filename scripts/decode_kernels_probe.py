@@ -37,12 +37,11 @@ HBM = 4.8e12
 
 def gemm_chain(x, *weights, dot=_xla_dot):
     """The decode step's weight GEMMs of LAYERS layers, x: [m, D]."""
-    _dot_rows = dot
     for wqkv, wo, wgu, wd in zip(*(iter(weights),) * 4):
-        a = _dot_rows(x, wqkv)[:, :D]
-        h = x + _dot_rows(a, wo)
-        g = _dot_rows(h, wgu)
-        x = h + _dot_rows(jax.nn.silu(g[:, :F]) * g[:, F:], wd)
+        a = dot(x, wqkv)[:, :D]
+        h = x + dot(a, wo)
+        g = dot(h, wgu)
+        x = h + dot(jax.nn.silu(g[:, :F]) * g[:, F:], wd)
     return x
 
 
