@@ -33,7 +33,7 @@ CONV_IMPLS = ("xla", "pallas")
 # checkpoint policy, recomputes) the float32 intermediates of the forward;
 # "recompute" is a custom_vjp that keeps only the norm's inputs and recomputes
 # its statistics inside the backward.
-NORM_BACKWARDS = ("autodiff", "recompute")
+NORM_BACKWARDS = ("autodiff", "recompute", "pallas")
 # What a Mamba-2 block keeps for its backward (models.mamba.Mamba2): the
 # values Mamba2.saved_in_backward names, recomputing the rest; or every
 # residual autodiff keeps.

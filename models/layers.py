@@ -110,7 +110,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | N
         "autodiff" keeps the float32 intermediates for the backward;
         "recompute" keeps only x, gate and weight and recomputes the rest in
         the backward (less memory, fewer passes when a checkpoint policy would
-        otherwise recompute the forward too).
+        otherwise recompute the forward too); "pallas" keeps the same and runs
+        forward and backward as fused GPU kernels (:mod:`models.norm_pallas`).
 
     Returns:
       [..., dim] in x's dtype, computed in float32.
@@ -118,6 +119,11 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | N
     group_size = group_size or x.shape[-1]
     if backward == "autodiff":
         return _rms_norm(x, gate, weight, eps, group_size)[0]
+    if backward == "pallas":
+        # Imported here: norm_pallas imports this module's package siblings,
+        # which import this module.
+        from . import norm_pallas
+        return norm_pallas.gated_rms_norm(x, gate, weight, eps=eps, group_size=group_size)
     if backward != "recompute":
         raise ValueError(f"rms_norm: backward must be one of {NORM_BACKWARDS}, got {backward!r}")
     (x, weight, *gate), _ = same_variance(x, weight, *([] if gate is None else [gate]))

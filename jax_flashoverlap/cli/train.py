@@ -93,8 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Mamba-2's causal convolution + SiLU: XLA's ops, or one fused "
                              "Pallas GPU kernel (opt-in: 2%% slower a 1.4B step)")
     parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="autodiff",
-                        help="Mamba-2's gated norm in the backward: autodiff, or a "
-                             "custom_vjp that keeps only its inputs (recompute)")
+                        help="Mamba-2's gated norm in the backward: autodiff, a "
+                             "custom_vjp that keeps only its inputs (recompute), or that "
+                             "with fused GPU kernels (pallas)")
     parser.add_argument("--residuals", choices=RESIDUALS, default="named",
                         help="Mamba-2: what a block keeps for the backward (all: every "
                              "residual, 6%% less time a 1b step at seq 8192, about 0.6 GB "

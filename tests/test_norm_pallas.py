@@ -1,0 +1,185 @@
+"""The fused gated RMSNorm kernels against XLA's ops: in Pallas's
+interpreter on CPU, compiled on GPUs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax_flashoverlap.models import norm_pallas
+from support import assert_as_accurate, assert_close, f64, random
+
+from jax_flashoverlap import models
+
+
+def _check(shape, group_size, gated, dtype, rng, interpret):
+    """Output and gradients of x, the gate and the weight against
+    ``layers.rms_norm``'s XLA ops; in bf16, both against XLA's float32 run on
+    the same inputs, the kernels no less accurate than XLA's."""
+    x = random(rng, shape, dtype)
+    gate = random(rng, shape, dtype) if gated else None
+    weight = 1.0 + 0.1 * random(rng, shape[-1:], "float32")
+    probe = random(rng, shape, "float32")
+
+    def loss(norm, x, gate, weight):
+        y = norm(x, gate, weight)
+        return jnp.sum(y.astype(jnp.float32) * probe), y
+
+    def reference(x, gate, weight):
+        return models.layers.rms_norm(x, weight, eps=1e-5, group_size=group_size, gate=gate)
+
+    def fused(x, gate, weight):
+        return norm_pallas.gated_rms_norm(x, gate, weight, eps=1e-5, group_size=group_size,
+                                          interpret=interpret)
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3), has_aux=True), static_argnums=0)
+    (_, want), want_grads = grad(reference, x, gate, weight)
+    (_, got), got_grads = grad(fused, x, gate, weight)
+    assert got.dtype == x.dtype and got.shape == x.shape
+    assert [None if g is None else g.dtype for g in got_grads] == \
+        [None if g is None else g.dtype for g in want_grads]
+    if dtype == "bfloat16":
+        exact_inputs = (x.astype(jnp.float32), None if gate is None else gate.astype(jnp.float32),
+                        weight)
+        (_, exact), exact_grads = grad(reference, *exact_inputs)
+        assert_as_accurate((got, got_grads), (want, want_grads), (exact, exact_grads), dtype)
+        return
+    assert_close(got, f64(want), dtype)
+    for name, g, w in zip(("x", "gate", "weight"), got_grads, want_grads):
+        if w is None:
+            assert g is None, name
+            continue
+        try:
+            assert_close(g, f64(w), dtype)
+        except AssertionError as e:
+            raise AssertionError(f"gradient of {name}: {e}") from None
+
+
+@pytest.mark.parametrize("shape, group_size", [
+    ((64, 2, 128), 32),    # whole blocks of rows, four groups
+    ((37, 3, 64), 64),     # rows padded up to a block, one group
+], ids=["groups", "padded"])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_interpreted_kernels_equal_xla(shape, group_size, gated, dtype, rng):
+    _check(shape, group_size, gated, dtype, rng, interpret=True)
+
+
+def test_rms_norm_dispatches_to_the_kernels(monkeypatch, rng):
+    calls = []
+    real = norm_pallas.gated_rms_norm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["group_size"])
+        return real(*args, **kwargs, interpret=True)
+
+    monkeypatch.setattr(norm_pallas, "gated_rms_norm", spy)
+    x, gate = random(rng, (16, 64), "float32"), random(rng, (16, 64), "float32")
+    weight = jnp.ones(64)
+    got = models.layers.rms_norm(x, weight, eps=1e-5, group_size=32, gate=gate,
+                                 backward="pallas")
+    want = models.layers.rms_norm(x, weight, eps=1e-5, group_size=32, gate=gate)
+    assert calls == [32]
+    assert_close(got, f64(want), "float32")
+
+
+def test_weight_gradient_sums_over_the_data_axis(monkeypatch):
+    """Inside shard_map the weight is the same on every data shard while x
+    differs: its gradient must come back of the weight's type and summed over
+    the shards. Traced and lowered for a GPU (Pallas's interpreter does not
+    run inside shard_map); test_mamba_trains_alike_with_either_norm runs it."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    args = [jax.ShapeDtypeStruct((512, 4, 1024), jnp.bfloat16)] * 2 + \
+        [jax.ShapeDtypeStruct((1024,), jnp.float32)]
+
+    def loss(x, gate, weight):
+        def local(x, gate, weight):
+            y = norm_pallas.gated_rms_norm(x, gate, weight, eps=1e-5, group_size=512)
+            return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), "data")
+        return jax.shard_map(local, mesh=mesh,
+                             in_specs=(jax.P(None, "data"), jax.P(None, "data"), jax.P()),
+                             out_specs=jax.P())(x, gate, weight)
+
+    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+    assert [g.shape for g in traced.out_info] == [a.shape for a in args]
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "gated_rms_norm_backward" in text
+    assert text.count("stablehlo.all_reduce") == 1, text.count("stablehlo.all_reduce")
+
+
+@pytest.mark.parametrize("dim, group_size, message", [
+    (96, 48, "group size 48 is not a power of two from 16"),
+    (96, 8, "group size 8 is not a power of two from 16"),
+    (96, 64, "dim=96 is not a multiple of the group size 64"),
+])
+def test_unsupported_groups(dim, group_size, message):
+    assert norm_pallas.unsupported_reason(dim, group_size) == message
+    with pytest.raises(ValueError, match=message + "; use norm_backward='autodiff' or "
+                                                   "'recompute'"):
+        norm_pallas.gated_rms_norm(jnp.zeros((4, dim)), None, jnp.ones(dim), eps=1e-5,
+                                   group_size=group_size)
+
+
+def test_a_gate_of_another_shape_is_an_error():
+    with pytest.raises(ValueError, match=r"gate \(4, 32\) is not x's shape \(4, 64\)"):
+        norm_pallas.gated_rms_norm(jnp.zeros((4, 64)), jnp.zeros((4, 32)), jnp.ones(64),
+                                   eps=1e-5, interpret=True)
+
+
+def test_compiled_kernels_need_a_gpu():
+    if jax.default_backend() == "gpu":
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=r"runs on CUDA GPUs only \(Pallas Triton\), and the "
+                                         r"default backend is 'cpu'; use "
+                                         r"norm_backward='autodiff' or 'recompute'"):
+        norm_pallas.gated_rms_norm(jnp.zeros((8, 64)), None, jnp.ones(64), eps=1e-5)
+
+
+def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    args = [jax.ShapeDtypeStruct((8192, 1, 4096), jnp.bfloat16)] * 2 + \
+        [jax.ShapeDtypeStruct((4096,), jnp.float32)]
+
+    def grads(*t):
+        return jax.grad(lambda *u: jnp.sum(norm_pallas._norm(*u, 1e-5, 512, False)
+                                           .astype(jnp.float32)), argnums=(0, 1, 2))(*t)
+
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for kernel in ("gated_rms_norm", "gated_rms_norm_backward"):
+        assert kernel in text, kernel
+
+
+def test_mamba_config_and_flag_choose_the_kernels():
+    from jax_flashoverlap.cli import train
+
+    args = train.parse_args(["--model", "mamba", "--norm-backward", "pallas"])
+    config = train.model_config("mamba", "tiny", norm_backward=args.norm_backward)
+    assert config.norm_backward == "pallas"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_equal_xla_on_gpu(gated, dtype, rng):
+    """The 1.4B mixer's norm (groups of 512 of 4096 channels), rows padded."""
+    _check((1000, 1, 4096), 512, gated, dtype, rng, interpret=False)
+
+
+@pytest.mark.gpu
+def test_mamba_trains_alike_with_either_norm():
+    from jax_flashoverlap.cli import train
+
+    losses = {}
+    for norm in ("autodiff", "pallas"):
+        args = train.parse_args(["--model", "mamba", "--size", "small", "--mesh", "1x1",
+                                 "--batch", "2", "--seq-len", "512", "--steps", "5",
+                                 "--norm-backward", norm, "--no-progress"])
+        losses[norm] = np.asarray(train.train(args).losses)
+    np.testing.assert_allclose(losses["pallas"], losses["autodiff"], rtol=3e-2)
