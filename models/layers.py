@@ -111,23 +111,35 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | N
         "recompute" keeps only x, gate and weight and recomputes the rest in
         the backward (less memory, fewer passes when a checkpoint policy would
         otherwise recompute the forward too); "pallas" keeps the same and runs
-        forward and backward as fused GPU kernels (:mod:`models.norm_pallas`).
+        forward and backward as fused GPU kernels (:mod:`models.norm_pallas`);
+        "auto" runs those kernels on CUDA GPUs and XLA's ops elsewhere,
+        keeping only the inputs either way ("autodiff" for shapes the
+        kernels do not take).
 
     Returns:
       [..., dim] in x's dtype, computed in float32.
     """
     group_size = group_size or x.shape[-1]
-    if backward == "autodiff":
-        return _rms_norm(x, gate, weight, eps, group_size)[0]
-    if backward == "pallas":
+    if backward in ("pallas", "auto"):
         # Imported here: norm_pallas imports this module's package siblings,
         # which import this module.
         from . import norm_pallas
-        return norm_pallas.gated_rms_norm(x, gate, weight, eps=eps, group_size=group_size)
+        if backward == "pallas":
+            return norm_pallas.gated_rms_norm(x, gate, weight, eps=eps, group_size=group_size)
+        if norm_pallas.unsupported_reason(x.shape[-1], group_size) is None:
+            return norm_pallas.gated_rms_norm_or(_rms_norm_output, x, gate, weight, eps=eps,
+                                                 group_size=group_size)
+        backward = "autodiff"
+    if backward == "autodiff":
+        return _rms_norm_output(x, gate, weight, eps, group_size)
     if backward != "recompute":
         raise ValueError(f"rms_norm: backward must be one of {NORM_BACKWARDS}, got {backward!r}")
     (x, weight, *gate), _ = same_variance(x, weight, *([] if gate is None else [gate]))
     return _rms_norm_recomputed(x, gate[0] if gate else None, weight, eps, group_size)
+
+
+def _rms_norm_output(x, gate, weight, eps: float, group_size: int):
+    return _rms_norm(x, gate, weight, eps, group_size)[0]
 
 
 def _rms_norm(x, gate, weight, eps: float, group_size: int):
@@ -144,7 +156,7 @@ def _rms_norm(x, gate, weight, eps: float, group_size: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _rms_norm_recomputed(x, gate, weight, eps, group_size):
-    return _rms_norm(x, gate, weight, eps, group_size)[0]
+    return _rms_norm_output(x, gate, weight, eps, group_size)
 
 
 def _rms_norm_recomputed_fwd(x, gate, weight, eps, group_size):

@@ -28,7 +28,7 @@ from jax_flashoverlap.nn import same_variance
 
 from .ssd_pallas import plgpu
 
-__all__ = ["gated_rms_norm", "unsupported_reason"]
+__all__ = ["gated_rms_norm", "gated_rms_norm_or", "unsupported_reason"]
 
 # A program's tile holds this many float32 values per array: the backward
 # keeps about six such arrays live, which 8 warps hold in registers.
@@ -165,6 +165,34 @@ def _norm_bwd(eps, group_size, interpret, inputs, dout):
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _norm_by_platform(x, gate, weight, eps, group_size, reference):
+    return _forward_by_platform(x, gate, weight, eps, group_size, reference)
+
+
+def _forward_by_platform(x, gate, weight, eps, group_size, reference):
+    return jax.lax.platform_dependent(
+        x, gate, weight,
+        cuda=lambda *t: _forward(*t, eps, group_size, False),
+        default=lambda *t: reference(*t, eps, group_size))
+
+
+def _norm_by_platform_fwd(x, gate, weight, eps, group_size, reference):
+    return _forward_by_platform(x, gate, weight, eps, group_size, reference), (x, gate, weight)
+
+
+def _norm_by_platform_bwd(eps, group_size, reference, inputs, dout):
+    def by_reference(x, gate, weight, dout):
+        return jax.vjp(lambda *t: reference(*t, eps, group_size), x, gate, weight)[1](dout)
+
+    return jax.lax.platform_dependent(
+        *inputs, dout, cuda=lambda *t: _backward(*t, eps, group_size, False),
+        default=by_reference)
+
+
+_norm_by_platform.defvjp(_norm_by_platform_fwd, _norm_by_platform_bwd)
+
+
 def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, eps: float,
                    group_size: int | None = None, interpret: bool = False) -> jax.Array:
     """``weight · y / rms(y)`` per group, ``y = x · silu(gate)`` (or x),
@@ -199,3 +227,23 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, e
     # so that its gradient is summed over the data shards.
     (x, weight, *gate_list), _ = same_variance(x, weight, *([] if gate is None else [gate]))
     return _norm(x, gate_list[0] if gate_list else None, weight, eps, group_size, interpret)
+
+
+def gated_rms_norm_or(reference, x: jax.Array, gate: jax.Array | None, weight: jax.Array, *,
+                      eps: float, group_size: int) -> jax.Array:
+    """:func:`gated_rms_norm` on CUDA GPUs, ``reference`` on other platforms
+    (chosen where the program is lowered, as the SSD's "auto" is), keeping
+    only the inputs for the backward either way.
+
+    Args:
+      reference: ``(x, gate, weight, eps, group_size) -> [..., dim]`` in XLA
+        ops, differentiable; a module-level function (it keys the custom_vjp).
+      x, gate, weight, eps, group_size: as :func:`gated_rms_norm`'s; the
+        shape must be one the kernels take (:func:`unsupported_reason`).
+    """
+    reason = unsupported_reason(x.shape[-1], group_size)
+    if reason:
+        raise ValueError(f"norm_pallas.gated_rms_norm_or: {reason}")
+    (x, weight, *gate_list), _ = same_variance(x, weight, *([] if gate is None else [gate]))
+    return _norm_by_platform(x, gate_list[0] if gate_list else None, weight, eps, group_size,
+                             reference)

@@ -286,7 +286,7 @@ def test_train_step_passes_a_variants_flags_to_the_trainer(tmp_path, monkeypatch
                        "residuals=all,norm-backward=recompute,no-fuse-skip"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["residuals"], r["norm_backward"], r["fuse_skip"]) for r in rows] == [
-        ("named", "autodiff", True), ("all", "recompute", False)]
+        ("named", "auto", True), ("all", "recompute", False)]
     assert rows[0]["loss_first"] == pytest.approx(rows[1]["loss_first"], rel=1e-5)
 
 

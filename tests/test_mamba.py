@@ -193,8 +193,8 @@ def test_config_errors():
         MambaConfig(head_dim=48)
     with pytest.raises(ValueError, match=r"ssd_impl must be one of \('auto', 'xla', 'pallas'\)"):
         MambaConfig(ssd_impl="cuda")
-    with pytest.raises(ValueError, match=r"norm_backward must be one of \('autodiff', "
-                                         r"'recompute'\), got 'fused'"):
+    with pytest.raises(ValueError, match=r"norm_backward must be one of \('auto', "
+                                         r"'autodiff', 'recompute', 'pallas'\), got 'fused'"):
         MambaConfig(norm_backward="fused")
     with pytest.raises(ValueError, match=r"residuals must be one of \('named', 'all'\), "
                                          r"got 'some'"):

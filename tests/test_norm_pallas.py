@@ -82,6 +82,52 @@ def test_rms_norm_dispatches_to_the_kernels(monkeypatch, rng):
     assert_close(got, f64(want), "float32")
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_auto_runs_xla_on_cpu_keeping_only_the_inputs(gated, rng):
+    """"auto" off a GPU: XLA's ops in a custom_vjp, the same values and
+    gradients as autodiff's; a group size the kernels do not take is autodiff."""
+    x, gate = random(rng, (24, 2, 96), "float32"), random(rng, (24, 2, 96), "float32")
+    gate = gate if gated else None
+    weight = 1.0 + 0.1 * random(rng, (96,), "float32")
+
+    def run(backward, group_size):
+        def loss(x, gate, weight):
+            y = models.layers.rms_norm(x, weight, eps=1e-5, group_size=group_size, gate=gate,
+                                       backward=backward)
+            return jnp.sum(y * jnp.cos(y))
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, gate, weight)
+
+    for group_size in (32, 48):   # kernels' shape, and one they do not take
+        (got, got_grads), (want, want_grads) = run("auto", group_size), run("autodiff", group_size)
+        assert_close(got, f64(want), "float32")
+        for g, w in zip(got_grads, want_grads):
+            assert (g is None) == (w is None)
+            if w is not None:
+                assert_close(g, f64(w), "float32")
+    with pytest.raises(ValueError, match=r"norm_pallas.gated_rms_norm_or: group size 48 is not "
+                                         r"a power of two from 16"):
+        norm_pallas.gated_rms_norm_or(models.layers._rms_norm_output, x, gate, weight,
+                                      eps=1e-5, group_size=48)
+
+
+def test_auto_lowers_the_kernels_for_cuda(monkeypatch):
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    args = [jax.ShapeDtypeStruct((256, 1, 1024), jnp.bfloat16)] * 2 + \
+        [jax.ShapeDtypeStruct((1024,), jnp.float32)]
+
+    def grads(x, gate, weight):
+        return jax.grad(lambda *t: jnp.sum(models.layers.rms_norm(
+            t[0], t[2], eps=1e-5, group_size=512, gate=t[1], backward="auto")
+            .astype(jnp.float32)), argnums=(0, 1, 2))(x, gate, weight)
+
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for kernel in ("gated_rms_norm", "gated_rms_norm_backward"):
+        assert kernel in text, kernel
+
+
 def test_weight_gradient_sums_over_the_data_axis(monkeypatch):
     """Inside shard_map the weight is the same on every data shard while x
     differs: its gradient must come back of the weight's type and summed over
@@ -177,9 +223,10 @@ def test_mamba_trains_alike_with_either_norm():
     from jax_flashoverlap.cli import train
 
     losses = {}
-    for norm in ("autodiff", "pallas"):
+    for norm in ("autodiff", "pallas", "auto"):
         args = train.parse_args(["--model", "mamba", "--size", "small", "--mesh", "1x1",
                                  "--batch", "2", "--seq-len", "512", "--steps", "5",
                                  "--norm-backward", norm, "--no-progress"])
         losses[norm] = np.asarray(train.train(args).losses)
     np.testing.assert_allclose(losses["pallas"], losses["autodiff"], rtol=3e-2)
+    np.testing.assert_array_equal(losses["auto"], losses["pallas"])

@@ -92,10 +92,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--conv", choices=CONV_IMPLS, default="xla",
                         help="Mamba-2's causal convolution + SiLU: XLA's ops, or one fused "
                              "Pallas GPU kernel (opt-in: 2%% slower a 1.4B step)")
-    parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="autodiff",
+    parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="auto",
                         help="Mamba-2's gated norm in the backward: autodiff, a "
-                             "custom_vjp that keeps only its inputs (recompute), or that "
-                             "with fused GPU kernels (pallas)")
+                             "custom_vjp that keeps only its inputs (recompute), that "
+                             "with fused GPU kernels (pallas), or those kernels on GPUs "
+                             "(auto, the default)")
     parser.add_argument("--residuals", choices=RESIDUALS, default="named",
                         help="Mamba-2: what a block keeps for the backward (all: every "
                              "residual, 6%% less time a 1b step at seq 8192, about 0.6 GB "
@@ -249,7 +250,7 @@ def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sh
 def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None = None,
                  sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
-                 conv: str = "xla", norm_backward: str = "autodiff",
+                 conv: str = "xla", norm_backward: str = "auto",
                  residuals: str = "named", fuse_skip: bool = True,
                  decode_matmul: str = "xla"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
