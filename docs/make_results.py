@@ -31,13 +31,14 @@ NVSHMEM = "hierarchical_all_reduce_2xh200.json"
 TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
-SSD = "ssd_1xh200.json"
-MAMBA_STEPS = ["train_step_mamba_1xh200.json", "train_step_mamba_scanned_1xh200.json",
-               "train_step_mamba_ssd_xla_1xh200.json"]
+SSD = "ssd_session24_1xh200.json"
+MAMBA_STEPS = ["train_step_mamba_norm_kernels_1xh200.json", "train_step_mamba_1xh200.json",
+               "train_step_mamba_scanned_1xh200.json", "train_step_mamba_ssd_xla_1xh200.json"]
 # Mamba-2's options, each file one process whose rows compare against its first.
 MAMBA_OPTIONS = ["train_step_mamba_residuals_1xh200.json", "train_step_mamba_norm_1xh200.json",
                  "train_step_mamba_conv_1xh200.json", "train_step_mamba_variants_1xh200.json",
-                 "train_step_mamba_conv_parts_1xh200.json"]
+                 "train_step_mamba_conv_parts_1xh200.json",
+                 "train_step_mamba_norm_pallas_1xh200.json"]
 
 
 def _load(name: str) -> dict:
@@ -188,8 +189,10 @@ def mamba_tables() -> tuple[str, dict]:
             # A process's peak: a row's own only where it ran first.
             peak = f"{r['peak_memory_gb']:.1f}" if i == 0 else "–"
             ratio = r["step_ms"] / baseline["step_ms"] if baseline else None
-            ratios[(name, r["model"])] = ratio
-            steps.append(f"| {r['model']} {r['size']} | {r.get('ssd') or '–'} | "
+            ratios.setdefault((name, r["model"]), ratio)  # a process's first row: its default
+            variant = r.get("variant") or "default"
+            label = f"{r['model']} {r['size']}" + ("" if variant == "default" else f" ({variant})")
+            steps.append(f"| {label} | {r.get('ssd') or '–'} | "
                          f"{'scanned' if r['scan_layers'] else 'unrolled'} | "
                          f"{step_doc['meta']['commit'][:7]} | "
                          f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
@@ -237,7 +240,9 @@ def mamba_options_table() -> str:
             "(every residual: `residuals=\"all\"`). In `variants`, \"default\" is the defaults "
             "of its commit, without the fused skip (`fuse-skip`, the default since); "
             "`residuals=computed` was an option since removed. In `conv_parts`, \"default\" "
-            "convolves x, B and C part by part (6ee1220, the default since). Peak memory is "
+            "convolves x, B and C part by part (6ee1220, the default since). In `norm_pallas`, "
+            "\"default\" is the gated norm by autodiff, the default until `norm_backward=\"auto\"` "
+            "(the fused kernels on GPUs). Peak memory is "
             "the process's so far, so a row's own only where it grows.\n\n"
             + "\n".join(lines) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources))
 
