@@ -11,7 +11,10 @@ of 128, 8 KV heads, causal) the same way, in one process, by the project's
 protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
 results are checked against XLA's (relative error by norm, bf16 tolerance).
 ``--sweep`` also times the chunk output's kernels alone per tile side and warps
-per program (a tiling that does not fit is recorded as skipped). The JSON is
+per program (a tiling that does not fit is recorded as skipped). ``--norm``
+also times the mixer's gated norm ([seq, batch, inner] in groups), XLA's ops
+against :mod:`models.norm_pallas`'s kernels, checked first the same way;
+with ``--sweep`` the kernels per rows per program and warps. The JSON is
 rewritten after each row.
 TFLOP/s count the SSD's FLOPs as ``MambaConfig.ssd_flops_per_token`` does
 (forward + backward as three forwards).
@@ -20,6 +23,7 @@ TFLOP/s count the SSD's FLOPs as ``MambaConfig.ssd_flops_per_token`` does
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -30,6 +34,8 @@ from jax.sharding import PartitionSpec as P
 from jax_flashoverlap import benchmarking, models
 
 TOLERANCE = 1e-2  # bf16
+# (rows per program, warps) of the gated norm's kernels under --norm --sweep.
+NORM_SWEEP = [(rows, warps) for rows in (4, 8, 16, 32) for warps in (4, 8)]
 
 
 def ssd_inputs(config: models.MambaConfig, seq_len: int, batch: int, key) -> tuple[jax.Array, ...]:
@@ -109,6 +115,30 @@ def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[di
     return rows
 
 
+def norm_ops(config: models.MambaConfig, seq_len: int, batch: int, key, tilings):
+    """The mixer's gated norm at ``config``'s shape: (x, gate, weight) and,
+    per implementation, (forward, forward + backward); the kernels once per
+    (rows per program, warps) in ``tilings`` ((None, None): the defaults)."""
+    kx, kz, kw = jax.random.split(key, 3)
+    shape = (seq_len, batch, config.inner_dim)
+    x, gate = (jax.random.normal(k, shape, jnp.dtype(config.dtype)) for k in (kx, kz))
+    weight = 1.0 + 0.1 * jax.random.normal(kw, (config.inner_dim,))
+    group = config.inner_dim // config.num_groups
+
+    def with_grad(norm):
+        return norm, lambda *t: jax.grad(lambda *u: jnp.sum(norm(*u).astype(jnp.float32)),
+                                         argnums=(0, 1, 2))(*t)
+
+    ops = {"xla": with_grad(lambda x, g, w: models.layers.rms_norm(
+        x, w, eps=config.norm_eps, group_size=group, gate=g))}
+    for rows, warps in tilings:
+        name = "pallas" if rows is None else f"pallas rows {rows} warps {warps}"
+        ops[name] = with_grad(functools.partial(
+            models.norm_pallas.gated_rms_norm, eps=config.norm_eps, group_size=group, rows=rows,
+            num_warps=warps))
+    return (x, gate, weight), ops
+
+
 def relative_error(got, want) -> float:
     """Worst relative error by norm over the leaves of two pytrees."""
     errs = [float(jnp.linalg.norm((g - w).astype(jnp.float32))
@@ -125,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk", type=int, default=None, help="default: the 1.4B model's")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the chunk output's kernels alone per tile side and warps")
+                        help="also time the chunk output's kernels alone per tile side and warps "
+                             "(with --norm, the norm's kernels per rows and warps)")
+    parser.add_argument("--norm", action="store_true",
+                        help="also time the mixer's gated norm, XLA's ops against the kernels")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks/ssd.py times the Pallas GPU kernels: it needs a CUDA GPU",
@@ -178,6 +211,25 @@ def main(argv: list[str] | None = None) -> int:
           f"batch {args.batch}, seq {args.seq_len}, {tconfig.num_heads} heads of "
           f"{tconfig.head_dim}, {tconfig.num_kv_heads} KV heads, causal, bfloat16")
 
+    if args.norm:
+        norm_inputs, norms = norm_ops(config, args.seq_len, args.batch, key,
+                                      [(None, None)] + (NORM_SWEEP if args.sweep else []))
+        norm_shape = (f"[{args.seq_len}, {args.batch}, {config.inner_dim}] {config.dtype}, "
+                      f"groups of {config.inner_dim // config.num_groups}")
+        for name, op in norms.items():
+            for i, phase in enumerate(("forward", "forward+backward")):
+                err = relative_error(jax.jit(op[i])(*norm_inputs),
+                                     jax.jit(norms["xla"][i])(*norm_inputs))
+                if not err <= TOLERANCE:
+                    raise AssertionError(f"gated norm {name}, {phase}: relative error "
+                                         f"{err:.3g} > {TOLERANCE}")
+            timed(f"gated norm {name}", op, norm_inputs, norm_shape)
+        print(f"\n| gated norm ({norm_shape}) | forward (ms) | forward + backward (ms) |"
+              "\n|---|---|---|")
+        by_norm = {(r["what"], r["phase"]): r["ms"] for r in rows}
+        for name in norms:
+            print(f"| {name} | {by_norm[(f'gated norm {name}', 'forward')]:.4f} | "
+                  f"{by_norm[(f'gated norm {name}', 'forward+backward')]:.4f} |")
     by = {(r["what"], r["phase"]): r["ms"] for r in rows}
     if args.sweep:
         sweep = tiling_sweep(config, inputs, mesh, args.reps)

@@ -14,6 +14,7 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
         tokens = generate(model, prompt, max_new_tokens=32)   # prompt [b, p]
 """
 
+from . import norm_pallas  # noqa: F401  (as models.norm_pallas, like conv_pallas and ssd_pallas)
 from .config import (
     ATTENTION_IMPLS,
     CONV_IMPLS,

@@ -19,6 +19,7 @@ of two (a Triton tile's sides are).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -28,12 +29,22 @@ from jax_flashoverlap.nn import same_variance
 
 from .ssd_pallas import plgpu
 
-__all__ = ["gated_rms_norm", "gated_rms_norm_or", "unsupported_reason"]
+__all__ = ["Tiling", "gated_rms_norm", "gated_rms_norm_or", "unsupported_reason"]
 
-# A program's tile holds this many float32 values per array: the backward
-# keeps about six such arrays live, which 8 warps hold in registers.
+# A program's tile holds this many float32 values per array by default: the
+# backward keeps about six such arrays live, which 8 warps hold in registers.
 _TILE_VALUES = 8192
 _NUM_WARPS = 8
+
+
+class Tiling(NamedTuple):
+    """How the kernels cut the rows: ``rows`` rows of one group per program,
+    ``num_warps`` warps each; ``interpret`` runs them in Pallas's interpreter."""
+
+    group_size: int
+    rows: int
+    num_warps: int
+    interpret: bool = False
 
 
 def unsupported_reason(dim: int, group_size: int) -> str | None:
@@ -48,8 +59,16 @@ def unsupported_reason(dim: int, group_size: int) -> str | None:
     return None
 
 
-def _rows_per_program(group_size: int) -> int:
-    return max(1, min(64, _TILE_VALUES // group_size))
+def _tiling(group_size: int, rows: int | None, num_warps: int | None,
+            interpret: bool) -> Tiling:
+    """The Tiling of :func:`gated_rms_norm`'s arguments, or a ValueError naming them."""
+    rows = max(1, min(64, _TILE_VALUES // group_size)) if rows is None else rows
+    num_warps = _NUM_WARPS if num_warps is None else num_warps
+    for name, value in (("rows", rows), ("num_warps", num_warps)):
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"norm_pallas.gated_rms_norm: {name}={value!r} must be a power "
+                             f"of two from 1")
+    return Tiling(group_size, rows, num_warps, interpret)
 
 
 def _normalized(x_ref, gate_ref, eps):
@@ -91,12 +110,6 @@ def _backward_kernel(*refs, eps, gated):
     dgate_ref[...] = (dy * x * sigmoid * (1.0 + gate * (1.0 - sigmoid))).astype(dgate_ref.dtype)
 
 
-def _specs(group_size: int, rows: int):
-    return dict(tile=pl.BlockSpec((rows, group_size), lambda i, g: (i, g)),
-                weight=pl.BlockSpec((group_size,), lambda i, g: (g,)),
-                partial=pl.BlockSpec((None, group_size), lambda i, g: (i, g)))
-
-
 def _as_rows(t, rows: int):
     """[..., dim] -> [blocks·rows, dim], zero rows appended up to whole blocks
     (a zero row normalises to zero and adds nothing to the weight's gradient)."""
@@ -105,96 +118,96 @@ def _as_rows(t, rows: int):
     return jnp.pad(flat, ((0, pad), (0, 0))) if pad else flat
 
 
-def _forward(x, gate, weight, eps, group_size, interpret):
-    rows = _rows_per_program(group_size)
-    dim = x.shape[-1]
-    operands = [_as_rows(x, rows)] + ([] if gate is None else [_as_rows(gate, rows)])
-    operands, varying = same_variance(*operands, weight)
-    spec = _specs(group_size, rows)
-    total = operands[0].shape[0]
-    out = pl.pallas_call(
-        functools.partial(_forward_kernel, eps=eps, gated=gate is not None),
+def _call(kernel, operands, tiles: int, outputs, tiling: Tiling, name: str):
+    """pallas_call of ``kernel`` over (row block, group): ``operands`` are
+    ``tiles`` [total, dim] arrays, the weight and, for the backward, the
+    output's gradient; ``outputs`` (dtype, per_block) the results, [total,
+    dim] or, per_block, a [dim] row per row block."""
+    (operands, varying) = same_variance(*operands)
+    total, dim = operands[0].shape
+    rows, group_size = tiling.rows, tiling.group_size
+    tile = pl.BlockSpec((rows, group_size), lambda i, g: (i, g))
+    row_of_block = pl.BlockSpec((None, group_size), lambda i, g: (i, g))
+    weight = pl.BlockSpec((group_size,), lambda i, g: (g,))
+    return pl.pallas_call(
+        kernel,
         grid=(total // rows, dim // group_size),
-        in_specs=[spec["tile"]] * (len(operands) - 1) + [spec["weight"]],
-        out_specs=spec["tile"],
-        out_shape=jax.ShapeDtypeStruct((total, dim), x.dtype, manual_axis_type=varying),
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS),
-        name="gated_rms_norm",
+        in_specs=[tile] * tiles + [weight] + [tile] * (len(operands) - tiles - 1),
+        out_specs=[row_of_block if per_block else tile for _, per_block in outputs],
+        out_shape=[jax.ShapeDtypeStruct((total // rows if per_block else total, dim), dtype,
+                                        manual_axis_type=varying)
+                   for dtype, per_block in outputs],
+        interpret=tiling.interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps),
+        name=name,
     )(*operands)
-    return out[:x.size // dim].reshape(x.shape)
 
 
-def _backward(x, gate, weight, dout, eps, group_size, interpret):
-    rows = _rows_per_program(group_size)
-    dim, count = x.shape[-1], x.size // x.shape[-1]
-    tiles = [_as_rows(x, rows)] + ([] if gate is None else [_as_rows(gate, rows)])
-    operands, varying = same_variance(*tiles, weight, _as_rows(dout, rows))
-    spec = _specs(group_size, rows)
-    total = operands[0].shape[0]
-    result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
-    grads = pl.pallas_call(
+def _forward(x, gate, weight, eps, tiling: Tiling):
+    inputs = [t for t in (x, gate) if t is not None]
+    (out,) = _call(functools.partial(_forward_kernel, eps=eps, gated=gate is not None),
+                   [_as_rows(t, tiling.rows) for t in inputs] + [weight], len(inputs),
+                   [(x.dtype, False)], tiling, "gated_rms_norm")
+    return out[:x.size // x.shape[-1]].reshape(x.shape)
+
+
+def _backward(x, gate, weight, dout, eps, tiling: Tiling):
+    inputs = [t for t in (x, gate) if t is not None]
+    *grads, dw_partial = _call(
         functools.partial(_backward_kernel, eps=eps, gated=gate is not None),
-        grid=(total // rows, dim // group_size),
-        in_specs=[spec["tile"]] * len(tiles) + [spec["weight"], spec["tile"]],
-        out_specs=[spec["tile"]] * len(tiles) + [spec["partial"]],
-        out_shape=[result((total, dim), t.dtype) for t in (x, gate) if t is not None]
-        + [result((total // rows, dim), jnp.float32)],
-        interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS),
-        name="gated_rms_norm_backward",
-    )(*operands)
-    *dtiles, dw_partial = grads
-    dx, *dgate = (d[:count].reshape(x.shape) for d in dtiles)
+        [_as_rows(t, tiling.rows) for t in inputs] + [weight, _as_rows(dout, tiling.rows)],
+        len(inputs), [(t.dtype, False) for t in inputs] + [(jnp.float32, True)], tiling,
+        "gated_rms_norm_backward")
+    dx, *dgate = (d[:x.size // x.shape[-1]].reshape(x.shape) for d in grads)
     return dx, (dgate[0] if dgate else None), dw_partial.sum(0).astype(weight.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _norm(x, gate, weight, eps, group_size, interpret):
-    return _forward(x, gate, weight, eps, group_size, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _norm(x, gate, weight, eps, tiling):
+    return _forward(x, gate, weight, eps, tiling)
 
 
-def _norm_fwd(x, gate, weight, eps, group_size, interpret):
-    return _forward(x, gate, weight, eps, group_size, interpret), (x, gate, weight)
+def _norm_fwd(x, gate, weight, eps, tiling):
+    return _forward(x, gate, weight, eps, tiling), (x, gate, weight)
 
 
-def _norm_bwd(eps, group_size, interpret, inputs, dout):
-    return _backward(*inputs, dout, eps, group_size, interpret)
+def _norm_bwd(eps, tiling, inputs, dout):
+    return _backward(*inputs, dout, eps, tiling)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _norm_by_platform(x, gate, weight, eps, group_size, reference):
-    return _forward_by_platform(x, gate, weight, eps, group_size, reference)
+def _norm_by_platform(x, gate, weight, eps, tiling, reference):
+    return _forward_by_platform(x, gate, weight, eps, tiling, reference)
 
 
-def _forward_by_platform(x, gate, weight, eps, group_size, reference):
+def _forward_by_platform(x, gate, weight, eps, tiling, reference):
     return jax.lax.platform_dependent(
         x, gate, weight,
-        cuda=lambda *t: _forward(*t, eps, group_size, False),
-        default=lambda *t: reference(*t, eps, group_size))
+        cuda=lambda *t: _forward(*t, eps, tiling),
+        default=lambda *t: reference(*t, eps, tiling.group_size))
 
 
-def _norm_by_platform_fwd(x, gate, weight, eps, group_size, reference):
-    return _forward_by_platform(x, gate, weight, eps, group_size, reference), (x, gate, weight)
+def _norm_by_platform_fwd(x, gate, weight, eps, tiling, reference):
+    return _forward_by_platform(x, gate, weight, eps, tiling, reference), (x, gate, weight)
 
 
-def _norm_by_platform_bwd(eps, group_size, reference, inputs, dout):
+def _norm_by_platform_bwd(eps, tiling, reference, inputs, dout):
     def by_reference(x, gate, weight, dout):
-        return jax.vjp(lambda *t: reference(*t, eps, group_size), x, gate, weight)[1](dout)
+        return jax.vjp(lambda *t: reference(*t, eps, tiling.group_size), x, gate, weight)[1](dout)
 
     return jax.lax.platform_dependent(
-        *inputs, dout, cuda=lambda *t: _backward(*t, eps, group_size, False),
-        default=by_reference)
+        *inputs, dout, cuda=lambda *t: _backward(*t, eps, tiling), default=by_reference)
 
 
 _norm_by_platform.defvjp(_norm_by_platform_fwd, _norm_by_platform_bwd)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, eps: float,
-                   group_size: int | None = None, interpret: bool = False) -> jax.Array:
+                   group_size: int | None = None, rows: int | None = None,
+                   num_warps: int | None = None, interpret: bool = False) -> jax.Array:
     """``weight · y / rms(y)`` per group, ``y = x · silu(gate)`` (or x),
     differentiable, on the GPU: :func:`models.layers.rms_norm`'s result.
 
@@ -205,6 +218,9 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, e
       eps: added to the mean square.
       group_size: channels normalised together, a power of two from 16 that
         divides dim; default the whole dim.
+      rows: rows of one group per kernel program, a power of two (default
+        8192 values a tile: 16 rows of a group of 512).
+      num_warps: warps per program, a power of two (default 8).
       interpret: run the kernels in Pallas's interpreter (any backend; for tests).
 
     Returns:
@@ -226,7 +242,8 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, e
     # As conv_pallas does: the weight takes x's variance outside the custom_vjp,
     # so that its gradient is summed over the data shards.
     (x, weight, *gate_list), _ = same_variance(x, weight, *([] if gate is None else [gate]))
-    return _norm(x, gate_list[0] if gate_list else None, weight, eps, group_size, interpret)
+    tiling = _tiling(group_size, rows, num_warps, interpret)
+    return _norm(x, gate_list[0] if gate_list else None, weight, eps, tiling)
 
 
 def gated_rms_norm_or(reference, x: jax.Array, gate: jax.Array | None, weight: jax.Array, *,
@@ -245,5 +262,5 @@ def gated_rms_norm_or(reference, x: jax.Array, gate: jax.Array | None, weight: j
     if reason:
         raise ValueError(f"norm_pallas.gated_rms_norm_or: {reason}")
     (x, weight, *gate_list), _ = same_variance(x, weight, *([] if gate is None else [gate]))
-    return _norm_by_platform(x, gate_list[0] if gate_list else None, weight, eps, group_size,
-                             reference)
+    return _norm_by_platform(x, gate_list[0] if gate_list else None, weight, eps,
+                             _tiling(group_size, None, None, False), reference)

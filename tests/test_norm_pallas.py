@@ -5,10 +5,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax_flashoverlap.models import norm_pallas
 from support import assert_as_accurate, assert_close, f64, random
 
 from jax_flashoverlap import models
+
+norm_pallas = models.norm_pallas
 
 
 def _check(shape, group_size, gated, dtype, rng, interpret):
@@ -62,6 +63,31 @@ def _check(shape, group_size, gated, dtype, rng, interpret):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_interpreted_kernels_equal_xla(shape, group_size, gated, dtype, rng):
     _check(shape, group_size, gated, dtype, rng, interpret=True)
+
+
+@pytest.mark.parametrize("rows", [1, 4, 32])
+def test_interpreted_kernels_equal_xla_at_any_rows_per_program(rows, rng):
+    """37 x 3 rows: a last block padded for every choice but one row."""
+    x, gate = random(rng, (37, 3, 64), "float32"), random(rng, (37, 3, 64), "float32")
+    weight = 1.0 + 0.1 * random(rng, (64,), "float32")
+
+    def grads(norm):
+        return jax.jit(jax.value_and_grad(lambda *t: jnp.sum(jnp.sin(norm(*t))),
+                                          argnums=(0, 1, 2)))(x, gate, weight)
+
+    got = grads(lambda *t: norm_pallas.gated_rms_norm(*t, eps=1e-5, group_size=32, rows=rows,
+                                                      num_warps=4, interpret=True))
+    want = grads(lambda x, g, w: models.layers.rms_norm(x, w, eps=1e-5, group_size=32, gate=g))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert_close(g, f64(w), "float32")
+
+
+@pytest.mark.parametrize("name, value", [("rows", 3), ("rows", 0), ("num_warps", 6)])
+def test_tiling_must_be_powers_of_two(name, value):
+    with pytest.raises(ValueError, match=rf"norm_pallas.gated_rms_norm: {name}={value} must be "
+                                         rf"a power of two from 1"):
+        norm_pallas.gated_rms_norm(jnp.zeros((4, 64)), None, jnp.ones(64), eps=1e-5,
+                                   interpret=True, **{name: value})
 
 
 def test_rms_norm_dispatches_to_the_kernels(monkeypatch, rng):
@@ -194,7 +220,8 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
         [jax.ShapeDtypeStruct((4096,), jnp.float32)]
 
     def grads(*t):
-        return jax.grad(lambda *u: jnp.sum(norm_pallas._norm(*u, 1e-5, 512, False)
+        tiling = norm_pallas.Tiling(512, 16, 8)
+        return jax.grad(lambda *u: jnp.sum(norm_pallas._norm(*u, 1e-5, tiling)
                                            .astype(jnp.float32)), argnums=(0, 1, 2))(*t)
 
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
