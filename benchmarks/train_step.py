@@ -137,6 +137,7 @@ def _measure(model: str, impl: str, variant: str, args: argparse.Namespace) -> d
         "norm_backward": getattr(trainer.config, "norm_backward", None),
         "residuals": getattr(trainer.config, "residuals", None),
         "fuse_skip": getattr(trainer.config, "fuse_skip", None),
+        "chunk_size": getattr(trainer.config, "chunk_size", None),
         "variant": variant,
         "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,

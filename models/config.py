@@ -337,6 +337,9 @@ class MambaConfig(_Presets):
         if self.remat and self.residuals != "named":
             raise ValueError(f"MambaConfig: remat (recompute every block) and "
                              f"residuals={self.residuals!r} exclude each other; set one")
+        if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
+            raise ValueError(f"MambaConfig: chunk_size={self.chunk_size!r} must be a positive "
+                             f"int")
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")

@@ -202,6 +202,10 @@ def test_config_errors():
     with pytest.raises(ValueError, match="remat .recompute every block. and "
                                          "residuals='all' exclude each other; set one"):
         MambaConfig(remat=True, residuals="all")
+    for chunk_size in (0, 2.5):
+        with pytest.raises(ValueError, match=rf"MambaConfig: chunk_size={chunk_size} must be a "
+                                             rf"positive int"):
+            MambaConfig(chunk_size=chunk_size)
 
 
 def test_scan_layers_default_is_per_platform(monkeypatch):
@@ -227,7 +231,11 @@ def test_train_flags_for_the_backward(capsys):
     assert config.residuals == "all" and config.norm_backward == "recompute"
     assert not config.fuse_skip
     assert train.parse_args(["--model", "mamba"]).fuse_skip
+    args = train.parse_args(["--model", "mamba", "--chunk-size", "128"])
+    assert train.model_config("mamba", "1b", chunk_size=args.chunk_size).chunk_size == 128
+    assert train.model_config("mamba", "1b").chunk_size == 256   # the size's
     for argv, message in [
+            (["--chunk-size", "128"], "--chunk-size applies to --model mamba, not transformer"),
             (["--residuals", "all"], "--residuals applies to --model mamba, not transformer"),
             (["--norm-backward", "recompute"],
              "--norm-backward applies to --model mamba, not transformer"),

@@ -68,7 +68,8 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 # The flags (by argparse dest) that only one model takes.
 _MODEL_FLAGS = {"attention": "transformer", "ssd": "mamba", "conv": "mamba",
-                "norm_backward": "mamba", "fuse_skip": "mamba", "residuals": "mamba"}
+                "norm_backward": "mamba", "fuse_skip": "mamba", "residuals": "mamba",
+                "chunk_size": "mamba"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "custom_vjp that keeps only its inputs (recompute), that "
                              "with fused GPU kernels (pallas), or those kernels on GPUs "
                              "(auto, the default)")
+    parser.add_argument("--chunk-size", type=int, default=None, metavar="L",
+                        help="Mamba-2's SSD chunk length (default: the size's; the result "
+                             "does not depend on it, only the speed and rounding do)")
     parser.add_argument("--residuals", choices=RESIDUALS, default="named",
                         help="Mamba-2: what a block keeps for the backward (all: every "
                              "residual, 6%% less time a 1b step at seq 8192, about 0.6 GB "
@@ -252,12 +256,13 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
                  conv: str = "xla", norm_backward: str = "auto",
                  residuals: str = "named", fuse_skip: bool = True,
-                 decode_matmul: str = "xla"):
+                 decode_matmul: str = "xla", chunk_size: int | None = None):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
     the default ``ShardingConfig()``. ``scan_layers`` None is resolved for
     this platform and, for the Transformer, the attention that runs here.
+    ``chunk_size`` None: the size's (Mamba-2 only).
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
@@ -268,7 +273,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
-                 "residuals": residuals, "fuse_skip": fuse_skip}))
+                 "residuals": residuals, "fuse_skip": fuse_skip,
+                 **({} if chunk_size is None else {"chunk_size": chunk_size})}))
     if has_attention:
         return resolve_scan_layers(config, attention_implementation(config))
     return resolve_mamba_scan_layers(config)
@@ -319,7 +325,7 @@ def build(args: argparse.Namespace) -> Trainer:
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
                           attention=args.attention, ssd=args.ssd, conv=args.conv,
                           norm_backward=args.norm_backward, residuals=args.residuals,
-                          fuse_skip=args.fuse_skip)
+                          fuse_skip=args.fuse_skip, chunk_size=args.chunk_size)
     # Before compiling anything: a clear error for a shape the mesh cannot split
     # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
