@@ -6,16 +6,17 @@
 // the extension's GEMMs) in a few tile configurations, after checking 256
 // random outputs of each against a float64 dot on the host.
 //
-// The "signalling" configuration is issue 24's tile GEMM: after each output
+// The "signalling" configurations are issue 24's tile GEMM: after each output
 // tile's stores, its epilogue adds 1 to a counter of the tile's row block
-// (SignallingEpilogue). Checked here beyond the values: every row block's
+// (SignallingEpilogue on register stores, TmaSignallingEpilogue on TMA
+// stores, which publishes a tile once the next one's stores are issued). Checked here beyond the values: every row block's
 // counter ends at the number of column tiles, and copies on a second stream,
 // each held by cuStreamWaitValue32 until its row block's counter says the
 // rows are written (as a copy-engine send to a peer would be), copy exactly
 // the GEMM's output out of poisoned memory: that checks the counts and their
 // row blocks; a fence too weak would rarely show, since a copy starts well
-// after its wait is met. Against "nosmem", the same epilogue without the
-// counters, its time is the signalling's cost.
+// after its wait is met. Against "nosmem" and "cooperative", the same
+// epilogues without the counters, their times are the signalling's cost.
 //
 // CUTLASS is header-only and not on the GPU machine (no registry there), so
 // build here and carry the binary:
@@ -62,30 +63,31 @@ using Element = cutlass::bfloat16_t;
 using Layout = cutlass::layout::RowMajor;
 constexpr int kAlignment = 8;  // 16 bytes of bf16
 
-// An operator-style epilogue (stores from registers) that publishes each
-// finished tile: the tile's kThreads threads meet at a named barrier after
-// their stores, and one of them fences (cumulatively: the others' stores it
-// has synchronized with too) and adds 1 to the counter of the tile's row
-// block (counters[m tile]). A row block of n columns is written when its
-// counter has grown by ceil(n / tile n). Tiles wholly outside the problem
-// (the scheduler pads the column tiles to a multiple of the cluster) store
-// nothing and count nothing.
-template <class Base, int kThreads>
-class SignallingEpilogue : public Base {
+// What the signalling epilogues add to a CUTLASS collective epilogue: the
+// counters (one per row block of tiles) in its arguments, and `Publish`,
+// which makes a tile's stores visible before it adds 1 to its row block's
+// counter. A row block of n columns is written when its counter has grown by
+// ceil(n / tile n). `kTma`: the base has TMA descriptors to prefetch.
+template <class Base, bool kTma>
+class CountingEpilogue : public Base {
  public:
   struct Arguments {
     typename Base::Arguments base;
     uint32_t* counters = nullptr;
   };
-  struct Params {
-    typename Base::Params base;
+  // Derived, not wrapped: the kernel reads the base's fields directly.
+  struct Params : Base::Params {
     uint32_t* counters;
   };
 
   template <class ProblemShape>
   static Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args,
                                         void* workspace) {
-    return {Base::to_underlying_arguments(shape, args.base, workspace), args.counters};
+    Params params;
+    static_cast<typename Base::Params&>(params) =
+        Base::to_underlying_arguments(shape, args.base, workspace);
+    params.counters = args.counters;
+    return params;
   }
   template <class ProblemShape>
   static size_t get_workspace_size(ProblemShape const& shape, Arguments const& args) {
@@ -101,11 +103,42 @@ class SignallingEpilogue : public Base {
   static bool can_implement(ProblemShape const& shape, Arguments const& args) {
     return args.counters != nullptr && Base::can_implement(shape, args.base);
   }
-  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const&) {}
+  CUTLASS_DEVICE static void prefetch_tma_descriptors(Params const& params) {
+    if constexpr (kTma) Base::prefetch_tma_descriptors(params);
+  }
 
-  CUTLASS_HOST_DEVICE SignallingEpilogue(Params const& params,
-                                         typename Base::TensorStorage const& storage)
-      : Base(params.base, storage), counters_(params.counters) {}
+  template <class Storage>
+  CUTLASS_HOST_DEVICE CountingEpilogue(Params const& params, Storage& storage)
+      : Base(params, storage), counters_(params.counters) {}
+
+ protected:
+  // Tiles wholly outside the problem (the scheduler pads the column tiles to
+  // a multiple of the cluster) store nothing and count nothing.
+  template <class ProblemShape, class TileShape, class TileCoord>
+  CUTLASS_DEVICE static bool Inside(ProblemShape problem_shape, TileShape tile_shape,
+                                    TileCoord tile_coord) {
+    return cute::get<0>(tile_coord) * cute::size<0>(tile_shape) < cute::get<0>(problem_shape) &&
+           cute::get<1>(tile_coord) * cute::size<1>(tile_shape) < cute::get<1>(problem_shape);
+  }
+  // The caller's stores, and those of the threads it has synchronized with
+  // (the fence is cumulative), before the count that publishes them.
+  CUTLASS_DEVICE void Publish(int row_block) const {
+    __threadfence();
+    atomicAdd(counters_ + row_block, 1u);
+  }
+
+ private:
+  uint32_t* counters_;
+};
+
+// Register stores (NoSmem): the tile's kThreads threads meet at a named
+// barrier after their stores, and one of them publishes the tile.
+template <class Base, int kThreads>
+class SignallingEpilogue : public CountingEpilogue<Base, false> {
+  using Counting = CountingEpilogue<Base, false>;
+
+ public:
+  using Counting::Counting;
 
   template <class ProblemShape, class TileShape, class TileCoord, class Acc, class TiledMma,
             class Storage>
@@ -119,19 +152,78 @@ class SignallingEpilogue : public Base {
     auto states = Base::store(load_pipeline, load_state, store_pipeline, store_state,
                               problem_shape, tile_shape, tile_coord, accumulators, tiled_mma,
                               thread_idx, storage, subtile_index);
-    const bool inside =
-        cute::get<0>(tile_coord) * cute::size<0>(tile_shape) < cute::get<0>(problem_shape) &&
-        cute::get<1>(tile_coord) * cute::size<1>(tile_shape) < cute::get<1>(problem_shape);
     cutlass::arch::NamedBarrier::sync(kThreads, 0);  // every thread's stores are done
-    if (thread_idx == 0 && inside) {
-      __threadfence();  // those stores before the count that publishes them
-      atomicAdd(counters_ + cute::get<0>(tile_coord), 1u);
+    if (thread_idx == 0 && Counting::Inside(problem_shape, tile_shape, tile_coord)) {
+      Counting::Publish(cute::get<0>(tile_coord));
+    }
+    return states;
+  }
+};
+
+// TMA stores: the first warp issues them as one bulk group per epilogue
+// subtile, asynchronously. Waiting for a tile's own groups would hold its
+// threads' next tile until the stores land, so a tile is published once the
+// next tile's stores are issued (then only that tile's kSubtiles groups may
+// still be pending), and the last tile in store_tail. Completion (not the
+// `.read` of CUTLASS's own waits, which frees only the shared memory) makes
+// the stores visible to the waiting thread; the proxy fence orders them, as
+// the TMA unit's writes, before its generic release.
+template <class Base>
+class TmaSignallingEpilogue : public CountingEpilogue<Base, true> {
+  using Counting = CountingEpilogue<Base, true>;
+  static constexpr int kSubtiles =
+      (cute::size<0>(typename Base::CtaTileMNK{}) / cute::size<0>(typename Base::EpilogueTile{})) *
+      (cute::size<1>(typename Base::CtaTileMNK{}) / cute::size<1>(typename Base::EpilogueTile{}));
+
+ public:
+  using Counting::Counting;
+
+  template <class ProblemShape, class TileShape, class TileCoord, class Acc, class TiledMma,
+            class Storage>
+  CUTLASS_DEVICE auto store(typename Base::LoadPipeline load_pipeline,
+                            typename Base::LoadPipelineState load_state,
+                            typename Base::StorePipeline store_pipeline,
+                            typename Base::StorePipelineState store_state,
+                            ProblemShape problem_shape, TileShape tile_shape,
+                            TileCoord tile_coord, Acc accumulators, TiledMma tiled_mma,
+                            int thread_idx, Storage& storage, int subtile_index = -1) {
+    auto states = Base::store(load_pipeline, load_state, store_pipeline, store_state,
+                              problem_shape, tile_shape, tile_coord, accumulators, tiled_mma,
+                              thread_idx, storage, subtile_index);
+    if (thread_idx / 32 == 0) {  // the warp that issued the stores
+      if (pending_ >= 0) {
+        asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kSubtiles) : "memory");
+        PublishPending();
+      }
+      pending_ = Counting::Inside(problem_shape, tile_shape, tile_coord)
+                     ? int(cute::get<0>(tile_coord)) : -1;
+    }
+    return states;
+  }
+
+  CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline load_pipeline,
+                                 typename Base::LoadPipelineState load_state,
+                                 typename Base::StorePipeline store_pipeline,
+                                 typename Base::StorePipelineState store_state) {
+    auto states = Base::store_tail(load_pipeline, load_state, store_pipeline, store_state);
+    if (pending_ >= 0) {  // only the first warp's threads hold a tile
+      asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+      PublishPending();
+      pending_ = -1;
     }
     return states;
   }
 
  private:
-  uint32_t* counters_;
+  CUTLASS_DEVICE void PublishPending() const {
+    __syncwarp();  // every lane's groups are complete
+    if (threadIdx.x % 32 == 0) {
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      Counting::Publish(pending_);
+    }
+  }
+
+  int pending_ = -1;  // the row block of the tile whose stores may be in flight
 };
 
 template <class TileShape, class ClusterShape, class EpilogueSchedule>
@@ -183,6 +275,12 @@ using Signalling256x128 =
     Config<Shape<_256, _128, _64>, Shape<_1, _2, _1>,
            cutlass::gemm::KernelTmaWarpSpecializedCooperative,
            SignallingEpilogue<typename NoSmem256x128::Epilogue, 256>, true>;
+// The signalling GEMM on the TMA-store epilogue: against cooperative_256x128,
+// its time is the signalling's cost there.
+using TmaSignalling256x128 =
+    Config<Shape<_256, _128, _64>, Shape<_1, _2, _1>,
+           cutlass::gemm::KernelTmaWarpSpecializedCooperative,
+           TmaSignallingEpilogue<typename Cooperative256x128::Epilogue>, true>;
 
 struct Problem {
   int m, n, k;
@@ -412,6 +510,7 @@ int main() {
         {"pingpong_128x128_cluster1x2", Time<Pingpong128x128>},
         {"nosmem_256x128_cluster1x2", Time<NoSmem256x128>},
         {"signalling_256x128_cluster1x2", Time<Signalling256x128>},
+        {"tma_signalling_256x128_cluster1x2", Time<TmaSignalling256x128>},
     };
     for (const auto& c : configs) {
       const char* why = "";
