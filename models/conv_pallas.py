@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from .layers import same_variance
-from .ssd_pallas import plgpu
+from .pallas_gpu import plgpu, require_runnable
 
 __all__ = ["causal_conv1d_silu", "unsupported_reason"]
 
@@ -173,14 +173,9 @@ def causal_conv1d_silu(x: jax.Array, weight: jax.Array, bias: jax.Array, *,
     Returns:
       [s, b, c] in x's dtype; sums and the activation in float32.
     """
-    reason = unsupported_reason(x.shape[-1], weight.shape[0])
-    if reason:
-        raise ValueError(f"conv_pallas.causal_conv1d_silu: {reason}; use "
-                         f"conv_impl='xla'.")
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError(f"conv_pallas.causal_conv1d_silu runs on CUDA GPUs only (Pallas "
-                         f"Triton), and the default backend is {jax.default_backend()!r}; "
-                         f"use conv_impl='xla'.")
+    require_runnable("conv_pallas.causal_conv1d_silu",
+                     unsupported_reason(x.shape[-1], weight.shape[0]), interpret,
+                     "use conv_impl='xla'")
     # Inside shard_map the parameters are the same on every data shard while x is
     # not: cast them to x's variance here, outside the custom_vjp, so that JAX
     # transposes the cast into the sum of their gradients over the shards.

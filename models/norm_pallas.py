@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from jax_flashoverlap.nn import same_variance
 
-from .ssd_pallas import plgpu
+from .pallas_gpu import plgpu, require_runnable
 
 __all__ = ["Tiling", "gated_rms_norm", "gated_rms_norm_or", "unsupported_reason"]
 
@@ -228,14 +228,9 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, e
       the gate's and the weight's dtypes.
     """
     group_size = group_size or x.shape[-1]
-    reason = unsupported_reason(x.shape[-1], group_size)
-    if reason:
-        raise ValueError(f"norm_pallas.gated_rms_norm: {reason}; use "
-                         f"norm_backward='autodiff' or 'recompute'.")
-    if not interpret and jax.default_backend() != "gpu":
-        raise ValueError(f"norm_pallas.gated_rms_norm runs on CUDA GPUs only (Pallas "
-                         f"Triton), and the default backend is {jax.default_backend()!r}; "
-                         f"use norm_backward='autodiff' or 'recompute'.")
+    require_runnable("norm_pallas.gated_rms_norm",
+                     unsupported_reason(x.shape[-1], group_size), interpret,
+                     "use norm_backward='autodiff' or 'recompute'")
     if gate is not None and gate.shape != x.shape:
         raise ValueError(f"norm_pallas.gated_rms_norm: gate {gate.shape} is not x's shape "
                          f"{x.shape}")

@@ -48,11 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from .layers import same_variance
-
-try:  # jax 0.11 marks Pallas's Triton backend deprecated: without it, "auto" runs XLA.
-    from jax.experimental.pallas import triton as plgpu
-except ImportError:
-    plgpu = None
+from .pallas_gpu import plgpu
 
 __all__ = ["Tiling", "chunk_operands", "chunk_output", "chunk_states", "unsupported_reason"]
 

@@ -68,7 +68,9 @@ constexpr int kAlignment = 8;  // 16 bytes of bf16
 // which makes a tile's stores visible before it adds 1 to its row block's
 // counter. A row block of n columns is written when its counter has grown by
 // ceil(n / tile n). `kTma`: the base has TMA descriptors to prefetch.
-template <class Base, bool kTma>
+// After each tile's store, `Derived::AfterTile(inside, row block, thread)`
+// decides when to publish it.
+template <class Derived, class Base, bool kTma>
 class CountingEpilogue : public Base {
  public:
   struct Arguments {
@@ -111,15 +113,28 @@ class CountingEpilogue : public Base {
   CUTLASS_HOST_DEVICE CountingEpilogue(Params const& params, Storage& storage)
       : Base(params, storage), counters_(params.counters) {}
 
- protected:
-  // Tiles wholly outside the problem (the scheduler pads the column tiles to
-  // a multiple of the cluster) store nothing and count nothing.
-  template <class ProblemShape, class TileShape, class TileCoord>
-  CUTLASS_DEVICE static bool Inside(ProblemShape problem_shape, TileShape tile_shape,
-                                    TileCoord tile_coord) {
-    return cute::get<0>(tile_coord) * cute::size<0>(tile_shape) < cute::get<0>(problem_shape) &&
-           cute::get<1>(tile_coord) * cute::size<1>(tile_shape) < cute::get<1>(problem_shape);
+  template <class ProblemShape, class TileShape, class TileCoord, class Acc, class TiledMma,
+            class Storage>
+  CUTLASS_DEVICE auto store(typename Base::LoadPipeline load_pipeline,
+                            typename Base::LoadPipelineState load_state,
+                            typename Base::StorePipeline store_pipeline,
+                            typename Base::StorePipelineState store_state,
+                            ProblemShape problem_shape, TileShape tile_shape,
+                            TileCoord tile_coord, Acc accumulators, TiledMma tiled_mma,
+                            int thread_idx, Storage& storage, int subtile_index = -1) {
+    auto states = Base::store(load_pipeline, load_state, store_pipeline, store_state,
+                              problem_shape, tile_shape, tile_coord, accumulators, tiled_mma,
+                              thread_idx, storage, subtile_index);
+    // Tiles wholly outside the problem (the scheduler pads the column tiles
+    // to a multiple of the cluster) store nothing and count nothing.
+    const bool inside =
+        cute::get<0>(tile_coord) * cute::size<0>(tile_shape) < cute::get<0>(problem_shape) &&
+        cute::get<1>(tile_coord) * cute::size<1>(tile_shape) < cute::get<1>(problem_shape);
+    static_cast<Derived*>(this)->AfterTile(inside, int(cute::get<0>(tile_coord)), thread_idx);
+    return states;
   }
+
+ protected:
   // The caller's stores, and those of the threads it has synchronized with
   // (the fence is cumulative), before the count that publishes them.
   CUTLASS_DEVICE void Publish(int row_block) const {
@@ -134,29 +149,18 @@ class CountingEpilogue : public Base {
 // Register stores (NoSmem): the tile's kThreads threads meet at a named
 // barrier after their stores, and one of them publishes the tile.
 template <class Base, int kThreads>
-class SignallingEpilogue : public CountingEpilogue<Base, false> {
-  using Counting = CountingEpilogue<Base, false>;
+class SignallingEpilogue
+    : public CountingEpilogue<SignallingEpilogue<Base, kThreads>, Base, false> {
+  using Counting = CountingEpilogue<SignallingEpilogue, Base, false>;
+  friend Counting;
 
  public:
   using Counting::Counting;
 
-  template <class ProblemShape, class TileShape, class TileCoord, class Acc, class TiledMma,
-            class Storage>
-  CUTLASS_DEVICE auto store(typename Base::LoadPipeline load_pipeline,
-                            typename Base::LoadPipelineState load_state,
-                            typename Base::StorePipeline store_pipeline,
-                            typename Base::StorePipelineState store_state,
-                            ProblemShape problem_shape, TileShape tile_shape,
-                            TileCoord tile_coord, Acc accumulators, TiledMma tiled_mma,
-                            int thread_idx, Storage& storage, int subtile_index = -1) {
-    auto states = Base::store(load_pipeline, load_state, store_pipeline, store_state,
-                              problem_shape, tile_shape, tile_coord, accumulators, tiled_mma,
-                              thread_idx, storage, subtile_index);
+ private:
+  CUTLASS_DEVICE void AfterTile(bool inside, int row_block, int thread_idx) {
     cutlass::arch::NamedBarrier::sync(kThreads, 0);  // every thread's stores are done
-    if (thread_idx == 0 && Counting::Inside(problem_shape, tile_shape, tile_coord)) {
-      Counting::Publish(cute::get<0>(tile_coord));
-    }
-    return states;
+    if (thread_idx == 0 && inside) Counting::Publish(row_block);
   }
 };
 
@@ -169,37 +173,16 @@ class SignallingEpilogue : public CountingEpilogue<Base, false> {
 // the stores visible to the waiting thread; the proxy fence orders them, as
 // the TMA unit's writes, before its generic release.
 template <class Base>
-class TmaSignallingEpilogue : public CountingEpilogue<Base, true> {
-  using Counting = CountingEpilogue<Base, true>;
+class TmaSignallingEpilogue
+    : public CountingEpilogue<TmaSignallingEpilogue<Base>, Base, true> {
+  using Counting = CountingEpilogue<TmaSignallingEpilogue, Base, true>;
+  friend Counting;
   static constexpr int kSubtiles =
       (cute::size<0>(typename Base::CtaTileMNK{}) / cute::size<0>(typename Base::EpilogueTile{})) *
       (cute::size<1>(typename Base::CtaTileMNK{}) / cute::size<1>(typename Base::EpilogueTile{}));
 
  public:
   using Counting::Counting;
-
-  template <class ProblemShape, class TileShape, class TileCoord, class Acc, class TiledMma,
-            class Storage>
-  CUTLASS_DEVICE auto store(typename Base::LoadPipeline load_pipeline,
-                            typename Base::LoadPipelineState load_state,
-                            typename Base::StorePipeline store_pipeline,
-                            typename Base::StorePipelineState store_state,
-                            ProblemShape problem_shape, TileShape tile_shape,
-                            TileCoord tile_coord, Acc accumulators, TiledMma tiled_mma,
-                            int thread_idx, Storage& storage, int subtile_index = -1) {
-    auto states = Base::store(load_pipeline, load_state, store_pipeline, store_state,
-                              problem_shape, tile_shape, tile_coord, accumulators, tiled_mma,
-                              thread_idx, storage, subtile_index);
-    if (thread_idx / 32 == 0) {  // the warp that issued the stores
-      if (pending_ >= 0) {
-        asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kSubtiles) : "memory");
-        PublishPending();
-      }
-      pending_ = Counting::Inside(problem_shape, tile_shape, tile_coord)
-                     ? int(cute::get<0>(tile_coord)) : -1;
-    }
-    return states;
-  }
 
   CUTLASS_DEVICE auto store_tail(typename Base::LoadPipeline load_pipeline,
                                  typename Base::LoadPipelineState load_state,
@@ -215,6 +198,15 @@ class TmaSignallingEpilogue : public CountingEpilogue<Base, true> {
   }
 
  private:
+  CUTLASS_DEVICE void AfterTile(bool inside, int row_block, int thread_idx) {
+    if (thread_idx / 32 != 0) return;  // not the warp that issued the stores
+    if (pending_ >= 0) {
+      asm volatile("cp.async.bulk.wait_group %0;" ::"n"(kSubtiles) : "memory");
+      PublishPending();
+    }
+    pending_ = inside ? row_block : -1;
+  }
+
   CUTLASS_DEVICE void PublishPending() const {
     __syncwarp();  // every lane's groups are complete
     if (threadIdx.x % 32 == 0) {

@@ -181,3 +181,24 @@ def check_against_reference(op: str, n: int, dtype, rng, *, batch: bool = True, 
     """Runs ``op`` on fresh data and compares it with the float64 answer."""
     args, in_specs, out_specs, expected = case(op, n, rng, dtype, batch=batch)
     assert_close(run_case(op, n, args, in_specs, out_specs, **kwargs), expected, dtype)
+
+
+def data_parallel_grad_lowered_for_h200(monkeypatch, kernel, args, in_specs):
+    """The gradients of ``kernel(*args)``'s sum, data-parallel over a 2-device
+    "data" mesh (``in_specs`` per argument), traced and lowered for an H200
+    where there is none (Pallas's interpreter does not run inside
+    shard_map): (the traced function, its StableHLO text)."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def loss(*t):
+        def local(*u):
+            return jax.lax.psum(jnp.sum(kernel(*u).astype(jnp.float32)), "data")
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=jax.P())(*t)
+
+    traced = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args)
+    return traced, traced.lower(lowering_platforms=("cuda",)).as_text()

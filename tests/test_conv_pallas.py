@@ -5,7 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import assert_as_accurate, assert_close, f64, random
+from support import (
+    assert_as_accurate,
+    assert_close,
+    data_parallel_grad_lowered_for_h200,
+    f64,
+    random,
+)
 
 from jax_flashoverlap import models
 
@@ -59,27 +65,13 @@ def test_parameter_gradients_sum_over_the_data_axis(monkeypatch):
     """Inside shard_map, weight and bias are the same on every data shard while x
     differs: their gradients must come back of the parameters' type (a
     custom_vjp may not return them data-varying) and summed over the shards.
-    Traced and lowered for a GPU (Pallas's interpreter does not run inside
-    shard_map); test_mamba_trains_alike_with_either_convolution runs it."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    Lowered for a GPU; test_mamba_trains_alike_with_either_convolution runs it."""
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16)
             for shape in ((512, 4, 256), (4, 256), (256,))]
-
-    def loss(x, weight, bias):
-        def local(x, weight, bias):
-            y = conv_pallas.causal_conv1d_silu(x, weight, bias)
-            return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), "data")
-        return jax.shard_map(local, mesh=mesh, in_specs=(jax.P(None, "data"), jax.P(), jax.P()),
-                             out_specs=jax.P())(x, weight, bias)
-
-    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+    traced, text = data_parallel_grad_lowered_for_h200(
+        monkeypatch, conv_pallas.causal_conv1d_silu, args,
+        (jax.P(None, "data"), jax.P(), jax.P()))
     assert [g.shape for g in traced.out_info] == [a.shape for a in args]
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "causal_conv1d_silu_backward" in text
     # One sum over the shards for each parameter's gradient (grad drops the
     # loss's own psum: its value is not returned).

@@ -117,6 +117,6 @@ def test_recomputed_backward_sums_the_weight_gradient_over_data_shards(rng):
 
 
 def test_unknown_backward():
-    with pytest.raises(ValueError, match=r"rms_norm: backward must be one of \('autodiff', "
-                                         r"'recompute'\), got 'fused'"):
+    with pytest.raises(ValueError, match=r"rms_norm: backward must be one of \('auto', "
+                                         r"'autodiff', 'recompute', 'pallas'\), got 'fused'"):
         rms_norm(jnp.ones((2, 8)), jnp.ones(8), eps=1e-5, backward="fused")

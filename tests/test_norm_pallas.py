@@ -1,11 +1,19 @@
 """The fused gated RMSNorm kernels against XLA's ops: in Pallas's
 interpreter on CPU, compiled on GPUs."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from support import assert_as_accurate, assert_close, f64, random
+from support import (
+    assert_as_accurate,
+    assert_close,
+    data_parallel_grad_lowered_for_h200,
+    f64,
+    random,
+)
 
 from jax_flashoverlap import models
 
@@ -157,28 +165,14 @@ def test_auto_lowers_the_kernels_for_cuda(monkeypatch):
 def test_weight_gradient_sums_over_the_data_axis(monkeypatch):
     """Inside shard_map the weight is the same on every data shard while x
     differs: its gradient must come back of the weight's type and summed over
-    the shards. Traced and lowered for a GPU (Pallas's interpreter does not
-    run inside shard_map); test_mamba_trains_alike_with_either_norm runs it."""
-    from jax._src.pallas.triton import gpu_info
-
-    monkeypatch.setattr(gpu_info, "get_gpu_info",
-                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    the shards. Lowered for a GPU; test_mamba_trains_alike_with_either_norm
+    runs it."""
     args = [jax.ShapeDtypeStruct((512, 4, 1024), jnp.bfloat16)] * 2 + \
         [jax.ShapeDtypeStruct((1024,), jnp.float32)]
-
-    def loss(x, gate, weight):
-        def local(x, gate, weight):
-            y = norm_pallas.gated_rms_norm(x, gate, weight, eps=1e-5, group_size=512)
-            return jax.lax.psum(jnp.sum(y.astype(jnp.float32)), "data")
-        return jax.shard_map(local, mesh=mesh,
-                             in_specs=(jax.P(None, "data"), jax.P(None, "data"), jax.P()),
-                             out_specs=jax.P())(x, gate, weight)
-
-    traced = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*args)
+    traced, text = data_parallel_grad_lowered_for_h200(
+        monkeypatch, functools.partial(norm_pallas.gated_rms_norm, eps=1e-5, group_size=512),
+        args, (jax.P(None, "data"), jax.P(None, "data"), jax.P()))
     assert [g.shape for g in traced.out_info] == [a.shape for a in args]
-    text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "gated_rms_norm_backward" in text
     assert text.count("stablehlo.all_reduce") == 1, text.count("stablehlo.all_reduce")
 
