@@ -32,7 +32,9 @@ CONV_IMPLS = ("xla", "pallas")
 # How RMSNorm's backward gets what it needs: "autodiff" keeps (or, under a
 # checkpoint policy, recomputes) the float32 intermediates of the forward;
 # "recompute" is a custom_vjp that keeps only the norm's inputs and recomputes
-# its statistics inside the backward.
+# its statistics inside the backward; "pallas" keeps the same, forward and
+# backward as fused GPU kernels (models.norm_pallas); "auto" is "pallas" on
+# GPUs, XLA's ops keeping only the inputs elsewhere.
 NORM_BACKWARDS = ("auto", "autodiff", "recompute", "pallas")
 # What a Mamba-2 block keeps for its backward (models.mamba.Mamba2): the
 # values Mamba2.saved_in_backward names, recomputing the rest; or every
@@ -277,7 +279,7 @@ class MambaConfig(_Presets):
       norm_backward: the gated norm's backward, one of
         :data:`NORM_BACKWARDS` (see :func:`models.layers.rms_norm`). "auto"
         (default): fused Pallas kernels on GPUs (at the 1.4B size and
-        sequence 8192 on one H200: a step 255.8 ms against 264.3 with
+        sequence 8192 on one H200: a step 256.4 ms against 263.9 with
         "autodiff", docs/measurements.md session 24), XLA's ops elsewhere.
       fuse_skip: the SSD adds the D skip and writes y in the compute dtype
         (inside its output kernel on the Pallas path; default) instead of the

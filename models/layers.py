@@ -121,8 +121,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | N
     """
     group_size = group_size or x.shape[-1]
     if backward in ("pallas", "auto"):
-        # Imported here: norm_pallas imports this module's package siblings,
-        # which import this module.
+        # Imported here, not above: norm_pallas imports ssd_pallas, which
+        # imports this module.
         from . import norm_pallas
         if backward == "pallas":
             return norm_pallas.gated_rms_norm(x, gate, weight, eps=eps, group_size=group_size)
