@@ -252,6 +252,9 @@ def gated_rms_norm_or(reference, x: jax.Array, gate: jax.Array | None, weight: j
         ops, differentiable; a module-level function (it keys the custom_vjp).
       x, gate, weight, eps, group_size: as :func:`gated_rms_norm`'s; the
         shape must be one the kernels take (:func:`unsupported_reason`).
+
+    Returns:
+      [..., dim] in x's dtype, as :func:`gated_rms_norm`'s.
     """
     reason = unsupported_reason(x.shape[-1], group_size)
     if reason:
