@@ -113,8 +113,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | N
         otherwise recompute the forward too); "pallas" keeps the same and runs
         forward and backward as fused GPU kernels (:mod:`models.norm_pallas`);
         "auto" runs those kernels on CUDA GPUs and XLA's ops elsewhere,
-        keeping only the inputs either way ("autodiff" for shapes the
-        kernels do not take).
+        keeping only the inputs either way; "autodiff" for shapes the
+        kernels do not take and for fewer rows than
+        ``norm_pallas.AUTO_MIN_ROWS`` (a decode step's: there XLA fuses the
+        norm with its neighbours, and there is no backward).
 
     Returns:
       [..., dim] in x's dtype, computed in float32.
@@ -126,7 +128,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | N
         from . import norm_pallas
         if backward == "pallas":
             return norm_pallas.gated_rms_norm(x, gate, weight, eps=eps, group_size=group_size)
-        if norm_pallas.unsupported_reason(x.shape[-1], group_size) is None:
+        if (x.size // x.shape[-1] >= norm_pallas.AUTO_MIN_ROWS
+                and norm_pallas.unsupported_reason(x.shape[-1], group_size) is None):
             return norm_pallas.gated_rms_norm_or(_rms_norm_output, x, gate, weight, eps=eps,
                                                  group_size=group_size)
         backward = "autodiff"

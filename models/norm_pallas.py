@@ -29,7 +29,14 @@ from jax_flashoverlap.nn import same_variance
 
 from .pallas_gpu import plgpu, require_runnable
 
-__all__ = ["Tiling", "gated_rms_norm", "gated_rms_norm_or", "unsupported_reason"]
+__all__ = ["AUTO_MIN_ROWS", "Tiling", "gated_rms_norm", "gated_rms_norm_or",
+           "unsupported_reason"]
+
+# Rows (tokens) from which norm_backward="auto" runs the kernels: training and
+# prefill, with thousands, gained (docs/measurements.md, session 24); a decode
+# step's few rows keep XLA's ops, which fuse the norm with its neighbours, as
+# they ran when the decode loop was measured. The crossover is not measured.
+AUTO_MIN_ROWS = 1024
 
 # A program's tile holds this many float32 values per array by default: the
 # backward keeps about six such arrays live, which 8 warps hold in registers.

@@ -117,9 +117,10 @@ def test_rms_norm_dispatches_to_the_kernels(monkeypatch, rng):
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_auto_runs_xla_on_cpu_keeping_only_the_inputs(gated, rng):
+def test_auto_runs_xla_on_cpu_keeping_only_the_inputs(gated, rng, monkeypatch):
     """"auto" off a GPU: XLA's ops in a custom_vjp, the same values and
     gradients as autodiff's; a group size the kernels do not take is autodiff."""
+    monkeypatch.setattr(norm_pallas, "AUTO_MIN_ROWS", 1)
     x, gate = random(rng, (24, 2, 96), "float32"), random(rng, (24, 2, 96), "float32")
     gate = gate if gated else None
     weight = 1.0 + 0.1 * random(rng, (96,), "float32")
@@ -144,12 +145,15 @@ def test_auto_runs_xla_on_cpu_keeping_only_the_inputs(gated, rng):
                                       eps=1e-5, group_size=48)
 
 
-def test_auto_lowers_the_kernels_for_cuda(monkeypatch):
+@pytest.mark.parametrize("rows", [norm_pallas.AUTO_MIN_ROWS, 8])
+def test_auto_lowers_the_kernels_for_cuda_from_enough_rows(rows, monkeypatch):
+    """Training's and prefill's thousands of rows take the kernels; a decode
+    step's few keep XLA's ops."""
     from jax._src.pallas.triton import gpu_info
 
     monkeypatch.setattr(gpu_info, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
-    args = [jax.ShapeDtypeStruct((256, 1, 1024), jnp.bfloat16)] * 2 + \
+    args = [jax.ShapeDtypeStruct((rows, 1, 1024), jnp.bfloat16)] * 2 + \
         [jax.ShapeDtypeStruct((1024,), jnp.float32)]
 
     def grads(x, gate, weight):
@@ -159,7 +163,7 @@ def test_auto_lowers_the_kernels_for_cuda(monkeypatch):
 
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     for kernel in ("gated_rms_norm", "gated_rms_norm_backward"):
-        assert kernel in text, kernel
+        assert (kernel in text) == (rows >= norm_pallas.AUTO_MIN_ROWS), kernel
 
 
 def test_weight_gradient_sums_over_the_data_axis(monkeypatch):
