@@ -39,9 +39,10 @@ def with_varying_axes(aval: Any, shape: tuple[int, ...], varying: frozenset) -> 
     return aval.update(shape=shape, manual_axis_type=new_mat)
 
 
-def same_variance(*arrays: jax.Array) -> tuple[list[jax.Array], Any]:
+def same_variance(*arrays: jax.Array | None) -> tuple[list[jax.Array | None], Any]:
     """The arrays made to vary over the same manual mesh axes (the union of
-    theirs), and that manual axis type.
+    theirs), and that manual axis type; a None (an optional operand left
+    out) stays None.
 
     Inside ``shard_map`` the operands of an FFI call or a Pallas kernel must
     agree, and a custom_vjp's backward must return each gradient of its
@@ -49,10 +50,12 @@ def same_variance(*arrays: jax.Array) -> tuple[list[jax.Array], Any]:
     vary like the activations, before a custom_vjp, gets its gradient summed
     over the shards by the cast's transpose.
     """
-    union = frozenset().union(*(jax.typeof(t).manual_axis_type.varying for t in arrays))
-    arrays = [jax.lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
+    present = [t for t in arrays if t is not None]
+    union = frozenset().union(*(jax.typeof(t).manual_axis_type.varying for t in present))
+    arrays = [None if t is None else
+              jax.lax.pcast(t, tuple(sorted(union - jax.typeof(t).manual_axis_type.varying)),
                             to="varying") for t in arrays]
-    return arrays, jax.typeof(arrays[0]).manual_axis_type
+    return arrays, jax.typeof(next(t for t in arrays if t is not None)).manual_axis_type
 
 
 def lowering_mesh(ctx: Any) -> Any | None:

@@ -137,8 +137,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, *, eps: float, group_size: int | N
         return _rms_norm_output(x, gate, weight, eps, group_size)
     if backward != "recompute":
         raise ValueError(f"rms_norm: backward must be one of {NORM_BACKWARDS}, got {backward!r}")
-    (x, weight, *gate), _ = same_variance(x, weight, *([] if gate is None else [gate]))
-    return _rms_norm_recomputed(x, gate[0] if gate else None, weight, eps, group_size)
+    (x, weight, gate), _ = same_variance(x, weight, gate)
+    return _rms_norm_recomputed(x, gate, weight, eps, group_size)
 
 
 def _rms_norm_output(x, gate, weight, eps: float, group_size: int):

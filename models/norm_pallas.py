@@ -243,9 +243,8 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, e
                          f"{x.shape}")
     # As conv_pallas does: the weight takes x's variance outside the custom_vjp,
     # so that its gradient is summed over the data shards.
-    (x, weight, *gate_list), _ = same_variance(x, weight, *([] if gate is None else [gate]))
-    tiling = _tiling(group_size, rows, num_warps, interpret)
-    return _norm(x, gate_list[0] if gate_list else None, weight, eps, tiling)
+    (x, weight, gate), _ = same_variance(x, weight, gate)
+    return _norm(x, gate, weight, eps, _tiling(group_size, rows, num_warps, interpret))
 
 
 def gated_rms_norm_or(reference, x: jax.Array, gate: jax.Array | None, weight: jax.Array, *,
@@ -266,6 +265,6 @@ def gated_rms_norm_or(reference, x: jax.Array, gate: jax.Array | None, weight: j
     reason = unsupported_reason(x.shape[-1], group_size)
     if reason:
         raise ValueError(f"norm_pallas.gated_rms_norm_or: {reason}")
-    (x, weight, *gate_list), _ = same_variance(x, weight, *([] if gate is None else [gate]))
-    return _norm_by_platform(x, gate_list[0] if gate_list else None, weight, eps,
-                             _tiling(group_size, None, None, False), reference)
+    (x, weight, gate), _ = same_variance(x, weight, gate)
+    return _norm_by_platform(x, gate, weight, eps, _tiling(group_size, None, None, False),
+                             reference)
