@@ -12,9 +12,10 @@ protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
 results are checked against XLA's (relative error by norm, bf16 tolerance).
 ``--sweep`` also times the chunk output's kernels alone per tile side and warps
 per program (a tiling that does not fit is recorded as skipped). ``--norm``
-also times the mixer's gated norm ([seq, batch, inner] in groups), XLA's ops
-against :mod:`models.norm_pallas`'s kernels, checked first the same way;
-with ``--sweep`` the kernels per rows per program and warps. The JSON is
+also times a layer's two norms, the mixer's gated norm ([seq, batch, inner]
+in groups) and the block's norm ([seq, batch, embed], ungated, one group),
+XLA's ops against :mod:`models.norm_pallas`'s kernels, checked first the
+same way; with ``--sweep`` the kernels per rows per program and warps. The JSON is
 rewritten after each row.
 TFLOP/s count the SSD's FLOPs as ``MambaConfig.ssd_flops_per_token`` does
 (forward + backward as three forwards).
@@ -34,8 +35,10 @@ from jax.sharding import PartitionSpec as P
 from jax_flashoverlap import benchmarking, models
 
 TOLERANCE = 1e-2  # bf16
-# (rows per program, warps) of the gated norm's kernels under --norm --sweep.
-NORM_SWEEP = [(rows, warps) for rows in (4, 8, 16, 32) for warps in (4, 8)]
+# (rows per program, warps) of the norm kernels under --norm --sweep, per norm:
+# tiles of 2048 to 16384 values either way.
+NORM_SWEEPS = {"gated norm": [(rows, warps) for rows in (4, 8, 16, 32) for warps in (4, 8)],
+               "block norm": [(rows, warps) for rows in (1, 2, 4, 8) for warps in (4, 8)]}
 
 
 def ssd_inputs(config: models.MambaConfig, seq_len: int, batch: int, key) -> tuple[jax.Array, ...]:
@@ -115,19 +118,29 @@ def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[di
     return rows
 
 
-def norm_ops(config: models.MambaConfig, seq_len: int, batch: int, key, tilings):
-    """The mixer's gated norm at ``config``'s shape: (x, gate, weight) and,
-    per implementation, (forward, forward + backward); the kernels once per
-    (rows per program, warps) in ``tilings`` ((None, None): the defaults)."""
+def norm_ops(config: models.MambaConfig, which: str, seq_len: int, batch: int, key,
+             tilings):
+    """One of a Mamba-2 layer's norms at ``config``'s shape, ``which`` "gated
+    norm" (the mixer's, before out_proj) or "block norm" (the block's, before
+    in_proj): (operands (x, gate, weight) or (x, weight), the shape in words)
+    and, per implementation, (forward, forward + backward); the kernels once
+    per (rows per program, warps) in ``tilings`` ((None, None): the defaults)."""
+    gated = which == "gated norm"
+    dim = config.inner_dim if gated else config.embed_dim
+    group = config.inner_dim // config.num_groups if gated else dim
     kx, kz, kw = jax.random.split(key, 3)
-    shape = (seq_len, batch, config.inner_dim)
-    x, gate = (jax.random.normal(k, shape, jnp.dtype(config.dtype)) for k in (kx, kz))
-    weight = 1.0 + 0.1 * jax.random.normal(kw, (config.inner_dim,))
-    group = config.inner_dim // config.num_groups
+    shape = (seq_len, batch, dim)
+    x = jax.random.normal(kx, shape, jnp.dtype(config.dtype))
+    weight = 1.0 + 0.1 * jax.random.normal(kw, (dim,))
+    operands = (x, jax.random.normal(kz, shape, x.dtype), weight) if gated else (x, weight)
+    described = f"[{seq_len}, {batch}, {dim}] {config.dtype}, groups of {group}"
 
     def with_grad(norm):
-        return norm, lambda *t: jax.grad(lambda *u: jnp.sum(norm(*u).astype(jnp.float32)),
-                                         argnums=(0, 1, 2))(*t)
+        def unpacked(*t):  # (x, gate, weight) or (x, weight) -> norm(x, gate, weight)
+            return norm(*t) if gated else norm(t[0], None, t[1])
+        return unpacked, lambda *t: jax.grad(
+            lambda *u: jnp.sum(unpacked(*u).astype(jnp.float32)),
+            argnums=tuple(range(len(t))))(*t)
 
     ops = {"xla": with_grad(lambda x, g, w: models.layers.rms_norm(
         x, w, eps=config.norm_eps, group_size=group, gate=g))}
@@ -136,7 +149,7 @@ def norm_ops(config: models.MambaConfig, seq_len: int, batch: int, key, tilings)
         ops[name] = with_grad(functools.partial(
             models.norm_pallas.gated_rms_norm, eps=config.norm_eps, group_size=group, rows=rows,
             num_warps=warps))
-    return (x, gate, weight), ops
+    return (operands, described), ops
 
 
 def relative_error(got, want) -> float:
@@ -212,24 +225,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{tconfig.head_dim}, {tconfig.num_kv_heads} KV heads, causal, bfloat16")
 
     if args.norm:
-        norm_inputs, norms = norm_ops(config, args.seq_len, args.batch, key,
-                                      [(None, None)] + (NORM_SWEEP if args.sweep else []))
-        norm_shape = (f"[{args.seq_len}, {args.batch}, {config.inner_dim}] {config.dtype}, "
-                      f"groups of {config.inner_dim // config.num_groups}")
-        for name, op in norms.items():
-            for i, phase in enumerate(("forward", "forward+backward")):
-                err = relative_error(jax.jit(op[i])(*norm_inputs),
-                                     jax.jit(norms["xla"][i])(*norm_inputs))
-                if not err <= TOLERANCE:
-                    raise AssertionError(f"gated norm {name}, {phase}: relative error "
-                                         f"{err:.3g} > {TOLERANCE}")
-            timed(f"gated norm {name}", op, norm_inputs, norm_shape)
-        print(f"\n| gated norm ({norm_shape}) | forward (ms) | forward + backward (ms) |"
-              "\n|---|---|---|")
-        by_norm = {(r["what"], r["phase"]): r["ms"] for r in rows}
-        for name in norms:
-            print(f"| {name} | {by_norm[(f'gated norm {name}', 'forward')]:.4f} | "
-                  f"{by_norm[(f'gated norm {name}', 'forward+backward')]:.4f} |")
+        for which, sweep in NORM_SWEEPS.items():
+            (norm_inputs, norm_shape), norms = norm_ops(
+                config, which, args.seq_len, args.batch, key,
+                [(None, None)] + (sweep if args.sweep else []))
+            for name, op in norms.items():
+                for i, phase in enumerate(("forward", "forward+backward")):
+                    err = relative_error(jax.jit(op[i])(*norm_inputs),
+                                         jax.jit(norms["xla"][i])(*norm_inputs))
+                    if not err <= TOLERANCE:
+                        raise AssertionError(f"{which} {name}, {phase}: relative error "
+                                             f"{err:.3g} > {TOLERANCE}")
+                timed(f"{which} {name}", op, norm_inputs, norm_shape)
+            print(f"\n| {which} ({norm_shape}) | forward (ms) | forward + backward (ms) |"
+                  "\n|---|---|---|")
+            by_norm = {(r["what"], r["phase"]): r["ms"] for r in rows}
+            for name in norms:
+                print(f"| {name} | {by_norm[(f'{which} {name}', 'forward')]:.4f} | "
+                      f"{by_norm[(f'{which} {name}', 'forward+backward')]:.4f} |")
     by = {(r["what"], r["phase"]): r["ms"] for r in rows}
     if args.sweep:
         sweep = tiling_sweep(config, inputs, mesh, args.reps)
