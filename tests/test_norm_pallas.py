@@ -2,14 +2,18 @@
 interpreter on CPU, compiled on GPUs."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
+from model_support import build, tokens
 from support import (
     assert_as_accurate,
     assert_close,
+    cpu_mesh,
     data_parallel_grad_lowered_for_h200,
     f64,
     random,
@@ -225,6 +229,34 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     for kernel in ("gated_rms_norm", "gated_rms_norm_backward"):
         assert kernel in text, kernel
+
+
+def test_mamba_runs_both_norms_of_every_block_through_the_kernels(monkeypatch):
+    """norm_backward="auto" at training's rows: each block's norm and its
+    mixer's gated norm, lowered for an H200, are one backward kernel each
+    (and their forwards run as kernels, once more where the block is
+    recomputed)."""
+    from jax._src.pallas.triton import gpu_info
+
+    from jax_flashoverlap.cli.train import loss_fn
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    config = models.MambaConfig.preset("tiny", scan_layers=False)
+    assert config.norm_backward == "auto"
+    mesh = cpu_mesh(tp=1)
+    graphdef, state = nnx.split(build(models.Mamba2, config, mesh))
+    batch = tokens(0, batch=1, seq_len=norm_pallas.AUTO_MIN_ROWS)
+
+    def grads(state):
+        return jax.grad(lambda s: loss_fn(nnx.merge(graphdef, s), batch))(state)
+
+    with jax.set_mesh(mesh):
+        text = jax.jit(grads).trace(state).lower(lowering_platforms=("cuda",)).as_text()
+    calls = {k: len(re.findall(rf'name = "{k}"', text))
+             for k in ("gated_rms_norm", "gated_rms_norm_backward")}
+    assert calls["gated_rms_norm_backward"] == 2 * config.num_layers, calls
+    assert calls["gated_rms_norm"] >= 2 * config.num_layers, calls
 
 
 def test_mamba_config_and_flag_choose_the_kernels():
