@@ -33,11 +33,11 @@ def _with_token(token: int) -> np.ndarray:
     return prompt
 
 
-def _forward_logits(model, mesh, tokens):
+def _forward_logits(model, mesh, tokens, prompt_len: int = PROMPT_LEN):
     """The model's forward over ``tokens[:, :-1]`` at the generated positions."""
     with jax.set_mesh(mesh):
         logits = nnx.jit(lambda m, t: m(t))(model, jnp.asarray(tokens[:, :-1]))
-    return np.asarray(logits, np.float64)[:, PROMPT_LEN - 1:]
+    return np.asarray(logits, np.float64)[:, prompt_len - 1:]
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -281,26 +281,41 @@ def test_byte_tokens_round_trip():
     assert generate_cli.decode_text(generate_cli.encode(text)) == text
 
 
+def _check_bf16_decoding_against_float32(name: str, prompt: np.ndarray, **overrides):
+    """On one GPU: the bf16 decode loop's logits after ``prompt`` [batch,
+    length] are as close to a float32 forward pass as the bf16 forward
+    pass's own."""
+    model_cls, config = MODELS[name]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
+                             ("data", "tensor"))
+    bf16 = build(model_cls, dataclasses.replace(config, dtype="bfloat16", **overrides), mesh)
+    exact = build(model_cls, config, mesh, nnx.state(bf16))
+    with jax.set_mesh(mesh):
+        tokens, logits = models.generate(bf16, prompt, NEW_TOKENS, return_logits=True)
+    tokens = np.asarray(tokens)
+    length = prompt.shape[1]
+    assert_as_accurate(np.asarray(logits, np.float32),
+                       _forward_logits(bf16, mesh, tokens, length).astype(np.float32),
+                       _forward_logits(exact, mesh, tokens, length), "bfloat16")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("decode_matmul", models.DECODE_MATMUL_IMPLS)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_bf16_decoding_is_as_accurate_as_the_forward_pass(name, decode_matmul):
     """On one GPU (cuDNN attention for the Transformer), with XLA's decode
-    matmuls and the library's kernel: the bf16 decode loop's logits are as
-    close to a float32 forward pass as the bf16 forward pass's own."""
-    model_cls, config = MODELS[name]
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
-                             ("data", "tensor"))
-    bf16 = build(model_cls, dataclasses.replace(config, dtype="bfloat16",
-                                                decode_matmul=decode_matmul), mesh)
-    exact = build(model_cls, config, mesh, nnx.state(bf16))
-    prompt = _prompt(3)
-    with jax.set_mesh(mesh):
-        tokens, logits = models.generate(bf16, prompt, NEW_TOKENS, return_logits=True)
-    tokens = np.asarray(tokens)
-    assert_as_accurate(np.asarray(logits, np.float32),
-                       _forward_logits(bf16, mesh, tokens).astype(np.float32),
-                       _forward_logits(exact, mesh, tokens), "bfloat16")
+    matmuls and the library's kernel."""
+    _check_bf16_decoding_against_float32(name, _prompt(3), decode_matmul=decode_matmul)
+
+
+@pytest.mark.gpu
+def test_mamba_prefill_through_the_norm_kernels_is_as_accurate():
+    """A prompt of batch x length >= norm_pallas.AUTO_MIN_ROWS: prefill runs
+    both norms of every block as the Pallas kernels (norm_backward="auto"),
+    decoding then XLA's ops, from the states prefill left."""
+    length = models.norm_pallas.AUTO_MIN_ROWS // 2 + 5  # 2 sequences: past the threshold
+    assert MODELS["mamba"][1].norm_backward == "auto"
+    _check_bf16_decoding_against_float32("mamba", _prompt(4, length=length))
 
 
 @pytest.mark.gpus(2)
