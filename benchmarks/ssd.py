@@ -122,9 +122,10 @@ def norm_ops(config: models.MambaConfig, which: str, seq_len: int, batch: int, k
              tilings):
     """One of a Mamba-2 layer's norms at ``config``'s shape, ``which`` "gated
     norm" (the mixer's, before out_proj) or "block norm" (the block's, before
-    in_proj): (operands (x, gate, weight) or (x, weight), the shape in words)
-    and, per implementation, (forward, forward + backward); the kernels once
-    per (rows per program, warps) in ``tilings`` ((None, None): the defaults)."""
+    in_proj): (operands (x, gate, weight, the output's gradient) or (x,
+    weight, the output's gradient), the shape in words) and, per
+    implementation, (forward, forward + backward); the kernels once per (rows
+    per program, warps) in ``tilings`` ((None, None): the defaults)."""
     gated = which == "gated norm"
     dim = config.inner_dim if gated else config.embed_dim
     group = config.inner_dim // config.num_groups if gated else dim
@@ -132,15 +133,21 @@ def norm_ops(config: models.MambaConfig, which: str, seq_len: int, batch: int, k
     shape = (seq_len, batch, dim)
     x = jax.random.normal(kx, shape, jnp.dtype(config.dtype))
     weight = 1.0 + 0.1 * jax.random.normal(kw, (dim,))
-    operands = (x, jax.random.normal(kz, shape, x.dtype), weight) if gated else (x, weight)
+    # The output's gradient is an operand, random like the rest: from a sum's
+    # constant gradient XLA would fold the backward into the forward.
+    kx, kz, kd = jax.random.split(kx, 3)
+    inputs = (x, jax.random.normal(kz, shape, x.dtype), weight) if gated else (x, weight)
+    operands = (*inputs, jax.random.normal(kd, shape, x.dtype))
     described = f"[{seq_len}, {batch}, {dim}] {config.dtype}, groups of {group}"
 
     def with_grad(norm):
         def unpacked(*t):  # (x, gate, weight) or (x, weight) -> norm(x, gate, weight)
             return norm(*t) if gated else norm(t[0], None, t[1])
-        return unpacked, lambda *t: jax.grad(
-            lambda *u: jnp.sum(unpacked(*u).astype(jnp.float32)),
-            argnums=tuple(range(len(t))))(*t)
+
+        def forward_and_backward(*t):  # (output, the inputs' gradients), as training needs
+            out, vjp = jax.vjp(unpacked, *t[:-1])
+            return out, vjp(t[-1])
+        return lambda *t: unpacked(*t[:-1]), forward_and_backward
 
     ops = {"xla": with_grad(lambda x, g, w: models.layers.rms_norm(
         x, w, eps=config.norm_eps, group_size=group, gate=g))}

@@ -276,9 +276,8 @@ class MambaConfig(_Presets):
         :data:`CONV_IMPLS`: "xla" (default) or "pallas", one fused GPU
         kernel (:mod:`models.conv_pallas`; 2% slower a 1.4B step on one
         H200 than XLA's ops, docs/measurements.md session 21).
-      norm_backward: how Mamba-2's norms (each block's, and the mixer's
-        gated norm) run, one of :data:`NORM_BACKWARDS` (see
-        :func:`models.layers.rms_norm`). "auto"
+      norm_backward: the gated norm's backward, one of
+        :data:`NORM_BACKWARDS` (see :func:`models.layers.rms_norm`). "auto"
         (default): fused Pallas kernels on GPUs (at the 1.4B size and
         sequence 8192 on one H200: a step 256.4 ms against 263.9 with
         "autodiff", docs/measurements.md session 24), XLA's ops elsewhere.

@@ -38,9 +38,11 @@ __all__ = ["AUTO_MIN_ROWS", "Tiling", "gated_rms_norm", "gated_rms_norm_or",
 # they ran when the decode loop was measured. The crossover is not measured.
 AUTO_MIN_ROWS = 1024
 
-# A program's tile holds this many float32 values per array by default: the
-# backward keeps about six such arrays live, which 8 warps hold in registers.
-_TILE_VALUES = 8192
+# Rows of a group per program and warps, by default: the fastest of rows
+# 4-32 x 4 or 8 warps at Mamba-2 1.4B's gated norm (groups of 512; forward
+# 0.047 ms against 0.063 at 16 rows) and among the fastest at its block norm
+# (2048), on one H200 (docs/measurements.md, session 25).
+_ROWS = 4
 _NUM_WARPS = 8
 
 
@@ -69,7 +71,7 @@ def unsupported_reason(dim: int, group_size: int) -> str | None:
 def _tiling(group_size: int, rows: int | None, num_warps: int | None,
             interpret: bool) -> Tiling:
     """The Tiling of :func:`gated_rms_norm`'s arguments, or a ValueError naming them."""
-    rows = max(1, min(64, _TILE_VALUES // group_size)) if rows is None else rows
+    rows = _ROWS if rows is None else rows
     num_warps = _NUM_WARPS if num_warps is None else num_warps
     for name, value in (("rows", rows), ("num_warps", num_warps)):
         if not isinstance(value, int) or value < 1 or value & (value - 1):
@@ -225,8 +227,7 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array | None, weight: jax.Array, *, e
       eps: added to the mean square.
       group_size: channels normalised together, a power of two from 16 that
         divides dim; default the whole dim.
-      rows: rows of one group per kernel program, a power of two (default
-        8192 values a tile: 16 rows of a group of 512).
+      rows: rows of one group per kernel program, a power of two (default 4).
       num_warps: warps per program, a power of two (default 8).
       interpret: run the kernels in Pallas's interpreter (any backend; for tests).
 

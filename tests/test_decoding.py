@@ -309,10 +309,10 @@ def test_bf16_decoding_is_as_accurate_as_the_forward_pass(name, decode_matmul):
 
 
 @pytest.mark.gpu
-def test_mamba_prefill_through_the_norm_kernels_is_as_accurate():
+def test_mamba_prefill_through_the_norm_kernel_is_as_accurate():
     """A prompt of batch x length >= norm_pallas.AUTO_MIN_ROWS: prefill runs
-    both norms of every block as the Pallas kernels (norm_backward="auto"),
-    decoding then XLA's ops, from the states prefill left."""
+    every gated norm as the Pallas kernel (norm_backward="auto"), decoding
+    then XLA's ops, from the states prefill left."""
     length = models.norm_pallas.AUTO_MIN_ROWS // 2 + 5  # 2 sequences: past the threshold
     assert MODELS["mamba"][1].norm_backward == "auto"
     _check_bf16_decoding_against_float32("mamba", _prompt(4, length=length))

@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="Mamba-2's causal convolution + SiLU: XLA's ops, or one fused "
                              "Pallas GPU kernel (opt-in: 2%% slower a 1.4B step)")
     parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="auto",
-                        help="Mamba-2's norms (the blocks' and the gated one): autodiff, a "
+                        help="Mamba-2's gated norm in the backward: autodiff, a "
                              "custom_vjp that keeps only its inputs (recompute), that "
                              "with fused GPU kernels (pallas), or those kernels on GPUs "
                              "(auto, the default)")
