@@ -31,14 +31,15 @@ NVSHMEM = "hierarchical_all_reduce_2xh200.json"
 TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
-SSD = "ssd_session24_1xh200.json"
-MAMBA_STEPS = ["train_step_mamba_norm_kernels_1xh200.json", "train_step_mamba_1xh200.json",
+SSD = "ssd_norms_1xh200.json"
+MAMBA_STEPS = ["train_step_mamba_norm_rows4_1xh200.json", "train_step_mamba_1xh200.json",
                "train_step_mamba_scanned_1xh200.json", "train_step_mamba_ssd_xla_1xh200.json"]
 # Mamba-2's options, each file one process whose rows compare against its first.
 MAMBA_OPTIONS = ["train_step_mamba_residuals_1xh200.json", "train_step_mamba_norm_1xh200.json",
                  "train_step_mamba_conv_1xh200.json", "train_step_mamba_variants_1xh200.json",
                  "train_step_mamba_conv_parts_1xh200.json",
-                 "train_step_mamba_norm_pallas_1xh200.json"]
+                 "train_step_mamba_norm_pallas_1xh200.json",
+                 "train_step_mamba_norm_kernels_1xh200.json"]
 
 
 def _load(name: str) -> dict:

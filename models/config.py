@@ -279,8 +279,8 @@ class MambaConfig(_Presets):
       norm_backward: the gated norm's backward, one of
         :data:`NORM_BACKWARDS` (see :func:`models.layers.rms_norm`). "auto"
         (default): fused Pallas kernels on GPUs (at the 1.4B size and
-        sequence 8192 on one H200: a step 256.4 ms against 263.9 with
-        "autodiff", docs/measurements.md session 24), XLA's ops elsewhere.
+        sequence 8192 on one H200: a step 257.2 ms against 264.1 with
+        "autodiff", docs/measurements.md session 25), XLA's ops elsewhere.
       fuse_skip: the SSD adds the D skip and writes y in the compute dtype
         (inside its output kernel on the Pallas path; default) instead of the
         model adding it to a float32 y. At the 1.4B size and sequence 8192 on
