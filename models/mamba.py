@@ -195,8 +195,11 @@ def _pallas_products(interpret: bool = False) -> _ChunkProducts:
         del log_decay
         if skip is not None:
             skip = skip.reshape(-1, *skip.shape[2:])
-        y = ssd_pallas.chunk_output(*ssd_pallas.chunk_operands(x, dt, cum, b, c), entering,
-                                    chunk_size=x.shape[1], skip=skip, interpret=interpret)
+        # The entering states in c's dtype, which the kernel multiplies them
+        # in: it reads them once per row block.
+        y = ssd_pallas.chunk_output(*ssd_pallas.chunk_operands(x, dt, cum, b, c),
+                                    entering.astype(c.dtype), chunk_size=x.shape[1],
+                                    skip=skip, interpret=interpret)
         return y.reshape(x.shape[:2] + y.shape[1:])
 
     return _ChunkProducts(states, output)

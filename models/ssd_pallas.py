@@ -177,13 +177,13 @@ def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
             return dcb + d, dcum
 
         dcb, dcum = lax.fori_loop(0, heads, head, (jnp.zeros(cb.shape, jnp.float32), dcum))
-        dcb_ref[:, cols] = dcb
+        dcb_ref[:, cols] = dcb.astype(dcb_ref.dtype)
         return dcum
 
     dcum_ref[...] = lax.fori_loop(0, row + 1, column, jnp.zeros((heads, block), jnp.float32))
 
     def above_diagonal(col, carry):
-        dcb_ref[:, pl.ds(col * block, block)] = jnp.zeros((block, block), jnp.float32)
+        dcb_ref[:, pl.ds(col * block, block)] = jnp.zeros((block, block), dcb_ref.dtype)
         return carry
 
     lax.fori_loop(row + 1, blocks, above_diagonal, None)
@@ -262,13 +262,13 @@ def _backward(cb, x, dt, cum, dy, tiling: Tiling):
         out_specs=[cb_rows,
                    pl.BlockSpec((None, None, heads, block),
                                 lambda c, b, g, i: (b, g, 0, c * blocks + i))],
-        out_shape=[result(cb.shape, jnp.float32),
+        out_shape=[result(cb.shape, cb.dtype),
                    result((batch, groups, heads, s), jnp.float32)],
         **tiling.params(),
         name="ssd_intra_chunk_backward_rows",
     )(cb, x, dt, cum, dy)
     dcum = dcum_columns + jnp.moveaxis(dcum_rows, -1, 0)
-    return dcb.astype(cb.dtype), dx, ddt.astype(dt.dtype), dcum.astype(cum.dtype)
+    return dcb, dx, ddt.astype(dt.dtype), dcum.astype(cum.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -294,7 +294,7 @@ def _chunk_output_bwd(tiling, out_dtype, residuals, dy):
     # by exp(cum), S's gradient is a chunk state of it, c's the heads' sum of
     # dy_h · S_h, and cum's the row sums of c times that product.
     weighted = (dy * jnp.exp(cum)[..., None]).astype(x.dtype)
-    d_state = _outer(weighted, c, tiling)
+    d_state = _outer(weighted, c, tiling).astype(state.dtype)
     dc, dcum_entering = _group(weighted, state, tiling, row_sums_with=c)
     dcum = dcum + jnp.moveaxis(dcum_entering, -1, 0)
     return dcb, dx, ddt, dcum, dc.astype(c.dtype), d_state, dskip
@@ -313,10 +313,15 @@ def chunk_operands(x: jax.Array, dt: jax.Array, cum: jax.Array, b: jax.Array,
       b, c: [chunks, l, batch, g, n].
 
     Returns:
-      (cb [batch, g, chunks, l, l] float32 from one batched GEMM, and x, dt,
-      cum and c with their chunks merged into the sequence).
+      (cb [batch, g, chunks, l, l] in x's dtype, from one batched GEMM
+      accumulating in float32, and x, dt, cum and c with their chunks merged
+      into the sequence).
     """
-    cb = jnp.einsum("ctbgn,cubgn->bgctu", c, b, preferred_element_type=jnp.float32)
+    # In x's dtype: the kernels read CB once per head and row block (bf16 in
+    # training halves those bytes), and round its products with the decays
+    # to x's dtype for the tensor cores anyway.
+    cb = jnp.einsum("ctbgn,cubgn->bgctu", c, b,
+                    preferred_element_type=jnp.float32).astype(x.dtype)
     return (cb, *(t.reshape(-1, *t.shape[2:]) for t in (x, dt, cum, c)))
 
 
@@ -328,14 +333,15 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
     it, differentiable, on the GPU.
 
     Args:
-      cb: [batch, g, chunks, l, l] float32, ``C[t]·B[u]`` within each chunk.
+      cb: [batch, g, chunks, l, l], ``C[t]·B[u]`` within each chunk, float32
+        or x's dtype (its gradient is cb's dtype).
       x: [s, batch, g, heads, p] (bf16 or float32), s = chunks · l.
       dt: [s, batch, g, heads] float32, the step sizes.
       cum: [s, batch, g, heads] float32, the cumulative sum of ``dt·a``
         within each chunk.
       c: [s, batch, g, n], x's dtype.
-      state: [batch, g, heads, chunks, p, n] float32, the state entering
-        each chunk; its product with c runs in c's dtype.
+      state: [batch, g, heads, chunks, p, n] float32 or c's dtype, the
+        state entering each chunk; its product with c runs in c's dtype.
       chunk_size: l.
       skip: [s, batch, g, heads] float32, or None. With it the kernel also
         adds ``skip[t] · x[t]`` (Mamba-2's D skip) and writes y in x's dtype,
