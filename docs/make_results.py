@@ -31,7 +31,7 @@ NVSHMEM = "hierarchical_all_reduce_2xh200.json"
 TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
-SSD = "ssd_norms_1xh200.json"
+SSD = "ssd_bf16_operands_1xh200.json"
 MAMBA_STEPS = ["train_step_mamba_norm_rows4_1xh200.json", "train_step_mamba_1xh200.json",
                "train_step_mamba_scanned_1xh200.json", "train_step_mamba_ssd_xla_1xh200.json"]
 # Mamba-2's options, each file one process whose rows compare against its first.
