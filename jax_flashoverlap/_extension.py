@@ -102,13 +102,14 @@ def build_info() -> dict[str, Any]:
       ``cuda`` (bool: CUDA kernels were compiled), ``cuda_version`` (str),
       ``architectures`` (CMake CUDA architectures, e.g. ``["80-real", "100"]``:
       "-real" machine code only, plain also PTX), ``cublaslt`` (bool:
-      the GEMM ops were compiled) and ``ffi_targets`` (registered handler
-      names).
+      the GEMM ops were compiled), ``cutlass`` (str: the CUTLASS version
+      the tile-signalled GEMM was built with, "" without it) and
+      ``ffi_targets`` (registered handler names).
     """
     mod = _module()
     if mod is None:
         return {"extension": False, "cuda": False, "cuda_version": "",
-                "architectures": [], "cublaslt": False, "ffi_targets": []}
+                "architectures": [], "cublaslt": False, "cutlass": "", "ffi_targets": []}
     info = dict(mod.build_info())
     info["extension"] = True
     info["ffi_targets"] = list(_register())

@@ -78,6 +78,12 @@ if want info; then
   $PY -c "import jax; print('jax', jax.__version__, jax.devices())"
 fi
 if want build; then
+  # The tile-signalled GEMM needs the pinned CUTLASS headers, which the GPU
+  # machine cannot download: carry the wheel (pip download --no-deps
+  # nvidia-cutlass==4.2.0.0 -d build/wheels) and it is installed first.
+  for wheel in build/wheels/nvidia_cutlass-*.whl; do
+    [ -f "$wheel" ] && $PY -m pip install --no-deps -q "$wheel"
+  done
   step build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q . \
     || exit 1
   # A build without CUDA (no nvcc) would make every GPU test skip: stop here.

@@ -14,6 +14,9 @@
 #ifdef JFO_WITH_CUDA
 #include "handlers.h"
 #endif
+#ifdef JFO_WITH_CUTLASS
+#include "tile_gemm.h"
+#endif
 #ifdef JFO_WITH_CUBLASLT
 #include "gemm.h"
 #include "transport/peer_state.h"
@@ -57,6 +60,9 @@ nb::dict Registrations() {
   d["jfo_all_reduce"] =
       Stages(jfo::JfoAllReduceInitialize, jfo::JfoAllReduce);
 #endif
+#ifdef JFO_WITH_CUTLASS
+  d["jfo_tile_gemm"] = Capsule(jfo::JfoTileGemm);
+#endif
   return d;
 }
 
@@ -82,6 +88,11 @@ nb::dict BuildInfo() {
   d["cublaslt"] = true;
 #else
   d["cublaslt"] = false;
+#endif
+#ifdef JFO_WITH_CUTLASS
+  d["cutlass"] = JFO_CUTLASS_VERSION;
+#else
+  d["cutlass"] = "";
 #endif
   return d;
 }
@@ -204,7 +215,8 @@ NB_MODULE(_ffi, m) {
         "jax.ffi.register_ffi_target(..., platform='CUDA').");
   m.def("build_info", &BuildInfo,
         "Dict: cuda (bool), cuda_version (str), architectures (list of str), "
-        "cublaslt (bool).");
+        "cublaslt (bool), cutlass (str: the version the tile GEMM was built "
+        "with, empty without it).");
   m.def("limits", &Limits, "The transport's layout limits (empty without the CUDA ops).");
   m.def("pending_error", &PendingError,
         "Returns and clears the recorded wait timeouts of every device (one "

@@ -1,0 +1,49 @@
+// The tile-signalled GEMM (FlashOverlap's tile-wise signalling): one CUTLASS
+// Hopper GEMM over the whole problem whose epilogue counts each finished
+// output tile in its row block's counter, so that copies of finished rows
+// can start while the GEMM goes on (a copy engine held by
+// cuStreamWaitValue32 on the counter), with no cut into row-block GEMMs.
+// Built only with CUTLASS (JFO_WITH_CUTLASS: the pinned nvidia-cutlass
+// headers found at build time); runs on sm_90 GPUs.
+#pragma once
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace jfo {
+
+// Rows per counter (the tile's height) and columns per counted tile.
+constexpr int kTileGemmRows = 256;
+constexpr int kTileGemmCols = 128;
+
+// Counters for m rows, and by how much each grows per GEMM of n columns.
+inline int64_t TileGemmCounters(int64_t m) { return (m + kTileGemmRows - 1) / kTileGemmRows; }
+inline uint32_t TileGemmTilesPerRowBlock(int64_t n) {
+  return static_cast<uint32_t>((n + kTileGemmCols - 1) / kTileGemmCols);
+}
+
+// bf16 D[M, N] = X[M, K] @ W[K, N], row-major and contiguous, float32
+// accumulation; counters[i] (TileGemmCounters(M) of them) grows by
+// TileGemmTilesPerRowBlock(N) as rows [i * kTileGemmRows, ...) are written,
+// each increment after its tile's stores are visible to the device. N and K
+// must be multiples of 8 (16-byte rows for TMA). `workspace` holds
+// CUTLASS's scratch (TileGemmWorkspaceBytes, may be 0).
+struct TileGemmArgs {
+  int64_t m, n, k;
+  const void* x;
+  const void* w;
+  void* d;
+  uint32_t* counters;
+};
+size_t TileGemmWorkspaceBytes(int ordinal, const TileGemmArgs& args);
+ffi::Error TileGemm(int ordinal, const TileGemmArgs& args, void* workspace,
+                    size_t workspace_bytes, cudaStream_t stream);
+
+#ifdef JFO_WITH_CUTLASS
+// The handler of `jfo_tile_gemm` (tests and benchmarks: the GEMM and its
+// counters alone, from zeroed counters).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoTileGemm);
+#endif
+
+}  // namespace jfo
