@@ -53,6 +53,7 @@ VARIANTS = {
     "cuda_add_after": (("matmul_reduce_scatter",), {"REDUCE_SCATTER_FOLD": "add_after"}),
     "cuda_xla_waits": (("all_gather_matmul", "matmul_reduce_scatter"),
                        {"PEER_WAIT_STREAM": "xla"}),
+    "cuda_tile_signalled": (("matmul_reduce_scatter",), {"REDUCE_SCATTER_GEMM": "tile_signalled"}),
 }
 
 
@@ -66,6 +67,7 @@ def _op_fn(op, impl):
     replaces by dot + all-reduce for small results ("cuda_fused" and the
     chunked rows time the fused kernel; "cuda" times what users get);
     "cuda_add_after" runs matmul_reduce_scatter's other fold,
+    "cuda_tile_signalled" its one tile-signalled CUTLASS GEMM,
     "cuda_xla_waits" the peer waits on XLA's stream and "cuda_part_alignA"
     the fused matmul_all_reduce with parts aligned to A rows.
     """
@@ -302,6 +304,9 @@ def main():
                         help="also time the fused all_gather_matmul and matmul_reduce_scatter "
                              "waiting for peers on XLA's stream (rows 'cuda_xla_waits', with "
                              "each --chunks)")
+    parser.add_argument("--tile-signalled", action="store_true",
+                        help="also time matmul_reduce_scatter with its one tile-signalled "
+                             "CUTLASS GEMM (row 'cuda_tile_signalled'; needs the CUTLASS build)")
     parser.add_argument("--part-aligns", nargs="+", type=int, default=[],
                         help="also time the fused matmul_all_reduce with each of these "
                              "cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN (rows 'cuda_part_alignA')")
@@ -325,6 +330,8 @@ def main():
         impls += ["cuda_add_after"] + [f"cuda_add_after_chunks{c}" for c in args.chunks]
     if args.xla_waits:
         impls += ["cuda_xla_waits"] + [f"cuda_xla_waits_chunks{c}" for c in args.chunks]
+    if args.tile_signalled:
+        impls.append("cuda_tile_signalled")
     impls += [f"cuda_part_align{a}" for a in args.part_aligns]
     rows = run(args.ops, shapes, impls, args.reps, args.devices)
     if not args.no_windowed:

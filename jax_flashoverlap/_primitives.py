@@ -131,7 +131,8 @@ def _rs_attrs(n, opts):
     sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
             "add_after": np.int32(opts["fold"] == "add_after"),
-            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla")}
+            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla"),
+            "tile_signalled": np.int32(opts["gemm"] == "tile_signalled")}
 
 
 def _mar_attrs(n, opts):
@@ -154,8 +155,26 @@ def _collective_matmul_options(op_name: str):
                                                   cuda_policy.PEER_WAIT_STREAMS)
         if op_name == "matmul_reduce_scatter":
             opts["fold"] = _policy_choice("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLDS)
+            opts["gemm"] = _policy_choice("REDUCE_SCATTER_GEMM", cuda_policy.REDUCE_SCATTER_GEMMS)
+            if opts["gemm"] == "tile_signalled":
+                _check_tile_signalled(*ctx.avals_in)
         return opts
     return options
+
+
+def _check_tile_signalled(x, w) -> None:
+    """What the tile-signalled GEMM needs of the build and of x [n*m, K] and
+    w [K, N], or a ValueError naming the fix."""
+    fix = "; or set cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'"
+    if not _extension.build_info().get("cutlass"):
+        raise ValueError("the tile-signalled GEMM (cuda_policy.REDUCE_SCATTER_GEMM) needs the "
+                         "extension built with CUTLASS: pip install nvidia-cutlass==4.2.0.0, "
+                         "then pip install --no-build-isolation ." + fix)
+    k, n = w.shape
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or k % 8 or n % 8:
+        raise ValueError(f"the tile-signalled GEMM (cuda_policy.REDUCE_SCATTER_GEMM) takes "
+                         f"bf16 x and w with K and N multiples of 8, got x {x.dtype} {x.shape} "
+                         f"and w {w.dtype} {w.shape}" + fix)
 
 
 def _ar_options(ctx, n, opts):

@@ -225,6 +225,16 @@ def all_reduce_algorithm(nbytes: int, n: int, dtype, local_devices: int | None =
 REDUCE_SCATTER_FOLDS = ("gemm_input", "add_after")
 REDUCE_SCATTER_FOLD = "gemm_input"
 
+# The GEMM of impl="cuda" matmul_reduce_scatter: "row_blocks" (cuBLASLt, one
+# GEMM per row chunk, each sent when it is done) or "tile_signalled"
+# (experimental: one CUTLASS GEMM over every row, whose epilogue counts
+# finished tiles per row block of 256 so the copy engines send rows as
+# they are written, with no cut; needs the extension built with CUTLASS,
+# bf16 operands, K and N multiples of 8 and an sm_90 GPU). Not yet measured
+# on two GPUs, so off.
+REDUCE_SCATTER_GEMMS = ("row_blocks", "tile_signalled")
+REDUCE_SCATTER_GEMM = "row_blocks"
+
 # Where impl="cuda" all_gather_matmul and matmul_reduce_scatter wait for a
 # peer's message: "side" (a one-thread wait kernel on a side stream from the
 # call start) or "xla" (the same kernel on XLA's stream, just before the GEMM

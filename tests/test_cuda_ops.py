@@ -102,6 +102,35 @@ def test_cuda_chunked(op, chunks, rng):
 
 # On one GPU the op is the plain dot (no kernel): this needs two.
 @pytest.mark.gpus(2)
+def test_tile_signalled_reduce_scatter(rng, monkeypatch):
+    """cuda_policy.REDUCE_SCATTER_GEMM = "tile_signalled": one CUTLASS GEMM
+    over every row, each peer's rows sent as the tile counters complete. 300
+    rows per rank split across the counters' 256-row blocks; twice in a row,
+    since the counters and the staging are reused."""
+    if not jfo.build_info()["cutlass"]:
+        pytest.skip("built without CUTLASS (carry build/wheels to gpu_run.sh build)")
+    if jax.devices("gpu")[0].compute_capability != "9.0":
+        pytest.skip("the tile GEMM runs on sm_90 GPUs")
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_GEMM", "tile_signalled")
+    _, n = _mesh()
+    for shape in [(256, 512, 384), (300, 72, 40), (300, 72, 40)]:
+        xs, ws = _global_shapes("matmul_reduce_scatter", n, *shape)
+        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+        poison_allocator(int(np.prod(xs)) * 2)
+        y = _call("matmul_reduce_scatter", "cuda", (x, w))
+        jfo.check_device_errors()
+        assert_close(y, f64(x) @ f64(w), "bfloat16")
+    mesh, _ = _mesh()
+    in_specs, out_specs = SPECS["matmul_reduce_scatter"]
+    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
+    lowered = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                                    out_specs=out_specs)).lower(x, w)
+    assert "tile_signalled = 1" in lowered.as_text()  # the schedule under test ran
+
+
+# On one GPU the op is the plain dot (no kernel): this needs two.
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monkeypatch):

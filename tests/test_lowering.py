@@ -226,6 +226,42 @@ def test_reduce_scatter_fold_is_an_attribute(monkeypatch, fold, flag):
     assert re.search(rf"add_after = {flag} : i32", text), text[-2000:]
 
 
+def _with_cutlass(monkeypatch, version: str) -> None:
+    """build_info() as the extension's, with ``cutlass`` = version."""
+    built = _extension.build_info()
+    monkeypatch.setattr(_extension, "build_info", lambda: {**built, "cutlass": version})
+
+
+@pytest.mark.parametrize("gemm, flag", [("row_blocks", 0), ("tile_signalled", 1)])
+def test_reduce_scatter_gemm_is_an_attribute(monkeypatch, gemm, flag):
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_GEMM", gemm)
+    _with_cutlass(monkeypatch, "4.2.0.0")
+    text = _collective_matmul_text("matmul_reduce_scatter")
+    assert _custom_calls(text) == ["jfo_matmul_reduce_scatter"]
+    assert re.search(rf"tile_signalled = {flag} : i32", text), text[-2000:]
+
+
+def test_the_tile_signalled_gemm_needs_cutlass(monkeypatch):
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_GEMM", "tile_signalled")
+    _with_cutlass(monkeypatch, "")
+    with pytest.raises(ValueError, match=r"needs the extension built with CUTLASS: pip install "
+                                         r"nvidia-cutlass==4.2.0.0.*'row_blocks'"):
+        _collective_matmul_text("matmul_reduce_scatter")
+
+
+def test_the_tile_signalled_gemm_takes_bf16_with_k_and_n_multiples_of_8(monkeypatch):
+    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_GEMM", "tile_signalled")
+    _with_cutlass(monkeypatch, "4.2.0.0")
+    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
+    in_specs, out_spec = _MATMUL_SPECS["matmul_reduce_scatter"]
+    with pytest.raises(ValueError, match=r"takes bf16 x and w with K and N multiples of 8, got "
+                                         r"x float32"):
+        _cuda_text(fn, _mesh(), [(256, 128), (128, 64)], in_specs, out_spec, jnp.float32)
+    with pytest.raises(ValueError, match=r"got x bfloat16 \(256, 64\) and w bfloat16 "
+                                         r"\(64, 60\)"):
+        _cuda_text(fn, _mesh(), [(256, 128), (128, 60)], in_specs, out_spec)
+
+
 @pytest.mark.parametrize("op", list(_MATMUL_SPECS))
 @pytest.mark.parametrize("where, flag", [("side", 0), ("xla", 1)])
 def test_peer_wait_stream_is_an_attribute(monkeypatch, op, where, flag):
@@ -328,7 +364,7 @@ _FFI_TYPES = {"int32_t": lambda v: isinstance(v, np.int32),
               "float": lambda v: isinstance(v, np.float32)}
 _SAMPLE_OPTIONS = {"all_gather_matmul": {"chunks": 2, "peer_wait_stream": "side"},
                    "matmul_reduce_scatter": {"chunks": 2, "peer_wait_stream": "side",
-                                             "fold": "add_after"},
+                                             "fold": "add_after", "gemm": "row_blocks"},
                    "matmul_all_reduce": {"chunk_rows": [16, 8]},
                    "all_reduce": {"algorithm": "lamport"}}
 

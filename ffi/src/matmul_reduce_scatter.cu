@@ -7,19 +7,97 @@
 //  - after it (`add_after`): the own GEMM needs nothing and starts at once,
 //    then one elementwise pass adds the partials (FlashOverlap's order), so a
 //    transfer is exposed only where it outlasts the own block's GEMM.
+// Or, with `tile_signalled` (experimental, built with CUTLASS): one GEMM over
+// all n*m rows, uncut, whose epilogue counts finished tiles per row block of
+// kTileGemmRows; each peer's rows go out on the copy engines as their
+// counters complete, while later rows compute, then one pass sums the own
+// block and the peers' partials into y.
+#include <algorithm>
+#include <array>
+#include <vector>
+
 #include "ops_common.h"
+#include "tile_gemm.h"
 
 namespace jfo {
 namespace {
 
 constexpr OpId kOp = OpId::kMatmulReduceScatter;
 
+// The tile-signalled schedule (see the top): staging holds the GEMM's [n*m,
+// N] product, then its counters. `order_row`: this rank's schedule row.
+ffi::Error TileSignalled(Channel& ch, ffi::DataType dtype, int64_t m, int64_t cols,
+                         int64_t k, const void* x, const void* w, void* y,
+                         const int* order_row) {
+#ifndef JFO_WITH_CUTLASS
+  return ffi::Error::InvalidArgument(
+      "jax_flashoverlap matmul_reduce_scatter: tile_signalled needs the extension built "
+      "with CUTLASS (build_info()['cutlass'] is empty); set "
+      "cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'");
+#else
+  const int n = ch.n(), r = ch.rank();
+  const int64_t rows = n * m;
+  const size_t row_y = cols * DataTypeBytes(dtype);
+  const size_t product_bytes = (rows * row_y + 255) / 256 * 256;
+  const int64_t counters = TileGemmCounters(rows);
+  JFO_RETURN_IF_ERROR(
+      ch.CheckCapacity(m * row_y, product_bytes + counters * sizeof(uint32_t)));
+  char* product = ch.Staging();
+  auto* counter = reinterpret_cast<uint32_t*>(product + product_bytes);
+  size_t ws_bytes = 0;
+  void* ws = ch.GemmWorkspace(&ws_bytes);
+  const TileGemmArgs gemm{rows, cols, k, x, w, product, counter};
+  const uint32_t written = TileGemmTilesPerRowBlock(cols);
+  // Block b in pieces of the counters' row blocks: (counter, first row, end
+  // row). The same pieces on every rank, so each peer expects what it gets.
+  auto pieces = [&](int b) {
+    std::vector<std::array<int64_t, 3>> out;
+    for (int64_t g = b * m / kTileGemmRows; g * kTileGemmRows < (b + 1) * m; ++g) {
+      out.push_back({g, std::max<int64_t>(g * kTileGemmRows, b * m),
+                     std::min<int64_t>((g + 1) * kTileGemmRows, (b + 1) * m)});
+    }
+    return out;
+  };
+  const int received = static_cast<int>(pieces(r).size());
+  return ch.Run([&]() -> ffi::Error {
+    JFO_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(counter, 0, counters * sizeof(uint32_t), ch.stream()));
+    auto zeroed = ch.Mark();
+    if (zeroed.has_error()) return zeroed.error();
+    // The GEMM before the sends' counter waits (Channel::SendWhen). The
+    // rehearsal launches it once per device: that first launch may load the
+    // kernel, which must come before any call's waits (Channel::Run).
+    if (!ch.rehearsal() || FirstTileGemmOn(ch.ordinal())) {
+      JFO_RETURN_IF_ERROR(TileGemm(ch.ordinal(), gemm, ws, ws_bytes, ch.stream()));
+    }
+    for (int i = 0; i + 1 < n; ++i) {
+      const int b = order_row[i];
+      for (const auto& [g, begin, end] : pieces(b)) {
+        auto sent = ch.SendWhen(b, (begin - b * m) * row_y, product + begin * row_y,
+                                (end - begin) * row_y, *zeroed, counter + g, written);
+        if (sent.has_error()) return sent.error();
+      }
+    }
+    std::vector<const void*> partials;
+    for (int i = 0; i + 1 < n; ++i) {
+      const int q = order_row[i];
+      // A peer's messages land in order (one send stream, flags are epochs).
+      auto landed = ch.Arrival(q, received - 1);
+      if (landed.has_error()) return landed.error();
+      JFO_RETURN_IF_ERROR(ch.WaitOn(*landed));
+      partials.push_back(ch.RecvSlot(q));
+    }
+    return SumInto(ch, dtype, y, product + r * m * row_y, partials, m * cols);
+  });
+#endif
+}
+
 ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
                                    Buffer_Type x, Buffer_Type w, Result_Type y,
                                    I32Span group_ordinals, int32_t n,
                                    int32_t timeout_ms, I32Span order,
                                    int32_t chunks, int32_t add_after,
-                                   int32_t waits_on_xla_stream) {
+                                   int32_t waits_on_xla_stream, int32_t tile_signalled) {
   auto group = FindGroup(kOp, group_ordinals, n, ordinal);
   if (group.has_error()) return group.error();
   JFO_RETURN_IF_ERROR(CheckCommon(kOp, timeout_ms, chunks));
@@ -27,6 +105,7 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
   JFO_RETURN_IF_ERROR(CheckSwitch(kOp, "add_after", add_after));
   JFO_RETURN_IF_ERROR(
       CheckSwitch(kOp, "waits_on_xla_stream", waits_on_xla_stream));
+  JFO_RETURN_IF_ERROR(CheckSwitch(kOp, "tile_signalled", tile_signalled));
   const auto dtype = x.element_type();
   JFO_RETURN_IF_ERROR(
       CheckDtypes(kOp, {dtype, w.element_type(), y->element_type()}));
@@ -46,6 +125,12 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
   JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
   // Every wait here precedes the XLA-stream GEMM or add that reads it.
   ch.set_waits_on_xla_stream(waits_on_xla_stream != 0);
+  if (tile_signalled) {
+    JFO_RETURN_IF_ERROR(TileSignalled(ch, dtype, m, cols, k, x.untyped_data(),
+                                      w.untyped_data(), y->untyped_data(),
+                                      order.begin() + ch.rank() * n));
+    return ch.End({{y->untyped_data(), y->element_count(), dtype}});
+  }
   const size_t es = DataTypeBytes(dtype);
   const size_t row_x = k * es, row_y = cols * es;
   // Staging holds the partial for each peer, by position in the schedule.
@@ -118,6 +203,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<I32Span>("order")         // [n*n] row r: blocks, own block last
         .Attr<int32_t>("chunks")        // row chunks (signals) per block
         .Attr<int32_t>("add_after")     // 1: add the partials after the own GEMM
-        .Attr<int32_t>("waits_on_xla_stream"));  // 1: see Channel::Arrival
+        .Attr<int32_t>("waits_on_xla_stream")  // 1: see Channel::Arrival
+        .Attr<int32_t>("tile_signalled"));  // 1: one tile GEMM (see the top)
 
 }  // namespace jfo

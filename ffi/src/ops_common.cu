@@ -15,12 +15,13 @@ struct AddSources {
   int count;
 };
 
+// d = first + the sources (first may be d itself).
 template <typename T>
-__global__ void AddIntoKernel(T* d, AddSources srcs, size_t elements) {
+__global__ void AddIntoKernel(T* d, const T* first, AddSources srcs, size_t elements) {
   size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   for (size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < elements;
        i += stride) {
-    float acc = static_cast<float>(d[i]);
+    float acc = static_cast<float>(first[i]);
     for (int j = 0; j < srcs.count; ++j) {
       acc += static_cast<float>(static_cast<const T*>(srcs.p[j])[i]);
     }
@@ -160,27 +161,34 @@ ffi::Error GemmPlusPartials(Channel& ch, ffi::DataType dtype, int64_t rows,
 
 ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
                    const std::vector<const void*>& srcs, size_t elements) {
-  if (ch.rehearsal()) return ffi::Error::Success();
-  for (size_t first = 0; first < srcs.size(); first += kMaxAddSources) {
+  return SumInto(ch, dtype, d, d, srcs, elements);
+}
+
+ffi::Error SumInto(Channel& ch, ffi::DataType dtype, void* d, const void* first,
+                   const std::vector<const void*>& srcs, size_t elements) {
+  if (ch.rehearsal() || (srcs.empty() && first == d)) return ffi::Error::Success();
+  const int blocks = static_cast<int>(std::min<size_t>((elements + 255) / 256, 1024));
+  if (blocks == 0) return ffi::Error::Success();
+  // Groups of kMaxAddSources: the first group adds to `first`, the rest to d.
+  for (size_t begin = 0; begin == 0 || begin < srcs.size(); begin += kMaxAddSources) {
     AddSources s{};
     s.count = static_cast<int>(
-        std::min<size_t>(kMaxAddSources, srcs.size() - first));
-    for (int j = 0; j < s.count; ++j) s.p[j] = srcs[first + j];
-    const int blocks = static_cast<int>(
-        std::min<size_t>((elements + 255) / 256, 1024));
-    if (blocks == 0) return ffi::Error::Success();
+        std::min<size_t>(kMaxAddSources, srcs.size() - std::min(begin, srcs.size())));
+    for (int j = 0; j < s.count; ++j) s.p[j] = srcs[begin + j];
+    const void* from = begin == 0 ? first : d;
     switch (dtype) {
       case ffi::DataType::BF16:
         AddIntoKernel<<<blocks, 256, 0, ch.stream()>>>(
-            static_cast<__nv_bfloat16*>(d), s, elements);
+            static_cast<__nv_bfloat16*>(d), static_cast<const __nv_bfloat16*>(from), s,
+            elements);
         break;
       case ffi::DataType::F16:
         AddIntoKernel<<<blocks, 256, 0, ch.stream()>>>(
-            static_cast<__half*>(d), s, elements);
+            static_cast<__half*>(d), static_cast<const __half*>(from), s, elements);
         break;
       default:
         AddIntoKernel<<<blocks, 256, 0, ch.stream()>>>(
-            static_cast<float*>(d), s, elements);
+            static_cast<float*>(d), static_cast<const float*>(from), s, elements);
     }
     JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }

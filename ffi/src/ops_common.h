@@ -73,5 +73,8 @@ ffi::Error GemmPlusPartials(Channel& ch, ffi::DataType dtype, int64_t rows,
 // d[i] += sum_j srcs[j][i] for i < elements, on the channel's XLA stream.
 ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
                    const std::vector<const void*>& srcs, size_t elements);
+// d[i] = first[i] + sum_j srcs[j][i] (first may be d), the same way.
+ffi::Error SumInto(Channel& ch, ffi::DataType dtype, void* d, const void* first,
+                   const std::vector<const void*>& srcs, size_t elements);
 
 }  // namespace jfo

@@ -39,6 +39,9 @@ struct TileGemmArgs {
 size_t TileGemmWorkspaceBytes(int ordinal, const TileGemmArgs& args);
 ffi::Error TileGemm(int ordinal, const TileGemmArgs& args, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream);
+// True once per device: for a schedule's rehearsal to launch the GEMM (and
+// so load its kernel) before the device's first call that waits.
+bool FirstTileGemmOn(int ordinal);
 
 #ifdef JFO_WITH_CUTLASS
 // The handler of `jfo_tile_gemm` (tests and benchmarks: the GEMM and its

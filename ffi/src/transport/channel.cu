@@ -6,6 +6,7 @@
 #include <cuda.h>
 
 #include <string>
+#include <utility>
 
 #include "peer_kernels.cuh"
 #include "peer_state.h"
@@ -18,10 +19,11 @@ using internal::FillWordsKernel;
 using internal::SleepKernel;
 using internal::WaitFlagKernel;
 
-using WriteValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
-                                    unsigned int);
+using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
+                                     unsigned int);
 
-WriteValue32Fn g_write_value32 = nullptr;
+StreamValue32Fn g_write_value32 = nullptr;
+StreamValue32Fn g_wait_value32 = nullptr;
 
 // The injected "stall": `stream` idles `ms` before the call's work.
 ffi::Error Stall(cudaStream_t stream, int ms) {
@@ -33,16 +35,19 @@ ffi::Error Stall(cudaStream_t stream, int ms) {
 }  // namespace
 
 ffi::Error LoadDriverEntryPoints() {
-  if (g_write_value32) return ffi::Error::Success();
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult query;
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
-      "cuStreamWriteValue32", &fn, 12000, cudaEnableDefault, &query));
-  if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
-    return ffi::Error::Internal(
-        "jax_flashoverlap: the CUDA driver has no cuStreamWriteValue32");
+  if (g_write_value32 && g_wait_value32) return ffi::Error::Success();
+  for (auto [name, slot] : {std::pair{"cuStreamWriteValue32", &g_write_value32},
+                            std::pair{"cuStreamWaitValue32", &g_wait_value32}}) {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    JFO_CUDA_RETURN_IF_ERROR(cudaGetDriverEntryPointByVersion(
+        name, &fn, 12000, cudaEnableDefault, &query));
+    if (query != cudaDriverEntryPointSuccess || fn == nullptr) {
+      return ffi::Error::Internal(std::string("jax_flashoverlap: the CUDA driver has no ") +
+                                  name);
+    }
+    *slot = reinterpret_cast<StreamValue32Fn>(fn);
   }
-  g_write_value32 = reinterpret_cast<WriteValue32Fn>(fn);
   return ffi::Error::Success();
 }
 
@@ -274,6 +279,12 @@ ffi::Error Channel::WaitOn(cudaEvent_t event) {
 
 ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
                                 size_t bytes, cudaEvent_t after) {
+  return SendWhen(peer_rank, offset, src, bytes, after, nullptr, 0);
+}
+
+ffi::ErrorOr<int> Channel::SendWhen(int peer_rank, size_t offset, const void* src,
+                                    size_t bytes, cudaEvent_t after,
+                                    const uint32_t* counter, uint32_t at_least) {
   if (rehearsal_) return 0;
   if (sent_[peer_rank] >= kMaxMessagesPerCall) {  // the event budget keeps it far off
     return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op_) +
@@ -286,6 +297,15 @@ ffi::ErrorOr<int> Channel::Send(int peer_rank, size_t offset, const void* src,
   DeviceState* dst = LookupDevice(peer);
   cudaStream_t s = dev_->send_streams[peer];
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
+  if (counter != nullptr) {
+    CUresult waited = g_wait_value32(reinterpret_cast<CUstream>(s),
+                                     reinterpret_cast<CUdeviceptr>(counter), at_least,
+                                     CU_STREAM_WAIT_VALUE_GEQ);
+    if (waited != CUDA_SUCCESS) {
+      return ffi::Error::Internal("jax_flashoverlap: cuStreamWaitValue32 failed "
+                                  "with CUresult " + std::to_string(waited));
+    }
+  }
   if (bytes > 0) {
     char* remote = dst->Slot(self, parity_[peer_rank]) + offset;
     JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(remote, src, bytes,

@@ -164,6 +164,14 @@ class Channel {
   // peer and call) that the peer passes to Arrival.
   ffi::ErrorOr<int> Send(int peer_rank, size_t offset, const void* src,
                          size_t bytes, cudaEvent_t after);
+  // As Send, and the copy also waits until the 32-bit `counter` (this
+  // device's memory, raised by work already enqueued on the XLA stream, such
+  // as the tile GEMM's epilogue) is at least `at_least`. That work is this
+  // GPU's own and always finishes, so this wait needs no bound; enqueue it
+  // after that work, or it may hold the work behind it in a shared queue.
+  ffi::ErrorOr<int> SendWhen(int peer_rank, size_t offset, const void* src,
+                             size_t bytes, cudaEvent_t after,
+                             const uint32_t* counter, uint32_t at_least);
   // An event that completes when message `index` from `peer_rank` landed.
   // Its wait kernel runs on a side stream from the call start, or, after
   // set_waits_on_xla_stream(true), on the XLA stream after the work enqueued
