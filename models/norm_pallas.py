@@ -38,10 +38,10 @@ __all__ = ["AUTO_MIN_ROWS", "Tiling", "gated_rms_norm", "gated_rms_norm_or",
 # they ran when the decode loop was measured. The crossover is not measured.
 AUTO_MIN_ROWS = 1024
 
-# Rows of a group per program and warps, by default: the fastest of rows
-# 4-32 x 4 or 8 warps at Mamba-2 1.4B's gated norm (groups of 512; forward
-# 0.047 ms against 0.063 at 16 rows) and among the fastest at its block norm
-# (2048), on one H200 (docs/measurements.md, session 25).
+# Rows of a group per program and warps, by default: of rows 4-32 x 4 or 8
+# warps at Mamba-2 1.4B's gated norm (groups of 512) on one H200, 4 rows
+# with 8 warps had the fastest forward + backward in two sweeps, about 8%
+# faster than 16 rows (docs/measurements.md, session 25).
 _ROWS = 4
 _NUM_WARPS = 8
 
