@@ -35,6 +35,10 @@ ffi::Error TileSignalled(Channel& ch, ffi::DataType dtype, int64_t m, int64_t co
       "with CUTLASS (build_info()['cutlass'] is empty); set "
       "cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'");
 #else
+  if (dtype != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument(
+        "jax_flashoverlap matmul_reduce_scatter: tile_signalled takes bf16 operands only");
+  }
   const int n = ch.n(), r = ch.rank();
   const int64_t rows = n * m;
   const size_t row_y = cols * DataTypeBytes(dtype);
