@@ -129,13 +129,12 @@ def norm_ops(config: models.MambaConfig, which: str, seq_len: int, batch: int, k
     gated = which == "gated norm"
     dim = config.inner_dim if gated else config.embed_dim
     group = config.inner_dim // config.num_groups if gated else dim
-    kx, kz, kw = jax.random.split(key, 3)
+    kx, kz, kw, kd = jax.random.split(key, 4)
     shape = (seq_len, batch, dim)
     x = jax.random.normal(kx, shape, jnp.dtype(config.dtype))
     weight = 1.0 + 0.1 * jax.random.normal(kw, (dim,))
     # The output's gradient is an operand, random like the rest: from a sum's
     # constant gradient XLA would fold the backward into the forward.
-    kx, kz, kd = jax.random.split(kx, 3)
     inputs = (x, jax.random.normal(kz, shape, x.dtype), weight) if gated else (x, weight)
     operands = (*inputs, jax.random.normal(kd, shape, x.dtype))
     described = f"[{seq_len}, {batch}, {dim}] {config.dtype}, groups of {group}"

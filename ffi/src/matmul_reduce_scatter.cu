@@ -51,6 +51,7 @@ ffi::Error TileSignalled(Channel& ch, ffi::DataType dtype, int64_t m, int64_t co
   size_t ws_bytes = 0;
   void* ws = ch.GemmWorkspace(&ws_bytes);
   const TileGemmArgs gemm{rows, cols, k, x, w, product, counter};
+  JFO_RETURN_IF_ERROR(CheckTileGemm(ch.ordinal(), gemm));
   const uint32_t written = TileGemmTilesPerRowBlock(cols);
   // Block b in pieces of the counters' row blocks: (counter, first row, end
   // row). The same pieces on every rank, so each peer expects what it gets.

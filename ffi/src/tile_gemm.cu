@@ -72,7 +72,9 @@ typename Gemm::Arguments MakeArguments(int ordinal, const TileGemmArgs& a) {
   return args;
 }
 
-ffi::Error CheckRunnable(int ordinal, const TileGemmArgs& a) {
+}  // namespace
+
+ffi::Error CheckTileGemm(int ordinal, const TileGemmArgs& a) {
   int major = 0, minor = 0;
   JFO_CUDA_RETURN_IF_ERROR(
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, ordinal));
@@ -94,15 +96,12 @@ ffi::Error CheckRunnable(int ordinal, const TileGemmArgs& a) {
   return ffi::Error::Success();
 }
 
-}  // namespace
-
 size_t TileGemmWorkspaceBytes(int ordinal, const TileGemmArgs& args) {
   return Gemm::get_workspace_size(MakeArguments(ordinal, args));
 }
 
 ffi::Error TileGemm(int ordinal, const TileGemmArgs& args, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream) {
-  JFO_RETURN_IF_ERROR(CheckRunnable(ordinal, args));
   const auto arguments = MakeArguments(ordinal, args);
   if (Gemm::get_workspace_size(arguments) > workspace_bytes) {
     return Failed("workspace too small", args);
@@ -146,6 +145,7 @@ ffi::Error TileGemmImpl(cudaStream_t stream, int ordinal, Buffer_Type x, Buffer_
   }
   TileGemmArgs args{xd[0], wd[1], xd[1], x.untyped_data(), w.untyped_data(),
                     y->untyped_data(), static_cast<uint32_t*>(counters->untyped_data())};
+  JFO_RETURN_IF_ERROR(CheckTileGemm(ordinal, args));
   const size_t bytes = TileGemmWorkspaceBytes(ordinal, args);
   void* workspace = nullptr;
   if (bytes) JFO_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&workspace, bytes, stream));

@@ -37,6 +37,10 @@ struct TileGemmArgs {
   uint32_t* counters;
 };
 size_t TileGemmWorkspaceBytes(int ordinal, const TileGemmArgs& args);
+// Whether device `ordinal` (sm_90) and the shape can run: call it before a
+// schedule starts, so that a refusal comes before anything is sent.
+ffi::Error CheckTileGemm(int ordinal, const TileGemmArgs& args);
+// Launches the GEMM; `args` passed CheckTileGemm.
 ffi::Error TileGemm(int ordinal, const TileGemmArgs& args, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream);
 // True once per device: for a schedule's rehearsal to launch the GEMM (and
