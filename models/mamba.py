@@ -83,9 +83,11 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
     recurrence across chunks, and the entering states' contribution.
     Decays, states and sums are float32.
 
-    Differentiating it keeps only its inputs for the backward, which
-    recomputes the rest: autodiff of the chunked form would keep [chunks,
-    heads, l, l] float32 blocks per layer (gigabytes at long sequences).
+    Differentiating it keeps its inputs, each chunk's state and the state
+    entering each chunk ([batch, g, heads, chunks, p, n], float32 and x's
+    dtype) for the backward, which recomputes the rest: autodiff of the
+    chunked form would keep [chunks, heads, l, l] float32 blocks per layer
+    (gigabytes at long sequences).
 
     Args:
       x: [s, batch, g, heads, p], the heads of each B/C group.
@@ -130,7 +132,7 @@ class _ChunkProducts(NamedTuple):
       states: (x weighted, b) -> [batch, g, heads, C, p, n], each chunk's
         ``sum_u x[u]^T b[u]``.
       output: (x, dt, log_decay, cum, b, c, entering states [batch, g,
-        heads, C, p, n] float32, skip [C, l, batch, g, heads] float32 or
+        heads, C, p, n] in x's dtype, skip [C, l, batch, g, heads] float32 or
         None) -> y [C, l, batch, g, heads, p], from inside each chunk and
         from the state entering it (plus skip · x, then in x's dtype). dt,
         log_decay and cum float32.
@@ -168,7 +170,7 @@ def _states_xla(x, b):
 def _output_xla(x, dt, log_decay, cum, b, c, entering, skip):
     """y_t = sum_{u<=t} (c_t·b_u) exp(sum_{u<r<=t} log_decay_r) dt_u x_u
     + exp(cum_t) c_t·S^T (+ skip_t x_t), as einsums."""
-    from_entering = jnp.einsum("ctbgn,bghcpn->ctbghp", c, entering.astype(c.dtype),
+    from_entering = jnp.einsum("ctbgn,bghcpn->ctbghp", c, entering,
                                preferred_element_type=jnp.float32)
     dtype = x.dtype
     x, b, c = (t.astype(jnp.float32) for t in (x, b, c))
@@ -195,49 +197,85 @@ def _pallas_products(interpret: bool = False) -> _ChunkProducts:
         del log_decay
         if skip is not None:
             skip = skip.reshape(-1, *skip.shape[2:])
-        # The entering states in c's dtype, which the kernel multiplies them
-        # in: it reads them once per row block.
-        y = ssd_pallas.chunk_output(*ssd_pallas.chunk_operands(x, dt, cum, b, c),
-                                    entering.astype(c.dtype), chunk_size=x.shape[1],
-                                    skip=skip, interpret=interpret)
+        y = ssd_pallas.chunk_output(*ssd_pallas.chunk_operands(x, dt, cum, b, c), entering,
+                                    chunk_size=x.shape[1], skip=skip, interpret=interpret)
         return y.reshape(x.shape[:2] + y.shape[1:])
 
     return _ChunkProducts(states, output)
 
 
-def _chunked_ssd_xla(x, dt, a, b, c, d, chunk_size):
-    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _XLA_PRODUCTS)
+def _chunked_ssd_xla(x, dt, a, b, c, d, chunk_size, saved=None):
+    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _XLA_PRODUCTS, saved)
 
 
-def _chunked_ssd_pallas(x, dt, a, b, c, d, chunk_size, *, interpret=False):
-    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _pallas_products(interpret))
+def _chunked_ssd_pallas(x, dt, a, b, c, d, chunk_size, saved=None, *, interpret=False):
+    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _pallas_products(interpret), saved)
 
 
-def _chunked_ssd_auto(x, dt, a, b, c, d, chunk_size):
-    return jax.lax.platform_dependent(
-        x, dt, a, b, c, d, cuda=functools.partial(_chunked_ssd_pallas, chunk_size=chunk_size),
-        default=functools.partial(_chunked_ssd_xla, chunk_size=chunk_size))
+def _chunked_ssd_auto(x, dt, a, b, c, d, chunk_size, saved=None):
+    def branch(chunked):
+        return lambda *t: chunked(*t[:6], chunk_size, t[6])
+    return jax.lax.platform_dependent(x, dt, a, b, c, d, saved, cuda=branch(_chunked_ssd_pallas),
+                                      default=branch(_chunked_ssd_xla))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
 def _ssd(x, dt, a, b, c, d, chunk_size, chunked):
-    return chunked(x, dt, a, b, c, d, chunk_size)
+    return chunked(x, dt, a, b, c, d, chunk_size)[0]
 
 
 def _ssd_fwd(x, dt, a, b, c, d, chunk_size, chunked):
-    return chunked(x, dt, a, b, c, d, chunk_size), (x, dt, a, b, c, d)
+    out, saved = chunked(x, dt, a, b, c, d, chunk_size)
+    return out, ((x, dt, a, b, c, d), saved)
 
 
-def _ssd_bwd(chunk_size, chunked, inputs, cotangents):
-    _, vjp = jax.vjp(lambda *t: chunked(*t, chunk_size), *inputs)
+def _ssd_bwd(chunk_size, chunked, residuals, cotangents):
+    inputs, saved = residuals
+    _, vjp = jax.vjp(lambda *t: chunked(*t, chunk_size, saved)[0], *inputs)
     return vjp(cotangents)
 
 
 _ssd.defvjp(_ssd_fwd, _ssd_bwd)
 
 
-def _chunked_ssd(x, dt, a, b, c, d, chunk_size, products: _ChunkProducts):
-    """:func:`ssd` on a sequence that is a multiple of the chunk: (y, final state)."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _reused(fn, value, *args):
+    """``fn(*args)``, given as ``value``, its result in the forward pass over
+    the same args: the backward pass differentiates fn without running its
+    forward again (the unused result of ``jax.vjp(fn)`` is dead code, which
+    XLA removes)."""
+    del args
+    return value
+
+
+def _reused_fwd(fn, value, *args):
+    return value, args
+
+
+def _reused_bwd(fn, args, cotangent):
+    _, vjp = jax.vjp(fn, *args)
+    return (None, *vjp(cotangent))
+
+
+_reused.defvjp(_reused_fwd, _reused_bwd)
+
+
+def _entering(chunk_decay, states, dtype):
+    """[batch, g, heads, C, C] decays (from the chunk on the right to the one
+    on the left), [batch, g, heads, C, p, n] float32 -> the state entering
+    each chunk, in ``dtype`` (the output's products multiply in it)."""
+    return jnp.einsum("bghzc,bghcpn->bghzpn", chunk_decay, states).astype(dtype)
+
+
+def _chunked_ssd(x, dt, a, b, c, d, chunk_size, products: _ChunkProducts, saved=None):
+    """:func:`ssd` on a sequence that is a multiple of the chunk.
+
+    Returns ((y, final state), (states, entering)): each chunk's own state
+    (float32) and the state entering it (in x's dtype). ``saved``: those of
+    the forward pass over the same inputs, given back by the backward pass,
+    which then differentiates the chunk states and the passing across chunks
+    without computing them again.
+    """
     chunks = x.shape[0] // chunk_size
     x, dt, b, c = (t.reshape(chunks, chunk_size, *t.shape[1:]) for t in (x, dt, b, c))
     dt = dt.astype(jnp.float32)
@@ -248,17 +286,22 @@ def _chunked_ssd(x, dt, a, b, c, d, chunk_size, products: _ChunkProducts):
     dtype = x.dtype
     # 2. The state each chunk leaves, from its own inputs.
     to_end = jnp.exp(cum[:, -1:] - cum)
-    states = products.states((x * (dt * to_end)[..., None]).astype(dtype), b.astype(dtype))
+    weighted = ((x * (dt * to_end)[..., None]).astype(dtype), b.astype(dtype))
+    states = (products.states(*weighted) if saved is None
+              else _reused(products.states, saved[0], *weighted))
     # 3. Across chunks: the state entering each chunk (zero for the first),
     # then the final state.
     chunk_decay = jnp.exp(_segsum(jnp.moveaxis(jnp.pad(cum[:, -1], ((1, 0),) + ((0, 0),) * 3),
                                                0, -1)))     # [batch, g, heads, C+1, C+1]
-    entering = jnp.einsum("bghzc,bghcpn->bghzpn", chunk_decay[..., :-1, 1:], states)
+    entering_of = functools.partial(_entering, dtype=dtype)
+    to_chunks = (chunk_decay[..., :-1, 1:], states)
+    entering = (entering_of(*to_chunks) if saved is None
+                else _reused(entering_of, saved[1], *to_chunks))
     final = jnp.einsum("bghc,bghcpn->bghpn", chunk_decay[..., -1, 1:], states)
     # 1 and 4. Within chunks, plus the entering state decayed to each position.
     skip = None if d is None else jnp.broadcast_to(d.astype(jnp.float32), dt.shape)
     y = products.output(x, dt, log_decay, cum, b, c.astype(dtype), entering, skip)
-    return y.reshape(-1, *y.shape[2:]), final
+    return (y.reshape(-1, *y.shape[2:]), final), (states, entering)
 
 
 def ssd_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
