@@ -286,6 +286,10 @@ class MambaConfig(_Presets):
         model adding it to a float32 y. At the 1.4B size and sequence 8192 on
         one H200: a step 265.9 ms against 274.7 without, the same peak memory
         (docs/measurements.md, session 22).
+      ssd_keeps_chunk_states: the SSD's backward keeps the chunk states of
+        its forward instead of computing them again (``keep_chunk_states``
+        of :func:`models.mamba.ssd`; about 0.1 GB more per layer at the 1.4B
+        size and sequence 8192). Off: not yet measured.
       decode_matmul: the weight matmuls of a decode step, one of
         :data:`DECODE_MATMUL_IMPLS` (see :class:`TransformerConfig`).
       residuals: what a block keeps for the backward, one of
@@ -327,6 +331,7 @@ class MambaConfig(_Presets):
     norm_backward: str = "auto"
     residuals: str = "named"
     fuse_skip: bool = True
+    ssd_keeps_chunk_states: bool = False
     decode_matmul: str = "xla"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)

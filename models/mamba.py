@@ -74,7 +74,7 @@ def _segsum(a: jax.Array) -> jax.Array:
 
 def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
         chunk_size: int, *, return_final_state: bool = False, impl: str = "auto",
-        d_skip: jax.Array | None = None):
+        d_skip: jax.Array | None = None, keep_chunk_states: bool = False):
     """The SSD selective scan, chunked (Mamba-2's "minimal SSD" algorithm).
 
     Computes the recurrence ``h_t = exp(dt_t·a) h_{t-1} + dt_t x_t ⊗ b_t``,
@@ -83,11 +83,9 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
     recurrence across chunks, and the entering states' contribution.
     Decays, states and sums are float32.
 
-    Differentiating it keeps its inputs, each chunk's state and the state
-    entering each chunk ([batch, g, heads, chunks, p, n], float32 and x's
-    dtype) for the backward, which recomputes the rest: autodiff of the
-    chunked form would keep [chunks, heads, l, l] float32 blocks per layer
-    (gigabytes at long sequences).
+    Differentiating it keeps only its inputs for the backward, which
+    recomputes the rest: autodiff of the chunked form would keep [chunks,
+    heads, l, l] float32 blocks per layer (gigabytes at long sequences).
 
     Args:
       x: [s, batch, g, heads, p], the heads of each B/C group.
@@ -107,6 +105,10 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
       d_skip: [g, heads] float32, Mamba-2's D, or None. With it, y is
         ``ssd + d_skip · x`` in x's dtype, added inside the output kernel on
         the Pallas path.
+      keep_chunk_states: the backward also keeps each chunk's state and the
+        state entering each chunk ([batch, g, heads, chunks, p, n], float32
+        and x's dtype) and does not compute them again. Off by default: not
+        yet measured against recomputing them.
 
     Returns:
       y: [s, batch, g, heads, p], float32 (x's dtype with ``d_skip``); with
@@ -119,7 +121,7 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
     pad = -s % chunk_size
     if pad:
         x, dt, b, c = (jnp.pad(t, ((0, pad),) + ((0, 0),) * (t.ndim - 1)) for t in (x, dt, b, c))
-    y, final = _ssd(x, dt, a, b, c, d_skip, chunk_size, chunked)
+    y, final = _ssd(x, dt, a, b, c, d_skip, chunk_size, chunked, keep_chunk_states)
     y = y[:s]
     return (y, final) if return_final_state else y
 
@@ -219,17 +221,18 @@ def _chunked_ssd_auto(x, dt, a, b, c, d, chunk_size, saved=None):
                                       default=branch(_chunked_ssd_xla))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _ssd(x, dt, a, b, c, d, chunk_size, chunked):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
+def _ssd(x, dt, a, b, c, d, chunk_size, chunked, keep_chunk_states=False):
     return chunked(x, dt, a, b, c, d, chunk_size)[0]
 
 
-def _ssd_fwd(x, dt, a, b, c, d, chunk_size, chunked):
+def _ssd_fwd(x, dt, a, b, c, d, chunk_size, chunked, keep_chunk_states=False):
     out, saved = chunked(x, dt, a, b, c, d, chunk_size)
-    return out, ((x, dt, a, b, c, d), saved)
+    return out, ((x, dt, a, b, c, d), saved if keep_chunk_states else None)
 
 
-def _ssd_bwd(chunk_size, chunked, residuals, cotangents):
+def _ssd_bwd(chunk_size, chunked, keep_chunk_states, residuals, cotangents):
+    del keep_chunk_states  # saved is None without it
     inputs, saved = residuals
     _, vjp = jax.vjp(lambda *t: chunked(*t, chunk_size, saved)[0], *inputs)
     return vjp(cotangents)
@@ -359,6 +362,7 @@ class Mamba2Mixer(nnx.Module):
         self.head_dim, self.state_dim = p, n
         self.chunk_size, self.ssd_impl = config.chunk_size, config.ssd_impl
         self.fuse_skip = config.fuse_skip
+        self.ssd_keeps_chunk_states = config.ssd_keeps_chunk_states
         self.conv_impl = config.conv_impl
         self.dtype = jnp.dtype(config.dtype)
         group_x = self.heads_per_group * p
@@ -435,7 +439,8 @@ class Mamba2Mixer(nnx.Module):
             dt = jnp.where(jnp.arange(dt.shape[0])[:, None, None, None] < length, dt, 0.0)
         d_skip = self.d_skip[...].reshape(a.shape) if self.fuse_skip else None
         y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True,
-                       impl=self.ssd_impl, d_skip=d_skip)
+                       impl=self.ssd_impl, d_skip=d_skip,
+                       keep_chunk_states=self.ssd_keeps_chunk_states)
         return self._output(y, x, z, self.out_proj, skip_added=self.fuse_skip), (conv_in, state)
 
     def _split(self, zxbcdt: jax.Array):

@@ -75,16 +75,35 @@ def test_ssd_sequence_not_a_multiple_of_the_chunk(rng):
     assert_close(h, f64(want_h), "float32")
 
 
-def test_ssd_backward_keeps_its_inputs_and_the_chunk_states(rng):
+@pytest.mark.parametrize("keep_chunk_states", [False, True])
+def test_ssd_backward_keeps_its_inputs(keep_chunk_states, rng):
     """The chunked form's autodiff would keep [chunks, heads, l, l] blocks
-    (24576 elements here); the SSD's vjp keeps its inputs, each chunk's
-    state and the state entering each chunk (and recomputes the rest)."""
+    (24576 elements here); the SSD's vjp keeps its inputs (and recomputes),
+    with ``keep_chunk_states`` also each chunk's state and the state
+    entering it."""
     s, chunk, batch, g, heads, p, n = 64, 32, 2, 3, 2, 8, 8
     inputs = _ssd_inputs(rng, s=s, batch=batch, g=g, heads=heads, p=p, n=n)
-    _, vjp = jax.vjp(lambda *t: ssd(*t, chunk, impl="xla"), *inputs)
+    _, vjp = jax.vjp(lambda *t: ssd(*t, chunk, impl="xla", keep_chunk_states=keep_chunk_states),
+                     *inputs)
     kept = sum(leaf.size for leaf in jax.tree.leaves(vjp))
     states = batch * g * heads * (s // chunk) * p * n
-    assert kept <= sum(t.size for t in inputs) + 2 * states, kept
+    assert kept <= sum(t.size for t in inputs) + (2 * states if keep_chunk_states else 0), kept
+
+
+@pytest.mark.parametrize("chunk_size", [16, 48])
+def test_ssd_gradients_with_the_chunk_states_kept_equal_recomputed(chunk_size, rng):
+    """Kept or computed again, the backward's chunk states are the same
+    values: the gradients agree to float32 rounding."""
+    inputs = _ssd_inputs(rng)
+    probe = random(rng, inputs[0].shape, "float32")
+
+    def grads(keep):
+        return jax.jit(jax.grad(lambda *t: jnp.sum(ssd(*t, chunk_size, impl="xla",
+                                                       keep_chunk_states=keep) * probe),
+                                argnums=tuple(range(5))))(*inputs)
+
+    for kept, recomputed in zip(grads(True), grads(False)):
+        np.testing.assert_allclose(kept, recomputed, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl, message", [
@@ -237,12 +256,18 @@ def test_train_flags_for_the_backward(capsys):
     args = train.parse_args(["--model", "mamba", "--chunk-size", "128"])
     assert train.model_config("mamba", "1b", chunk_size=args.chunk_size).chunk_size == 128
     assert train.model_config("mamba", "1b").chunk_size == 256   # the size's
+    args = train.parse_args(["--model", "mamba", "--ssd-keeps-chunk-states"])
+    assert train.model_config("mamba", "tiny", ssd_keeps_chunk_states=args.ssd_keeps_chunk_states
+                              ).ssd_keeps_chunk_states
+    assert not train.model_config("mamba", "tiny").ssd_keeps_chunk_states
     for argv, message in [
             (["--chunk-size", "128"], "--chunk-size applies to --model mamba, not transformer"),
             (["--residuals", "all"], "--residuals applies to --model mamba, not transformer"),
             (["--norm-backward", "recompute"],
              "--norm-backward applies to --model mamba, not transformer"),
             (["--no-fuse-skip"], "--fuse-skip applies to --model mamba, not transformer"),
+            (["--ssd-keeps-chunk-states"],
+             "--ssd-keeps-chunk-states applies to --model mamba, not transformer"),
             (["--model", "mamba", "--residuals", "all", "--remat"],
              "--residuals all and --remat exclude each other")]:
         with pytest.raises(SystemExit):

@@ -75,6 +75,23 @@ def test_interpreted_kernels_equal_xla(interpreted, s, chunk_size, dtype, rng):
                        rng)
 
 
+def test_interpreted_kernels_keeping_the_chunk_states_give_the_same_gradients(interpreted,
+                                                                            rng):
+    """keep_chunk_states hands the forward's chunk states to the backward
+    (through the kernels' own custom_vjp): the same gradients as recomputing
+    them."""
+    inputs = _inputs(rng, 64, heads=2, p=16, n=16, dtype="float32")
+    probe = random(rng, inputs[0].shape, "float32")
+
+    def grads(keep):
+        def loss(*t):
+            return jnp.sum(mamba.ssd(*t, 32, impl="pallas", keep_chunk_states=keep) * probe)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(5))))(*inputs)
+
+    for kept, recomputed in zip(grads(True), grads(False)):
+        np.testing.assert_allclose(kept, recomputed, rtol=1e-5, atol=1e-6)
+
+
 def _check_skip_against_xla(inputs, chunk_size, dtype, rng):
     """d_skip: y is the SSD plus D·x in x's dtype, from the output kernel on
     the Pallas path; against the XLA SSD with the skip added here, forward and

@@ -69,7 +69,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 # The flags (by argparse dest) that only one model takes.
 _MODEL_FLAGS = {"attention": "transformer", "ssd": "mamba", "conv": "mamba",
                 "norm_backward": "mamba", "fuse_skip": "mamba", "residuals": "mamba",
-                "chunk_size": "mamba"}
+                "chunk_size": "mamba", "ssd_keeps_chunk_states": "mamba"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -108,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fuse-skip", action=argparse.BooleanOptionalAction, default=True,
                         help="Mamba-2: the SSD's output kernel adds the D skip and writes "
                              "the compute dtype (3%% less time a 1b step at seq 8192)")
+    parser.add_argument("--ssd-keeps-chunk-states", action=argparse.BooleanOptionalAction,
+                        default=False,
+                        help="Mamba-2: the SSD's backward keeps the forward's chunk states "
+                             "instead of computing them again (experimental, unmeasured)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
@@ -256,7 +260,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
                  conv: str = "xla", norm_backward: str = "auto",
                  residuals: str = "named", fuse_skip: bool = True,
-                 decode_matmul: str = "xla", chunk_size: int | None = None):
+                 decode_matmul: str = "xla", chunk_size: int | None = None,
+                 ssd_keeps_chunk_states: bool = False):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
@@ -274,6 +279,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         **({"attention_impl": attention} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
                  "residuals": residuals, "fuse_skip": fuse_skip,
+                 "ssd_keeps_chunk_states": ssd_keeps_chunk_states,
                  **({} if chunk_size is None else {"chunk_size": chunk_size})}))
     if has_attention:
         return resolve_scan_layers(config, attention_implementation(config))
@@ -325,7 +331,8 @@ def build(args: argparse.Namespace) -> Trainer:
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
                           attention=args.attention, ssd=args.ssd, conv=args.conv,
                           norm_backward=args.norm_backward, residuals=args.residuals,
-                          fuse_skip=args.fuse_skip, chunk_size=args.chunk_size)
+                          fuse_skip=args.fuse_skip, chunk_size=args.chunk_size,
+                          ssd_keeps_chunk_states=args.ssd_keeps_chunk_states)
     # Before compiling anything: a clear error for a shape the mesh cannot split
     # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
