@@ -5,7 +5,8 @@
 bf16 messages of 4 KiB to 256 MiB per rank (powers of 4, plus 2, 8 and
 32 MiB) over the local GPUs (``--devices N``: the first N), in one process:
 impl="cuda" with each kernel ("one_shot", "two_shot", and "lamport" up to
-``cuda_policy.lamport_max_bytes()``, 2 MiB on 2 GPUs), impl="auto" (what users
+``cuda_policy.lamport_max_bytes()``, 2 MiB on 2 GPUs) and the copy engines'
+two-shot ("copy_engine", up to a receive slot of the transport), impl="auto" (what users
 get by default, at the default workspace unless ``--workspace-mb``) and XLA's
 psum ("xla"). Messages the default workspace cannot hold fail for "cuda" and
 run psum under "auto". Every implementation's result
@@ -39,6 +40,7 @@ IMPLS = {  # name -> keyword arguments of jax_flashoverlap.all_reduce
     "one_shot": {"impl": "cuda", "algorithm": "one_shot"},
     "two_shot": {"impl": "cuda", "algorithm": "two_shot"},
     "lamport": {"impl": "cuda", "algorithm": "lamport"},  # up to lamport_max_bytes()
+    "copy_engine": {"impl": "cuda", "algorithm": "copy_engine"},
     "auto": {"impl": "auto"},
     "xla": {"impl": "xla"},
     "transfer": None,  # not jfo.all_reduce: see _transfer
@@ -156,6 +158,8 @@ def times_by_size(rows, mode) -> dict[int, dict[str, float]]:
 
 
 def table(rows, n, mode) -> str:
+    from jax_flashoverlap import cuda_policy
+
     by = times_by_size(rows, mode)
     cols = [c for c in IMPLS if any(c in t for t in by.values())]
     lines = [f"{mode} (ops per loop iteration: {MODES[mode]})", "",
@@ -163,7 +167,7 @@ def table(rows, n, mode) -> str:
              + " | xla / best cuda | NVLink floor µs |",
              "|---|" + "---|" * (len(cols) + 2)]
     for size, t in sorted(by.items()):
-        cuda = [t[c] for c in ("one_shot", "two_shot", "lamport") if c in t]
+        cuda = [t[c] for c in cuda_policy.ALL_REDUCE_ALGORITHMS if c in t]
         speedup = f"{t['xla'] / min(cuda):.2f}" if cuda and "xla" in t else "–"
         lines.append(f"| {_label(size)} | "
                      + " | ".join(f"{t[c]:.1f}" if c in t else "–" for c in cols)

@@ -140,7 +140,7 @@ def _mar_attrs(n, opts):
 
 
 def _ar_attrs(n, opts):
-    return {"algorithm": np.int32(cuda_policy.ALL_REDUCE_ALGORITHMS.index(opts["algorithm"]))}
+    return {"algorithm": np.int32(cuda_policy.ALL_REDUCE_KERNELS.index(opts["algorithm"]))}
 
 
 def _collective_matmul_options(op_name: str):
@@ -185,6 +185,28 @@ def _ar_options(ctx, n, opts):
             math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
     _check_lamport_size(aval, opts["algorithm"])
     return opts
+
+
+COPY_ENGINE_ALL_REDUCE_TARGET = "jfo_all_reduce_copy_engine"
+
+
+def _ar_lowering(ctx, args, transport, n, opts):
+    """algorithm="copy_engine": its own handler, the message within one
+    receive slot of the transport; the kernels: None (jfo_all_reduce)."""
+    if opts["algorithm"] != "copy_engine":
+        return None
+    aval = ctx.avals_in[0]
+    nbytes = math.prod(aval.shape) * aval.dtype.itemsize
+    slot, _ = cuda_policy.transport_capacity()
+    if nbytes > slot:
+        raise ValueError(
+            f"all_reduce(impl='cuda', algorithm='copy_engine'): {aval.shape} {aval.dtype} is "
+            f"{nbytes} bytes per rank, more than the transport's receive slot of {slot} bytes; "
+            f"raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first CUDA op of the process) "
+            f"or use algorithm='two_shot'")
+    _extension.require_cuda_ops("all_reduce", COPY_ENGINE_ALL_REDUCE_TARGET)
+    return jax.ffi.ffi_lowering(COPY_ENGINE_ALL_REDUCE_TARGET)(
+        ctx, *args, **transport, chunks=np.int32(cuda_policy.COPY_ENGINE_ALL_REDUCE_CHUNKS))
 
 
 def _mar_options(ctx, n, opts):
@@ -252,7 +274,7 @@ OPS: dict[str, OpDef] = {
         lambda xs, n, opts: (xs,), True,
         _as_tuple(_baseline(xla_baseline.all_reduce)),
         _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs, lambda x: (x,),
-        cuda_options=_ar_options, spans_processes=True),
+        cuda_options=_ar_options, cuda_lowering=_ar_lowering, spans_processes=True),
 }
 
 

@@ -31,6 +31,11 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
         :func:`~jax_flashoverlap.cuda_policy.lamport_max_bytes` per rank (2 MiB
         with 2 CUDA devices in the process); it
         sends -0.0 as +0.0, and in float32 one denormal, -4.6e-41, as -0.0),
+        "copy_engine" (a two-shot whose transfers run on the GPUs' copy
+        engines, for large messages: up to one receive slot of the
+        transport, :func:`~jax_flashoverlap.cuda_policy.transport_capacity`;
+        it records CUDA events, so XLA does not capture it in command
+        buffers; not yet measured, so None never picks it),
         or None to pick by message size and rank count
         (:func:`jax_flashoverlap.cuda_policy.all_reduce_algorithm`: "lamport"
         up to 2 MiB of a 16-bit dtype on 2 ranks, where it was measured

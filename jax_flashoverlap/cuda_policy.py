@@ -20,7 +20,8 @@ import numpy as np
 
 from . import settings
 
-__all__ = ["ALL_REDUCE_ALGORITHMS", "all_reduce_algorithm", "all_reduce_region_bytes",
+__all__ = ["ALL_REDUCE_ALGORITHMS", "ALL_REDUCE_KERNELS", "COPY_ENGINE_ALL_REDUCE_CHUNKS",
+           "all_reduce_algorithm", "all_reduce_region_bytes",
            "collective_matmul_chunks", "lamport_max_bytes", "matmul_all_reduce_kernel",
            "process_cuda_devices", "rows_per_rank", "transport_capacity", "transport_needs",
            "LAMPORT_AUTO_MAX_BYTES", "LAMPORT_MAX_BYTES", "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES",
@@ -146,7 +147,17 @@ def _workspace_mb_from_env() -> int:
 
 # The CUDA all-reduce's kernels; the position is the handler's `algorithm`
 # attribute (ffi/src/all_reduce.cu).
-ALL_REDUCE_ALGORITHMS = ("one_shot", "two_shot", "lamport")
+ALL_REDUCE_KERNELS = ("one_shot", "two_shot", "lamport")
+# Every algorithm all_reduce(impl="cuda") takes: the kernels, and
+# "copy_engine", a two-shot whose transfers run on the copy engines (its own
+# handler, ffi/src/all_reduce_copy_engine.cu; not one kernel, so XLA does not
+# capture it in command buffers). all_reduce_algorithm does not pick it: it
+# has not been measured yet.
+ALL_REDUCE_ALGORITHMS = ALL_REDUCE_KERNELS + ("copy_engine",)
+
+# The copy-engine two-shot's chunks: each chunk's sum and all-gather start
+# while the next chunk's parts arrive. A starting point, not a measurement.
+COPY_ENGINE_ALL_REDUCE_CHUNKS = 4
 
 # Largest message (bytes per rank) that runs one-shot; two-shot above it.
 # Measured (benchmarks/results/all_reduce_2xh200.json, bf16, 2 H200s):

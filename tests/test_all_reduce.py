@@ -105,12 +105,40 @@ def test_algorithm_is_resolved_when_lowered_for_cuda(algorithm, dtype, elements,
     """None is picked from the per-rank message size where the impl is (at
     lowering, on 2 ranks: Lamport for small 16-bit messages); an explicit
     choice is kept."""
+    text = _lowered_for_cuda(elements, algorithm, dtype)
+    index = cuda_policy.ALL_REDUCE_KERNELS.index(expected)
+    assert f"algorithm = {index} : i32" in text
+
+
+def _lowered_for_cuda(elements, algorithm, dtype="bfloat16"):
     mesh = cpu_mesh(2)
     f = jax.jit(jax.shard_map(
         lambda x: jfo.all_reduce(x[0], "tensor", impl="cuda", algorithm=algorithm),
         mesh=mesh, in_specs=P("tensor"), out_specs=P(), check_vma=False))
     arg = jax.ShapeDtypeStruct((2, elements), jnp.dtype(dtype),
                                sharding=jax.sharding.NamedSharding(mesh, P("tensor")))
-    text = f.trace(arg).lower(lowering_platforms=("cuda",)).as_text()
-    index = cuda_policy.ALL_REDUCE_ALGORITHMS.index(expected)
-    assert f"algorithm = {index} : i32" in text
+    return f.trace(arg).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.skipif(not _extension.cuda_ops_available(),
+                    reason="extension built without its CUDA ops")
+def test_copy_engine_algorithm_lowers_to_its_own_handler():
+    """The copy-engine two-shot is a handler of its own (events and side
+    streams, so not in the kernels' command-buffer-compatible one), with the
+    policy's chunks; None never picks it."""
+    text = _lowered_for_cuda(1 << 20, "copy_engine")
+    assert "custom_call @jfo_all_reduce_copy_engine" in text
+    assert "custom_call @jfo_all_reduce(" not in text
+    assert f"chunks = {cuda_policy.COPY_ENGINE_ALL_REDUCE_CHUNKS} : i32" in text
+    for elements in (16, 1 << 20, 64 << 20):
+        assert "copy_engine" not in _lowered_for_cuda(elements, None)
+
+
+@pytest.mark.skipif(not _extension.cuda_ops_available(),
+                    reason="extension built without its CUDA ops")
+def test_copy_engine_message_beyond_a_receive_slot_is_an_error():
+    slot, _ = cuda_policy.transport_capacity()
+    elements = slot // 2 + 8
+    with pytest.raises(ValueError, match=r"more than the transport's receive slot of "
+                                         rf"{slot} bytes; raise JAX_FLASHOVERLAP_WORKSPACE_MB"):
+        _lowered_for_cuda(elements, "copy_engine")

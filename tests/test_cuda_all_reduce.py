@@ -29,7 +29,8 @@ from jax_flashoverlap import _extension, cuda_policy
 pytestmark = pytest.mark.gpu
 
 IMPL = "cuda"
-ALGORITHMS = ("one_shot", "two_shot", "lamport")
+ALGORITHMS = cuda_policy.ALL_REDUCE_ALGORITHMS
+KERNELS = cuda_policy.ALL_REDUCE_KERNELS  # one kernel each: XLA captures them in graphs
 DTYPES = ("bfloat16", "float16", "float32")
 MAX_BYTES = 64 << 20  # the largest message, per rank
 # bf16 element counts of the stress test: single elements, odd tails,
@@ -140,7 +141,7 @@ def test_rank_order_sum_with_the_same_bits_on_every_rank(dtype, algorithm, rng):
         assert_close(per_rank[0], f64(x).sum(0), dtype)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("algorithm", KERNELS)
 def test_fori_loop_replays_of_a_captured_call_stay_exact(algorithm):
     """200 iterations of one call site with fresh data; XLA is told to put
     even a single command into a CUDA graph, so the loop replays the graph."""
@@ -294,10 +295,11 @@ def test_message_over_the_region_names_the_setting():
 
 
 @pytest.mark.gpus(2)
-@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
+@pytest.mark.parametrize("algorithm", ["one_shot", "two_shot", "copy_engine"])
 def test_missing_peer_times_out_with_nan_and_a_named_error(algorithm):
-    """Device 0 runs the kernel alone: its wait for rank 1 must give up after
-    timeout_ms, fill the output with NaN and leave an error naming rank 1.
+    """Device 0 runs the all-reduce alone: its wait for rank 1 must give up
+    after timeout_ms, fill the output with NaN and leave an error naming
+    rank 1.
 
     Device 0 then counted a call device 1 never made, so the pair is out of
     step: every later call on the group raises, on both devices, until
@@ -308,17 +310,22 @@ def test_missing_peer_times_out_with_nan_and_a_named_error(algorithm):
     warm = _per_rank(functools.partial(jfo.all_reduce, axis_name="tp", impl=IMPL), mesh)
     warm(jnp.ones((n, 8), jnp.float32)).block_until_ready()  # group set up
     jfo.check_device_errors()
-    code = np.int32(cuda_policy.ALL_REDUCE_ALGORITHMS.index(algorithm))
-    call = jax.ffi.ffi_call("jfo_all_reduce", jax.ShapeDtypeStruct((1000,), jnp.float32))
+    if algorithm == "copy_engine":
+        target, attrs = "jfo_all_reduce_copy_engine", {"chunks": np.int32(2)}
+    else:
+        target = "jfo_all_reduce"
+        attrs = {"algorithm": np.int32(cuda_policy.ALL_REDUCE_KERNELS.index(algorithm))}
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((1000,), jnp.float32))
     alone = jax.jit(lambda x: call(x, group_ordinals=ordinals, n=np.int32(n),
-                                   timeout_ms=np.int32(300), algorithm=code))
+                                   timeout_ms=np.int32(300), **attrs))
     on_device = [jax.device_put(jnp.ones((1000,), jnp.float32), d) for d in mesh.devices.flat]
     start = time.perf_counter()
     y = np.asarray(alone(on_device[0]))
     assert time.perf_counter() - start < 30
     assert np.all(np.isnan(y))
-    with pytest.raises(RuntimeError, match=r"all_reduce: rank 0 \(CUDA device \d+\) timed out "
-                                           r"after 300 ms waiting for rank 1"):
+    with pytest.raises(RuntimeError, match=r"all_reduce( \(copy engines\))?: rank 0 \(CUDA "
+                                           r"device \d+\) timed out after 300 ms waiting "
+                                           r"for rank 1"):
         jfo.check_device_errors()
 
     x = jnp.arange(n * 8, dtype=jnp.float32).reshape(n, 8)

@@ -17,6 +17,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulAllReduceInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMatmulAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllReduceInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllReduceCopyEngineInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllReduceCopyEngine);
 // Host-side calls of the all-reduce execute handler so far: a test sees a
 // call captured into a CUDA graph replay without its host code running.
 uint64_t AllReduceHostCalls();

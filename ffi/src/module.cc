@@ -59,6 +59,8 @@ nb::dict Registrations() {
       Stages(jfo::JfoMatmulAllReduceInitialize, jfo::JfoMatmulAllReduce);
   d["jfo_all_reduce"] =
       Stages(jfo::JfoAllReduceInitialize, jfo::JfoAllReduce);
+  d["jfo_all_reduce_copy_engine"] = Stages(
+      jfo::JfoAllReduceCopyEngineInitialize, jfo::JfoAllReduceCopyEngine);
 #endif
 #ifdef JFO_WITH_CUTLASS
   d["jfo_tile_gemm"] = Capsule(jfo::JfoTileGemm);

@@ -238,6 +238,7 @@ const char* OpName(OpId op) {
     case OpId::kAllReduce: return "all_reduce";
     case OpId::kAllReduceLamport: return "all_reduce (lamport)";
     case OpId::kAllReduceAbandoned: return "all_reduce";
+    case OpId::kAllReduceCopyEngine: return "all_reduce (copy engines)";
   }
   return "?";
 }

@@ -27,6 +27,7 @@ enum class OpId : int32_t {
   kAllReduceLamport = 5,  // in timeout records only: the flagless kernel
   // In timeout records only: a two-shot peer had given up on the call.
   kAllReduceAbandoned = 6,
+  kAllReduceCopyEngine = 7,  // the copy engines' two-shot (all_reduce_copy_engine.cu)
 };
 const char* OpName(OpId op);
 
