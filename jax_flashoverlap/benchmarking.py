@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 
 from . import settings as environment
 
-__all__ = ["Timing", "time_per_op", "first_devices_mesh", "looped", "gemm_autotune_setting",
-           "provenance"]
+__all__ = ["Timing", "time_per_op", "time_interleaved", "first_devices_mesh", "looped",
+           "gemm_autotune_setting", "provenance"]
 
 # Where the protocol above is written down, for the results' metadata.
 PROTOCOL = "jax_flashoverlap/benchmarking.py (module docstring)"
@@ -127,6 +127,47 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
 
     estimates = sorted((wall(k2) - wall(k1)) / (k2 - k1) for _ in range(reps))
     return Timing(statistics.median(estimates), estimates[0], estimates[-1], reps)
+
+
+def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[jax.Array], *,
+                     mesh, in_specs, k1: int = 2, k2: int = 12, reps: int = 7,
+                     warmup: int = 2) -> dict[str, list[float]]:
+    """Per-op seconds of several ops, their estimates taken in turn.
+
+    :func:`time_per_op`'s estimate, but each repetition times every op once,
+    one after another, so that a slow spell of the machine (other processes,
+    clocks) falls on all of them alike. Compare two ops by the median of
+    their per-repetition ratios: on 8 CPU devices that share cores, "auto"
+    timed by its own :func:`time_per_op` calls came out 0.81 to 1.37 times
+    the fastest impl although it compiles to one of their programs
+    (docs/measurements.md, session 18).
+
+    Args:
+      ops: name -> ``op(*per_device_args)``, as :func:`time_per_op` takes it.
+      args, mesh, in_specs, k1, k2, reps, warmup: as :func:`time_per_op`'s.
+
+    Returns:
+      name -> ``reps`` per-op estimates in seconds, in repetition order.
+    """
+    if not 0 < k1 < k2:
+        raise ValueError(f"need 0 < k1 < k2, got k1={k1}, k2={k2}")
+    loops = {name: {k: looped(op, mesh, in_specs, k) for k in (k1, k2)}
+             for name, op in ops.items()}
+    for by_k in loops.values():
+        for fn in by_k.values():
+            for _ in range(warmup):
+                fn(*args).block_until_ready()
+
+    def wall(fn):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        return time.perf_counter() - start
+
+    estimates = {name: [] for name in ops}
+    for _ in range(reps):
+        for name, by_k in loops.items():
+            estimates[name].append((wall(by_k[k2]) - wall(by_k[k1])) / (k2 - k1))
+    return estimates
 
 
 def gemm_autotune_setting() -> str:

@@ -5,7 +5,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from support import cpu_mesh, put, random
 
-from jax_flashoverlap.benchmarking import Timing, first_devices_mesh, time_per_op
+from jax_flashoverlap.benchmarking import (
+    Timing,
+    first_devices_mesh,
+    time_interleaved,
+    time_per_op,
+)
 
 
 def test_times_a_dependent_loop(rng):
@@ -85,6 +90,23 @@ def test_a_timer_that_skips_the_op_fails_the_check(monkeypatch):
                         lambda op, *a, **k: real(lambda *xs: xs[0], *a, **k))
     with pytest.raises(AssertionError):
         _check_known_costs(benchmarking.time_per_op)
+
+
+def test_interleaved_estimates_of_known_costs():
+    """Each op gets one estimate a repetition; a 10 ms op measures 10 ms and
+    one four times as long, four times it, repetition by repetition."""
+    import statistics
+
+    mesh = cpu_mesh(tp=1)
+    x = put(mesh, jnp.ones((8,), jnp.float32), P())
+    t = time_interleaved({"short": _sleeping_op(0.010), "long": _sleeping_op(0.040)}, [x],
+                         mesh=mesh, in_specs=(P(),), k1=2, k2=6, reps=3, warmup=1)
+    assert sorted(t) == ["long", "short"] and all(len(v) == 3 for v in t.values())
+    assert 0.0095 <= statistics.median(t["short"]) <= 0.014, t
+    assert 3.3 <= statistics.median(a / b for a, b in zip(t["long"], t["short"])) <= 4.3, t
+    with pytest.raises(ValueError, match="need 0 < k1 < k2, got k1=3, k2=3"):
+        time_interleaved({"short": _sleeping_op(0.010)}, [x], mesh=mesh, in_specs=(P(),),
+                         k1=3, k2=3)
 
 
 def test_first_devices_mesh_takes_what_there_is():

@@ -22,6 +22,8 @@ import datetime
 import functools
 import json
 import math
+import pathlib
+import statistics
 import sys
 import time
 
@@ -208,13 +210,18 @@ def run(args: argparse.Namespace, out=None) -> tuning.Table:
     print(f"wrote {len(entries)} entries to {path} in {time.perf_counter() - start:.0f} s",
           file=out)
     if args.verify:
+        if pathlib.Path(path).absolute() != tuning.cache_path().absolute():
+            print(f"verify: \"auto\" reads {tuning.cache_path()}, not {path}: what it picks "
+                  f"ignores this run", file=out)
         _verify(entries, mesh, dtype, rng, args.reps, out)
     return new
 
 
 def _verify(entries, mesh, dtype, rng, reps, out) -> float:
-    """Times impl="auto" on every tuned shape; returns the worst ratio to the
-    fastest impl (each re-timed here, in the same process, against auto)."""
+    """Times impl="auto" on every tuned shape against each impl, in turn
+    (benchmarking.time_interleaved), and returns the worst over shapes of
+    auto's time over the fastest impl's: the median of their per-repetition
+    ratios, the fastest impl being the one of least median time."""
     if not entries:
         print("verify: no tuned shapes to verify", file=out)
         return float("nan")
@@ -223,15 +230,18 @@ def _verify(entries, mesh, dtype, rng, reps, out) -> float:
     for e in entries:
         args_, specs = _operands(e.op, e.shape, n, dtype, rng)
         placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args_, specs)]
-        best = min(e.times_us, key=e.times_us.get)
-        t = {impl: benchmarking.time_per_op(_per_rank(e.op, impl), placed, mesh=mesh,
-                                            in_specs=specs, k1=2, k2=6, reps=reps,
-                                            warmup=1).median_us
-             for impl in dict.fromkeys(("auto", *e.times_us))}
-        ratio = t["auto"] / min(v for k, v in t.items() if k != "auto")
+        impls = list(dict.fromkeys(("auto", *e.times_us)))
+        t = benchmarking.time_interleaved({impl: _per_rank(e.op, impl) for impl in impls},
+                                          placed, mesh=mesh, in_specs=specs, k1=2, k2=6,
+                                          reps=reps, warmup=1)
+        fastest = min((i for i in impls if i != "auto"), key=lambda i: statistics.median(t[i]))
+        ratio = statistics.median(a / b for a, b in zip(t["auto"], t[fastest]))
         worst = max(worst, ratio)
-        print(f"verify {e.op} {'x'.join(map(str, e.shape))}: auto {t['auto']:.1f} µs, "
-              f"tuned best {best}; auto / fastest = {ratio:.3f}", file=out, flush=True)
+        print(f"verify {e.op} {'x'.join(map(str, e.shape))}: auto "
+              f"{statistics.median(t['auto']) * 1e6:.1f} µs, fastest {fastest} "
+              f"{statistics.median(t[fastest]) * 1e6:.1f} µs (tuned best "
+              f"{min(e.times_us, key=e.times_us.get)}); auto / fastest = {ratio:.3f}",
+              file=out, flush=True)
     print(f"verify: auto is at most {100 * (worst - 1):+.1f}% from the fastest impl", file=out)
     return worst
 
@@ -254,7 +264,6 @@ def _check(op, shape, impl, got, want, dtype) -> None:
 
 def _merge_into(path, new: tuning.Table) -> None:
     import os
-    import pathlib
 
     path = pathlib.Path(path)
     table = tuning.read(path) if path.exists() else tuning.Table()
