@@ -32,8 +32,8 @@ from . import conv_pallas, ssd_pallas
 from .config import SSD_IMPLS, MambaConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
-__all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSD_IMPLS", "SSMCache", "ssd", "ssd_step",
-           "causal_conv1d", "resolve_scan_layers"]
+__all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSD_IMPLS", "SSD_STATES_NAME", "SSMCache",
+           "ssd", "ssd_step", "causal_conv1d", "resolve_scan_layers"]
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
@@ -107,8 +107,10 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
         the Pallas path.
       keep_chunk_states: the backward also keeps each chunk's state and the
         state entering each chunk ([batch, g, heads, chunks, p, n], float32
-        and x's dtype) and does not compute them again. Off by default: not
-        yet measured against recomputing them.
+        and x's dtype) and does not compute them again. Inside a
+        ``jax.checkpoint`` the policy must save them too: they are named
+        :data:`SSD_STATES_NAME`. Off by default: not yet measured against
+        recomputing them.
 
     Returns:
       y: [s, batch, g, heads, p], float32 (x's dtype with ``d_skip``); with
@@ -221,6 +223,10 @@ def _chunked_ssd_auto(x, dt, a, b, c, d, chunk_size, saved=None):
                                       default=branch(_chunked_ssd_xla))
 
 
+# The checkpoint name of the chunk states ssd(keep_chunk_states=True) keeps.
+SSD_STATES_NAME = "mamba_ssd_states"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
 def _ssd(x, dt, a, b, c, d, chunk_size, chunked, keep_chunk_states=False):
     return chunked(x, dt, a, b, c, d, chunk_size)[0]
@@ -228,7 +234,11 @@ def _ssd(x, dt, a, b, c, d, chunk_size, chunked, keep_chunk_states=False):
 
 def _ssd_fwd(x, dt, a, b, c, d, chunk_size, chunked, keep_chunk_states=False):
     out, saved = chunked(x, dt, a, b, c, d, chunk_size)
-    return out, ((x, dt, a, b, c, d), saved if keep_chunk_states else None)
+    if not keep_chunk_states:
+        return out, ((x, dt, a, b, c, d), None)
+    # Named, so that a block's jax.checkpoint policy can keep them too.
+    saved = jax.tree.map(lambda t: checkpoint_name(t, SSD_STATES_NAME), saved)
+    return out, ((x, dt, a, b, c, d), saved)
 
 
 def _ssd_bwd(chunk_size, chunked, keep_chunk_states, residuals, cotangents):
@@ -566,6 +576,8 @@ class Mamba2(CausalLM):
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
         config = resolve_scan_layers(config)
         super().__init__(config, lambda rngs: Mamba2Block(config, rngs=rngs), rngs=rngs)
+        if config.ssd_keeps_chunk_states:
+            self.saved_in_backward = (*type(self).saved_in_backward, SSD_STATES_NAME)
 
     def _recompute_policy(self):
         if self.config.residuals == "all":

@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from model_support import build, check_is_causal, check_matches_reference, reference, tokens
+from model_support import (
+    BATCH,
+    SEQ_LEN,
+    build,
+    check_is_causal,
+    check_matches_reference,
+    reference,
+    tokens,
+)
 from support import assert_close, cpu_mesh, f64, random
 
 from jax_flashoverlap import models
@@ -90,6 +98,29 @@ def test_ssd_backward_keeps_its_inputs(keep_chunk_states, rng):
     assert kept <= sum(t.size for t in inputs) + (2 * states if keep_chunk_states else 0), kept
 
 
+def test_kept_chunk_states_are_not_computed_again(rng):
+    """Inside a jax.checkpoint whose policy saves SSD_STATES_NAME (as a
+    block's does with ssd_keeps_chunk_states), the compiled backward runs
+    fewer products with keep_chunk_states: the chunk states and their
+    passing are not computed again."""
+    import re
+
+    from jax.ad_checkpoint import checkpoint_name
+
+    inputs = _ssd_inputs(rng, s=64, heads=2, p=16, n=16)
+    policy = jax.checkpoint_policies.save_only_these_names("y", models.mamba.SSD_STATES_NAME)
+
+    def products(keep):
+        def block(*t):
+            return checkpoint_name(ssd(jnp.tanh(t[0]), *t[1:], 16, impl="xla",
+                                       keep_chunk_states=keep), "y")
+        grad = jax.jit(jax.grad(lambda *t: jnp.sum(jax.checkpoint(block, policy=policy)(*t) ** 2),
+                                argnums=tuple(range(5))))
+        return len(re.findall(r" dot\(", grad.lower(*inputs).compile().as_text()))
+
+    assert products(True) < products(False), (products(True), products(False))
+
+
 @pytest.mark.parametrize("chunk_size", [16, 48])
 def test_ssd_gradients_with_the_chunk_states_kept_equal_recomputed(chunk_size, rng):
     """Kept or computed again, the backward's chunk states are the same
@@ -164,7 +195,9 @@ def test_without_sequence_parallelism_matches_one_device(ref):
                                     dict(residuals="all"),
                                     dict(scan_layers=False, norm_backward="recompute"),
                                     dict(residuals="all", norm_backward="recompute"),
-                                    dict(fuse_skip=False)])
+                                    dict(fuse_skip=False),
+                                    dict(ssd_keeps_chunk_states=True),
+                                    dict(scan_layers=False, ssd_keeps_chunk_states=True)])
 def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
     check_matches_reference(Mamba2, CONFIG, ref, tp=2, impl="decomposed", **layers)
 
@@ -184,6 +217,18 @@ def test_named_residuals_keep_less_than_all():
     kept = {r: _kept_bytes(dataclasses.replace(CONFIG, residuals=r))
             for r in models.RESIDUALS}
     assert kept["named"] < kept["all"] / 2, kept
+
+
+def test_kept_chunk_states_pass_the_blocks_checkpoint():
+    """ssd_keeps_chunk_states adds each layer's chunk states (float32) and
+    entering states (the compute dtype) to what the backward keeps, through
+    the blocks' named-residual policy."""
+    default = _kept_bytes(CONFIG)
+    kept = _kept_bytes(dataclasses.replace(CONFIG, ssd_keeps_chunk_states=True))
+    states = (BATCH * CONFIG.num_heads * (SEQ_LEN // CONFIG.chunk_size) * CONFIG.head_dim
+              * CONFIG.state_dim)
+    per_layer = states * (4 + jnp.dtype(CONFIG.dtype).itemsize)
+    assert kept - default == CONFIG.num_layers * per_layer, (default, kept, per_layer)
 
 
 def test_is_causal():
