@@ -24,6 +24,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from . import (
+    _cuda_limits,
     _extension,
     _jax_shim,
     _module_loading,
@@ -157,24 +158,9 @@ def _collective_matmul_options(op_name: str):
             opts["fold"] = _policy_choice("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLDS)
             opts["gemm"] = _policy_choice("REDUCE_SCATTER_GEMM", cuda_policy.REDUCE_SCATTER_GEMMS)
             if opts["gemm"] == "tile_signalled":
-                _check_tile_signalled(*ctx.avals_in)
+                _cuda_limits.check_tile_signalled(*ctx.avals_in)
         return opts
     return options
-
-
-def _check_tile_signalled(x, w) -> None:
-    """What the tile-signalled GEMM needs of the build and of x [n*m, K] and
-    w [K, N], or a ValueError naming the fix."""
-    fix = "; or set cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'"
-    if not _extension.build_info().get("cutlass"):
-        raise ValueError("the tile-signalled GEMM (cuda_policy.REDUCE_SCATTER_GEMM) needs the "
-                         "extension built with CUTLASS: pip install nvidia-cutlass==4.2.0.0, "
-                         "then pip install --no-build-isolation ." + fix)
-    k, n = w.shape
-    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or k % 8 or n % 8:
-        raise ValueError(f"the tile-signalled GEMM (cuda_policy.REDUCE_SCATTER_GEMM) takes "
-                         f"bf16 x and w with K and N multiples of 8, got x {x.dtype} {x.shape} "
-                         f"and w {w.dtype} {w.shape}" + fix)
 
 
 def _ar_options(ctx, n, opts):
@@ -183,7 +169,7 @@ def _ar_options(ctx, n, opts):
     if opts["algorithm"] is None:
         opts["algorithm"] = cuda_policy.all_reduce_algorithm(
             math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
-    _check_lamport_size(aval, opts["algorithm"])
+    _cuda_limits.check_lamport_size(aval, opts["algorithm"])
     return opts
 
 
@@ -195,15 +181,7 @@ def _ar_lowering(ctx, args, transport, n, opts):
     receive slot of the transport; the kernels: None (jfo_all_reduce)."""
     if opts["algorithm"] != "copy_engine":
         return None
-    aval = ctx.avals_in[0]
-    nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-    slot, _ = cuda_policy.transport_capacity()
-    if nbytes > slot:
-        raise ValueError(
-            f"all_reduce(impl='cuda', algorithm='copy_engine'): {aval.shape} {aval.dtype} is "
-            f"{nbytes} bytes per rank, more than the transport's receive slot of {slot} bytes; "
-            f"raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first CUDA op of the process) "
-            f"or use algorithm='two_shot'")
+    _cuda_limits.check_copy_engine_size(ctx.avals_in[0])
     _extension.require_cuda_ops("all_reduce", COPY_ENGINE_ALL_REDUCE_TARGET)
     return jax.ffi.ffi_lowering(COPY_ENGINE_ALL_REDUCE_TARGET)(
         ctx, *args, **transport, chunks=np.int32(cuda_policy.COPY_ENGINE_ALL_REDUCE_CHUNKS))
@@ -225,7 +203,7 @@ def _mar_lowering(ctx, args, transport, n, opts):
     if cuda_policy.matmul_all_reduce_kernel(
             math.prod(out.shape) * out.dtype.itemsize) == "gemm_then_all_reduce":
         return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
-    _check_event_budget(len(opts["chunk_rows"]), n)
+    _cuda_limits.check_event_budget(len(opts["chunk_rows"]), n)
     return None
 
 
@@ -390,35 +368,6 @@ def _widened_16_bit(fn):
 
 def _is_16_bit_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
-
-
-# CUDA events one call of a fused op may record (kEventsPerCall of
-# ffi/src/transport/transport.h; _extension.limits() has the compiled value).
-EVENTS_PER_CALL = 1024
-
-
-def _check_event_budget(chunks: int, n: int) -> None:
-    """The fused matmul_all_reduce records 3(n-1)+1 events a chunk, one at
-    the start and 2(n-1)+1 at the end; more than the budget is refused here,
-    at compile time (the extension checks again before its first send)."""
-    needed = chunks * (3 * (n - 1) + 1) + 2 * n
-    if needed > EVENTS_PER_CALL:
-        most = (EVENTS_PER_CALL - 2 * n) // (3 * (n - 1) + 1)
-        raise ValueError(
-            f"matmul_all_reduce(impl='cuda'): {chunks} chunks on {n} ranks need {needed} CUDA "
-            f"events per call, more than {EVENTS_PER_CALL}; use chunks <= {most}")
-
-
-def _check_lamport_size(aval, algorithm: str) -> None:
-    """The Lamport kernel's slots hold cuda_policy.lamport_max_bytes() per rank."""
-    nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-    limit = cuda_policy.lamport_max_bytes()
-    if algorithm == "lamport" and nbytes > limit:
-        raise ValueError(
-            f"all_reduce(impl='cuda', algorithm='lamport') takes up to "
-            f"{limit >> 10} KiB per rank with {cuda_policy.process_cuda_devices()} CUDA "
-            f"devices in the process, got {aval.shape} {aval.dtype} ({nbytes} bytes); use "
-            f"algorithm='one_shot' or None")
 
 
 def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):

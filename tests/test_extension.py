@@ -67,9 +67,9 @@ def test_a_gpu_run_without_gpus_fails_loudly(tmp_path):
 
 
 def test_python_mirrors_the_extensions_layout_limits():
-    """dispatch and _primitives redo the transport's layout arithmetic; the
+    """dispatch and _cuda_limits redo the transport's layout arithmetic; the
     constants they start from are those the extension was compiled with."""
-    from jax_flashoverlap import _extension, _primitives, cuda_policy
+    from jax_flashoverlap import _cuda_limits, _extension, cuda_policy
 
     limits = _extension.limits()
     if not jfo.build_info()["cublaslt"]:
@@ -81,7 +81,7 @@ def test_python_mirrors_the_extensions_layout_limits():
         "all_reduce_min_block_bytes": cuda_policy._AR_BLOCK_BYTES,
         "gemm_workspace_bytes": cuda_policy._GEMM_WORKSPACE_BYTES,
         "control_bytes": cuda_policy._CONTROL_BYTES,
-        "events_per_call": _primitives.EVENTS_PER_CALL,
+        "events_per_call": _cuda_limits.EVENTS_PER_CALL,
     }
 
 
