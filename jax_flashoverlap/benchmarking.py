@@ -135,8 +135,9 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
     """Per-op seconds of several ops, their estimates taken in turn.
 
     :func:`time_per_op`'s estimate, but each repetition times every op once,
-    one after another, so that a slow spell of the machine (other processes,
-    clocks) falls on all of them alike. Compare two ops by the median of
+    one after another (starting with a different op each time), so that a
+    slow spell of the machine (other processes, clocks) falls on all of them
+    alike. Compare two ops by the median of
     their per-repetition ratios: on 8 CPU devices that share cores, "auto"
     timed by its own :func:`time_per_op` calls came out 0.81 to 1.37 times
     the fastest impl although it compiles to one of their programs
@@ -164,8 +165,11 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
         return time.perf_counter() - start
 
     estimates = {name: [] for name in ops}
-    for _ in range(reps):
-        for name, by_k in loops.items():
+    names = list(ops)
+    for rep in range(reps):
+        # Each repetition starts with another op: none is always first.
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            by_k = loops[name]
             estimates[name].append((wall(by_k[k2]) - wall(by_k[k1])) / (k2 - k1))
     return estimates
 
