@@ -109,29 +109,16 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
     Returns:
       A :class:`Timing`.
     """
-    if not 0 < k1 < k2:
-        raise ValueError(f"need 0 < k1 < k2, got k1={k1}, k2={k2}")
-    if unroll < 1:
-        raise ValueError(f"unroll must be >= 1, got {unroll}")
-    loops = {k: looped(op, mesh, in_specs, k, unroll) for k in (k1, k2)}
-    if compiler_options:
-        loops = {k: fn.lower(*args).compile(compiler_options) for k, fn in loops.items()}
-    for fn in loops.values():
-        for _ in range(warmup):
-            fn(*args).block_until_ready()
-
-    def wall(k):
-        start = time.perf_counter()
-        loops[k](*args).block_until_ready()
-        return time.perf_counter() - start
-
-    estimates = sorted((wall(k2) - wall(k1)) / (k2 - k1) for _ in range(reps))
+    estimates = sorted(time_interleaved({"op": op}, args, mesh=mesh, in_specs=in_specs, k1=k1,
+                                        k2=k2, reps=reps, warmup=warmup, unroll=unroll,
+                                        compiler_options=compiler_options)["op"])
     return Timing(statistics.median(estimates), estimates[0], estimates[-1], reps)
 
 
 def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[jax.Array], *,
                      mesh, in_specs, k1: int = 2, k2: int = 12, reps: int = 7,
-                     warmup: int = 2) -> dict[str, list[float]]:
+                     warmup: int = 2, unroll: int = 1,
+                     compiler_options: dict | None = None) -> dict[str, list[float]]:
     """Per-op seconds of several ops, their estimates taken in turn.
 
     :func:`time_per_op`'s estimate, but each repetition times every op once,
@@ -145,15 +132,21 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
 
     Args:
       ops: name -> ``op(*per_device_args)``, as :func:`time_per_op` takes it.
-      args, mesh, in_specs, k1, k2, reps, warmup: as :func:`time_per_op`'s.
+      args, mesh, in_specs, k1, k2, reps, warmup, unroll, compiler_options: as
+        :func:`time_per_op`'s.
 
     Returns:
       name -> ``reps`` per-op estimates in seconds, in repetition order.
     """
     if not 0 < k1 < k2:
         raise ValueError(f"need 0 < k1 < k2, got k1={k1}, k2={k2}")
-    loops = {name: {k: looped(op, mesh, in_specs, k) for k in (k1, k2)}
+    if unroll < 1:
+        raise ValueError(f"unroll must be >= 1, got {unroll}")
+    loops = {name: {k: looped(op, mesh, in_specs, k, unroll) for k in (k1, k2)}
              for name, op in ops.items()}
+    if compiler_options:
+        loops = {name: {k: fn.lower(*args).compile(compiler_options) for k, fn in by_k.items()}
+                 for name, by_k in loops.items()}
     for by_k in loops.values():
         for fn in by_k.values():
             for _ in range(warmup):
