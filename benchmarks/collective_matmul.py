@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -157,23 +158,41 @@ def _reference(op, n, x, w):
     return jax.jit(outputs)(x, w)
 
 
-def run(ops, shapes, impls, reps, devices=None, check=True):
+def run(ops, shapes, impls, reps, devices=None, check=True, interleaved=False):
+    """Rows of per-op times (``us``, ``min_us``, ``max_us``), every impl checked first.
+
+    With ``interleaved``, the impls that change no dispatch setting are timed
+    by one :func:`~jax_flashoverlap.benchmarking.time_interleaved` call per op
+    and shape, and each of their rows also has ``vs_xla``: the median over
+    repetitions of its time over xla's in the same repetition.
+    """
     import jax
     import jax.numpy as jnp
     import numpy as np
     from jax import lax
     from jax.sharding import PartitionSpec as P
 
-    from jax_flashoverlap.benchmarking import first_devices_mesh, time_per_op
+    from jax_flashoverlap.benchmarking import (
+        Timing,
+        first_devices_mesh,
+        time_interleaved,
+        time_per_op,
+    )
 
     mesh = first_devices_mesh(devices)
     n = mesh.size
     put = random_operands(mesh)
 
+    def loop_lengths(expected_us):
+        return dict(k1=2, k2=int(min(50, max(6, 30_000 / max(expected_us, 1)))), reps=reps)
+
     def timed(fn, args, expected_us):
-        k2 = int(min(50, max(6, 30_000 / max(expected_us, 1))))
-        spec = (P("tp"),) * len(args)
-        return time_per_op(fn, args, mesh=mesh, in_specs=spec, k1=2, k2=k2, reps=reps)
+        return time_per_op(fn, args, mesh=mesh, in_specs=(P("tp"),) * len(args),
+                           **loop_lengths(expected_us))
+
+    def row(op, shape, impl, t, **extra):
+        return dict(op=op, shape=list(shape), impl=impl, us=t.median_us, min_us=t.min_s * 1e6,
+                    max_us=t.max_s * 1e6, **extra)
 
     rows = []
     for (m, k, cols) in shapes:
@@ -182,6 +201,7 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
             shapes_op, (comm_name, comm_shape), gemm_shapes = _operands(op, n, m, k, cols)
             args = [put(s) for s in shapes_op]
             reference = (np.asarray(_reference(op, n, *args), np.float32) if check else None)
+            together = {}  # impl -> fn, timed interleaved after the loop
             for impl in impls:
                 picked = _op_fn(op, impl)
                 if picked is None:
@@ -200,11 +220,26 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
                         err = float(np.linalg.norm(out - reference) / np.linalg.norm(reference))
                         if not err < 2e-2:
                             raise SystemExit(f"{op} {impl} {m}x{k}x{cols}: rel err {err:.3g}")
+                    if interleaved and not overrides:
+                        together[impl] = fn
+                        continue
                     t = timed(fn, args, gemm_us)
-                rows.append(dict(op=op, shape=[m, k, cols], impl=impl, us=t.median_us,
-                                 min_us=t.min_s * 1e6, max_us=t.max_s * 1e6))
+                rows.append(row(op, (m, k, cols), impl, t))
                 print(f"{op:22s} {m}x{k}x{cols:<6d} {impl:13s} {t.median_us:9.1f} us",
                       flush=True)
+            if together:
+                est = time_interleaved(together, args, mesh=mesh,
+                                       in_specs=(P("tp"),) * len(args), **loop_lengths(gemm_us))
+                for impl, times in est.items():
+                    extra = {}
+                    if "xla" in est:
+                        extra["vs_xla"] = statistics.median(
+                            t / x for t, x in zip(times, est["xla"], strict=True))
+                    t = Timing(statistics.median(times), min(times), max(times), len(times))
+                    rows.append(row(op, (m, k, cols), impl, t, **extra))
+                    print(f"{op:22s} {m}x{k}x{cols:<6d} {impl:13s} "
+                          f"{rows[-1]['us']:9.1f} us  {extra.get('vs_xla', float('nan')):.3f}x xla",
+                          flush=True)
             if "xla" not in impls:
                 continue
             g = [put(s) for s in gemm_shapes]
@@ -214,8 +249,7 @@ def run(ops, shapes, impls, reps, devices=None, check=True):
                           "psum": lambda a: lax.psum(a, "tp")}[comm_name]
             comm = timed(collective, [put(comm_shape)], gemm_us / 4)
             for name, t in (("gemm", gemm), ("comm", comm)):
-                rows.append(dict(op=op, shape=[m, k, cols], impl=name, us=t.median_us,
-                                 min_us=t.min_s * 1e6, max_us=t.max_s * 1e6))
+                rows.append(row(op, (m, k, cols), name, t))
                 print(f"{op:22s} {m}x{k}x{cols:<6d} {name:13s} {t.median_us:9.1f} us",
                       flush=True)
     return rows
@@ -238,17 +272,21 @@ def _windowed(args) -> list[dict]:
 
 
 def table(rows) -> str:
-    by = {}
+    by, vs_xla = {}, {}
     for r in rows:
         by.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["us"]
+        if "vs_xla" in r:
+            vs_xla.setdefault((r["op"], tuple(r["shape"])), {})[r["impl"]] = r["vs_xla"]
+    paired = [c for c in ("cuda", "auto") if any(c in v for v in vs_xla.values())]
     present = {r["impl"] for r in rows}
     chunked = sorted(c for c in present if c.startswith("cuda_chunks"))
     variants = sorted(c for c in present if c.startswith(tuple(VARIANTS)))
     cols = [c for c in ("cuda", "cuda_fused", *chunked, *variants, "auto", "xla",
                         "xla_windowed", "decomposed", "decomposed_bidirectional", "gemm", "comm")
             if c in present]
-    lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |",
-             "|---|---|" + "---|" * (len(cols) + 2)]
+    lines = ["| op | shape | " + " | ".join(f"{c} µs" for c in cols) + " | cuda/gemm | xla/cuda |"
+             + "".join(f" {c}/xla interleaved |" for c in paired),
+             "|---|---|" + "---|" * (len(cols) + 2 + len(paired))]
     def fmt(v):
         return f"{v:.1f}" if v is not None else "–"
 
@@ -258,7 +296,9 @@ def table(rows) -> str:
     for (op, shape), t in by.items():
         lines.append(f"| {op} | {'×'.join(map(str, shape))} | "
                      + " | ".join(fmt(t.get(c)) for c in cols)
-                     + f" | {ratio(t, 'cuda', 'gemm')} | {ratio(t, 'xla', 'cuda')} |")
+                     + f" | {ratio(t, 'cuda', 'gemm')} | {ratio(t, 'xla', 'cuda')} |"
+                     + "".join(f" {vs_xla.get((op, shape), {}).get(c, float('nan')):.3f} |"
+                               for c in paired))
     return "\n".join(lines)
 
 
@@ -313,6 +353,11 @@ def main():
     parser.add_argument("--devices", type=int, default=None,
                         help="use the first N local devices (default: all)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--interleaved", action="store_true",
+                        help="time the impls of each op and shape in turn, one repetition "
+                             "each at a time, and give each its median ratio to xla "
+                             "(column 'vs xla'); variants with changed settings are timed "
+                             "alone as before")
     parser.add_argument("--no-windowed", action="store_true")
     parser.add_argument("--json")
     parser.add_argument("--plot")
@@ -333,7 +378,7 @@ def main():
     if args.tile_signalled:
         impls.append("cuda_tile_signalled")
     impls += [f"cuda_part_align{a}" for a in args.part_aligns]
-    rows = run(args.ops, shapes, impls, args.reps, args.devices)
+    rows = run(args.ops, shapes, impls, args.reps, args.devices, interleaved=args.interleaved)
     if not args.no_windowed:
         rows += _windowed(args)
     import jax

@@ -402,6 +402,31 @@ def test_collective_matmul_rows_are_checked_against_an_independent_reference(op,
         bench.run([op], [(8, 16, 8)], ["xla"], reps=1, devices=4)
 
 
+def test_collective_matmul_interleaved_rows_pair_each_impl_with_xla(monkeypatch):
+    """--interleaved times the plain impls in one rotating call; each row's
+    vs_xla is the median of its per-repetition ratio to xla (xla's own is 1),
+    the GEMM alone and the collective alone are timed apart."""
+    bench = _load("collective_matmul")
+    import jax_flashoverlap.benchmarking as benchmarking
+    calls = []
+    real = benchmarking.time_interleaved
+
+    def spy(ops, *args, **kwargs):
+        calls.append(sorted(ops))
+        return real(ops, *args, **kwargs)
+
+    monkeypatch.setattr(benchmarking, "time_interleaved", spy)
+    rows = bench.run(["matmul_reduce_scatter"], [(8, 16, 8)],
+                     ["xla", "decomposed", "auto"], reps=3, devices=2,
+                     interleaved=True)
+    assert calls == [["auto", "decomposed", "xla"], ["op"], ["op"]]  # then gemm, comm
+    by = {r["impl"]: r for r in rows}
+    assert by["xla"]["vs_xla"] == 1.0
+    assert by["decomposed"]["vs_xla"] > 0
+    assert "vs_xla" not in by["gemm"] and "vs_xla" not in by["comm"]
+    assert "| auto/xla interleaved |" in bench.table(rows)
+
+
 def test_train_step_speedups_need_the_same_first_loss_as_xla():
     bench = _load("train_step")
     xla = {"model": "transformer", "impl": "xla", "loss_first": 5.5, "dtype": "bfloat16"}
