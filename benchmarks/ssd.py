@@ -6,8 +6,9 @@ cuDNN flash attention at the Transformer's layer.
 At Mamba-2 1.4B's layer shape (batch 1, 64 heads of 64 in 8 groups, state
 128, chunk 256, bf16) it times :func:`models.mamba.ssd` forward, and
 forward + backward (the gradients of every input), with ``impl`` "xla" and
-"pallas", and cuDNN flash attention at the 1B Transformer's layer (16 heads
-of 128, 8 KV heads, causal) the same way, in one process, by the project's
+"pallas" (also keeping the chunk states for the backward), and cuDNN
+flash attention at the 1B Transformer's layer (16 heads of 128, 8 KV heads,
+causal) the same way, in one process, by the project's
 protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
 results are checked against XLA's (relative error by norm, bf16 tolerance).
 ``--sweep`` also times the chunk output's kernels alone per tile side and warps
@@ -54,10 +55,12 @@ def ssd_inputs(config: models.MambaConfig, seq_len: int, batch: int, key) -> tup
     return x, dt, a, b, c
 
 
-def ssd_ops(config: models.MambaConfig, impl: str):
-    """(forward, forward + backward) of one layer's SSD."""
+def ssd_ops(config: models.MambaConfig, impl: str, keep_chunk_states: bool = False):
+    """(forward, forward + backward) of one layer's SSD; ``keep_chunk_states``
+    as :func:`models.mamba.ssd` takes it."""
     def forward(*t):
-        return models.mamba.ssd(*t, config.chunk_size, impl=impl)
+        return models.mamba.ssd(*t, config.chunk_size, impl=impl,
+                                keep_chunk_states=keep_chunk_states)
 
     def backward(*t):
         probe = jnp.ones_like(t[0], jnp.float32)
@@ -189,13 +192,16 @@ def main(argv: list[str] | None = None) -> int:
     inputs = ssd_inputs(config, args.seq_len, args.batch, key)
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
+    ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)
     errors = {}
     for i, phase in enumerate(("forward", "forward+backward")):
         want = jax.jit(ops["xla"][i])(*inputs)
-        errors[phase] = relative_error(jax.jit(ops["pallas"][i])(*inputs), want)
-        print(f"pallas vs xla, {phase}: relative error {errors[phase]:.2e}", flush=True)
-        if not errors[phase] <= TOLERANCE:
-            raise AssertionError(f"{phase}: relative error {errors[phase]:.3g} > {TOLERANCE}")
+        for impl in ("pallas", "pallas keeps states"):
+            err = relative_error(jax.jit(ops[impl][i])(*inputs), want)
+            errors[phase if impl == "pallas" else f"{phase}, keeps states"] = err
+            print(f"{impl} vs xla, {phase}: relative error {err:.2e}", flush=True)
+            if not err <= TOLERANCE:
+                raise AssertionError(f"{impl}, {phase}: relative error {err:.3g} > {TOLERANCE}")
 
     rows = []
     meta = benchmarking.provenance({k: v for k, v in vars(args).items() if k != "json"})
@@ -261,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]
-    for what in ("ssd xla", "ssd pallas", "cudnn attention"):
+    for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "cudnn attention"):
         both = by[(what, "forward+backward")]
         lines.append(f"| {what} | {by[(what, 'forward')]:.3f} | {both:.3f} | "
                      f"{both / attention:.2f}x |")
