@@ -66,6 +66,7 @@ class Case(NamedTuple):
     model: str
     impl: str
     decode_matmul: str
+    decode_attention: str
     batch: int
     context: int
 
@@ -105,9 +106,10 @@ def forced_algorithm(algorithm: str | None):
 
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
-                decode_matmul: str = "xla"):
+                decode_matmul: str = "xla", decode_attention: str = "model"):
     config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
-                                **({"attention": attention} if name == "transformer" else {}))
+                                **({"attention": attention, "decode_attention": decode_attention}
+                                   if name == "transformer" else {}))
     _, model_cls = models.MODELS[name]
     with jax.set_mesh(mesh):
         return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(0)))()
@@ -223,7 +225,9 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         idle_s.append(long / k2)
     if args.profile:
         prefilled = jax.block_until_ready(generator.prefill(prompt))
-        trace_dir = f"{args.profile}/{case.model}_{case.impl}_b{case.batch}_c{case.context}"
+        attention = "" if case.decode_attention == "model" else f"_{case.decode_attention}"
+        trace_dir = (f"{args.profile}/{case.model}_{case.impl}{attention}_b{case.batch}"
+                     f"_c{case.context}")
         with jax.profiler.trace(trace_dir):
             jax.block_until_ready(generator.decode(prefilled, steps=k2))
     per_step_s.sort()
@@ -233,7 +237,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     mesh = jax.sharding.get_mesh()
     return {
         "model": case.model, "size": args.size, "impl": case.impl,
-        "decode_matmul": case.decode_matmul, "batch": case.batch,
+        "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
+        "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
         "attention": getattr(model.blocks[0], "attn", None) and model.blocks[0].attn.implementation,
@@ -252,15 +257,17 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
 
 def table(rows: list[dict]) -> str:
     xla = {(r["model"], r["batch"], r["context"]): r["per_token_ms"]
-           for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"}
-    lines = ["| model | impl | decode matmul | batch | context | prefill (ms) "
+           for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"
+           and r.get("decode_attention", "model") == "model"}
+    lines = ["| model | impl | decode matmul | decode attention | batch | context | prefill (ms) "
              "| per token (ms), median [min, max] | tokens/s | HBM floor (ms) | × floor "
              "| vs xla |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = xla.get((r["model"], r["batch"], r["context"]))
         lines.append(
-            f"| {r['model']} | {r['impl']} | {r['decode_matmul']} | {r['batch']} "
+            f"| {r['model']} | {r['impl']} | {r['decode_matmul']} "
+            f"| {r.get('decode_attention', 'model')} | {r['batch']} "
             f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
             f"{r['per_token_ms_max']:.3f}] | {r['tokens_per_s']:,.0f} | "
@@ -280,15 +287,18 @@ def plot(rows: list[dict], path: str) -> None:
                              squeeze=False)
     for ax, name in zip(axes[0], model_names):
         for impl in dict.fromkeys(r["impl"] for r in rows):
-            for matmul, context in itertools.product(
+            for matmul, attention, context in itertools.product(
                     dict.fromkeys(r["decode_matmul"] for r in rows),
+                    dict.fromkeys(r.get("decode_attention", "model") for r in rows),
                     sorted({r["context"] for r in rows})):
                 sel = sorted((r["batch"], r["per_token_ms"]) for r in rows
                              if (r["model"], r["impl"], r["decode_matmul"],
-                                 r["context"]) == (name, impl, matmul, context))
+                                 r.get("decode_attention", "model"), r["context"])
+                             == (name, impl, matmul, attention, context))
                 if sel:
                     ax.plot(*zip(*sel), marker="o",
-                            label=f"{impl}, {matmul} matmuls, context {context}")
+                            label=f"{impl}, {matmul} matmuls, {attention} attention, "
+                                  f"context {context}")
         floor = sorted({(r["batch"], r["hbm_floor_ms"]) for r in rows if r["model"] == name})
         ax.plot(*zip(*floor), "k--", label="HBM floor")
         ax.set(xscale="log", xlabel="batch", ylabel="ms per decode step", title=name)
@@ -312,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-matmuls", nargs="+", default=["xla"],
                         choices=models.DECODE_MATMUL_IMPLS,
                         help="the decode step's weight matmuls to compare (each with every impl)")
+    parser.add_argument("--decode-attentions", nargs="+", default=["model"],
+                        choices=models.DECODE_ATTENTION_IMPLS,
+                        help="the Transformer's decode attentions to compare (each with every "
+                             "impl and matmul; Mamba-2 runs only 'model')")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--steps", nargs=2, type=int, default=(16, 48), metavar=("K1", "K2"),
@@ -355,16 +369,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     for model_name in args.models:
         exact = None  # one float32 reference per model: every impl has the same parameters
-        for (label, impl, algorithm), decode_matmul in itertools.product(
-                impls, args.decode_matmuls):
+        attentions = args.decode_attentions if model_name == "transformer" else ["model"]
+        for (label, impl, algorithm), decode_matmul, decode_attention in itertools.product(
+                impls, args.decode_matmuls, dict.fromkeys(attentions)):
             model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
-                                decode_matmul)
+                                decode_matmul, decode_attention)
             if exact is None:
                 with jax.set_mesh(mesh):
                     exact = float32_copy(model)
             for batch in args.batches:
                 for context in args.contexts:
-                    case = Case(model_name, label, decode_matmul, batch, context)
+                    case = Case(model_name, label, decode_matmul, decode_attention, batch,
+                                context)
                     if lead:
                         print(f"--- {case}", flush=True)
                     with jax.set_mesh(mesh), forced_algorithm(algorithm):

@@ -15,7 +15,7 @@ from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
            "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
-           "DECODE_MATMUL_IMPLS"]
+           "DECODE_MATMUL_IMPLS", "DECODE_ATTENTION_IMPLS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -23,6 +23,12 @@ SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
 # XLA's reference attention (it materialises the [s, s] scores), "auto" the
 # first where cuDNN supports the device, dtype and head size, else the second.
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+# TransformerConfig.decode_attention, a decode step's attention: "model" is
+# the model's attention_impl with XLA's cache update; "pallas" one kernel
+# that attends and writes the new position into the cache
+# (models.decode_attention_pallas); "auto" the kernel on CUDA GPUs where it
+# takes the heads, else "model".
+DECODE_ATTENTION_IMPLS = ("model", "pallas", "auto")
 # The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
 # kernels where they can run (models.mamba.ssd).
 SSD_IMPLS = ("auto", "xla", "pallas")
@@ -155,6 +161,11 @@ class TransformerConfig(_Presets):
         library's kernel for a few rows (bf16, at most 8 rows per device;
         XLA's dot elsewhere; see :mod:`jax_flashoverlap.decode_matmul`), an
         experiment slower than XLA's on one H200 so far.
+      decode_attention: a decode step's attention over the KV cache, one
+        of :data:`DECODE_ATTENTION_IMPLS`: "model" (default: the model's
+        ``attention_impl``, the cache updated by XLA), "pallas" (one Pallas
+        GPU kernel that also writes the cache) or "auto" (the kernel on CUDA
+        GPUs where it takes the heads).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled
@@ -180,6 +191,7 @@ class TransformerConfig(_Presets):
     impl: str = "auto"
     attention_impl: str = "auto"
     decode_matmul: str = "xla"
+    decode_attention: str = "model"
     remat: bool = False
     scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()
@@ -188,7 +200,8 @@ class TransformerConfig(_Presets):
     def __post_init__(self):
         _check_impl("TransformerConfig", self.impl, self.auto_xla_ops)
         _check_choices(self, {"attention_impl": ATTENTION_IMPLS,
-                              "decode_matmul": DECODE_MATMUL_IMPLS})
+                              "decode_matmul": DECODE_MATMUL_IMPLS,
+                              "decode_attention": DECODE_ATTENTION_IMPLS})
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TransformerConfig: num_heads={self.num_heads} must be a "
                              f"multiple of num_kv_heads={self.num_kv_heads}")

@@ -31,11 +31,13 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
+from . import decode_attention_pallas
 from .config import TransformerConfig
 from .layers import CausalLM, RMSNorm, linear_options
 
 __all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope",
-           "attention_implementation", "cudnn_attention_unsupported", "resolve_scan_layers"]
+           "attention_implementation", "cudnn_attention_unsupported",
+           "decode_attention_implementation", "resolve_scan_layers"]
 
 
 def cudnn_attention_unsupported(dtype, head_dim: int, platform: str,
@@ -88,6 +90,30 @@ def attention_implementation(config: TransformerConfig,
         raise ValueError(f"TransformerConfig: attention_impl='cudnn' but {why_not}; use "
                          f"attention_impl='auto' (cuDNN where it runs, else XLA) or 'xla'.")
     return config.attention_impl
+
+
+def decode_attention_implementation(config: TransformerConfig,
+                                    device: jax.Device | None = None) -> str:
+    """``config.decode_attention`` on ``device`` (default the first): "pallas" or "model".
+
+    "auto" is "pallas" on CUDA GPUs where the kernel takes the heads
+    (:func:`models.decode_attention_pallas.unsupported_reason`), else "model".
+
+    Raises:
+      ValueError: "pallas" asked for heads the kernel cannot take.
+    """
+    if config.decode_attention == "model":
+        return "model"
+    why_not = decode_attention_pallas.unsupported_reason(
+        config.num_heads // config.num_kv_heads, config.head_dim)
+    if config.decode_attention == "auto":
+        device = device or jax.devices()[0]
+        on_cuda = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
+        return "pallas" if on_cuda and not why_not else "model"
+    if why_not:
+        raise ValueError(f"TransformerConfig: decode_attention='pallas' but {why_not}; use "
+                         f"decode_attention='model' or 'auto'.")
+    return "pallas"
 
 
 def resolve_scan_layers(config: TransformerConfig, attention: str) -> TransformerConfig:
@@ -157,6 +183,7 @@ class Attention(nnx.Module):
         self.head_dim = h
         self.rope_theta = config.rope_theta
         self.implementation = attention_implementation(config)
+        self.decode_implementation = decode_attention_implementation(config)
         self.qkv = ColumnParallelLinear(d, kv * (self.q_per_kv + 2) * h,
                                         **linear_options(config, rngs))
         self.out = RowParallelLinear(config.num_heads * h, d, **linear_options(config, rngs))
@@ -218,7 +245,11 @@ class Attention(nnx.Module):
         b = cache.k.shape[0]
         q = q.swapaxes(0, 1)                                # [b, 1, heads, h]
         k, v = (t.transpose(1, 2, 0, 3).astype(cache.k.dtype) for t in (k, v))  # [b, kv, 1, h]
-        if self.implementation == "cudnn":
+        if self.decode_implementation == "pallas":
+            grouped = q[:, 0].reshape(b, k.shape[1], self.q_per_kv, self.head_dim)
+            out, *updated = decode_attention_pallas.decode_attention(grouped, k, v, *cache, pos)
+            out, cache = out.reshape(q.shape), KVCache(*updated)
+        elif self.implementation == "cudnn":
             cache = KVCache(*(jax.lax.dynamic_update_slice(c, t, (0, 0, pos, 0))
                               for c, t in ((cache.k, k), (cache.v, v))))
             out = jax.nn.dot_product_attention(

@@ -327,7 +327,8 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
         assert r["check_error"] < 1e-4  # float32 on CPUs
         assert r["weight_bytes"] > 0 and r["cache_bytes"] > 0 and r["hbm_floor_ms"] > 0
         assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
-    assert "| transformer | decomposed | xla | 2 | 32 |" in capsys.readouterr().out
+    assert {r["decode_attention"] for r in rows} == {"model"}
+    assert "| transformer | decomposed | xla | model | 2 | 32 |" in capsys.readouterr().out
 
 
 def test_decode_benchmark_rejects_a_wrong_decode(monkeypatch):

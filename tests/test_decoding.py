@@ -63,6 +63,70 @@ def test_logits_equal_the_forward_pass(name, impl, tp, rng):
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
+def _attention_as_the_kernel_computes_it(q, k, v, cache_k, cache_v, pos):
+    """``decode_attention_pallas.decode_attention``'s contract in jnp ops: the
+    Pallas interpreter does not run inside shard_map, so the model's use of
+    the kernel is checked through this, the kernel against float64 in
+    test_decode_attention_pallas.py."""
+    h = q.shape[-1]
+    keys = jnp.concatenate([cache_k, k], axis=2)
+    values = jnp.concatenate([cache_v, v], axis=2)
+    length = cache_k.shape[2]
+    seen = jnp.concatenate([jnp.arange(length) < pos, jnp.ones((1,), bool)])
+    scores = jnp.einsum("bgqh,bglh->bgql", q, keys) / np.sqrt(h)
+    weights = jax.nn.softmax(jnp.where(seen, scores, -jnp.inf), axis=-1)
+    out = jnp.einsum("bgql,bglh->bgqh", weights, values).astype(q.dtype)
+    return (out, *(jax.lax.dynamic_update_slice(c, t, (0, 0, pos, 0))
+                   for c, t in ((cache_k, k), (cache_v, v))))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decoding_through_the_attention_kernel_gives_the_forward_pass_logits(tp, rng,
+                                                                           monkeypatch):
+    """decode_attention="pallas": every layer hands the kernel its query
+    heads grouped by KV head and takes back the updated caches; the logits
+    are the forward pass's."""
+    calls = []
+
+    def attend(*args):
+        calls.append(args[0].shape)
+        return _attention_as_the_kernel_computes_it(*args)
+
+    monkeypatch.setattr(models.decode_attention_pallas, "decode_attention", attend)
+    model_cls, config = MODELS["transformer"]
+    config = dataclasses.replace(config, decode_attention="pallas")
+    mesh = cpu_mesh(tp=tp)
+    model = build(model_cls, config, mesh, nnx.state(_random_model(model_cls, config, rng)))
+    with jax.set_mesh(mesh):
+        tokens, logits = models.generate(model, _prompt(int(rng.integers(1 << 30))), NEW_TOKENS,
+                                         return_logits=True)
+    kv = config.num_kv_heads // tp
+    assert set(calls) == {(2, kv, config.num_heads // config.num_kv_heads, config.head_dim)}
+    want = _forward_logits(model, mesh, np.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+
+
+def test_decode_attention_setting():
+    """"auto" is the kernel only on CUDA GPUs; heads it cannot take are an
+    error for "pallas" and the model's attention for "auto"."""
+    config = models.TransformerConfig.tiny()
+    assert config.decode_attention == "model"
+    choose = models.transformer.decode_attention_implementation
+    on_cuda = jax.default_backend() == "gpu"
+    assert choose(dataclasses.replace(config, decode_attention="auto")) == \
+        ("pallas" if on_cuda else "model")
+    assert choose(dataclasses.replace(config, decode_attention="pallas")) == "pallas"
+    three_per_kv = dataclasses.replace(config, num_heads=12, num_kv_heads=4)
+    assert choose(dataclasses.replace(three_per_kv, decode_attention="auto")) == "model"
+    with pytest.raises(ValueError, match=r"decode_attention='pallas' but query heads per KV "
+                                         r"head \(3\) is not a power of two; use "
+                                         r"decode_attention='model' or 'auto'"):
+        choose(dataclasses.replace(three_per_kv, decode_attention="pallas"))
+    with pytest.raises(ValueError, match="decode_attention"):
+        dataclasses.replace(config, decode_attention="cudnn")
+
+
 def _random_model(model_cls, config, rng):
     """A model with fresh random parameters (its seed drawn from ``rng``)."""
     with jax.set_mesh(cpu_mesh(tp=1)):
@@ -306,6 +370,33 @@ def test_bf16_decoding_is_as_accurate_as_the_forward_pass(name, decode_matmul):
     """On one GPU (cuDNN attention for the Transformer), with XLA's decode
     matmuls and the library's kernel."""
     _check_bf16_decoding_against_float32(name, _prompt(3), decode_matmul=decode_matmul)
+
+
+@pytest.mark.gpu
+def test_bf16_decoding_through_the_attention_kernel_is_as_accurate():
+    """The Transformer with decode_attention="pallas", compiled, against a
+    float32 forward pass, as the model's own attention is held."""
+    _check_bf16_decoding_against_float32("transformer", _prompt(5), decode_attention="pallas")
+
+
+@pytest.mark.gpu
+def test_the_attention_kernel_updates_the_kv_cache_in_place():
+    """The compiled loop with the kernel copies no layer's cache: the
+    kernel's outputs alias the donated caches."""
+    model_cls, config = MODELS["transformer"]
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
+                             ("data", "tensor"))
+    model = build(model_cls, dataclasses.replace(config, dtype="bfloat16",
+                                                 decode_attention="pallas"), mesh)
+    with jax.set_mesh(mesh):
+        generator = models.Generator(model, batch=1, prompt_len=PROMPT_LEN,
+                                     max_new_tokens=NEW_TOKENS)
+        hlo = generator.decode_steps(NEW_TOKENS - 1).as_text()
+    cache_shape = (f"bf16[1,{config.num_kv_heads},{generator.shape.cache_len},"
+                   f"{config.head_dim}]")
+    assert f"{cache_shape}" in hlo
+    copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
+    assert not copies, copies
 
 
 @pytest.mark.gpu

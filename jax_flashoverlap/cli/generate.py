@@ -34,7 +34,7 @@ from flax import nnx
 
 from .. import distributed
 from ..decode_matmul import DECODE_MATMUL_IMPLS
-from ..models import IMPLS, MODELS, Generator, ShardingConfig
+from ..models import DECODE_ATTENTION_IMPLS, IMPLS, MODELS, Generator, ShardingConfig
 from .devices import ensure_cpu_devices
 from .train import (
     CPU_DEVICES,
@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-matmul", choices=DECODE_MATMUL_IMPLS, default="xla",
                         help="the decode step's weight matmuls: XLA's, or the library's "
                              "kernel for a few bf16 rows (cuda)")
+    parser.add_argument("--decode-attention", choices=DECODE_ATTENTION_IMPLS, default="model",
+                        help="the Transformer's decode attention: the model's (cuDNN or XLA, "
+                             "XLA updating the cache), one Pallas kernel that also writes the "
+                             "cache (pallas), or the kernel where it runs (auto)")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel",
                         action="store_false", help="prefill without sequence parallelism")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -127,7 +131,8 @@ def run(args: argparse.Namespace) -> dict:
     sharding = ShardingConfig(sequence_parallel=args.sequence_parallel)
     mesh = make_mesh(args.mesh or (1, min(2, jax.device_count())), sharding)
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
-                          sharding=sharding, decode_matmul=args.decode_matmul)
+                          sharding=sharding, decode_matmul=args.decode_matmul,
+                          decode_attention=args.decode_attention)
     _, model_cls = MODELS[args.model]
     prompts = np.tile(prompt, (args.batch, 1))
     lead = jax.process_index() == 0

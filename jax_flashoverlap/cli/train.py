@@ -261,13 +261,14 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  conv: str = "xla", norm_backward: str = "auto",
                  residuals: str = "named", fuse_skip: bool = True,
                  decode_matmul: str = "xla", chunk_size: int | None = None,
-                 ssd_keeps_chunk_states: bool = False):
+                 ssd_keeps_chunk_states: bool = False, decode_attention: str = "model"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
     the default ``ShardingConfig()``. ``scan_layers`` None is resolved for
     this platform and, for the Transformer, the attention that runs here.
-    ``chunk_size`` None: the size's (Mamba-2 only).
+    ``chunk_size`` None: the size's (Mamba-2 only); ``decode_attention``:
+    the Transformer's (``TransformerConfig.decode_attention``).
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
@@ -276,7 +277,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
         sharding=sharding or ShardingConfig(), decode_matmul=decode_matmul,
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
-        **({"attention_impl": attention} if has_attention
+        **({"attention_impl": attention, "decode_attention": decode_attention} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
                  "residuals": residuals, "fuse_skip": fuse_skip,
                  "ssd_keeps_chunk_states": ssd_keeps_chunk_states,
