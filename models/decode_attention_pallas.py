@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_flashoverlap.nn import same_variance
@@ -38,6 +39,10 @@ _MIN_SPLIT = 256
 # Programs the default splitting aims for: about one per SM of an H100/H200.
 _TARGET_PROGRAMS = 128
 _NUM_WARPS = 4
+_NUM_STAGES = 2
+# Query rows a program multiplies: the tensor cores' smallest tile side. The
+# q_per_kv query heads of a KV head are padded with zero rows up to it.
+_ROWS = 16
 # A finite "minus infinity": exp(_NEG - _NEG) is 1, not NaN, for a split
 # that reads nothing, and masked scores are dropped by a select, not by it.
 _NEG = -1e30
@@ -59,8 +64,8 @@ def unsupported_reason(q_per_kv: int, head_dim: int) -> str | None:
     """Why the kernel cannot run these heads, or None when it can."""
     if plgpu is None:
         return "this jax has no Pallas Triton backend"
-    if q_per_kv & (q_per_kv - 1):
-        return f"query heads per KV head ({q_per_kv}) is not a power of two"
+    if q_per_kv > _ROWS:
+        return f"query heads per KV head ({q_per_kv}) are more than {_ROWS}"
     if head_dim & (head_dim - 1) or head_dim < 16:
         return f"head_dim={head_dim} is not a power of two from 16"
     return None
@@ -79,22 +84,21 @@ def _tiling(batch: int, kv_heads: int, length: int, splits: int | None,
 
 
 def _kernel(pos_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, *out_refs, tiling: Tiling,
-            scale: float):
+            scale: float, precision):
     *result_refs, k_out_ref, v_out_ref = out_refs
     split = pl.program_id(2)
     pos = pos_ref[()]
-    q = q_ref[...].astype(jnp.float32)                     # [q_per_kv, h]
-    k_new = k_new_ref[...].astype(jnp.float32)             # [1, h]
-    v_new = v_new_ref[...].astype(jnp.float32)
-    first = split == 0
+    q = q_ref[...]                                         # [_ROWS, h], zero rows past q_per_kv
     # The online softmax's running max score, sum of weights and weighted sum
-    # of values per query head. The new position opens split 0's: its score,
+    # of values per query row. The new position opens split 0's: its score,
     # weight 1, its value. (Triton selects need the condition in the
     # operands' shape.)
-    score = jnp.sum(q * k_new, axis=1) * scale                              # [q_per_kv]
+    first = split == 0
+    score = jnp.sum(q.astype(jnp.float32) * k_new_ref[...].astype(jnp.float32), axis=1) * scale
     peak = jnp.where(jnp.broadcast_to(first, score.shape), score, _NEG)
     mass = jnp.where(jnp.broadcast_to(first, score.shape), 1.0, 0.0)
-    acc = jnp.where(jnp.broadcast_to(first, q.shape), v_new + jnp.zeros_like(q), 0.0)
+    acc = jnp.where(jnp.broadcast_to(first, q.shape),
+                    v_new_ref[...].astype(jnp.float32) + jnp.zeros(q.shape, jnp.float32), 0.0)
 
     start = split * tiling.split_len
     end = jnp.minimum(start + tiling.split_len, pos)       # this split's positions < pos
@@ -105,15 +109,15 @@ def _kernel(pos_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, *out_refs, tilin
         first_row = start + i * tiling.block
         valid = first_row + jnp.arange(tiling.block) < end                 # [block]
         rows = pl.ds(first_row, tiling.block)
-        k = plgpu.load(k_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
-        v = plgpu.load(v_ref.at[rows, :], mask=valid[:, None], other=0.0).astype(jnp.float32)
-        scores = jnp.sum(q[:, None, :] * k[None, :, :], axis=2) * scale     # [q_per_kv, block]
+        k = plgpu.load(k_ref.at[rows, :], mask=valid[:, None], other=0.0)
+        v = plgpu.load(v_ref.at[rows, :], mask=valid[:, None], other=0.0)
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [_ROWS, block]
         scores = jnp.where(valid[None, :], scores, _NEG)
         new_peak = jnp.maximum(peak, jnp.max(scores, axis=1))
         correction = jnp.exp(peak - new_peak)
         p = jnp.where(valid[None, :], jnp.exp(scores - new_peak[:, None]), 0.0)
         mass = mass * correction + jnp.sum(p, axis=1)
-        acc = acc * correction[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * correction[:, None] + plgpu.dot(p.astype(v.dtype), v, precision=precision)
         return new_peak, mass, acc
 
     peak, mass, acc = jax.lax.fori_loop(0, blocks, body, (peak, mass, acc))
@@ -174,8 +178,11 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Arra
                      "use decode_attention='model'")
     length = cache_k.shape[2]
     tiling = _tiling(b, kv, length, splits, interpret)
-    (q, k, v, cache_k, cache_v, pos), varying = same_variance(
-        q, k, v, cache_k, cache_v, jnp.asarray(pos, jnp.int32))
+    # Zero query rows up to the tensor cores' tile: XLA fuses the pad into
+    # q's producer and the slice below into the output's consumer.
+    q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, _ROWS - q_per_kv), (0, 0)))
+    (q_rows, k, v, cache_k, cache_v, pos), varying = same_variance(
+        q_rows, k, v, cache_k, cache_v, jnp.asarray(pos, jnp.int32))
 
     def per_head(*shape):  # (b, kv) picked by the grid, the rest whole
         return pl.BlockSpec((None, None, *shape), lambda i, g, s: (i, g) + (0,) * len(shape))
@@ -188,25 +195,28 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Arra
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=varying)
 
     if tiling.splits == 1:
-        result_specs, result_shapes = [per_head(q_per_kv, h)], [out(q.shape, q.dtype)]
+        result_specs, result_shapes = [per_head(_ROWS, h)], [out(q_rows.shape, q.dtype)]
     else:
-        partial = (b, kv, tiling.splits, q_per_kv)
-        result_specs = [per_split(q_per_kv, h), per_split(q_per_kv), per_split(q_per_kv)]
+        partial = (b, kv, tiling.splits, _ROWS)
+        result_specs = [per_split(_ROWS, h), per_split(_ROWS), per_split(_ROWS)]
         result_shapes = [out((*partial, h), jnp.float32), out(partial, jnp.float32),
                          out(partial, jnp.float32)]
     cache_spec = per_head(length, h)
+    precision = lax.Precision.HIGHEST if jnp.dtype(q.dtype) == jnp.float32 else None
     *results, cache_k, cache_v = pl.pallas_call(
-        functools.partial(_kernel, tiling=tiling, scale=1.0 / math.sqrt(h)),
+        functools.partial(_kernel, tiling=tiling, scale=1.0 / math.sqrt(h),
+                          precision=precision),
         grid=(b, kv, tiling.splits),
-        in_specs=[pl.BlockSpec((), lambda i, g, s: ()), per_head(q_per_kv, h),
+        in_specs=[pl.BlockSpec((), lambda i, g, s: ()), per_head(_ROWS, h),
                   per_head(1, h), per_head(1, h), cache_spec, cache_spec],
         out_specs=[*result_specs, cache_spec, cache_spec],
         out_shape=[*result_shapes, out(cache_k.shape, cache_k.dtype),
                    out(cache_v.shape, cache_v.dtype)],
         input_output_aliases={4: len(result_shapes), 5: len(result_shapes) + 1},
         interpret=tiling.interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps),
+        compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
+                                             num_stages=_NUM_STAGES),
         name="decode_attention",
-    )(pos, q, k, v, cache_k, cache_v)
+    )(pos, q_rows, k, v, cache_k, cache_v)
     attended = results[0] if tiling.splits == 1 else _combine(*results, q.dtype)
-    return attended, cache_k, cache_v
+    return attended[:, :, :q_per_kv], cache_k, cache_v

@@ -48,7 +48,9 @@ def _check(rng, dtype, pos, splits, interpret, **shape):
     for got, cache, new in ((got_k, cache_k, k), (got_v, cache_v, v)):
         expected = cache.copy()
         expected[:, :, pos] = np.asarray(new)[:, :, 0]
-        np.testing.assert_array_equal(np.asarray(got), expected)  # NaN where it was NaN
+        # Bit for bit, the NaN poison too (numpy's NaN-equality misses bf16).
+        bits = f"u{expected.itemsize}"
+        np.testing.assert_array_equal(np.asarray(got).view(bits), expected.view(bits))
 
 
 @pytest.mark.parametrize("pos", [0, 1, 63, 64, 150, 199])
@@ -59,17 +61,17 @@ def test_attention_and_cache_update_match_float64(pos, splits, rng):
     _check(rng, "float32", pos, splits, interpret=True)
 
 
-@pytest.mark.parametrize("q_per_kv", [1, 4])
+@pytest.mark.parametrize("q_per_kv", [1, 3, 16])
 def test_query_groups(q_per_kv, rng):
     _check(rng, "bfloat16", 130, None, interpret=True, q_per_kv=q_per_kv, b=1, kv=3)
 
 
 def test_bad_heads_and_shapes_are_errors():
-    q = jnp.zeros((1, 2, 3, 32))
+    q = jnp.zeros((1, 2, 32, 32))
     kv = jnp.zeros((1, 2, 1, 32))
     cache = jnp.zeros((1, 2, 64, 32))
-    with pytest.raises(ValueError, match=r"query heads per KV head \(3\) is not a power of "
-                                         r"two; use decode_attention='model'"):
+    with pytest.raises(ValueError, match=r"query heads per KV head \(32\) are more than 16; "
+                                         r"use decode_attention='model'"):
         kernel.decode_attention(q, kv, kv, cache, cache, 0, interpret=True)
     with pytest.raises(ValueError, match=r"k \(1, 2, 2, 32\) and v \(1, 2, 1, 32\) must be "
                                          r"\(1, 2, 1, 32\)"):

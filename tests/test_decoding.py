@@ -117,12 +117,12 @@ def test_decode_attention_setting():
     assert choose(dataclasses.replace(config, decode_attention="auto")) == \
         ("pallas" if on_cuda else "model")
     assert choose(dataclasses.replace(config, decode_attention="pallas")) == "pallas"
-    three_per_kv = dataclasses.replace(config, num_heads=12, num_kv_heads=4)
-    assert choose(dataclasses.replace(three_per_kv, decode_attention="auto")) == "model"
+    many_per_kv = dataclasses.replace(config, num_heads=4 * 32, num_kv_heads=4)
+    assert choose(dataclasses.replace(many_per_kv, decode_attention="auto")) == "model"
     with pytest.raises(ValueError, match=r"decode_attention='pallas' but query heads per KV "
-                                         r"head \(3\) is not a power of two; use "
+                                         r"head \(32\) are more than 16; use "
                                          r"decode_attention='model' or 'auto'"):
-        choose(dataclasses.replace(three_per_kv, decode_attention="pallas"))
+        choose(dataclasses.replace(many_per_kv, decode_attention="pallas"))
     with pytest.raises(ValueError, match="decode_attention"):
         dataclasses.replace(config, decode_attention="cudnn")
 
