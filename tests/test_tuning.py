@@ -168,3 +168,37 @@ def test_tune_budget_output_and_verify(tmp_path, capsys):
     assert "stopping after 1 of" in printed and f"wrote 1 entries to {out}" in printed
     assert len(tuning.read(out).entries) == 1
     assert "verify all_reduce" in printed and "verify: auto is at most" in printed
+
+
+def test_verify_times_auto_as_the_program_it_compiles_to(monkeypatch):
+    """Where auto's optimized HLO is an impl's, verify times that impl in its
+    place (the ratio is exactly 1 when it is also the fastest); where it is
+    no impl's, auto itself is timed."""
+    import io
+
+    from jax_flashoverlap.cli.devices import ensure_cpu_devices
+
+    ensure_cpu_devices(8)
+    mesh = jax.make_mesh((8,), ("tensor",))
+    entry = tuning.Entry("cpu", 8, 8, "float32", "all_reduce", 1, 4096, (4096,),
+                         {"xla": 1.0, "decomposed": 2.0}, "test")
+    rng = np.random.default_rng(0)
+    timed = []
+    real = tune.benchmarking.time_interleaved
+
+    def spy(ops, *args, **kwargs):
+        timed.append(sorted(ops))
+        return real(ops, *args, **kwargs)
+
+    monkeypatch.setattr(tune.benchmarking, "time_interleaved", spy)
+    printed = io.StringIO()
+    worst = tune._verify([entry], mesh, np.dtype(np.float32), rng, 3, printed)
+    assert timed == [["decomposed", "xla"]]
+    # On CPU decomposed's all-reduce is many times xla's (a ring of 8 steps).
+    assert "auto runs xla's program" in printed.getvalue() and "fastest xla" in printed.getvalue()
+    assert worst == 1.0
+
+    programs = iter(range(100))
+    monkeypatch.setattr(tune, "_program", lambda *args: next(programs))
+    tune._verify([entry], mesh, np.dtype(np.float32), rng, 3, printed)
+    assert timed[-1] == ["auto", "decomposed", "xla"]
