@@ -165,7 +165,9 @@ class TransformerConfig(_Presets):
         of :data:`DECODE_ATTENTION_IMPLS`: "model" (default: the model's
         ``attention_impl``, the cache updated by XLA), "pallas" (one Pallas
         GPU kernel that also writes the cache) or "auto" (the kernel on CUDA
-        GPUs where it takes the heads).
+        GPUs where it takes the heads). The kernel is opt-in until it
+        measures faster: on one H200 it ties cuDNN at batch 1-8 and is 5%
+        slower at 32 (docs/models.md).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled

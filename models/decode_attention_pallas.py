@@ -73,6 +73,7 @@ def unsupported_reason(q_per_kv: int, head_dim: int) -> str | None:
 
 def _tiling(batch: int, kv_heads: int, length: int, splits: int | None,
             interpret: bool) -> Tiling:
+    """The Tiling of ``splits`` (None: the default) over a cache of ``length``."""
     if splits is None:
         splits = max(1, min(-(-length // _MIN_SPLIT),
                             -(-_TARGET_PROGRAMS // (batch * kv_heads))))
@@ -138,9 +139,9 @@ def _kernel(pos_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, *out_refs, tilin
 
 
 def _combine(acc, peak, mass, dtype):
-    """The splits' partial softmaxes -> the attention output: ``acc`` [b, kv,
-    splits, q_per_kv, h] unnormalised, ``peak`` and ``mass`` [b, kv, splits,
-    q_per_kv] their max scores and sums of weights."""
+    """The splits' partial softmaxes -> the attention output [b, kv, rows,
+    h]: ``acc`` [b, kv, splits, rows, h] unnormalised, ``peak`` and ``mass``
+    [b, kv, splits, rows] their max scores and sums of weights."""
     weight = jnp.exp(peak - jnp.max(peak, axis=2, keepdims=True))
     total = jnp.sum(weight * mass, axis=2)
     return (jnp.sum(weight[..., None] * acc, axis=2) / total[..., None]).astype(dtype)
@@ -153,7 +154,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Arra
 
     Args:
       q: [b, kv, q_per_kv, h], the new position's query heads, grouped by
-        their KV head (rotary embeddings applied).
+        their KV head (rotary embeddings applied); q_per_kv at most 16, h a
+        power of two from 16.
       k, v: [b, kv, 1, h], its key (rotated) and value.
       cache_k, cache_v: [b, kv, L, h], positions before ``pos`` filled; L > pos.
       pos: int32 scalar, the new position.
