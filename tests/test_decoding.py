@@ -447,6 +447,28 @@ def test_the_decode_loop_updates_the_kv_cache_in_place():
     assert not copies, copies
 
 
+def test_the_mamba_decode_loop_updates_the_conv_state_in_place():
+    """The convolution's state is a ring: each step overwrites one row of
+    the donated buffer, where shifting it copied the state per layer and step."""
+    model_cls, config = MODELS["mamba"]
+    mesh = cpu_mesh(tp=2)
+    model = build(model_cls, dataclasses.replace(config, dtype="bfloat16"), mesh)
+    with jax.set_mesh(mesh):
+        generator = models.Generator(model, batch=1, prompt_len=PROMPT_LEN,
+                                     max_new_tokens=NEW_TOKENS)
+        hlo = generator.decode_steps(NEW_TOKENS - 1).as_text()
+    channels = model.blocks[0].mixer.conv_weight.shape[1] // 2      # this rank's
+    state_shape = f"bf16[{config.conv_width - 1},1,{channels}]"
+    assert f"= {state_shape}" in hlo
+    copies = [line for line in hlo.splitlines() if f"= {state_shape}" in line and " copy(" in line]
+    assert not copies, copies
+
+
+def test_a_convolution_of_width_one_is_an_error():
+    with pytest.raises(ValueError, match=r"conv_width=1 must be an int of at least 2"):
+        dataclasses.replace(models.MambaConfig.tiny(), conv_width=1)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_meshes_with_explicit_axes(name, rng):
     """jax.make_mesh's default (Explicit axes) gives the tokens and logits of
