@@ -67,6 +67,7 @@ class Case(NamedTuple):
     impl: str
     decode_matmul: str
     decode_attention: str
+    split_positions: int | None
     batch: int
     context: int
 
@@ -103,6 +104,20 @@ def forced_algorithm(algorithm: str | None):
         yield
     finally:
         cuda_policy.all_reduce_algorithm = chosen
+
+
+@contextlib.contextmanager
+def split_positions_set(positions: int | None):
+    """Within it, the decode-attention kernel traced splits the cache into
+    pieces of at least ``positions`` (None: the module's default)."""
+    kernel = models.decode_attention_pallas
+    saved = kernel.MIN_SPLIT_POSITIONS
+    if positions is not None:
+        kernel.MIN_SPLIT_POSITIONS = positions
+    try:
+        yield
+    finally:
+        kernel.MIN_SPLIT_POSITIONS = saved
 
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
@@ -226,6 +241,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     if args.profile:
         prefilled = jax.block_until_ready(generator.prefill(prompt))
         attention = "" if case.decode_attention == "model" else f"_{case.decode_attention}"
+        if case.split_positions is not None:
+            attention += f"{case.split_positions}"
         trace_dir = (f"{args.profile}/{case.model}_{case.impl}{attention}_b{case.batch}"
                      f"_c{case.context}")
         with jax.profiler.trace(trace_dir):
@@ -238,6 +255,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     return {
         "model": case.model, "size": args.size, "impl": case.impl,
         "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
+        "split_positions": case.split_positions,
         "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
@@ -255,6 +273,13 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     }
 
 
+def _attention_label(row: dict) -> str:
+    """A row's decode attention, with the kernel's split positions where set."""
+    positions = row.get("split_positions")
+    label = row.get("decode_attention", "model")
+    return label if positions is None else f"{label}, splits of {positions}+"
+
+
 def table(rows: list[dict]) -> str:
     xla = {(r["model"], r["batch"], r["context"]): r["per_token_ms"]
            for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"
@@ -267,7 +292,7 @@ def table(rows: list[dict]) -> str:
         base = xla.get((r["model"], r["batch"], r["context"]))
         lines.append(
             f"| {r['model']} | {r['impl']} | {r['decode_matmul']} "
-            f"| {r.get('decode_attention', 'model')} | {r['batch']} "
+            f"| {_attention_label(r)} | {r['batch']} "
             f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
             f"{r['per_token_ms_max']:.3f}] | {r['tokens_per_s']:,.0f} | "
@@ -289,11 +314,11 @@ def plot(rows: list[dict], path: str) -> None:
         for impl in dict.fromkeys(r["impl"] for r in rows):
             for matmul, attention, context in itertools.product(
                     dict.fromkeys(r["decode_matmul"] for r in rows),
-                    dict.fromkeys(r.get("decode_attention", "model") for r in rows),
+                    dict.fromkeys(_attention_label(r) for r in rows),
                     sorted({r["context"] for r in rows})):
                 sel = sorted((r["batch"], r["per_token_ms"]) for r in rows
                              if (r["model"], r["impl"], r["decode_matmul"],
-                                 r.get("decode_attention", "model"), r["context"])
+                                 _attention_label(r), r["context"])
                              == (name, impl, matmul, attention, context))
                 if sel:
                     ax.plot(*zip(*sel), marker="o",
@@ -326,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                         choices=models.DECODE_ATTENTION_IMPLS,
                         help="the Transformer's decode attentions to compare (each with every "
                              "impl and matmul; Mamba-2 runs only 'model')")
+    parser.add_argument("--split-positions", nargs="+", type=int, default=[None],
+                        help="with the attention kernel, each of these fewest cache positions "
+                             "per split (models.decode_attention_pallas.MIN_SPLIT_POSITIONS; "
+                             "default: its value)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--steps", nargs=2, type=int, default=(16, 48), metavar=("K1", "K2"),
@@ -374,24 +403,28 @@ def main(argv: list[str] | None = None) -> int:
                 impls, args.decode_matmuls, dict.fromkeys(attentions)):
             model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
                                 decode_matmul, decode_attention)
-            if exact is None:
-                with jax.set_mesh(mesh):
-                    exact = float32_copy(model)
-            for batch in args.batches:
-                for context in args.contexts:
-                    case = Case(model_name, label, decode_matmul, decode_attention, batch,
-                                context)
-                    if lead:
-                        print(f"--- {case}", flush=True)
-                    with jax.set_mesh(mesh), forced_algorithm(algorithm):
-                        row = measure(model, exact, case, args, rng)
-                    rows.append(row)
-                    gc.collect()
-                    if lead:
-                        print(json.dumps(row), flush=True)
-                        if args.json:
-                            with open(args.json, "w") as f:
-                                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            uses_kernel = (model_name == "transformer"
+                           and model.blocks[0].attn.decode_implementation == "pallas")
+            for split_positions in (args.split_positions if uses_kernel else [None]):
+                if exact is None:
+                    with jax.set_mesh(mesh):
+                        exact = float32_copy(model)
+                for batch in args.batches:
+                    for context in args.contexts:
+                        case = Case(model_name, label, decode_matmul, decode_attention,
+                                    split_positions, batch, context)
+                        if lead:
+                            print(f"--- {case}", flush=True)
+                        with (jax.set_mesh(mesh), forced_algorithm(algorithm),
+                              split_positions_set(split_positions)):
+                            row = measure(model, exact, case, args, rng)
+                        rows.append(row)
+                        gc.collect()
+                        if lead:
+                            print(json.dumps(row), flush=True)
+                            if args.json:
+                                with open(args.json, "w") as f:
+                                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
             del model
             gc.collect()
         del exact

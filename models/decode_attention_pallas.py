@@ -29,13 +29,14 @@ from jax_flashoverlap.nn import same_variance
 
 from .pallas_gpu import plgpu, require_runnable
 
-__all__ = ["Tiling", "decode_attention", "unsupported_reason"]
+__all__ = ["MIN_SPLIT_POSITIONS", "Tiling", "decode_attention", "unsupported_reason"]
 
-# Cache positions a program reads per loop iteration, and the fewest a split
-# covers: below that, another split costs more (a program, the combine) than
-# it saves.
+# Cache positions a program reads per loop iteration.
 _BLOCK = 64
-_MIN_SPLIT = 256
+# The fewest cache positions a split covers by default: below that, another
+# split costs more (a program, the combine) than it saves. A guess, read
+# where the kernel is traced (benchmarks/decode.py --split-positions sweeps it).
+MIN_SPLIT_POSITIONS = 256
 # Programs the default splitting aims for: about one per SM of an H100/H200.
 _TARGET_PROGRAMS = 128
 _NUM_WARPS = 4
@@ -75,7 +76,7 @@ def _tiling(batch: int, kv_heads: int, length: int, splits: int | None,
             interpret: bool) -> Tiling:
     """The Tiling of ``splits`` (None: the default) over a cache of ``length``."""
     if splits is None:
-        splits = max(1, min(-(-length // _MIN_SPLIT),
+        splits = max(1, min(-(-length // MIN_SPLIT_POSITIONS),
                             -(-_TARGET_PROGRAMS // (batch * kv_heads))))
     if not isinstance(splits, int) or splits < 1:
         raise ValueError(f"decode_attention: splits={splits!r} must be a positive int")
@@ -160,7 +161,8 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Arra
       cache_k, cache_v: [b, kv, L, h], positions before ``pos`` filled; L > pos.
       pos: int32 scalar, the new position.
       splits: programs per (batch row, KV head) along the cache; default:
-        enough for about 128 programs, each reading at least 256 positions.
+        enough for about 128 programs, each reading at least
+        :data:`MIN_SPLIT_POSITIONS` positions.
       interpret: run the kernel in Pallas's interpreter (any backend; for tests).
 
     Returns:

@@ -331,6 +331,20 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
     assert "| transformer | decomposed | xla | model | 2 | 32 |" in capsys.readouterr().out
 
 
+def test_decode_benchmark_sets_and_restores_the_split_positions():
+    bench = _load("decode")
+    kernel = bench.models.decode_attention_pallas
+    default = kernel.MIN_SPLIT_POSITIONS
+    with bench.split_positions_set(64):
+        assert kernel.MIN_SPLIT_POSITIONS == 64
+    with bench.split_positions_set(None):
+        assert kernel.MIN_SPLIT_POSITIONS == default
+    assert kernel.MIN_SPLIT_POSITIONS == default
+    assert bench._attention_label({"decode_attention": "pallas", "split_positions": 64}) == \
+        "pallas, splits of 64+"
+    assert bench._attention_label({"decode_attention": "model"}) == "model"
+
+
 def test_decode_benchmark_rejects_a_wrong_decode(monkeypatch):
     """A decode loop whose logits are not the forward pass's fails the check."""
     bench = _load("decode")

@@ -66,6 +66,16 @@ def test_query_groups(q_per_kv, rng):
     _check(rng, "bfloat16", 130, None, interpret=True, q_per_kv=q_per_kv, b=1, kv=3)
 
 
+def test_default_splits_follow_the_split_positions(monkeypatch):
+    """About 128 programs, none with fewer than MIN_SPLIT_POSITIONS positions:
+    the 1B layer at batch 1 and a cache of 560 (8 KV heads)."""
+    assert kernel._tiling(1, 8, 560, None, False).splits == 3          # 560 / 256
+    monkeypatch.setattr(kernel, "MIN_SPLIT_POSITIONS", 64)
+    tiling = kernel._tiling(1, 8, 560, None, False)
+    assert (tiling.splits, tiling.split_len) == (9, 64)
+    assert kernel._tiling(32, 8, 560, None, False).splits == 1         # 256 programs already
+
+
 def test_bad_heads_and_shapes_are_errors():
     q = jnp.zeros((1, 2, 32, 32))
     kv = jnp.zeros((1, 2, 1, 32))
