@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import re
 import statistics
 import subprocess
 import time
@@ -27,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from . import settings as environment
 
 __all__ = ["Timing", "time_per_op", "time_interleaved", "first_devices_mesh", "looped",
-           "gemm_autotune_setting", "provenance"]
+           "comparable_hlo", "gemm_autotune_setting", "provenance"]
 
 # Where the protocol above is written down, for the results' metadata.
 PROTOCOL = "jax_flashoverlap/benchmarking.py (module docstring)"
@@ -165,6 +166,17 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
             by_k = loops[name]
             estimates[name].append((wall(by_k[k2]) - wall(by_k[k1])) / (k2 - k1))
     return estimates
+
+
+def comparable_hlo(compiled) -> str:
+    """The optimized HLO text of ``compiled`` (a ``jax.stages.Compiled``)
+    without what only names it or says where it came from: the module's
+    name, each instruction's metadata and the source-location tables. Two
+    programs whose texts are equal run the same kernels."""
+    text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
+    text = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*", "",
+                  text, flags=re.M)
+    return re.sub(r"^HloModule \S+", "HloModule", text, flags=re.M)
 
 
 def gemm_autotune_setting() -> str:

@@ -18,6 +18,7 @@ from support import assert_close, child_env, f64, gpu_layout_mesh, poison_alloca
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import cuda_policy
+from jax_flashoverlap.benchmarking import comparable_hlo
 
 pytestmark = pytest.mark.gpu
 
@@ -352,21 +353,30 @@ def test_mamba_step_shapes_in_a_fresh_process(case):
 @pytest.mark.parametrize("op", (*MATMUL_OPS, "all_reduce"))
 def test_one_gpu_axis_runs_the_plain_dot(op, impl, rng):
     """One GPU on the axis: impl "cuda" and "auto" compile to the local dot
-    (all_reduce: nothing), with no kernel of the library and no collective."""
+    (all_reduce: nothing), with no kernel of the library and no collective:
+    impl="xla"'s very program, names aside."""
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]), ("tp",))
     if op == "all_reduce":
         args, in_specs, out_specs = [rng.standard_normal((1, 64, 48), np.float32)], (P("tp"),), P()
 
-        def fn(x):
-            return jfo.all_reduce(x[0], "tp", impl=impl)
+        def per_rank(impl):
+            return lambda x: jfo.all_reduce(x[0], "tp", impl=impl)
         want = f64(args[0]).sum(0)
     else:
         (in_specs, out_specs), args = SPECS[op], [
             rng.standard_normal(s, np.float32) for s in _global_shapes(op, 1, 256, 512, 384)]
-        fn = functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
+
+        def per_rank(impl):
+            return functools.partial(getattr(jfo, op), axis_name="tp", impl=impl)
         want = f64(args[0]) @ f64(args[1])
     args = [jnp.asarray(a, jnp.bfloat16) for a in args]
-    f = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+    def program(impl):
+        return jax.jit(jax.shard_map(per_rank(impl), mesh=mesh, in_specs=in_specs,
+                                     out_specs=out_specs))
+    f = program(impl)
     assert_close(f(*args), want, "bfloat16")
-    hlo = f.lower(*args).compile().as_text()
+    compiled = f.lower(*args).compile()
+    hlo = compiled.as_text()
     assert "jfo_" not in hlo and "all-reduce" not in hlo and "all-gather" not in hlo
+    assert comparable_hlo(compiled) == comparable_hlo(program("xla").lower(*args).compile())

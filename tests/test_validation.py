@@ -207,3 +207,23 @@ def test_axis_of_one_rank_is_the_plain_dot(op, impl, rng):
         hlo = program.lower(*args).compile().as_text()
         found = [c for c in _COLLECTIVES if f" {c}(" in hlo or f"{c}-start(" in hlo]
         assert not found, found
+
+
+@pytest.mark.parametrize("impl", ["decomposed", "cuda", "auto"])
+@pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
+                                "matmul_all_reduce", "all_reduce"])
+def test_axis_of_one_rank_compiles_to_xlas_very_program(op, impl, rng):
+    """At axis size 1 every impl's optimized program is impl="xla"'s, names
+    aside: the same kernels, so any time measured between them is the
+    measurement's spread (docs/measurements.md, session 27)."""
+    from support import case
+
+    from jax_flashoverlap.benchmarking import comparable_hlo
+
+    args, in_specs, out_spec, _ = case(op, 1, rng, "float32")
+    mesh = cpu_mesh(1, dp=8)
+
+    def program(impl):
+        return comparable_hlo(_op_on_mesh(op, mesh, in_specs, out_spec, impl=impl)
+                              .lower(*args).compile())
+    assert program(impl) == program("xla")

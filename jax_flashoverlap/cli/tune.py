@@ -23,7 +23,6 @@ import functools
 import json
 import math
 import pathlib
-import re
 import statistics
 import sys
 import time
@@ -263,9 +262,8 @@ def _verify(entries, mesh, dtype, rng, reps, out) -> float:
 def _program(op, impl, placed, mesh, specs) -> str:
     """The optimized HLO of ``impl``'s timing loop, without what names it
     (the module's name, each instruction's metadata)."""
-    text = benchmarking.looped(_per_rank(op, impl), mesh, specs, 2).lower(*placed).compile()
-    text = re.sub(r", metadata=\{[^}]*\}", "", text.as_text())
-    return re.sub(r"^HloModule \S+", "HloModule", text, flags=re.M)
+    loop = benchmarking.looped(_per_rank(op, impl), mesh, specs, 2)
+    return benchmarking.comparable_hlo(loop.lower(*placed).compile())
 
 
 def _per_rank_shapes(op, shape, n, dtype) -> list[tuple[int, ...]]:
