@@ -383,20 +383,13 @@ def test_bf16_decoding_through_the_attention_kernel_is_as_accurate():
 def test_the_attention_kernel_updates_the_kv_cache_in_place():
     """The compiled loop with the kernel copies no layer's cache: the
     kernel's outputs alias the donated caches."""
-    model_cls, config = MODELS["transformer"]
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
                              ("data", "tensor"))
-    model = build(model_cls, dataclasses.replace(config, dtype="bfloat16",
-                                                 decode_attention="pallas"), mesh)
-    with jax.set_mesh(mesh):
-        generator = models.Generator(model, batch=1, prompt_len=PROMPT_LEN,
-                                     max_new_tokens=NEW_TOKENS)
-        hlo = generator.decode_steps(NEW_TOKENS - 1).as_text()
-    cache_shape = (f"bf16[1,{config.num_kv_heads},{generator.shape.cache_len},"
-                   f"{config.head_dim}]")
-    assert f"{cache_shape}" in hlo
-    copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
-    assert not copies, copies
+    hlo, model, generator = _compiled_decode_loop("transformer", mesh,
+                                                  decode_attention="pallas")
+    config = model.config
+    _assert_never_copied(hlo, f"bf16[1,{config.num_kv_heads},{generator.shape.cache_len},"
+                              f"{config.head_dim}]")
 
 
 @pytest.mark.gpu
@@ -430,38 +423,39 @@ def test_two_gpu_decoding_matches_xla(impl):
     assert_close(np.asarray(logits)[:, 0], f64(want)[:, 0], "bfloat16")
 
 
-def test_the_decode_loop_updates_the_kv_cache_in_place():
-    """No copy of a layer's cache in the compiled loop: the cache is sized
-    once by prefill, and each step writes its position into the donated buffer."""
-    model_cls, config = MODELS["transformer"]
-    mesh = cpu_mesh(tp=2)
-    model = build(model_cls, dataclasses.replace(config, dtype="bfloat16"), mesh)
+def _compiled_decode_loop(name: str, mesh, **overrides):
+    """(the optimized HLO of ``name``'s bf16 decode loop on ``mesh``, batch 1,
+    the model, its Generator)."""
+    model_cls, config = MODELS[name]
+    model = build(model_cls, dataclasses.replace(config, dtype="bfloat16", **overrides), mesh)
     with jax.set_mesh(mesh):
         generator = models.Generator(model, batch=1, prompt_len=PROMPT_LEN,
                                      max_new_tokens=NEW_TOKENS)
-        hlo = generator.decode_steps(NEW_TOKENS - 1).as_text()
-    b, kv, length, h = 1, config.num_kv_heads // 2, generator.shape.cache_len, config.head_dim
-    cache_shape = f"bf16[{b},{kv},{length},{h}]"
-    assert f"= {cache_shape}" in hlo  # the cache is in the program, by that shape
-    copies = [line for line in hlo.splitlines() if f"= {cache_shape}" in line and " copy(" in line]
+        return generator.decode_steps(NEW_TOKENS - 1).as_text(), model, generator
+
+
+def _assert_never_copied(hlo: str, shape: str) -> None:
+    """A buffer of ``shape`` (e.g. "bf16[1,2,17,16]") is in the program and never copied."""
+    assert f"= {shape}" in hlo
+    copies = [line for line in hlo.splitlines() if f"= {shape}" in line and " copy(" in line]
     assert not copies, copies
+
+
+def test_the_decode_loop_updates_the_kv_cache_in_place():
+    """No copy of a layer's cache in the compiled loop: the cache is sized
+    once by prefill, and each step writes its position into the donated buffer."""
+    hlo, model, generator = _compiled_decode_loop("transformer", cpu_mesh(tp=2))
+    config = model.config
+    _assert_never_copied(hlo, f"bf16[1,{config.num_kv_heads // 2},{generator.shape.cache_len},"
+                              f"{config.head_dim}]")
 
 
 def test_the_mamba_decode_loop_updates_the_conv_state_in_place():
     """The convolution's state is a ring: each step overwrites one row of
     the donated buffer, where shifting it copied the state per layer and step."""
-    model_cls, config = MODELS["mamba"]
-    mesh = cpu_mesh(tp=2)
-    model = build(model_cls, dataclasses.replace(config, dtype="bfloat16"), mesh)
-    with jax.set_mesh(mesh):
-        generator = models.Generator(model, batch=1, prompt_len=PROMPT_LEN,
-                                     max_new_tokens=NEW_TOKENS)
-        hlo = generator.decode_steps(NEW_TOKENS - 1).as_text()
+    hlo, model, _ = _compiled_decode_loop("mamba", cpu_mesh(tp=2))
     channels = model.blocks[0].mixer.conv_weight.shape[1] // 2      # this rank's
-    state_shape = f"bf16[{config.conv_width - 1},1,{channels}]"
-    assert f"= {state_shape}" in hlo
-    copies = [line for line in hlo.splitlines() if f"= {state_shape}" in line and " copy(" in line]
-    assert not copies, copies
+    _assert_never_copied(hlo, f"bf16[{model.config.conv_width - 1},1,{channels}]")
 
 
 def test_a_convolution_of_width_one_is_an_error():
