@@ -403,15 +403,17 @@ def main(argv: list[str] | None = None) -> int:
                 impls, args.decode_matmuls, dict.fromkeys(attentions)):
             model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
                                 decode_matmul, decode_attention)
-            uses_kernel = (model_name == "transformer"
-                           and model.blocks[0].attn.decode_implementation == "pallas")
-            for split_positions in (args.split_positions if uses_kernel else [None]):
+            # What "auto" resolved to on this platform, as the rows record it.
+            attention_ran = (model.blocks[0].attn.decode_implementation
+                             if model_name == "transformer" else "model")
+            for split_positions in (args.split_positions if attention_ran == "pallas"
+                                    else [None]):
                 if exact is None:
                     with jax.set_mesh(mesh):
                         exact = float32_copy(model)
                 for batch in args.batches:
                     for context in args.contexts:
-                        case = Case(model_name, label, decode_matmul, decode_attention,
+                        case = Case(model_name, label, decode_matmul, attention_ran,
                                     split_positions, batch, context)
                         if lead:
                             print(f"--- {case}", flush=True)
