@@ -227,8 +227,8 @@ def _verify(entries, mesh, dtype, rng, reps, out) -> float:
     impl's per-repetition times over the fastest's, exactly 1 when auto
     picked the fastest. Else auto is timed among them. The fastest impl is
     the one of least median time. Timing identical programs apart would
-    measure only the machine's spread: on 8 CPU devices that share cores,
-    0.81-1.93 times each other in one process.
+    measure only the machine's spread: on 8 CPU devices that share cores
+    they came out 0.81 to 1.93 times each other (docs/measurements.md).
     """
     if not entries:
         print("verify: no tuned shapes to verify", file=out)
@@ -260,8 +260,8 @@ def _verify(entries, mesh, dtype, rng, reps, out) -> float:
 
 
 def _program(op, impl, placed, mesh, specs) -> str:
-    """The optimized HLO of ``impl``'s timing loop, without what names it
-    (the module's name, each instruction's metadata)."""
+    """The optimized HLO of ``impl``'s timing loop, names aside
+    (:func:`benchmarking.comparable_hlo`)."""
     loop = benchmarking.looped(_per_rank(op, impl), mesh, specs, 2)
     return benchmarking.comparable_hlo(loop.lower(*placed).compile())
 
