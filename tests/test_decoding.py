@@ -340,6 +340,28 @@ def test_generate_command_passes_the_decode_matmul_to_the_layers(tmp_path, monke
     assert texts[0] == texts[1]
 
 
+def test_generate_command_passes_the_decode_attention_to_the_layers(tmp_path, monkeypatch):
+    """--decode-attention pallas reaches every attention layer (the kernel
+    replaced by its contract in jnp ops, which runs on CPU): greedy's text,
+    as with the model's attention."""
+    calls = []
+
+    def attend(*args):
+        calls.append(args[0].shape)
+        return _attention_as_the_kernel_computes_it(*args)
+
+    monkeypatch.setattr(models.decode_attention_pallas, "decode_attention", attend)
+    texts = []
+    for flag in ("model", "pallas"):
+        out = tmp_path / f"{flag}.json"
+        assert generate_cli.main(["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "4",
+                                  "--warmup", "0", "--decode-attention", flag,
+                                  "--json", str(out)]) == 0
+        texts.append(json.loads(out.read_text())["texts"])
+        assert bool(calls) == (flag == "pallas")
+    assert texts[0] == texts[1]
+
+
 def test_byte_tokens_round_trip():
     text = "naïve – ok"
     assert generate_cli.decode_text(generate_cli.encode(text)) == text
