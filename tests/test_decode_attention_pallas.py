@@ -63,6 +63,7 @@ def test_attention_and_cache_update_match_float64(pos, splits, rng):
 
 @pytest.mark.parametrize("q_per_kv", [1, 3, 16])
 def test_query_groups(q_per_kv, rng):
+    """bf16, 1 to 16 query heads per KV head (the padded rows' full tile)."""
     _check(rng, "bfloat16", 130, None, interpret=True, q_per_kv=q_per_kv, b=1, kv=3)
 
 
