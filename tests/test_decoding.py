@@ -328,16 +328,26 @@ def test_generate_command_passes_the_decode_matmul_to_the_layers(tmp_path, monke
         impls.append(impl)
         return decode_matmul(x, w, impl=impl)
     monkeypatch.setattr(nn, "decode_matmul", recording)
-    texts = []
-    for flag in ("xla", "cuda"):
-        out = tmp_path / f"{flag}.json"
-        assert generate_cli.main(["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "4",
-                                  "--warmup", "0", "--decode-matmul", flag,
-                                  "--json", str(out)]) == 0
-        texts.append(json.loads(out.read_text())["texts"])
+
+    def each(flag):
         assert set(impls) == {flag}
         impls.clear()
+    texts = _generated_texts(tmp_path, "--decode-matmul", ("xla", "cuda"), each)
     assert texts[0] == texts[1]
+
+
+def _generated_texts(tmp_path, flag: str, values, after_each) -> list:
+    """The generate command's texts (4 greedy bytes after "def f(", one
+    device) with ``flag`` at each of ``values``, calling ``after_each(value)``
+    after each run."""
+    texts = []
+    for value in values:
+        out = tmp_path / f"{value}.json"
+        assert generate_cli.main(["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "4",
+                                  "--warmup", "0", flag, value, "--json", str(out)]) == 0
+        texts.append(json.loads(out.read_text())["texts"])
+        after_each(value)
+    return texts
 
 
 def test_generate_command_passes_the_decode_attention_to_the_layers(tmp_path, monkeypatch):
@@ -351,14 +361,10 @@ def test_generate_command_passes_the_decode_attention_to_the_layers(tmp_path, mo
         return _attention_as_the_kernel_computes_it(*args)
 
     monkeypatch.setattr(models.decode_attention_pallas, "decode_attention", attend)
-    texts = []
-    for flag in ("model", "pallas"):
-        out = tmp_path / f"{flag}.json"
-        assert generate_cli.main(["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "4",
-                                  "--warmup", "0", "--decode-attention", flag,
-                                  "--json", str(out)]) == 0
-        texts.append(json.loads(out.read_text())["texts"])
+
+    def each(flag):
         assert bool(calls) == (flag == "pallas")
+    texts = _generated_texts(tmp_path, "--decode-attention", ("model", "pallas"), each)
     assert texts[0] == texts[1]
 
 
