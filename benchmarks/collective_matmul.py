@@ -27,7 +27,6 @@ import contextlib
 import functools
 import json
 import os
-import statistics
 import subprocess
 import sys
 
@@ -175,6 +174,7 @@ def run(ops, shapes, impls, reps, devices=None, check=True, interleaved=False):
     from jax_flashoverlap.benchmarking import (
         Timing,
         first_devices_mesh,
+        median_ratio,
         time_interleaved,
         time_per_op,
     )
@@ -231,12 +231,8 @@ def run(ops, shapes, impls, reps, devices=None, check=True, interleaved=False):
                 est = time_interleaved(together, args, mesh=mesh,
                                        in_specs=(P("tp"),) * len(args), **loop_lengths(gemm_us))
                 for impl, times in est.items():
-                    extra = {}
-                    if "xla" in est:
-                        extra["vs_xla"] = statistics.median(
-                            t / x for t, x in zip(times, est["xla"], strict=True))
-                    t = Timing(statistics.median(times), min(times), max(times), len(times))
-                    rows.append(row(op, (m, k, cols), impl, t, **extra))
+                    extra = {"vs_xla": median_ratio(times, est["xla"])} if "xla" in est else {}
+                    rows.append(row(op, (m, k, cols), impl, Timing.of(times), **extra))
                     print(f"{op:22s} {m}x{k}x{cols:<6d} {impl:13s} "
                           f"{rows[-1]['us']:9.1f} us  {extra.get('vs_xla', float('nan')):.3f}x xla",
                           flush=True)

@@ -42,6 +42,7 @@ import statistics
 import sys
 import time
 from typing import NamedTuple
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -110,14 +111,11 @@ def forced_algorithm(algorithm: str | None):
 def split_positions_set(positions: int | None):
     """Within it, the decode-attention kernel traced splits the cache into
     pieces of at least ``positions`` (None: the module's default)."""
-    kernel = models.decode_attention_pallas
-    saved = kernel.MIN_SPLIT_POSITIONS
-    if positions is not None:
-        kernel.MIN_SPLIT_POSITIONS = positions
-    try:
+    if positions is None:
         yield
-    finally:
-        kernel.MIN_SPLIT_POSITIONS = saved
+        return
+    with mock.patch.object(models.decode_attention_pallas, "MIN_SPLIT_POSITIONS", positions):
+        yield
 
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,

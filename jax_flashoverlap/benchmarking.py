@@ -28,7 +28,7 @@ from jax.sharding import PartitionSpec as P
 from . import settings as environment
 
 __all__ = ["Timing", "time_per_op", "time_interleaved", "first_devices_mesh", "looped",
-           "comparable_hlo", "gemm_autotune_setting", "provenance"]
+           "median_ratio", "comparable_hlo", "gemm_autotune_setting", "provenance"]
 
 # Where the protocol above is written down, for the results' metadata.
 PROTOCOL = "jax_flashoverlap/benchmarking.py (module docstring)"
@@ -42,6 +42,13 @@ class Timing:
     min_s: float
     max_s: float
     reps: int
+
+    @classmethod
+    def of(cls, estimates: Sequence[float]) -> Timing:
+        """The Timing of per-op estimates in seconds (e.g. one op's of
+        :func:`time_interleaved`)."""
+        ordered = sorted(estimates)
+        return cls(statistics.median(ordered), ordered[0], ordered[-1], len(ordered))
 
     @property
     def median_us(self) -> float:
@@ -110,10 +117,9 @@ def time_per_op(op: Callable[..., jax.Array], args: Sequence[jax.Array], *, mesh
     Returns:
       A :class:`Timing`.
     """
-    estimates = sorted(time_interleaved({"op": op}, args, mesh=mesh, in_specs=in_specs, k1=k1,
-                                        k2=k2, reps=reps, warmup=warmup, unroll=unroll,
-                                        compiler_options=compiler_options)["op"])
-    return Timing(statistics.median(estimates), estimates[0], estimates[-1], reps)
+    return Timing.of(time_interleaved({"op": op}, args, mesh=mesh, in_specs=in_specs, k1=k1,
+                                      k2=k2, reps=reps, warmup=warmup, unroll=unroll,
+                                      compiler_options=compiler_options)["op"])
 
 
 def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[jax.Array], *,
@@ -126,7 +132,7 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
     one after another (starting with a different op each time), so that a
     slow spell of the machine (other processes, clocks) falls on all of them
     alike. Compare two ops by the median of
-    their per-repetition ratios: on 8 CPU devices that share cores, "auto"
+    their per-repetition ratios (:func:`median_ratio`): on 8 CPU devices that share cores, "auto"
     timed by its own :func:`time_per_op` calls came out 0.81 to 1.37 times
     the fastest impl although it compiles to one of their programs
     (docs/measurements.md, session 18).
@@ -166,6 +172,12 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
             by_k = loops[name]
             estimates[name].append((wall(by_k[k2]) - wall(by_k[k1])) / (k2 - k1))
     return estimates
+
+
+def median_ratio(estimates: Sequence[float], baseline: Sequence[float]) -> float:
+    """How many times ``baseline`` an op took: the median over repetitions
+    of their per-repetition ratio (two ops' lists of :func:`time_interleaved`)."""
+    return statistics.median(a / b for a, b in zip(estimates, baseline, strict=True))
 
 
 def comparable_hlo(compiled) -> str:

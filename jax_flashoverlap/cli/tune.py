@@ -247,7 +247,7 @@ def _verify(entries, mesh, dtype, rng, reps, out) -> float:
                                           reps=reps, warmup=1)
         fastest = min(e.times_us, key=lambda i: statistics.median(t[i]))
         auto = runs_as or "auto"
-        ratio = statistics.median(a / b for a, b in zip(t[auto], t[fastest]))
+        ratio = benchmarking.median_ratio(t[auto], t[fastest])
         worst = max(worst, ratio)
         how = f"auto runs {runs_as}'s program" if runs_as else "auto"
         print(f"verify {e.op} {'x'.join(map(str, e.shape))}: {how} "
