@@ -64,6 +64,7 @@ nb::dict Registrations() {
 #endif
 #ifdef JFO_WITH_CUTLASS
   d["jfo_tile_gemm"] = Capsule(jfo::JfoTileGemm);
+  d["jfo_gather_tile_gemm_check"] = Capsule(jfo::JfoGatherTileGemmCheck);
 #endif
   return d;
 }

@@ -1,9 +1,12 @@
-// The tile-signalled GEMM (tile_gemm.h) on CUTLASS 3: the cooperative
-// warp-specialized Hopper kernel, tiles of 256 x 128 in clusters of 1 x 2,
-// with the TMA-store epilogue that publishes each tile to its row block's
-// counter (tile_gemm/signalling_epilogue.cuh). On one H200 it costs 0-5%
-// against the same kernel without counters (benchmarks/results/
-// cutlass_gemm_tma_signalling_1xh200.json). Compiled for sm_90a only.
+// The tile GEMMs (tile_gemm.h) on CUTLASS 3: the cooperative warp-specialized
+// Hopper kernel, tiles of 256 x 128 in clusters of 1 x 2.
+// - Signalling: the TMA-store epilogue publishes each tile to its row
+//   block's counter (tile_gemm/signalling_epilogue.cuh). On one H200 it costs
+//   0-5% against the same kernel without counters (benchmarks/results/
+//   cutlass_gemm_tma_signalling_1xh200.json).
+// - Gathering: the tiles start at the own rows (tile_gemm/rotated_scheduler.cuh)
+//   and the load warp waits for a tile's rows (tile_gemm/arrival_waits.cuh).
+// Compiled for sm_90a only.
 #include "tile_gemm.h"
 
 #include <mutex>
@@ -15,6 +18,8 @@
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "tile_gemm/arrival_waits.cuh"
+#include "tile_gemm/rotated_scheduler.cuh"
 #include "tile_gemm/signalling_epilogue.cuh"
 
 namespace jfo {
@@ -33,16 +38,25 @@ using PlainEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
     cutlass::epilogue::collective::EpilogueTileAuto, float, float, Element, Layout,
     kAlignment, Element, Layout, kAlignment,
     cutlass::epilogue::TmaWarpSpecializedCooperative>::CollectiveOp;
-using Epilogue = tile_gemm::TmaSignallingEpilogue<PlainEpilogue>;
-using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+template <class Epilogue>
+using MainloopFor = typename cutlass::gemm::collective::CollectiveBuilder<
     cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, Layout, kAlignment,
     Element, Layout, kAlignment, float, TileShape, ClusterShape,
     cutlass::gemm::collective::StageCountAutoCarveout<
         static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
     cutlass::gemm::KernelTmaWarpSpecializedCooperative>::CollectiveOp;
-using Kernel =
-    cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
+using ProblemShape = Shape<int, int, int, int>;
+
+using SignallingEpilogue = tile_gemm::TmaSignallingEpilogue<PlainEpilogue>;
+using Kernel = cutlass::gemm::kernel::GemmUniversal<
+    ProblemShape, MainloopFor<SignallingEpilogue>, SignallingEpilogue>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+
+using GatherKernel = cutlass::gemm::kernel::GemmUniversal<
+    ProblemShape,
+    tile_gemm::ArrivalWaitingMainloop<MainloopFor<PlainEpilogue>, kTileGemmRows>,
+    PlainEpilogue, tile_gemm::RotatedRows>;
+using GatherGemmOp = cutlass::gemm::device::GemmUniversalAdapter<GatherKernel>;
 
 ffi::Error Failed(const char* what, const TileGemmArgs& a) {
   return ffi::Error::Internal(
@@ -50,26 +64,68 @@ ffi::Error Failed(const char* what, const TileGemmArgs& a) {
       std::to_string(a.m) + " x " + std::to_string(a.k) + " x " + std::to_string(a.n));
 }
 
-typename Gemm::Arguments MakeArguments(int ordinal, const TileGemmArgs& a) {
+// The arguments every tile GEMM shares; `epilogue` and `mainloop` wrap the
+// plain CUTLASS ones of `K` as its collectives need.
+template <class K, class EpilogueWrap, class MainloopWrap>
+typename cutlass::gemm::device::GemmUniversalAdapter<K>::Arguments MakeArguments(
+    int ordinal, const TileGemmArgs& a, EpilogueWrap epilogue, MainloopWrap mainloop) {
   const int m = static_cast<int>(a.m), n = static_cast<int>(a.n), k = static_cast<int>(a.k);
-  auto sa = cutlass::make_cute_packed_stride(typename Kernel::StrideA{}, {m, k, 1});
-  auto sb = cutlass::make_cute_packed_stride(typename Kernel::StrideB{}, {n, k, 1});
-  auto sd = cutlass::make_cute_packed_stride(typename Kernel::StrideD{}, {m, n, 1});
+  auto sa = cutlass::make_cute_packed_stride(typename K::StrideA{}, {m, k, 1});
+  auto sb = cutlass::make_cute_packed_stride(typename K::StrideB{}, {n, k, 1});
+  auto sd = cutlass::make_cute_packed_stride(typename K::StrideD{}, {m, n, 1});
   auto* d = static_cast<Element*>(a.d);
-  typename Kernel::EpilogueArguments epilogue{{{1.0f, 0.0f}, d, sd, d, sd}, a.counters};
-  typename Gemm::Arguments args{
+  typename cutlass::gemm::device::GemmUniversalAdapter<K>::Arguments args{
       cutlass::gemm::GemmUniversalMode::kGemm,
       {m, n, k, 1},
-      {static_cast<const Element*>(a.x), sa, static_cast<const Element*>(a.w), sb},
-      epilogue,
-      cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(ordinal)};
+      mainloop({static_cast<const Element*>(a.x), sa, static_cast<const Element*>(a.w), sb}),
+      epilogue({{1.0f, 0.0f}, d, sd, d, sd}),
+      cutlass::KernelHardwareInfo::make_kernel_hardware_info<K>(ordinal)};
   // Along N: the tiles of a row block run one after another, so row blocks
   // finish in order and the first can be sent while later ones compute
   // (CUTLASS's heuristic goes along M when N has more tiles, and then every
-  // row block finishes near the end).
+  // row block finishes near the end); the gathering GEMM likewise reaches
+  // the peers' rows in the order they arrive.
   args.scheduler.raster_order =
       cutlass::gemm::kernel::detail::RasterOrderOptions::AlongN;
   return args;
+}
+
+typename Gemm::Arguments SignallingArguments(int ordinal, const TileGemmArgs& a) {
+  return MakeArguments<Kernel>(
+      ordinal, a,
+      [&](typename PlainEpilogue::Arguments base) {
+        return typename Kernel::EpilogueArguments{base, a.counters};
+      },
+      [](typename Kernel::MainloopArguments base) { return base; });
+}
+
+typename GatherGemmOp::Arguments GatherArguments(int ordinal, const GatherGemmArgs& a) {
+  auto args = MakeArguments<GatherKernel>(
+      ordinal, a.gemm, [](typename PlainEpilogue::Arguments base) { return base; },
+      [&](typename MainloopFor<PlainEpilogue>::Arguments base) {
+        return typename GatherKernel::MainloopArguments{base, a.arrivals};
+      });
+  args.scheduler.first_tile_m = static_cast<int>(a.first_row / kTileGemmRows);
+  return args;
+}
+
+// Checks, initializes and launches `Op` on `arguments`.
+template <class Op>
+ffi::Error Launch(const typename Op::Arguments& arguments, const TileGemmArgs& args,
+                  void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  if (Op::get_workspace_size(arguments) > workspace_bytes) {
+    return Failed("workspace too small", args);
+  }
+  Op gemm;
+  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) {
+    return Failed("CUTLASS cannot implement the problem", args);
+  }
+  if (gemm.initialize(arguments, workspace, stream) != cutlass::Status::kSuccess) {
+    return Failed("initialize failed", args);
+  }
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return Failed("launch failed", args);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -97,25 +153,40 @@ ffi::Error CheckTileGemm(int ordinal, const TileGemmArgs& a) {
 }
 
 size_t TileGemmWorkspaceBytes(int ordinal, const TileGemmArgs& args) {
-  return Gemm::get_workspace_size(MakeArguments(ordinal, args));
+  return Gemm::get_workspace_size(SignallingArguments(ordinal, args));
 }
 
 ffi::Error TileGemm(int ordinal, const TileGemmArgs& args, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream) {
-  const auto arguments = MakeArguments(ordinal, args);
-  if (Gemm::get_workspace_size(arguments) > workspace_bytes) {
-    return Failed("workspace too small", args);
+  return Launch<Gemm>(SignallingArguments(ordinal, args), args, workspace, workspace_bytes,
+                      stream);
+}
+
+ffi::Error CheckGatherGemm(int ordinal, const GatherGemmArgs& args) {
+  JFO_RETURN_IF_ERROR(CheckTileGemm(ordinal, args.gemm));
+  const RowArrivals& a = args.arrivals;
+  if (args.first_row < 0 || args.first_row >= args.gemm.m || a.blocks < 0 ||
+      a.blocks > RowArrivals::kMaxBlocks ||
+      (a.blocks > 0 && (a.block_rows <= 0 ||
+                        static_cast<int64_t>(a.block_rows) * a.blocks < args.gemm.m))) {
+    return ffi::Error::InvalidArgument(
+        "jax_flashoverlap tile GEMM: the gathered rows need 1 to " +
+        std::to_string(RowArrivals::kMaxBlocks) + " blocks covering all " +
+        std::to_string(args.gemm.m) + " rows and a first row inside them, got " +
+        std::to_string(a.blocks) + " blocks of " + std::to_string(a.block_rows) +
+        " rows, first row " + std::to_string(args.first_row));
   }
-  Gemm gemm;
-  if (gemm.can_implement(arguments) != cutlass::Status::kSuccess) {
-    return Failed("CUTLASS cannot implement the problem", args);
-  }
-  if (gemm.initialize(arguments, workspace, stream) != cutlass::Status::kSuccess) {
-    return Failed("initialize failed", args);
-  }
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return Failed("launch failed", args);
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
+}
+
+size_t GatherGemmWorkspaceBytes(int ordinal, const GatherGemmArgs& args) {
+  return GatherGemmOp::get_workspace_size(GatherArguments(ordinal, args));
+}
+
+ffi::Error GatherGemm(int ordinal, const GatherGemmArgs& args, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream) {
+  return Launch<GatherGemmOp>(GatherArguments(ordinal, args), args.gemm, workspace,
+                              workspace_bytes, stream);
 }
 
 bool FirstTileGemmOn(int ordinal) {

@@ -1,8 +1,12 @@
-// The tile-signalled GEMM (FlashOverlap's tile-wise signalling): one CUTLASS
-// Hopper GEMM over the whole problem whose epilogue counts each finished
-// output tile in its row block's counter, so that copies of finished rows
-// can start while the GEMM goes on (a copy engine held by
-// cuStreamWaitValue32 on the counter), with no cut into row-block GEMMs.
+// The tile GEMMs of FlashOverlap's tile-wise signalling: one CUTLASS Hopper
+// GEMM over the whole problem, with no cut into row-block GEMMs.
+// - The signalling GEMM (reduce-scatter and all-reduce sides): its epilogue
+//   counts each finished output tile in its row block's counter, so that
+//   copies of finished rows can start while the GEMM goes on (a copy engine
+//   held by cuStreamWaitValue32 on the counter).
+// - The gathering GEMM (all-gather side): it starts at this rank's own rows
+//   and loads a peer's rows only once their copy-engine flag says they have
+//   arrived.
 // Built only with CUTLASS (JFO_WITH_CUTLASS: the pinned nvidia-cutlass
 // headers found at build time); runs on sm_90 GPUs.
 #pragma once
@@ -10,6 +14,7 @@
 #include <cstdint>
 
 #include "common.h"
+#include "transport/transport.h"
 
 namespace jfo {
 
@@ -43,6 +48,36 @@ ffi::Error CheckTileGemm(int ordinal, const TileGemmArgs& args);
 // Launches the GEMM; `args` passed CheckTileGemm.
 ffi::Error TileGemm(int ordinal, const TileGemmArgs& args, void* workspace,
                     size_t workspace_bytes, cudaStream_t stream);
+// Where the gathered rows of A come from: block b (rows [b * block_rows,
+// ...), rank b's rows) may be read once flag[b] (a copy-engine flag,
+// ChannelFlag) reaches expected[b]; a null flag: the block is in place before
+// the GEMM starts (this rank's own rows). A wait that fails (timeout, peer
+// out of step) is recorded through `report`, with peer_rank b and
+// peer_ordinal[b], and the GEMM goes on: the call's outputs become NaN and
+// the host gets the error, as for the transport's own waits.
+struct RowArrivals {
+  static constexpr int kMaxBlocks = 8;
+  int32_t block_rows = 0;
+  int32_t blocks = 0;  // 0: nothing to wait for
+  const uint32_t* flag[kMaxBlocks] = {};
+  uint32_t expected[kMaxBlocks] = {};
+  int32_t peer_ordinal[kMaxBlocks] = {};
+  WaitReport report = {};
+};
+
+// The gathering GEMM: D = X @ W as TileGemm (counters unused), tiles in row
+// order starting at the row block of `first_row` and wrapping, each reading
+// its rows of X once `arrivals` says they are there.
+struct GatherGemmArgs {
+  TileGemmArgs gemm;
+  int64_t first_row = 0;
+  RowArrivals arrivals;
+};
+size_t GatherGemmWorkspaceBytes(int ordinal, const GatherGemmArgs& args);
+ffi::Error CheckGatherGemm(int ordinal, const GatherGemmArgs& args);
+ffi::Error GatherGemm(int ordinal, const GatherGemmArgs& args, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream);
+
 // True once per device: for a schedule's rehearsal to launch the GEMM (and
 // so load its kernel) before the device's first call that waits.
 bool FirstTileGemmOn(int ordinal);
@@ -51,6 +86,9 @@ bool FirstTileGemmOn(int ordinal);
 // The handler of `jfo_tile_gemm` (tests and benchmarks: the GEMM and its
 // counters alone, from zeroed counters).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoTileGemm);
+// The handler of `jfo_gather_tile_gemm_check` (tests: the gathering GEMM on
+// one GPU, its rows arriving from a second stream, tile_gemm_check.cu).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoGatherTileGemmCheck);
 #endif
 
 }  // namespace jfo

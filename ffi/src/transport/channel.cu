@@ -25,14 +25,25 @@ using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
 StreamValue32Fn g_write_value32 = nullptr;
 StreamValue32Fn g_wait_value32 = nullptr;
 
-// The injected "stall": `stream` idles `ms` before the call's work.
-ffi::Error Stall(cudaStream_t stream, int ms) {
-  SleepKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(ms) * 1000000ull);
+}  // namespace
+
+ffi::Error HoldStream(cudaStream_t stream, uint64_t ns) {
+  SleepKernel<<<1, 1, 0, stream>>>(ns);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
 
-}  // namespace
+ffi::Error WriteFlag(cudaStream_t stream, uint32_t* flag, uint32_t value) {
+  JFO_RETURN_IF_ERROR(LoadDriverEntryPoints());
+  // The default flags order the write after the earlier work's data is visible.
+  CUresult res = g_write_value32(reinterpret_cast<CUstream>(stream),
+                                 reinterpret_cast<CUdeviceptr>(flag), value, 0);
+  if (res != CUDA_SUCCESS) {
+    return ffi::Error::Internal("jax_flashoverlap: cuStreamWriteValue32 failed "
+                                "with CUresult " + std::to_string(res));
+  }
+  return ffi::Error::Success();
+}
 
 ffi::Error LoadDriverEntryPoints() {
   if (g_write_value32 && g_wait_value32) return ffi::Error::Success();
@@ -118,9 +129,9 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
     const uint32_t init[3] = {flag, 0, 0};
     TimeoutRecord info{};
     if (check(cudaMemcpy(words, init, sizeof(init), cudaMemcpyHostToDevice))) {
-      WaitFlagKernel<<<1, 1>>>(words, expected,
-                               static_cast<uint64_t>(timeout_ms) * 1000000ull,
-                               words + 1, 1, record, words + 2, info);
+      WaitFlagKernel<<<1, 1>>>(
+          words, expected,
+          {static_cast<uint64_t>(timeout_ms) * 1000000ull, words + 1, 1, record, words + 2, info});
       if (check(cudaGetLastError()) && check(cudaDeviceSynchronize())) {
         result = !record->set ? "reached"
                  : record->out_of_step ? "out of step"
@@ -136,7 +147,9 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
   int stall_ms = 0;
   const FaultKind kind = TakeFault(group.ordinals[group.rank], &stall_ms);
-  if (kind == FaultKind::kStall) return Stall(stream, stall_ms);
+  if (kind == FaultKind::kStall) {
+    return HoldStream(stream, static_cast<uint64_t>(stall_ms) * 1000000ull);
+  }
   if (kind != FaultKind::kNone) {
     const std::string why = std::string("jax_flashoverlap ") + OpName(op) +
                             ": injected fault: rank " +
@@ -165,7 +178,9 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
     return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op) +
                                 ": " + failure_);
   }
-  if (fault_ == FaultKind::kStall) JFO_RETURN_IF_ERROR(Stall(stream_, stall_ms));
+  if (fault_ == FaultKind::kStall) {
+    JFO_RETURN_IF_ERROR(HoldStream(stream_, static_cast<uint64_t>(stall_ms) * 1000000ull));
+  }
   // Calls of this device in host order, whichever stream each came on.
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, dev_->last_end, 0));
   timeout_ns_ = static_cast<uint64_t>(timeout_ms) * 1000000ull;
@@ -311,16 +326,8 @@ ffi::ErrorOr<int> Channel::SendWhen(int peer_rank, size_t offset, const void* sr
     JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(remote, src, bytes,
                                              cudaMemcpyDeviceToDevice, s));
   }
-  // The default flags order the write after the copy's data is visible.
-  const uint32_t flag =
-      ChannelFlag(dev_->pair_calls[peer] + 1, sent_[peer_rank] + 1);
-  CUresult res = g_write_value32(
-      reinterpret_cast<CUstream>(s),
-      reinterpret_cast<CUdeviceptr>(dst->flags + self), flag, 0);
-  if (res != CUDA_SUCCESS) {
-    return ffi::Error::Internal("jax_flashoverlap: cuStreamWriteValue32 failed "
-                                "with CUresult " + std::to_string(res));
-  }
+  JFO_RETURN_IF_ERROR(WriteFlag(
+      s, dst->flags + self, ChannelFlag(dev_->pair_calls[peer] + 1, sent_[peer_rank] + 1)));
   if (fault_ == FaultKind::kError) return InjectedError();
   return sent_[peer_rank]++;
 }
@@ -344,9 +351,9 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
   info.peer_ordinal = peer;
   info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
   const uint32_t expected = ChannelFlag(dev_->pair_calls[peer] + 1, index + 1);
-  WaitFlagKernel<<<1, 1, 0, s>>>(dev_->flags + peer, expected, timeout_ns_,
-                                 dev_->fail_call, call_id_, dev_->record,
-                                 dev_->record_lock, info);
+  WaitFlagKernel<<<1, 1, 0, s>>>(dev_->flags + peer, expected,
+                                 {timeout_ns_, dev_->fail_call, call_id_, dev_->record,
+                                  dev_->record_lock, info});
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   auto ev = NextEvent();
   if (ev.has_error()) return ev;

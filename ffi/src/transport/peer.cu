@@ -180,6 +180,8 @@ ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
   return ffi::Error::Success();
 }
 
+}  // namespace
+
 std::string FormatTimeout(const TimeoutRecord& r) {
   const OpId op = static_cast<OpId>(r.op);
   if (op == OpId::kAllReduceAbandoned) {
@@ -212,8 +214,6 @@ std::string FormatTimeout(const TimeoutRecord& r) {
          " ms waiting for rank " + std::to_string(r.peer_rank) +
          " (CUDA device " + std::to_string(r.peer_ordinal) + "), " + what;
 }
-
-}  // namespace
 
 DeviceState* LookupDevice(int ordinal) {
   std::lock_guard<std::mutex> lock(g_mu);

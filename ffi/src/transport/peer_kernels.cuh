@@ -11,33 +11,9 @@ namespace jfo {
 namespace internal {
 
 // One thread: a spinning CTA must not starve the GEMM (or NCCL) of SMs.
-// Ends when the flag reaches `expected`; records a failure (and the call's
-// outputs become NaN) after `timeout_ns`, or at once when the flag shows the
-// peer two calls ahead.
 __global__ void WaitFlagKernel(const uint32_t* flag, uint32_t expected,
-                               uint64_t timeout_ns, uint32_t* fail_call,
-                               uint32_t call_id, TimeoutRecord* record,
-                               uint32_t* record_lock, TimeoutRecord info) {
-  const uint64_t start = signal::GlobalTimerNs();
-  uint32_t seen;
-  for (;;) {
-    seen = signal::LoadAcquire(flag);
-    if (signal::Reached(seen, expected)) {
-      // The pair's call numbers (ChannelFlag), in wrapping order.
-      const uint32_t calls_ahead =
-          ((seen >> kFlagMessageBits) - (expected >> kFlagMessageBits)) &
-          ((1u << (32 - kFlagMessageBits)) - 1);
-      if (calls_ahead < 2) return;
-      info.out_of_step = 1;
-      break;
-    }
-    // Another wait of this call already failed: stop, outputs are NaN.
-    if (*reinterpret_cast<volatile uint32_t*>(fail_call) == call_id) return;
-    if (signal::GlobalTimerNs() - start > timeout_ns) break;
-  }
-  if (atomicExch(fail_call, call_id) == call_id) return;
-  signal::RecordTimeout(record, record_lock, info, info.peer_rank,
-                        info.peer_ordinal, expected, seen);
+                               WaitReport report) {
+  signal::WaitChannelFlag(flag, expected, report);
 }
 
 // Holds the stream for `ns` (the "stall" of the fault-injection hook).

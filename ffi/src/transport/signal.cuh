@@ -1,7 +1,8 @@
 // Device side of the peer transport's signals: the clock, acquire/release
 // accesses to flag words at system scope, and the timeout report. Used by the
-// transport's own wait kernel (peer_kernels.cuh) and by kernels that work on
-// a PeerRegion (all_reduce_flags.cu, all_reduce_lamport.cu).
+// transport's own wait kernel (peer_kernels.cuh), by kernels that work on a
+// PeerRegion (all_reduce_flags.cu, all_reduce_lamport.cu) and by the tile
+// GEMM that waits for gathered rows (tile_gemm/arrival_waits.cuh).
 #pragma once
 
 #include <cstdint>
@@ -80,6 +81,37 @@ __device__ __forceinline__ void RecordTimeout(TimeoutRecord* record,
   }
   __threadfence();
   atomicExch(lock, 0u);
+}
+
+// One thread waits for a copy-engine flag (ChannelFlag) to reach `expected`:
+// true once it does. False after the timeout, at once when the flag shows the
+// peer two calls ahead (the ranks are out of step), or when another wait of
+// the call has failed; the call's first failure is recorded for the host.
+__device__ __forceinline__ bool WaitChannelFlag(const uint32_t* flag,
+                                                uint32_t expected,
+                                                WaitReport report) {
+  const uint64_t start = GlobalTimerNs();
+  uint32_t seen;
+  for (;;) {
+    seen = LoadAcquire(flag);
+    if (Reached(seen, expected)) {
+      // The pair's call numbers, in wrapping order.
+      const uint32_t calls_ahead =
+          ((seen >> kFlagMessageBits) - (expected >> kFlagMessageBits)) &
+          ((1u << (32 - kFlagMessageBits)) - 1);
+      if (calls_ahead < 2) return true;
+      report.info.out_of_step = 1;
+      break;
+    }
+    if (*reinterpret_cast<volatile uint32_t*>(report.fail_call) == report.call_id) {
+      return false;
+    }
+    if (GlobalTimerNs() - start > report.timeout_ns) break;
+  }
+  if (atomicExch(report.fail_call, report.call_id) == report.call_id) return false;
+  RecordTimeout(report.record, report.record_lock, report.info, report.info.peer_rank,
+                report.info.peer_ordinal, expected, seen);
+  return false;
 }
 
 // After a timeout of an all-reduce wait: the region of this device and of

@@ -102,6 +102,23 @@ struct TimeoutRecord {
   int32_t out_of_step;  // 0: timed out; 1: the peer was two calls ahead
 };
 
+// The host's message for a failed wait: the op, this rank and the peer it
+// waited for, and whether it timed out or found the peer out of step.
+std::string FormatTimeout(const TimeoutRecord& record);
+
+// Where a failed wait of a call reports (signal::WaitChannelFlag): `fail_call`
+// holds the call's id once any of its waits failed (the others then stop at
+// once, and its outputs become NaN); `record` (under `record_lock`) tells the
+// host which wait, with `info` naming the op, this rank and the peer.
+struct WaitReport {
+  uint64_t timeout_ns;
+  uint32_t* fail_call;
+  uint32_t call_id;
+  TimeoutRecord* record;
+  uint32_t* record_lock;
+  TimeoutRecord info;
+};
+
 // A copy-engine flag (Channel): the pair's call number, wrapping, in the high
 // bits and the message's index in the call, from 1, in the low ones. A later
 // message of the pair always holds a larger value (in wrapping order).
@@ -111,6 +128,12 @@ inline uint32_t ChannelFlag(uint64_t pair_call, int message) {
   return static_cast<uint32_t>(pair_call << kFlagMessageBits) |
          static_cast<uint32_t>(message);
 }
+
+// `stream` writes `value` into `flag` once its earlier work's writes are
+// visible (cuStreamWriteValue32, as Channel::Send's flags).
+ffi::Error WriteFlag(cudaStream_t stream, uint32_t* flag, uint32_t value);
+// `stream` idles `ns` before its later work.
+ffi::Error HoldStream(cudaStream_t stream, uint64_t ns);
 
 // The workspace starts with the GEMMs' cuBLASLt workspace; every call may
 // record up to kEventsPerCall CUDA events (peer.cu).
