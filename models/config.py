@@ -271,7 +271,7 @@ class MambaConfig(_Presets):
       num_groups: G, groups sharing B and C (like key/value heads); must
         divide by the tensor-parallel size, and divide the heads.
       expand: inner width = expand·d.
-      conv_width: the causal depthwise convolution's kernel size, at least 2.
+      conv_width: the causal depthwise convolution's kernel size.
       chunk_size: SSD chunk length (a sequence that is not a multiple is
         padded inside the scan).
       dt_min, dt_max: range of the initial time steps.
@@ -362,9 +362,6 @@ class MambaConfig(_Presets):
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"MambaConfig: chunk_size={self.chunk_size!r} must be a positive "
                              f"int")
-        if not isinstance(self.conv_width, int) or self.conv_width < 2:
-            raise ValueError(f"MambaConfig: conv_width={self.conv_width!r} must be an int of "
-                             f"at least 2 (decoding keeps the last conv_width - 1 inputs)")
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")

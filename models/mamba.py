@@ -345,10 +345,7 @@ class SSMCache(NamedTuple):
 
     Attributes:
       conv: [k-1, b, c], the convolution's last k-1 inputs (this rank's
-        [x, B, C] channels), in the compute dtype, as a ring: position t's
-        input in row t mod (k-1), so that a decode step overwrites one row
-        in place rather than shifting (a copy of the state each layer and
-        step).
+        [x, B, C] channels), in the compute dtype.
       ssm: [b, g, heads/g, p, n] float32, the SSM state of this rank's heads.
     """
 
@@ -420,10 +417,9 @@ class Mamba2Mixer(nnx.Module):
         del cache_len
         out, (conv_in, state) = self._mix(u, length)
         k = self.conv_weight.shape[0]
-        # The convolution's last k-1 inputs, zeros before the sequence's
-        # start, rotated into their ring rows (SSMCache).
+        # The convolution's last k-1 inputs, zeros before the sequence's start.
         conv = jnp.pad(conv_in, ((k - 1, 0), (0, 0), (0, 0)))[length:length + k - 1]
-        return out, SSMCache(jnp.roll(conv, length % (k - 1), axis=0), state)
+        return out, SSMCache(conv, state)
 
     def decode(self, u: jax.Array, cache: SSMCache,
                pos: jax.Array) -> tuple[jax.Array, SSMCache]:
@@ -432,24 +428,18 @@ class Mamba2Mixer(nnx.Module):
         Args:
           u: [1, b, d], the same on every tensor rank.
           cache: this layer's, after position ``pos - 1``.
-          pos: int32 scalar, this token's position (the conv ring's row).
+          pos: int32 scalar (unused: the states hold all the position says).
 
         Returns:
           ([1, b, d] identical on every tensor rank, the cache after ``pos``).
         """
+        del pos
         z, conv_in, dt = self._split(self.in_proj.decode(u))
-        rows = cache.conv.shape[0]
-        oldest = pos % rows                                  # position pos-k+1's row
-        ordered = jnp.take(cache.conv, (oldest + jnp.arange(rows)) % rows, axis=0)
-        window = jnp.concatenate([ordered, conv_in])         # [k, b, c], oldest first
-        # The window is read before the oldest row is overwritten: XLA then
-        # updates the ring in place instead of copying it.
-        window, ring = jax.lax.optimization_barrier((window, cache.conv))
-        ring = jax.lax.dynamic_update_slice(ring, conv_in.astype(ring.dtype), (oldest, 0, 0))
+        window = jnp.concatenate([cache.conv, conv_in])      # [k, b, c]
         parts = self._conv_parts(jax.nn.silu(self._conv(window)[-1:]))
         x, bmat, cmat, dt, a = self._ssm_inputs(*parts, dt)
         y, state = ssd_step(x[0], dt[0], a, bmat[0], cmat[0], cache.ssm)
-        return self._output(y[None], x, z, self.out_proj.decode), SSMCache(ring, state)
+        return self._output(y[None], x, z, self.out_proj.decode), SSMCache(window[1:], state)
 
     def _mix(self, u: jax.Array, length: int | None = None):
         """(output, (the convolution's input [s, b, c], the final SSM state))."""

@@ -478,19 +478,6 @@ def test_the_decode_loop_updates_the_kv_cache_in_place():
                               f"{config.head_dim}]")
 
 
-def test_the_mamba_decode_loop_updates_the_conv_state_in_place():
-    """The convolution's state is a ring: each step overwrites one row of
-    the donated buffer, where shifting it copied the state per layer and step."""
-    hlo, model, _ = _compiled_decode_loop("mamba", cpu_mesh(tp=2))
-    channels = model.blocks[0].mixer.conv_weight.shape[1] // 2      # this rank's
-    _assert_never_copied(hlo, f"bf16[{model.config.conv_width - 1},1,{channels}]")
-
-
-def test_a_convolution_of_width_one_is_an_error():
-    with pytest.raises(ValueError, match=r"conv_width=1 must be an int of at least 2"):
-        dataclasses.replace(models.MambaConfig.tiny(), conv_width=1)
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 def test_meshes_with_explicit_axes(name, rng):
     """jax.make_mesh's default (Explicit axes) gives the tokens and logits of

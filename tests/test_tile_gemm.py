@@ -110,7 +110,8 @@ def test_gathering_gemm_takes_a_peer_one_call_ahead(rng):
 @pytest.mark.parametrize("fault, message", [
     ({"missing_block": 2}, r"rank 1 \(CUDA device \d+\) timed out after 200 ms waiting for "
                            r"rank 2 "),
-    ({"calls_ahead": 2}, r"found rank 2 \(CUDA device \d+\) at least two calls ahead"),
+    ({"calls_ahead": 2}, r"rank 1 \(CUDA device \d+\) found rank 2 \(CUDA device \d+\) at "
+                         r"least two calls ahead"),
 ])
 def test_gathering_gemm_ends_a_fault_in_an_error_naming_the_peer(fault, message, rng):
     """A block that never comes, or a peer two calls ahead, is the

@@ -1,16 +1,20 @@
 // `jfo_gather_tile_gemm_check`: the gathering tile GEMM (tile_gemm.h) on one
 // GPU, its rows arriving as a peer's would. A staging copy of x starts as NaN
-// except this rank's own block; a second stream waits `delay_us`, then copies
-// the other blocks in, in the order the GEMM reaches them, each followed by
-// its flag (the copy-engine flag of Channel::Send). The GEMM must read every
+// except this rank's own block; after `delay_us`, a second stream brings the
+// other blocks in, in the order the GEMM reaches them, each followed by its
+// flag (the copy-engine flag of Channel::Send). The GEMM must read every
 // block only after its flag, so y equals x @ w only if every wait held. A
 // block that never arrives, or a flag two calls ahead, must end in the
-// transport's error naming that block's rank. For tests: it allocates and
-// synchronizes on every call.
+// transport's error naming that block's rank. The second stream uses no SMs,
+// as a peer's sends do not (the waiting GEMM may hold them all): a host
+// function's sleep, copies from pinned host memory, flags written by the
+// stream. For tests: it allocates and synchronizes on every call.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tile_gemm.h"
@@ -22,6 +26,7 @@ namespace {
 // What a call allocates, released on every way out.
 struct CheckResources {
   void* staging = nullptr;
+  void* source = nullptr;  // pinned host copy of x
   uint32_t* words = nullptr;  // [flags..., fail_call, record_lock]
   void* workspace = nullptr;
   TimeoutRecord* record = nullptr;
@@ -35,6 +40,7 @@ struct CheckResources {
     cudaFree(words);
     cudaFree(workspace);
     if (record) cudaFreeHost(record);
+    if (source) cudaFreeHost(source);
   }
 };
 
@@ -73,6 +79,7 @@ ffi::Error GatherTileGemmCheckImpl(cudaStream_t stream, int ordinal, Buffer_Type
   CheckResources res;
   const size_t row_bytes = static_cast<size_t>(k) * 2;
   JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&res.staging, m * row_bytes));
+  JFO_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&res.source, m * row_bytes, cudaHostAllocDefault));
   JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&res.words, (blocks + 2) * sizeof(uint32_t)));
   JFO_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&res.record, sizeof(TimeoutRecord),
                                          cudaHostAllocMapped | cudaHostAllocPortable));
@@ -93,6 +100,8 @@ ffi::Error GatherTileGemmCheckImpl(cudaStream_t stream, int ordinal, Buffer_Type
                                            at(x.untyped_data(), own_block),
                                            rows_of(own_block) * row_bytes,
                                            cudaMemcpyDeviceToDevice, stream));
+  JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(res.source, x.untyped_data(), m * row_bytes,
+                                           cudaMemcpyDeviceToHost, stream));
 
   const uint32_t expected = ChannelFlag(1, 1);
   TimeoutRecord info{};
@@ -109,18 +118,25 @@ ffi::Error GatherTileGemmCheckImpl(cudaStream_t stream, int ordinal, Buffer_Type
   }
 
   // The "peers": after the setup and the delay, the other blocks in the
-  // GEMM's order (from the own block on, wrapping), each then its flag.
+  // GEMM's order (from the own block on, wrapping), each then its flag; no
+  // SMs (see the top).
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&res.side, cudaStreamNonBlocking));
   JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&res.ready, cudaEventDisableTiming));
   JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(res.ready, stream));
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(res.side, res.ready, 0));
-  JFO_RETURN_IF_ERROR(HoldStream(res.side, static_cast<uint64_t>(delay_us) * 1000ull));
+  static_assert(sizeof(void*) >= sizeof(int64_t));
+  JFO_CUDA_RETURN_IF_ERROR(cudaLaunchHostFunc(
+      res.side,
+      [](void* us) {
+        std::this_thread::sleep_for(std::chrono::microseconds(reinterpret_cast<intptr_t>(us)));
+      },
+      reinterpret_cast<void*>(static_cast<intptr_t>(delay_us))));
   for (int i = 1; i < blocks; ++i) {
     const int b = static_cast<int>((own_block + i) % blocks);
     if (b == missing_block) continue;
-    JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(at(res.staging, b), at(x.untyped_data(), b),
-                                             rows_of(b) * row_bytes,
-                                             cudaMemcpyDeviceToDevice, res.side));
+    JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(at(res.staging, b), at(res.source, b),
+                                             rows_of(b) * row_bytes, cudaMemcpyHostToDevice,
+                                             res.side));
     JFO_RETURN_IF_ERROR(
         WriteFlag(res.side, res.words + b, ChannelFlag(1 + calls_ahead, 1)));
   }

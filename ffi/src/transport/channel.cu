@@ -25,13 +25,14 @@ using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
 StreamValue32Fn g_write_value32 = nullptr;
 StreamValue32Fn g_wait_value32 = nullptr;
 
-}  // namespace
-
-ffi::Error HoldStream(cudaStream_t stream, uint64_t ns) {
-  SleepKernel<<<1, 1, 0, stream>>>(ns);
+// The injected "stall": `stream` idles `ms` before the call's work.
+ffi::Error Stall(cudaStream_t stream, int ms) {
+  SleepKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(ms) * 1000000ull);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
+
+}  // namespace
 
 ffi::Error WriteFlag(cudaStream_t stream, uint32_t* flag, uint32_t value) {
   JFO_RETURN_IF_ERROR(LoadDriverEntryPoints());
@@ -147,9 +148,7 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
   int stall_ms = 0;
   const FaultKind kind = TakeFault(group.ordinals[group.rank], &stall_ms);
-  if (kind == FaultKind::kStall) {
-    return HoldStream(stream, static_cast<uint64_t>(stall_ms) * 1000000ull);
-  }
+  if (kind == FaultKind::kStall) return Stall(stream, stall_ms);
   if (kind != FaultKind::kNone) {
     const std::string why = std::string("jax_flashoverlap ") + OpName(op) +
                             ": injected fault: rank " +
@@ -178,9 +177,7 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
     return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op) +
                                 ": " + failure_);
   }
-  if (fault_ == FaultKind::kStall) {
-    JFO_RETURN_IF_ERROR(HoldStream(stream_, static_cast<uint64_t>(stall_ms) * 1000000ull));
-  }
+  if (fault_ == FaultKind::kStall) JFO_RETURN_IF_ERROR(Stall(stream_, stall_ms));
   // Calls of this device in host order, whichever stream each came on.
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, dev_->last_end, 0));
   timeout_ns_ = static_cast<uint64_t>(timeout_ms) * 1000000ull;

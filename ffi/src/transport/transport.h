@@ -132,8 +132,6 @@ inline uint32_t ChannelFlag(uint64_t pair_call, int message) {
 // `stream` writes `value` into `flag` once its earlier work's writes are
 // visible (cuStreamWriteValue32, as Channel::Send's flags).
 ffi::Error WriteFlag(cudaStream_t stream, uint32_t* flag, uint32_t value);
-// `stream` idles `ns` before its later work.
-ffi::Error HoldStream(cudaStream_t stream, uint64_t ns);
 
 // The workspace starts with the GEMMs' cuBLASLt workspace; every call may
 // record up to kEventsPerCall CUDA events (peer.cu).
