@@ -170,8 +170,8 @@ ffi::Error CheckGatherGemm(int ordinal, const GatherGemmArgs& args) {
       (a.blocks > 0 && (a.block_rows <= 0 ||
                         static_cast<int64_t>(a.block_rows) * a.blocks < args.gemm.m))) {
     return ffi::Error::InvalidArgument(
-        "jax_flashoverlap tile GEMM: the gathered rows need 1 to " +
-        std::to_string(RowArrivals::kMaxBlocks) + " blocks covering all " +
+        "jax_flashoverlap tile GEMM: the gathered rows need at most " +
+        std::to_string(RowArrivals::kMaxBlocks) + " blocks (0: none to wait for) covering all " +
         std::to_string(args.gemm.m) + " rows and a first row inside them, got " +
         std::to_string(a.blocks) + " blocks of " + std::to_string(a.block_rows) +
         " rows, first row " + std::to_string(args.first_row));
