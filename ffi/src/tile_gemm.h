@@ -75,6 +75,7 @@ struct GatherGemmArgs {
 };
 size_t GatherGemmWorkspaceBytes(int ordinal, const GatherGemmArgs& args);
 ffi::Error CheckGatherGemm(int ordinal, const GatherGemmArgs& args);
+// Launches the GEMM; `args` passed CheckGatherGemm.
 ffi::Error GatherGemm(int ordinal, const GatherGemmArgs& args, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream);
 

@@ -15,7 +15,6 @@
 #include <chrono>
 #include <string>
 #include <thread>
-#include <vector>
 
 #include "tile_gemm.h"
 #include "transport/transport.h"
