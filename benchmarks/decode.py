@@ -68,6 +68,7 @@ class Case(NamedTuple):
     impl: str
     decode_matmul: str
     decode_attention: str
+    decode_mixer: str | None
     split_positions: int | None
     batch: int
     context: int
@@ -119,10 +120,11 @@ def split_positions_set(positions: int | None):
 
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
-                decode_matmul: str = "xla", decode_attention: str = "model"):
+                decode_matmul: str = "xla", decode_attention: str = "model",
+                decode_mixer: str = "auto"):
     config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
                                 **({"attention": attention, "decode_attention": decode_attention}
-                                   if name == "transformer" else {}))
+                                   if name == "transformer" else {"decode_mixer": decode_mixer}))
     _, model_cls = models.MODELS[name]
     with jax.set_mesh(mesh):
         return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(0)))()
@@ -241,6 +243,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         attention = "" if case.decode_attention == "model" else f"_{case.decode_attention}"
         if case.split_positions is not None:
             attention += f"{case.split_positions}"
+        if case.decode_mixer not in (None, "xla"):
+            attention += f"_mixer_{case.decode_mixer}"
         trace_dir = (f"{args.profile}/{case.model}_{case.impl}{attention}_b{case.batch}"
                      f"_c{case.context}")
         with jax.profiler.trace(trace_dir):
@@ -253,7 +257,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     return {
         "model": case.model, "size": args.size, "impl": case.impl,
         "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
-        "split_positions": case.split_positions,
+        "decode_mixer": case.decode_mixer, "split_positions": case.split_positions,
         "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
@@ -279,18 +283,22 @@ def _attention_label(row: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    xla = {(r["model"], r["batch"], r["context"]): r["per_token_ms"]
+    """The rows as markdown; "vs xla" against impl "xla" with XLA's matmuls,
+    the model's attention and the same mixer."""
+    def key(r):
+        return r["model"], r["batch"], r["context"], r.get("decode_mixer")
+    xla = {key(r): r["per_token_ms"]
            for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"
            and r.get("decode_attention", "model") == "model"}
-    lines = ["| model | impl | decode matmul | decode attention | batch | context | prefill (ms) "
-             "| per token (ms), median [min, max] | tokens/s | HBM floor (ms) | × floor "
-             "| vs xla |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | impl | decode matmul | decode attention | decode mixer | batch | context "
+             "| prefill (ms) | per token (ms), median [min, max] | tokens/s | HBM floor (ms) "
+             "| × floor | vs xla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        base = xla.get((r["model"], r["batch"], r["context"]))
+        base = xla.get(key(r))
         lines.append(
             f"| {r['model']} | {r['impl']} | {r['decode_matmul']} "
-            f"| {_attention_label(r)} | {r['batch']} "
+            f"| {_attention_label(r)} | {r.get('decode_mixer') or '–'} | {r['batch']} "
             f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
             f"{r['per_token_ms_max']:.3f}] | {r['tokens_per_s']:,.0f} | "
@@ -349,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
                         choices=models.DECODE_ATTENTION_IMPLS,
                         help="the Transformer's decode attentions to compare (each with every "
                              "impl and matmul; Mamba-2 runs only 'model')")
+    parser.add_argument("--decode-mixers", nargs="+", default=["auto"],
+                        choices=models.DECODE_MIXER_IMPLS,
+                        help="Mamba-2's decode mixers to compare (each with every impl and "
+                             "matmul)")
     parser.add_argument("--split-positions", nargs="+", type=int, default=[None],
                         help="with the attention kernel, each of these fewest cache positions "
                              "per split (models.decode_attention_pallas.MIN_SPLIT_POSITIONS; "
@@ -396,23 +408,29 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(0)
     for model_name in args.models:
         exact = None  # one float32 reference per model: every impl has the same parameters
-        attentions = args.decode_attentions if model_name == "transformer" else ["model"]
-        for (label, impl, algorithm), decode_matmul, decode_attention in itertools.product(
-                impls, args.decode_matmuls, dict.fromkeys(attentions)):
+        transformer = model_name == "transformer"
+        attentions = args.decode_attentions if transformer else ["model"]
+        mixers = ["auto"] if transformer else args.decode_mixers
+        for (label, impl, algorithm), decode_matmul, decode_attention, decode_mixer in (
+                itertools.product(impls, args.decode_matmuls, dict.fromkeys(attentions),
+                                  dict.fromkeys(mixers))):
             model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
-                                decode_matmul, decode_attention)
+                                decode_matmul, decode_attention, decode_mixer)
             # What "auto" resolved to on this platform, as the rows record it.
-            attention_ran = (model.blocks[0].attn.decode_implementation
-                             if model_name == "transformer" else "model")
-            for split_positions in (args.split_positions if attention_ran == "pallas"
-                                    else [None]):
-                if exact is None:
-                    with jax.set_mesh(mesh):
-                        exact = float32_copy(model)
-                for batch in args.batches:
+            mixer_ran = None if transformer else model.blocks[0].mixer.decode_implementation
+            if exact is None:
+                with jax.set_mesh(mesh):
+                    exact = float32_copy(model)
+            for batch in args.batches:
+                # What "auto" resolved to for this batch on this platform, as the rows
+                # record it.
+                attention_ran = (model.blocks[0].attn.decode_implementation(
+                    batch // args.mesh[0]) if transformer else "model")
+                for split_positions in (args.split_positions if attention_ran == "pallas"
+                                        else [None]):
                     for context in args.contexts:
                         case = Case(model_name, label, decode_matmul, attention_ran,
-                                    split_positions, batch, context)
+                                    mixer_ran, split_positions, batch, context)
                         if lead:
                             print(f"--- {case}", flush=True)
                         with (jax.set_mesh(mesh), forced_algorithm(algorithm),

@@ -15,12 +15,13 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
 """
 
 # As models.norm_pallas etc., like conv_pallas and ssd_pallas:
-from . import decode_attention_pallas, norm_pallas  # noqa: F401
+from . import decode_attention_pallas, mamba_decode_pallas, norm_pallas  # noqa: F401
 from .config import (
     ATTENTION_IMPLS,
     CONV_IMPLS,
     DECODE_ATTENTION_IMPLS,
     DECODE_MATMUL_IMPLS,
+    DECODE_MIXER_IMPLS,
     IMPLS,
     NORM_BACKWARDS,
     RESIDUALS,
@@ -39,7 +40,7 @@ __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "Shardin
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",
-           "DECODE_ATTENTION_IMPLS",
+           "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS",
            "attention_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

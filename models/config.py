@@ -15,7 +15,7 @@ from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
            "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
-           "DECODE_MATMUL_IMPLS", "DECODE_ATTENTION_IMPLS"]
+           "DECODE_MATMUL_IMPLS", "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -29,6 +29,11 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # (models.decode_attention_pallas); "auto" the kernel on CUDA GPUs where it
 # takes the heads, else "model".
 DECODE_ATTENTION_IMPLS = ("model", "pallas", "auto")
+# MambaConfig.decode_mixer, a decode step's work between in_proj and the
+# gated norm (convolution, SSM state update, skip): "xla" is XLA's ops,
+# "pallas" one kernel (models.mamba_decode_pallas), "auto" the kernel on CUDA
+# GPUs where it takes the layout, else "xla".
+DECODE_MIXER_IMPLS = ("auto", "xla", "pallas")
 # The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
 # kernels where they can run (models.mamba.ssd).
 SSD_IMPLS = ("auto", "xla", "pallas")
@@ -307,6 +312,11 @@ class MambaConfig(_Presets):
         size and sequence 8192). Off: not yet measured.
       decode_matmul: the weight matmuls of a decode step, one of
         :data:`DECODE_MATMUL_IMPLS` (see :class:`TransformerConfig`).
+      decode_mixer: a decode step's convolution, SSM state update and skip,
+        one of :data:`DECODE_MIXER_IMPLS` (see
+        :func:`models.mamba.decode_mixer_implementation`): "auto" (default)
+        is one Pallas GPU kernel a layer on CUDA GPUs
+        (:mod:`models.mamba_decode_pallas`), XLA's ops elsewhere.
       residuals: what a block keeps for the backward, one of
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
@@ -348,6 +358,7 @@ class MambaConfig(_Presets):
     fuse_skip: bool = True
     ssd_keeps_chunk_states: bool = False
     decode_matmul: str = "xla"
+    decode_mixer: str = "auto"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
@@ -355,7 +366,8 @@ class MambaConfig(_Presets):
         _check_impl("MambaConfig", self.impl, self.auto_xla_ops)
         _check_choices(self, {"ssd_impl": SSD_IMPLS, "conv_impl": CONV_IMPLS,
                               "residuals": RESIDUALS, "norm_backward": NORM_BACKWARDS,
-                              "decode_matmul": DECODE_MATMUL_IMPLS})
+                              "decode_matmul": DECODE_MATMUL_IMPLS,
+                              "decode_mixer": DECODE_MIXER_IMPLS})
         if self.remat and self.residuals != "named":
             raise ValueError(f"MambaConfig: remat (recompute every block) and "
                              f"residuals={self.residuals!r} exclude each other; set one")

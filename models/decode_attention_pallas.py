@@ -29,14 +29,21 @@ from jax_flashoverlap.nn import same_variance
 
 from .pallas_gpu import plgpu, require_runnable
 
-__all__ = ["MIN_SPLIT_POSITIONS", "Tiling", "decode_attention", "unsupported_reason"]
+__all__ = ["AUTO_MAX_BATCH", "MIN_SPLIT_POSITIONS", "Tiling", "decode_attention",
+           "unsupported_reason"]
 
 # Cache positions a program reads per loop iteration.
 _BLOCK = 64
 # The fewest cache positions a split covers by default: below that, another
-# split costs more (a program, the combine) than it saves. A guess, read
-# where the kernel is traced (benchmarks/decode.py --split-positions sweeps it).
-MIN_SPLIT_POSITIONS = 256
+# split costs more (a program, the combine) than it saves. Read where the
+# kernel is traced. The 1B Transformer's decode step on one H200 at batch 1,
+# context 512: 64 positions 0.895 ms, 128 0.891, 256 0.908, cuDNN 0.959
+# (benchmarks/decode.py --split-positions, docs/measurements.md session 28).
+MIN_SPLIT_POSITIONS = 128
+# The largest batch per device at which decode_attention="auto" runs this
+# kernel: at batch 1 it measured 1.077x cuDNN's step, at 8 0.994x and at 32
+# 0.967x (same run), where cuDNN's programs fill the GPU and these do not win.
+AUTO_MAX_BATCH = 1
 # Programs the default splitting aims for: about one per SM of an H100/H200.
 _TARGET_PROGRAMS = 128
 _NUM_WARPS = 4

@@ -28,12 +28,14 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
-from . import conv_pallas, ssd_pallas
+from . import conv_pallas, mamba_decode_pallas, ssd_pallas
 from .config import SSD_IMPLS, MambaConfig
 from .layers import CausalLM, RMSNorm, linear_options
+from .pallas_gpu import on_cuda
 
 __all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSD_IMPLS", "SSD_STATES_NAME", "SSMCache",
-           "ssd", "ssd_step", "causal_conv1d", "resolve_scan_layers"]
+           "ssd", "ssd_step", "causal_conv1d", "decode_mixer_implementation",
+           "resolve_scan_layers"]
 
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
@@ -340,6 +342,31 @@ def ssd_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Arr
     return jnp.einsum("bghpn,bgn->bghp", h, c), h
 
 
+def _decode_layout(config: MambaConfig) -> mamba_decode_pallas.Layout:
+    return mamba_decode_pallas.Layout(config.num_heads // config.num_groups, config.head_dim,
+                                      config.state_dim)
+
+
+def decode_mixer_implementation(config: MambaConfig, device: jax.Device | None = None) -> str:
+    """``config.decode_mixer`` on ``device`` (default the first): "pallas" or "xla".
+
+    "auto" is "pallas" on CUDA GPUs where the kernel takes the layout
+    (:func:`models.mamba_decode_pallas.unsupported_reason`), else "xla".
+
+    Raises:
+      ValueError: "pallas" asked for a layout the kernel cannot take.
+    """
+    if config.decode_mixer == "xla":
+        return "xla"
+    why_not = mamba_decode_pallas.unsupported_reason(_decode_layout(config))
+    if config.decode_mixer == "auto":
+        return "pallas" if on_cuda(device) and not why_not else "xla"
+    if why_not:
+        raise ValueError(f"MambaConfig: decode_mixer='pallas' but {why_not}; use "
+                         f"decode_mixer='xla' or 'auto'.")
+    return "pallas"
+
+
 class SSMCache(NamedTuple):
     """One mixer's states for decoding, per device.
 
@@ -374,6 +401,8 @@ class Mamba2Mixer(nnx.Module):
         self.fuse_skip = config.fuse_skip
         self.ssd_keeps_chunk_states = config.ssd_keeps_chunk_states
         self.conv_impl = config.conv_impl
+        self.decode_layout = _decode_layout(config)
+        self.decode_implementation = decode_mixer_implementation(config)
         self.dtype = jnp.dtype(config.dtype)
         group_x = self.heads_per_group * p
         self.conv_channels = group_x + 2 * n                # [x, B, C] per group
@@ -434,7 +463,15 @@ class Mamba2Mixer(nnx.Module):
           ([1, b, d] identical on every tensor rank, the cache after ``pos``).
         """
         del pos
-        z, conv_in, dt = self._split(self.in_proj.decode(u))
+        zxbcdt = self.in_proj.decode(u)
+        z, conv_in, dt = self._split(zxbcdt)
+        if self.decode_implementation == "pallas":
+            y, state, conv = mamba_decode_pallas.mixer_step(
+                zxbcdt[0].reshape(*z.shape[1:3], self.group_width), cache.conv,
+                *self._conv_params(), self.dt_bias[...], self.a_log[...], self.d_skip[...],
+                cache.ssm, self.decode_layout)
+            out = self._output(y[None], None, z, self.out_proj.decode, skip_added=True)
+            return out, SSMCache(conv, state)
         window = jnp.concatenate([cache.conv, conv_in])      # [k, b, c]
         parts = self._conv_parts(jax.nn.silu(self._conv(window)[-1:]))
         x, bmat, cmat, dt, a = self._ssm_inputs(*parts, dt)
@@ -506,12 +543,12 @@ class Mamba2Mixer(nnx.Module):
         a = -jnp.exp(self.a_log[...].reshape(groups, hpg))
         return x, bmat, cmat, dt, a
 
-    def _output(self, y: jax.Array, x: jax.Array, z: jax.Array, out_proj, *,
+    def _output(self, y: jax.Array, x: jax.Array | None, z: jax.Array, out_proj, *,
                 skip_added: bool = False) -> jax.Array:
-        """The skip (unless ``skip_added``: the SSD added it), the gated norm and
-        ``out_proj`` (its sequence-parallel form or its ``decode``) of the
-        SSD's y [s, b, g, heads/g, p]."""
-        s, b, groups, hpg = x.shape[:4]
+        """The skip (unless ``skip_added``: the SSD added it; x is then
+        unused), the gated norm and ``out_proj`` (its sequence-parallel form
+        or its ``decode``) of the SSD's y [s, b, g, heads/g, p]."""
+        s, b, groups, hpg = y.shape[:4]
         if not skip_added:
             y = y + self.d_skip[...].reshape(groups, hpg, 1) * x.astype(jnp.float32)
         y = checkpoint_name(y.reshape(s, b, -1).astype(self.dtype), "mamba_ssd")

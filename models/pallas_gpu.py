@@ -10,7 +10,14 @@ try:  # jax 0.11 marks Pallas's Triton backend deprecated: without it, "auto" ru
 except ImportError:
     plgpu = None
 
-__all__ = ["plgpu", "require_runnable"]
+__all__ = ["on_cuda", "plgpu", "require_runnable"]
+
+
+def on_cuda(device: jax.Device | None = None) -> bool:
+    """Whether ``device`` (default the first) is a CUDA GPU, where the
+    kernels' "auto" settings run them."""
+    device = device or jax.devices()[0]
+    return device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
 
 
 def require_runnable(kernel: str, reason: str | None, interpret: bool, fix: str) -> None:

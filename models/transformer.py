@@ -34,6 +34,7 @@ from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 from . import decode_attention_pallas
 from .config import TransformerConfig
 from .layers import CausalLM, RMSNorm, linear_options
+from .pallas_gpu import on_cuda
 
 __all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope",
            "attention_implementation", "cudnn_attention_unsupported",
@@ -92,12 +93,15 @@ def attention_implementation(config: TransformerConfig,
     return config.attention_impl
 
 
-def decode_attention_implementation(config: TransformerConfig,
+def decode_attention_implementation(config: TransformerConfig, batch: int | None = None,
                                     device: jax.Device | None = None) -> str:
-    """``config.decode_attention`` on ``device`` (default the first): "pallas" or "model".
+    """``config.decode_attention`` for a decode step of ``batch`` rows per
+    device, on ``device`` (default the first): "pallas" or "model".
 
     "auto" is "pallas" on CUDA GPUs where the kernel takes the heads
-    (:func:`models.decode_attention_pallas.unsupported_reason`), else "model".
+    (:func:`models.decode_attention_pallas.unsupported_reason`) and ``batch``
+    is at most :data:`models.decode_attention_pallas.AUTO_MAX_BATCH`, else
+    "model"; ``batch`` None asks whether any batch would run the kernel.
 
     Raises:
       ValueError: "pallas" asked for heads the kernel cannot take.
@@ -107,9 +111,8 @@ def decode_attention_implementation(config: TransformerConfig,
     why_not = decode_attention_pallas.unsupported_reason(
         config.num_heads // config.num_kv_heads, config.head_dim)
     if config.decode_attention == "auto":
-        device = device or jax.devices()[0]
-        on_cuda = device.platform == "gpu" and "cuda" in device.client.platform_version.lower()
-        return "pallas" if on_cuda and not why_not else "model"
+        small = batch is None or batch <= decode_attention_pallas.AUTO_MAX_BATCH
+        return "pallas" if on_cuda(device) and not why_not and small else "model"
     if why_not:
         raise ValueError(f"TransformerConfig: decode_attention='pallas' but {why_not}; use "
                          f"decode_attention='model' or 'auto'.")
@@ -183,10 +186,17 @@ class Attention(nnx.Module):
         self.head_dim = h
         self.rope_theta = config.rope_theta
         self.implementation = attention_implementation(config)
-        self.decode_implementation = decode_attention_implementation(config)
+        # Checked here, so that a "pallas" the heads rule out fails at construction.
+        decode_attention_implementation(config)
+        self.decode_config = config
         self.qkv = ColumnParallelLinear(d, kv * (self.q_per_kv + 2) * h,
                                         **linear_options(config, rngs))
         self.out = RowParallelLinear(config.num_heads * h, d, **linear_options(config, rngs))
+
+    def decode_implementation(self, batch: int) -> str:
+        """The decode attention a step of ``batch`` rows per device runs:
+        "pallas" or "model" (see :func:`decode_attention_implementation`)."""
+        return decode_attention_implementation(self.decode_config, batch)
 
     def _heads(self, qkv: jax.Array, positions: jax.Array | None = None):
         """[s, b, kv * (q_per_kv+2) * h] -> q [s, b, heads, h], k and v [s, b, kv, h].
@@ -245,7 +255,7 @@ class Attention(nnx.Module):
         b = cache.k.shape[0]
         q = q.swapaxes(0, 1)                                # [b, 1, heads, h]
         k, v = (t.transpose(1, 2, 0, 3).astype(cache.k.dtype) for t in (k, v))  # [b, kv, 1, h]
-        if self.decode_implementation == "pallas":
+        if self.decode_implementation(b) == "pallas":
             grouped = q[:, 0].reshape(b, k.shape[1], self.q_per_kv, self.head_dim)
             out, *updated = decode_attention_pallas.decode_attention(grouped, k, v, *cache, pos)
             out, cache = out.reshape(q.shape), KVCache(*updated)

@@ -108,15 +108,18 @@ def test_decoding_through_the_attention_kernel_gives_the_forward_pass_logits(tp,
 
 
 def test_decode_attention_setting():
-    """"auto" is the kernel only on CUDA GPUs; heads it cannot take are an
-    error for "pallas" and the model's attention for "auto"."""
+    """"auto" is the kernel only on CUDA GPUs and only up to AUTO_MAX_BATCH
+    rows per device; heads it cannot take are an error for "pallas" and the
+    model's attention for "auto"."""
     config = models.TransformerConfig.tiny()
     assert config.decode_attention == "model"
     choose = models.transformer.decode_attention_implementation
     on_cuda = jax.default_backend() == "gpu"
-    assert choose(dataclasses.replace(config, decode_attention="auto")) == \
-        ("pallas" if on_cuda else "model")
-    assert choose(dataclasses.replace(config, decode_attention="pallas")) == "pallas"
+    auto = dataclasses.replace(config, decode_attention="auto")
+    small = models.decode_attention_pallas.AUTO_MAX_BATCH
+    assert choose(auto, small) == choose(auto) == ("pallas" if on_cuda else "model")
+    assert choose(auto, small + 1) == "model"
+    assert choose(dataclasses.replace(config, decode_attention="pallas"), 64) == "pallas"
     many_per_kv = dataclasses.replace(config, num_heads=4 * 32, num_kv_heads=4)
     assert choose(dataclasses.replace(many_per_kv, decode_attention="auto")) == "model"
     with pytest.raises(ValueError, match=r"decode_attention='pallas' but query heads per KV "
@@ -125,6 +128,75 @@ def test_decode_attention_setting():
         choose(dataclasses.replace(many_per_kv, decode_attention="pallas"))
     with pytest.raises(ValueError, match="decode_attention"):
         dataclasses.replace(config, decode_attention="cudnn")
+
+
+def _mixer_step_as_the_kernel_computes_it(zxbcdt, conv, weight, bias, dt_bias, a_log,
+                                          d_skip, ssm, layout):
+    """``mamba_decode_pallas.mixer_step``'s contract in jnp ops (the kernel
+    against float64 is in test_mamba_decode_pallas.py)."""
+    hpg, p, n = layout
+    batch, groups, _ = zxbcdt.shape
+    f32 = jnp.float32
+    xbc = zxbcdt[..., hpg * p:2 * hpg * p + 2 * n].reshape(batch, -1)
+    window = jnp.concatenate([conv, xbc[None]])
+    act = jax.nn.silu(models.mamba.causal_conv1d(window.astype(f32), weight.astype(f32),
+                                                 bias.astype(f32))[-1])
+    act = act.reshape(batch, groups, -1)
+    x = act[..., :hpg * p].reshape(batch, groups, hpg, p)
+    dt = jax.nn.softplus(zxbcdt[..., -hpg:].astype(f32) + dt_bias.reshape(groups, hpg))
+    y, state = models.mamba.ssd_step(x, dt, -jnp.exp(a_log.reshape(groups, hpg)),
+                                     act[..., hpg * p:hpg * p + n], act[..., hpg * p + n:], ssm)
+    y = y + d_skip.reshape(groups, hpg, 1) * x
+    return y.astype(zxbcdt.dtype), state, window[1:]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decoding_through_the_mixer_kernel_gives_the_forward_pass_logits(tp, rng,
+                                                                       monkeypatch):
+    """decode_mixer="pallas": every layer hands the kernel in_proj's output
+    by group, its caches and its parameters; the logits are the forward pass's."""
+    calls = []
+
+    def step(*args):
+        calls.append((args[0].shape, args[-1]))
+        return _mixer_step_as_the_kernel_computes_it(*args)
+
+    monkeypatch.setattr(models.mamba_decode_pallas, "mixer_step", step)
+    model_cls, config = MODELS["mamba"]
+    config = dataclasses.replace(config, decode_mixer="pallas")
+    mesh = cpu_mesh(tp=tp)
+    model = build(model_cls, config, mesh, nnx.state(_random_model(model_cls, config, rng)))
+    with jax.set_mesh(mesh):
+        tokens, logits = models.generate(model, _prompt(int(rng.integers(1 << 30))), NEW_TOKENS,
+                                         return_logits=True)
+    hpg = config.num_heads // config.num_groups
+    width = 2 * hpg * config.head_dim + 2 * config.state_dim + hpg
+    assert set(calls) == {((2, config.num_groups // tp, width),
+                           models.mamba_decode_pallas.Layout(hpg, config.head_dim,
+                                                             config.state_dim))}
+    want = _forward_logits(model, mesh, np.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+
+
+def test_decode_mixer_setting():
+    """"auto" is the kernel only on CUDA GPUs; a layout it cannot take is an
+    error for "pallas" and XLA's ops for "auto"."""
+    config = models.MambaConfig.tiny()
+    assert config.decode_mixer == "auto"
+    choose = models.mamba.decode_mixer_implementation
+    on_cuda = jax.default_backend() == "gpu"
+    assert choose(config) == ("pallas" if on_cuda else "xla")
+    assert choose(dataclasses.replace(config, decode_mixer="xla")) == "xla"
+    assert choose(dataclasses.replace(config, decode_mixer="pallas")) == "pallas"
+    odd_state = dataclasses.replace(config, state_dim=24)
+    assert choose(odd_state) == "xla"
+    with pytest.raises(ValueError, match=r"decode_mixer='pallas' but state_dim=24 is not a "
+                                         r"power of two from 16; use decode_mixer='xla' or "
+                                         r"'auto'"):
+        choose(dataclasses.replace(odd_state, decode_mixer="pallas"))
+    with pytest.raises(ValueError, match="decode_mixer"):
+        dataclasses.replace(config, decode_mixer="cuda")
 
 
 def _random_model(model_cls, config, rng):
@@ -336,15 +408,16 @@ def test_generate_command_passes_the_decode_matmul_to_the_layers(tmp_path, monke
     assert texts[0] == texts[1]
 
 
-def _generated_texts(tmp_path, flag: str, values, after_each) -> list:
+def _generated_texts(tmp_path, flag: str, values, after_each, model="transformer") -> list:
     """The generate command's texts (4 greedy bytes after "def f(", one
     device) with ``flag`` at each of ``values``, calling ``after_each(value)``
     after each run."""
     texts = []
     for value in values:
         out = tmp_path / f"{value}.json"
-        assert generate_cli.main(["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "4",
-                                  "--warmup", "0", flag, value, "--json", str(out)]) == 0
+        assert generate_cli.main(["--model", model, "--prompt", "def f(", "--mesh", "1x1",
+                                  "--max-new-tokens", "4", "--warmup", "0", flag, value,
+                                  "--json", str(out)]) == 0
         texts.append(json.loads(out.read_text())["texts"])
         after_each(value)
     return texts
@@ -365,6 +438,23 @@ def test_generate_command_passes_the_decode_attention_to_the_layers(tmp_path, mo
     def each(flag):
         assert bool(calls) == (flag == "pallas")
     texts = _generated_texts(tmp_path, "--decode-attention", ("model", "pallas"), each)
+    assert texts[0] == texts[1]
+
+
+def test_generate_command_passes_the_decode_mixer_to_the_layers(tmp_path, monkeypatch):
+    """--decode-mixer pallas reaches every Mamba-2 mixer (the kernel replaced
+    by its contract in jnp ops): greedy's text, as with XLA's ops."""
+    calls = []
+
+    def step(*args):
+        calls.append(args[-1])
+        return _mixer_step_as_the_kernel_computes_it(*args)
+
+    monkeypatch.setattr(models.mamba_decode_pallas, "mixer_step", step)
+
+    def each(flag):
+        assert bool(calls) == (flag == "pallas")
+    texts = _generated_texts(tmp_path, "--decode-mixer", ("xla", "pallas"), each, "mamba")
     assert texts[0] == texts[1]
 
 
@@ -418,6 +508,27 @@ def test_the_attention_kernel_updates_the_kv_cache_in_place():
     config = model.config
     _assert_never_copied(hlo, f"bf16[1,{config.num_kv_heads},{generator.shape.cache_len},"
                               f"{config.head_dim}]")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_mixer", ["xla", "pallas"])
+def test_bf16_mamba_decoding_is_as_accurate_with_either_mixer(decode_mixer):
+    """Mamba-2's decode step through XLA's ops and through the mixer kernel,
+    compiled, against a float32 forward pass."""
+    _check_bf16_decoding_against_float32("mamba", _prompt(6), decode_mixer=decode_mixer)
+
+
+@pytest.mark.gpu
+def test_the_mixer_kernel_updates_the_ssm_state_in_place():
+    """The compiled loop with the kernel copies no layer's SSM state: the
+    kernel's output aliases the donated state."""
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
+                             ("data", "tensor"))
+    hlo, model, _ = _compiled_decode_loop("mamba", mesh, decode_mixer="pallas")
+    config = model.config
+    hpg = config.num_heads // config.num_groups
+    _assert_never_copied(hlo, f"f32[1,{config.num_groups},{hpg},{config.head_dim},"
+                              f"{config.state_dim}]")
 
 
 @pytest.mark.gpu

@@ -34,7 +34,8 @@ from flax import nnx
 
 from .. import distributed
 from ..decode_matmul import DECODE_MATMUL_IMPLS
-from ..models import DECODE_ATTENTION_IMPLS, IMPLS, MODELS, Generator, ShardingConfig
+from ..models import (DECODE_ATTENTION_IMPLS, DECODE_MIXER_IMPLS, IMPLS, MODELS, Generator,
+                      ShardingConfig)
 from .devices import ensure_cpu_devices
 from .train import (
     CPU_DEVICES,
@@ -76,6 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the Transformer's decode attention: the model's (cuDNN or XLA, "
                              "XLA updating the cache), one Pallas kernel that also writes the "
                              "cache (pallas), or the kernel where it runs (auto)")
+    parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="auto",
+                        help="Mamba-2's decode step between its projections (convolution, "
+                             "state update, skip): XLA's ops, one Pallas kernel a layer "
+                             "(pallas), or the kernel on CUDA GPUs (auto)")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel",
                         action="store_false", help="prefill without sequence parallelism")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
@@ -132,7 +137,8 @@ def run(args: argparse.Namespace) -> dict:
     mesh = make_mesh(args.mesh or (1, min(2, jax.device_count())), sharding)
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, decode_matmul=args.decode_matmul,
-                          decode_attention=args.decode_attention)
+                          decode_attention=args.decode_attention,
+                          decode_mixer=args.decode_mixer)
     _, model_cls = MODELS[args.model]
     prompts = np.tile(prompt, (args.batch, 1))
     lead = jax.process_index() == 0

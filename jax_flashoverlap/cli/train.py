@@ -261,14 +261,16 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  conv: str = "xla", norm_backward: str = "auto",
                  residuals: str = "named", fuse_skip: bool = True,
                  decode_matmul: str = "xla", chunk_size: int | None = None,
-                 ssd_keeps_chunk_states: bool = False, decode_attention: str = "model"):
+                 ssd_keeps_chunk_states: bool = False, decode_attention: str = "model",
+                 decode_mixer: str = "auto"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
     the default ``ShardingConfig()``. ``scan_layers`` None is resolved for
     this platform and, for the Transformer, the attention that runs here.
     ``chunk_size`` None: the size's (Mamba-2 only); ``decode_attention``:
-    the Transformer's (``TransformerConfig.decode_attention``).
+    the Transformer's (``TransformerConfig.decode_attention``);
+    ``decode_mixer``: Mamba-2's (``MambaConfig.decode_mixer``).
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
@@ -280,7 +282,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         **({"attention_impl": attention, "decode_attention": decode_attention} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
                  "residuals": residuals, "fuse_skip": fuse_skip,
-                 "ssd_keeps_chunk_states": ssd_keeps_chunk_states,
+                 "ssd_keeps_chunk_states": ssd_keeps_chunk_states, "decode_mixer": decode_mixer,
                  **({} if chunk_size is None else {"chunk_size": chunk_size})}))
     if has_attention:
         return resolve_scan_layers(config, attention_implementation(config))
