@@ -34,8 +34,14 @@ from flax import nnx
 
 from .. import distributed
 from ..decode_matmul import DECODE_MATMUL_IMPLS
-from ..models import (DECODE_ATTENTION_IMPLS, DECODE_MIXER_IMPLS, IMPLS, MODELS, Generator,
-                      ShardingConfig)
+from ..models import (
+    DECODE_ATTENTION_IMPLS,
+    DECODE_MIXER_IMPLS,
+    IMPLS,
+    MODELS,
+    Generator,
+    ShardingConfig,
+)
 from .devices import ensure_cpu_devices
 from .train import (
     CPU_DEVICES,
