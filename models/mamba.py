@@ -371,8 +371,11 @@ class SSMCache(NamedTuple):
     """One mixer's states for decoding, per device.
 
     Attributes:
-      conv: [k-1, b, c], the convolution's last k-1 inputs (this rank's
-        [x, B, C] channels), in the compute dtype.
+      conv: the convolution's last inputs (this rank's [x, B, C] channels),
+        in the compute dtype: with XLA's decode step the last k-1, [k-1, b,
+        c], oldest first; with the decode kernel
+        (:mod:`models.mamba_decode_pallas`) a ring [k, b, c] holding
+        position t's in row t mod k, which the kernel updates in place.
       ssm: [b, g, heads/g, p, n] float32, the SSM state of this rank's heads.
     """
 
@@ -446,9 +449,13 @@ class Mamba2Mixer(nnx.Module):
         del cache_len
         out, (conv_in, state) = self._mix(u, length)
         k = self.conv_weight.shape[0]
-        # The convolution's last k-1 inputs, zeros before the sequence's start.
-        conv = jnp.pad(conv_in, ((k - 1, 0), (0, 0), (0, 0)))[length:length + k - 1]
-        return out, SSMCache(conv, state)
+        # The convolution's inputs, zeros before the sequence's start.
+        padded = jnp.pad(conv_in, ((k - 1, 0), (0, 0), (0, 0)))   # row i: position i-k+1
+        if self.decode_implementation == "pallas":
+            # Positions length-k .. length-1, rotated so position t is in row t mod k.
+            ring = padded[length - 1:length + k - 1]
+            return out, SSMCache(jnp.roll(ring, length % k, axis=0), state)
+        return out, SSMCache(padded[length:length + k - 1], state)
 
     def decode(self, u: jax.Array, cache: SSMCache,
                pos: jax.Array) -> tuple[jax.Array, SSMCache]:
@@ -457,19 +464,20 @@ class Mamba2Mixer(nnx.Module):
         Args:
           u: [1, b, d], the same on every tensor rank.
           cache: this layer's, after position ``pos - 1``.
-          pos: int32 scalar (unused: the states hold all the position says).
+          pos: int32 scalar, this token's position (the decode kernel's ring
+            row; XLA's step does not need it).
 
         Returns:
           ([1, b, d] identical on every tensor rank, the cache after ``pos``).
         """
-        del pos
         zxbcdt = self.in_proj.decode(u)
         z, conv_in, dt = self._split(zxbcdt)
         if self.decode_implementation == "pallas":
+            # The float32 parameters as they are: the kernel computes in float32.
             y, state, conv = mamba_decode_pallas.mixer_step(
                 zxbcdt[0].reshape(*z.shape[1:3], self.group_width), cache.conv,
-                *self._conv_params(), self.dt_bias[...], self.a_log[...], self.d_skip[...],
-                cache.ssm, self.decode_layout)
+                self.conv_weight[...], self.conv_bias[...], self.dt_bias[...],
+                self.a_log[...], self.d_skip[...], cache.ssm, pos, self.decode_layout)
             out = self._output(y[None], None, z, self.out_proj.decode, skip_added=True)
             return out, SSMCache(conv, state)
         window = jnp.concatenate([cache.conv, conv_in])      # [k, b, c]

@@ -13,9 +13,11 @@ and of the convolution state where they lie (no slices materialised
 between the two), updates its part of the SSM state in place, and writes
 y with the skip added and its channels of the next convolution state.
 
-The convolution state is written to a new array, not in place: the heads
-of a group share B and C, and one program writes the group's shifted B and
-C rows while the others read the old ones.
+The convolution state is a ring of k rows, position t's input in row
+t mod k, updated in place: a step reads the k-1 rows before its own and
+writes its input over the row of position t-k, which no program reads. (A
+shift of k-1 rows would make the program that writes a group's shared B
+and C rows race the others reading them.)
 """
 
 from __future__ import annotations
@@ -33,9 +35,11 @@ from .pallas_gpu import plgpu, require_runnable
 
 __all__ = ["Layout", "mixer_step", "unsupported_reason"]
 
-# Channels of a head a program takes: the whole head up to this, so that
-# batch 1 still spreads over about as many programs as the GPU has SMs.
-_MAX_CHANNELS = 64
+# Programs a call aims for: a head's channels are split into blocks (down to
+# 16) until there are this many, so that batch 1 does not leave most SMs
+# idle while a few stream the whole state.
+_MIN_PROGRAMS = 512
+_MIN_CHANNELS = 16
 _NUM_WARPS = 4
 
 
@@ -59,8 +63,8 @@ def unsupported_reason(layout: Layout) -> str | None:
     hpg, p, n = layout
     if plgpu is None:
         return "this jax has no Pallas Triton backend"
-    if not (_is_pow2(p) and p >= 16):
-        return f"head_dim={p} is not a power of two from 16"
+    if not (_is_pow2(p) and p >= _MIN_CHANNELS):
+        return f"head_dim={p} is not a power of two from {_MIN_CHANNELS}"
     if not (_is_pow2(n) and n >= 16):
         return f"state_dim={n} is not a power of two from 16"
     if (hpg * p) % n:
@@ -69,35 +73,39 @@ def unsupported_reason(layout: Layout) -> str | None:
     return None
 
 
-def _channels(p: int) -> int:
-    return min(p, _MAX_CHANNELS)
+def _channels(head_dim: int, programs_per_block: int) -> int:
+    """A head's channels per program: the whole head, halved while there
+    are fewer than _MIN_PROGRAMS programs (``programs_per_block`` at whole heads)."""
+    channels = head_dim
+    while channels > _MIN_CHANNELS and programs_per_block * head_dim // channels < _MIN_PROGRAMS:
+        channels //= 2
+    return channels
 
 
-def _conv(rows_ref, new, w_ref, b_ref, width):
-    """bias + sum_i w[i] * window[i] over the k-1 stored rows and the new
-    one, in float32: ([channels] pre-activation, the window's rows)."""
-    rows = [rows_ref[i].astype(jnp.float32) for i in range(width - 1)] + [new]
-    pre = b_ref[...].astype(jnp.float32) + sum(
-        w_ref[i].astype(jnp.float32) * row for i, row in enumerate(rows))
-    return pre, rows
-
-
-def _kernel(x_new_ref, b_new_ref, c_new_ref, dt_ref, conv_x_ref, conv_b_ref, conv_c_ref,
-            w_x_ref, w_b_ref, w_c_ref, bias_x_ref, bias_b_ref, bias_c_ref, dt_bias_ref,
-            a_log_ref, skip_ref, h_ref, y_ref, h_out_ref, conv_out_ref, *, layout: Layout,
-            width: int):
+def _kernel(pos_ref, x_new_ref, b_new_ref, c_new_ref, dt_ref, w_x_ref, w_b_ref, w_c_ref,
+            bias_x_ref, bias_b_ref, bias_c_ref, dt_bias_ref, a_log_ref, skip_ref, conv_ref,
+            h_ref, y_ref, conv_out_ref, h_out_ref, *, layout: Layout, width: int):
     hpg, p, n = layout
     channels = x_new_ref.shape[-1]
     head_in_group = pl.program_id(1) % hpg
     block = pl.program_id(2)
+    pos = pos_ref[()]
+    x_at = head_in_group * p + block * channels
+    # The ring's rows of positions pos-k+1 .. pos-1, oldest first, and pos's own.
+    window_rows = [(pos + 1 + i) % width for i in range(width - 1)]
+    own_row = pl.ds(pos % width, 1)
 
-    def activated(rows_ref, new_ref, w_ref, b_ref):
-        pre, rows = _conv(rows_ref, new_ref[...].astype(jnp.float32), w_ref, b_ref, width)
-        return pre * jax.nn.sigmoid(pre), rows
+    def activated(start, size, new_ref, w_ref, b_ref):
+        """silu(bias + sum_i w[i] window[i]) of ``size`` channels from ``start``, in float32."""
+        rows = [conv_ref[pl.ds(r, 1), pl.ds(start, size)].reshape(size) for r in window_rows]
+        rows.append(new_ref[...])
+        pre = b_ref[...].astype(jnp.float32) + sum(
+            w_ref[i].astype(jnp.float32) * row.astype(jnp.float32) for i, row in enumerate(rows))
+        return pre * jax.nn.sigmoid(pre)
 
-    x, x_rows = activated(conv_x_ref, x_new_ref, w_x_ref, bias_x_ref)       # [channels]
-    b, _ = activated(conv_b_ref, b_new_ref, w_b_ref, bias_b_ref)            # [n]
-    c, _ = activated(conv_c_ref, c_new_ref, w_c_ref, bias_c_ref)
+    x = activated(x_at, channels, x_new_ref, w_x_ref, bias_x_ref)            # [channels]
+    b = activated(hpg * p, n, b_new_ref, w_b_ref, bias_b_ref)                 # [n]
+    c = activated(hpg * p + n, n, c_new_ref, w_c_ref, bias_c_ref)
 
     dt = jax.nn.softplus(dt_ref[...].astype(jnp.float32) + dt_bias_ref[...])   # [1]
     decay = jnp.exp(-dt * jnp.exp(a_log_ref[...]))
@@ -107,47 +115,53 @@ def _kernel(x_new_ref, b_new_ref, c_new_ref, dt_ref, conv_x_ref, conv_b_ref, con
     y = jnp.sum(h * c[None, :], axis=1) + skip_ref[...] * x
     y_ref[...] = y.astype(y_ref.dtype)
 
-    # The next state: the window's last k-1 inputs, before the convolution.
-    x_at = pl.ds(head_in_group * p + block * channels, channels)
-    for i in range(width - 1):
-        conv_out_ref[i, x_at] = x_rows[i + 1].astype(conv_out_ref.dtype)
+    # This position's inputs, before the convolution, into its ring row.
+    # (conv_out_ref is conv_ref's buffer: XLA aliases them.)
+    conv_out_ref[own_row, pl.ds(x_at, channels)] = (
+        x_new_ref[...][None, :].astype(conv_out_ref.dtype))
 
     @pl.when((head_in_group == 0) & (block == 0))
     def _():
-        for start, rows_ref, new_ref in ((hpg * p, conv_b_ref, b_new_ref),
-                                         (hpg * p + n, conv_c_ref, c_new_ref)):
-            at = pl.ds(start, n)
-            for i in range(width - 2):
-                conv_out_ref[i, at] = rows_ref[i + 1]
-            conv_out_ref[width - 2, at] = new_ref[...].astype(conv_out_ref.dtype)
+        for start, new_ref in ((hpg * p, b_new_ref), (hpg * p + n, c_new_ref)):
+            conv_out_ref[own_row, pl.ds(start, n)] = (
+                new_ref[...][None, :].astype(conv_out_ref.dtype))
 
 
 def mixer_step(zxbcdt: jax.Array, conv: jax.Array, conv_weight: jax.Array,
                conv_bias: jax.Array, dt_bias: jax.Array, a_log: jax.Array,
-               d_skip: jax.Array, ssm: jax.Array, layout: Layout, *,
+               d_skip: jax.Array, ssm: jax.Array, pos: jax.Array, layout: Layout, *,
+               channels: int | None = None, num_warps: int = _NUM_WARPS,
                interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One position of the mixer between in_proj and the gated norm.
 
-    With ``x, B, C = silu(conv1d([conv; xBC]))[-1]`` split per group,
-    ``dt = softplus(dt + dt_bias)`` and ``a = -exp(a_log)``:
+    With ``x, B, C = silu(conv1d(window))`` of the new position, split per
+    group, ``dt = softplus(dt + dt_bias)`` and ``a = -exp(a_log)``:
     ``h' = exp(dt·a) h + dt x ⊗ B``, ``y = h'·C + d_skip x``, in float32.
 
     Args:
       zxbcdt: [b, g, width], in_proj's output for the new position, per group
         ``[z, x, B, C, dt]`` (see :class:`Layout`).
-      conv: [k-1, b, g·c], the convolution's last k-1 inputs, c = the
-        group's x, B and C channels.
+      conv: [k, b, g·c], the convolution's inputs as a ring: position t's in
+        row t mod k (c = a group's x, B and C channels); rows of positions
+        pos-k+1 .. pos-1 filled (zeros before the sequence). Updated in
+        place where the caller donates it.
       conv_weight: [k, g·c], tap k-1 multiplies the new position.
       conv_bias: [g·c].
       dt_bias, a_log, d_skip: [g·heads_per_group] float32.
       ssm: [b, g, heads_per_group, head_dim, state_dim] float32, the state
         before this position; updated in place where the caller donates it.
+      pos: int32 scalar, the new position.
       layout: the per-group widths.
+      channels: a head's channels per program (a power of two dividing
+        head_dim; default: the whole head, fewer where that makes under
+        512 programs). A tuning knob.
+      num_warps: per program. A tuning knob.
       interpret: run the kernel in Pallas's interpreter (any backend; for tests).
 
     Returns:
       (y [b, g, heads_per_group, head_dim] in zxbcdt's dtype, the SSM state
-      after this position, the convolution state [k-1, b, g·c] after it).
+      after this position, the ring with this position's inputs in row
+      pos mod k).
     """
     require_runnable("mamba_decode_pallas.mixer_step", unsupported_reason(layout), interpret,
                      "use decode_mixer='xla'")
@@ -156,7 +170,7 @@ def mixer_step(zxbcdt: jax.Array, conv: jax.Array, conv_weight: jax.Array,
     width = conv_weight.shape[0]
     c = hpg * p + 2 * n
     heads = groups * hpg
-    want = {"conv": (conv, (width - 1, batch, groups * c)), "conv_bias": (conv_bias, (groups * c,)),
+    want = {"conv": (conv, (width, batch, groups * c)), "conv_bias": (conv_bias, (groups * c,)),
             "conv_weight": (conv_weight, (width, groups * c)),
             "zxbcdt": (zxbcdt, (batch, groups, 2 * hpg * p + 2 * n + hpg)),
             "ssm": (ssm, (batch, groups, hpg, p, n))}
@@ -166,13 +180,17 @@ def mixer_step(zxbcdt: jax.Array, conv: jax.Array, conv_weight: jax.Array,
         if t.shape != shape:
             raise ValueError(f"mamba_decode_pallas.mixer_step: {name} is {t.shape}, expected "
                              f"{shape} for zxbcdt {zxbcdt.shape} and {layout}")
-    ch = _channels(p)
+    ch = channels or _channels(p, batch * heads)
+    if not (_is_pow2(ch) and ch <= p):
+        raise ValueError(f"mamba_decode_pallas.mixer_step: channels={ch} must be a power of "
+                         f"two up to head_dim={p}")
     x_blocks, n_at = p // ch, hpg * p // n           # blocks of a head; B's block in n units
-    conv = conv.reshape(width - 1, batch, groups, c)
+    conv = conv.reshape(width, batch, groups, c)
     conv_weight, conv_bias = conv_weight.reshape(width, groups, c), conv_bias.reshape(groups, c)
     ssm = ssm.reshape(batch, heads, p, n)
-    args, varying = same_variance(zxbcdt, conv, conv_weight, conv_bias, dt_bias, a_log,
-                                  d_skip, ssm)
+    args, varying = same_variance(jnp.asarray(pos, jnp.int32), zxbcdt, conv_weight, conv_bias,
+                                  dt_bias, a_log, d_skip, conv, ssm)
+    pos, zxbcdt, conv_weight, conv_bias, dt_bias, a_log, d_skip, conv, ssm = args
 
     def group_of(hd):
         return hd // hpg
@@ -180,49 +198,41 @@ def mixer_step(zxbcdt: jax.Array, conv: jax.Array, conv_weight: jax.Array,
     def x_block(hd, blk):  # in units of ch, within a group's conv channels
         return (hd % hpg) * x_blocks + blk
 
-    new = dict(
-        x=pl.BlockSpec((None, None, ch),
-                       lambda bi, hd, blk: (bi, group_of(hd), hpg * x_blocks + x_block(hd, blk))),
-        b=pl.BlockSpec((None, None, n), lambda bi, hd, blk: (bi, group_of(hd), 2 * n_at)),
-        c=pl.BlockSpec((None, None, n), lambda bi, hd, blk: (bi, group_of(hd), 2 * n_at + 1)),
-        dt=pl.BlockSpec((None, None, 1), lambda bi, hd, blk: (
-            bi, group_of(hd), 2 * hpg * p + 2 * n + hd % hpg)))
-    state = dict(
-        x=pl.BlockSpec((width - 1, None, None, ch),
-                       lambda bi, hd, blk: (0, bi, group_of(hd), x_block(hd, blk))),
-        b=pl.BlockSpec((width - 1, None, None, n),
-                       lambda bi, hd, blk: (0, bi, group_of(hd), n_at)),
-        c=pl.BlockSpec((width - 1, None, None, n),
-                       lambda bi, hd, blk: (0, bi, group_of(hd), n_at + 1)))
-    weight = dict(
-        x=pl.BlockSpec((width, None, ch), lambda bi, hd, blk: (0, group_of(hd), x_block(hd, blk))),
-        b=pl.BlockSpec((width, None, n), lambda bi, hd, blk: (0, group_of(hd), n_at)),
-        c=pl.BlockSpec((width, None, n), lambda bi, hd, blk: (0, group_of(hd), n_at + 1)))
-    bias = dict(
-        x=pl.BlockSpec((None, ch), lambda bi, hd, blk: (group_of(hd), x_block(hd, blk))),
-        b=pl.BlockSpec((None, n), lambda bi, hd, blk: (group_of(hd), n_at)),
-        c=pl.BlockSpec((None, n), lambda bi, hd, blk: (group_of(hd), n_at + 1)))
+    new = [  # in_proj's x, B, C and dt of this program's head
+        pl.BlockSpec((None, None, ch),
+                     lambda bi, hd, blk: (bi, group_of(hd), hpg * x_blocks + x_block(hd, blk))),
+        pl.BlockSpec((None, None, n), lambda bi, hd, blk: (bi, group_of(hd), 2 * n_at)),
+        pl.BlockSpec((None, None, n), lambda bi, hd, blk: (bi, group_of(hd), 2 * n_at + 1)),
+        pl.BlockSpec((None, None, 1), lambda bi, hd, blk: (
+            bi, group_of(hd), 2 * hpg * p + 2 * n + hd % hpg))]
+    weight = [
+        pl.BlockSpec((width, None, ch), lambda bi, hd, blk: (0, group_of(hd), x_block(hd, blk))),
+        pl.BlockSpec((width, None, n), lambda bi, hd, blk: (0, group_of(hd), n_at)),
+        pl.BlockSpec((width, None, n), lambda bi, hd, blk: (0, group_of(hd), n_at + 1))]
+    bias = [
+        pl.BlockSpec((None, ch), lambda bi, hd, blk: (group_of(hd), x_block(hd, blk))),
+        pl.BlockSpec((None, n), lambda bi, hd, blk: (group_of(hd), n_at)),
+        pl.BlockSpec((None, n), lambda bi, hd, blk: (group_of(hd), n_at + 1))]
     per_head = pl.BlockSpec((1,), lambda bi, hd, blk: (hd,))
-    state_block = pl.BlockSpec((None, None, ch, n), lambda bi, hd, blk: (bi, hd, blk, 0))
-    zxbcdt, conv, conv_weight, conv_bias, dt_bias, a_log, d_skip, ssm = args
+    # The group's whole ring (one operand, so that XLA can alias it): the
+    # kernel reads and writes its channels at offsets.
+    ring = pl.BlockSpec((width, None, None, c), lambda bi, hd, blk: (0, bi, group_of(hd), 0))
+    state = pl.BlockSpec((None, None, ch, n), lambda bi, hd, blk: (bi, hd, blk, 0))
     out = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
-    y, ssm, conv = pl.pallas_call(
+    y, conv, ssm = pl.pallas_call(
         functools.partial(_kernel, layout=layout, width=width),
         grid=(batch, heads, x_blocks),
-        in_specs=[new["x"], new["b"], new["c"], new["dt"], state["x"], state["b"], state["c"],
-                  weight["x"], weight["b"], weight["c"], bias["x"], bias["b"], bias["c"],
-                  per_head, per_head, per_head, state_block],
-        out_specs=[pl.BlockSpec((None, None, ch), lambda bi, hd, blk: (bi, hd, blk)),
-                   state_block,
-                   pl.BlockSpec((width - 1, None, None, c),
-                                lambda bi, hd, blk: (0, bi, group_of(hd), 0))],
-        out_shape=[out((batch, heads, p), zxbcdt.dtype), out(ssm.shape, ssm.dtype),
-                   out(conv.shape, conv.dtype)],
-        input_output_aliases={16: 1},
+        in_specs=[pl.BlockSpec((), lambda bi, hd, blk: ()), *new, *weight, *bias,
+                  per_head, per_head, per_head, ring, state],
+        out_specs=[pl.BlockSpec((None, None, ch), lambda bi, hd, blk: (bi, hd, blk)), ring,
+                   state],
+        out_shape=[out((batch, heads, p), zxbcdt.dtype), out(conv.shape, conv.dtype),
+                   out(ssm.shape, ssm.dtype)],
+        input_output_aliases={14: 1, 15: 2},
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="mamba_decode_mixer",
-    )(zxbcdt, zxbcdt, zxbcdt, zxbcdt, conv, conv, conv, conv_weight, conv_weight,
-      conv_weight, conv_bias, conv_bias, conv_bias, dt_bias, a_log, d_skip, ssm)
+    )(pos, zxbcdt, zxbcdt, zxbcdt, zxbcdt, conv_weight, conv_weight, conv_weight, conv_bias,
+      conv_bias, conv_bias, dt_bias, a_log, d_skip, conv, ssm)
     return (y.reshape(batch, groups, hpg, p), ssm.reshape(batch, groups, hpg, p, n),
-            conv.reshape(width - 1, batch, groups * c))
+            conv.reshape(width, batch, groups * c))

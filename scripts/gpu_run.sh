@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
 #                                               train decode all
-#                                               profile, stall, nvshmem, nvlink, cutlass (only when named)
+#                                               profile, stall, nvshmem, nvlink, cutlass, mixer
+#                                               (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
 # JFO_TRAIN_ARGS and JFO_DECODE_ARGS
@@ -141,6 +142,12 @@ if want decode; then
         --top 6 | tee -a "$OUT/decode_profile$tag.log"
     done
   fi
+fi
+# Opt-in: Mamba-2's decode mixer kernel by tiling against XLA's ops, 48
+# layers (scripts/mamba_decode_mixer_probe.py; JFO_MIXER_BATCHES, default 1 32).
+if [[ " ${stages[*]} " == *" mixer "* ]]; then
+  # shellcheck disable=SC2086
+  step mixer$tag $PY -P scripts/mamba_decode_mixer_probe.py ${JFO_MIXER_BATCHES:-}
 fi
 # Opt-in: the NVLink ceilings between GPUs 0 and 1 (copy engine, SM push and
 # pull, the two-shot's pattern without flags; scripts/nvlink_probe.cu).

@@ -130,24 +130,26 @@ def test_decode_attention_setting():
         dataclasses.replace(config, decode_attention="cudnn")
 
 
-def _mixer_step_as_the_kernel_computes_it(zxbcdt, conv, weight, bias, dt_bias, a_log,
-                                          d_skip, ssm, layout):
+def _mixer_step_as_the_kernel_computes_it(zxbcdt, ring, weight, bias, dt_bias, a_log,
+                                          d_skip, ssm, pos, layout):
     """``mamba_decode_pallas.mixer_step``'s contract in jnp ops (the kernel
     against float64 is in test_mamba_decode_pallas.py)."""
     hpg, p, n = layout
     batch, groups, _ = zxbcdt.shape
+    width = ring.shape[0]
     f32 = jnp.float32
     xbc = zxbcdt[..., hpg * p:2 * hpg * p + 2 * n].reshape(batch, -1)
-    window = jnp.concatenate([conv, xbc[None]])
-    act = jax.nn.silu(models.mamba.causal_conv1d(window.astype(f32), weight.astype(f32),
-                                                 bias.astype(f32))[-1])
+    older = jnp.take(ring, (pos + 1 + jnp.arange(width - 1)) % width, axis=0)
+    window = jnp.concatenate([older, xbc[None]])
+    act = jax.nn.silu(models.mamba.causal_conv1d(window.astype(f32), weight, bias)[-1])
     act = act.reshape(batch, groups, -1)
     x = act[..., :hpg * p].reshape(batch, groups, hpg, p)
     dt = jax.nn.softplus(zxbcdt[..., -hpg:].astype(f32) + dt_bias.reshape(groups, hpg))
     y, state = models.mamba.ssd_step(x, dt, -jnp.exp(a_log.reshape(groups, hpg)),
                                      act[..., hpg * p:hpg * p + n], act[..., hpg * p + n:], ssm)
     y = y + d_skip.reshape(groups, hpg, 1) * x
-    return y.astype(zxbcdt.dtype), state, window[1:]
+    ring = jax.lax.dynamic_update_slice(ring, xbc[None].astype(ring.dtype), (pos % width, 0, 0))
+    return y.astype(zxbcdt.dtype), state, ring
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -519,9 +521,9 @@ def test_bf16_mamba_decoding_is_as_accurate_with_either_mixer(decode_mixer):
 
 
 @pytest.mark.gpu
-def test_the_mixer_kernel_updates_the_ssm_state_in_place():
-    """The compiled loop with the kernel copies no layer's SSM state: the
-    kernel's output aliases the donated state."""
+def test_the_mixer_kernel_updates_the_states_in_place():
+    """The compiled loop with the kernel copies no layer's SSM state or
+    convolution ring: the kernel's outputs alias the donated states."""
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
                              ("data", "tensor"))
     hlo, model, _ = _compiled_decode_loop("mamba", mesh, decode_mixer="pallas")
@@ -529,6 +531,8 @@ def test_the_mixer_kernel_updates_the_ssm_state_in_place():
     hpg = config.num_heads // config.num_groups
     _assert_never_copied(hlo, f"f32[1,{config.num_groups},{hpg},{config.head_dim},"
                               f"{config.state_dim}]")
+    channels = config.num_groups * (hpg * config.head_dim + 2 * config.state_dim)
+    _assert_never_copied(hlo, f"bf16[{config.conv_width},1,{channels}]")
 
 
 @pytest.mark.gpu

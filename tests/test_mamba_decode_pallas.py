@@ -12,32 +12,37 @@ from jax_flashoverlap import models
 kernel = models.mamba_decode_pallas
 
 
-def _case(rng, dtype, layout, batch=2, groups=2, width=4):
-    """Random inputs of ``kernel.mixer_step`` (see its docstring), as numpy
-    arrays except the SSM state, which the kernel updates in place."""
+def _case(rng, dtype, layout, batch=2, groups=2, width=4, pos=9):
+    """Random inputs of ``kernel.mixer_step`` (see its docstring) at
+    position ``pos``; the ring's row of position pos-k, which the step
+    overwrites, is NaN."""
     hpg, p, n = layout
     c = hpg * p + 2 * n
     heads = groups * hpg
     zxbcdt = random(rng, (batch, groups, 2 * hpg * p + 2 * n + hpg), dtype)
-    conv = random(rng, (width - 1, batch, groups * c), dtype)
-    weight = random(rng, (width, groups * c), dtype) * 0.5
-    bias = random(rng, (groups * c,), dtype)
+    ring = np.array(random(rng, (width, batch, groups * c), dtype))
+    ring[pos % width] = np.nan
+    weight = random(rng, (width, groups * c), jnp.float32) * 0.5
+    bias = random(rng, (groups * c,), jnp.float32)
     dt_bias = jnp.asarray(rng.uniform(-4, -1, heads), jnp.float32)
     a_log = jnp.asarray(np.log(rng.uniform(1, 16, heads)), jnp.float32)
     d_skip = random(rng, (heads,), jnp.float32)
     ssm = random(rng, (batch, groups, hpg, p, n), jnp.float32)
-    return zxbcdt, conv, weight, bias, dt_bias, a_log, d_skip, ssm
+    return (zxbcdt, jnp.asarray(ring), weight, bias, dt_bias, a_log, d_skip, ssm,
+            jnp.int32(pos))
 
 
-def _reference(zxbcdt, conv, weight, bias, dt_bias, a_log, d_skip, ssm, layout):
-    """float64 (y, state, next convolution state), written out per group."""
+def _reference(zxbcdt, ring, weight, bias, dt_bias, a_log, d_skip, ssm, pos, layout):
+    """float64 (y, state, ring after the step), written out per group."""
     hpg, p, n = layout
-    f64 = [np.asarray(t, np.float64) for t in (zxbcdt, conv, weight, bias, dt_bias, a_log,
-                                                 d_skip, ssm)]
-    zxbcdt, conv, weight, bias, dt_bias, a_log, d_skip, ssm = f64
+    zxbcdt, ring, weight, bias, dt_bias, a_log, d_skip, ssm = (
+        np.asarray(t, np.float64) for t in (zxbcdt, ring, weight, bias, dt_bias, a_log,
+                                            d_skip, ssm))
     batch, groups, _ = zxbcdt.shape
+    width = ring.shape[0]
+    pos = int(pos)
     xbc = zxbcdt[..., hpg * p:2 * hpg * p + 2 * n].reshape(batch, -1)      # [b, g·c]
-    window = np.concatenate([conv, xbc[None]])                             # [k, b, g·c]
+    window = np.stack([ring[t % width] for t in range(pos - width + 1, pos)] + [xbc])
     pre = bias + np.einsum("kc,kbc->bc", weight, window)
     act = (pre / (1 + np.exp(-pre))).reshape(batch, groups, -1)
     x = act[..., :hpg * p].reshape(batch, groups, hpg, p)
@@ -47,31 +52,53 @@ def _reference(zxbcdt, conv, weight, bias, dt_bias, a_log, d_skip, ssm, layout):
     state = (decay[..., None, None] * ssm
              + (dt[..., None] * x)[..., None] * b[:, :, None, None, :])
     y = np.einsum("bghpn,bgn->bghp", state, c) + d_skip.reshape(groups, hpg, 1) * x
-    return y, state, window[1:]
+    after = ring.copy()
+    after[pos % width] = xbc
+    return y, state, after
 
 
 LAYOUTS = {"one block a head": kernel.Layout(2, 16, 32),
-           "two blocks a head": kernel.Layout(1, 128, 64),
+           "a head in blocks": kernel.Layout(1, 128, 64),      # at batch 2: 8 blocks of 16
            "the 1.4B model's": kernel.Layout(8, 64, 128)}
 
 
 def _check(rng, dtype, layout, interpret, **shape):
     args = _case(rng, dtype, layout, **shape)
-    want_y, want_state, want_conv = _reference(*args, layout)
+    want_y, want_state, want_ring = _reference(*args, layout)
     run = jax.jit(lambda *t: kernel.mixer_step(*t, layout, interpret=interpret),
-                  donate_argnums=(7,))
-    y, state, conv = run(*args)
+                  donate_argnums=(1, 7))
+    y, state, ring = run(*args)
     assert y.dtype == jnp.dtype(dtype) and state.dtype == jnp.float32
     assert_close(y, want_y, dtype)
     assert_close(state, want_state, "float32" if dtype == "float32" else dtype)
-    # The window's shift is a copy: exact, every element written.
-    np.testing.assert_array_equal(np.asarray(conv, np.float64), want_conv)
+    # The ring's update is a copy: exact, the other rows untouched.
+    np.testing.assert_array_equal(np.asarray(ring, np.float64), want_ring)
 
 
-@pytest.mark.parametrize("layout", ["one block a head", "two blocks a head"])
+@pytest.mark.parametrize("layout", ["one block a head", "a head in blocks"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mixer_step_matches_float64(layout, dtype, rng):
     _check(rng, dtype, LAYOUTS[layout], interpret=True, batch=2, groups=2)
+
+
+@pytest.mark.parametrize("pos", [0, 2, 3, 4, 7])
+def test_every_ring_row(pos, rng):
+    """The new position's row, and the window's, at every row of the ring
+    (k = 4), from the first position on (rows before it are zeros)."""
+    _check(rng, "float32", LAYOUTS["one block a head"], interpret=True, pos=pos)
+
+
+@pytest.mark.parametrize("channels", [16, 32])
+def test_channel_blocks(channels, rng):
+    """A head of 128 channels in blocks of 16 and 32 (the default takes the
+    whole head where that makes enough programs)."""
+    layout = LAYOUTS["a head in blocks"]
+    args = _case(rng, "float32", layout)
+    want_y, want_state, _ = _reference(*args, layout)
+    y, state, _ = kernel.mixer_step(*args, layout, channels=channels, interpret=True)
+    assert_close(y, want_y, "float32")
+    assert_close(state, want_state, "float32")
+    assert kernel._channels(64, 64) == 16 and kernel._channels(64, 2048) == 64
 
 
 def test_the_models_layout_matches_float64(rng):
@@ -88,8 +115,11 @@ def test_unsupported_layouts_and_shapes_are_errors():
     with pytest.raises(ValueError, match=r"a group's x channels \(1x16\) are not a multiple "
                                          r"of state_dim=32"):
         kernel.mixer_step(*args, kernel.Layout(1, 16, 32), interpret=True)
-    with pytest.raises(ValueError, match=r"conv is \(3, 2, 192\), expected \(3, 2, 128\)"):
+    with pytest.raises(ValueError, match=r"conv is \(4, 2, 192\), expected \(4, 2, 128\)"):
         kernel.mixer_step(*args, kernel.Layout(2, 16, 16), interpret=True)
+    with pytest.raises(ValueError, match=r"channels=24 must be a power of two up to "
+                                         r"head_dim=16"):
+        kernel.mixer_step(*args, layout, channels=24, interpret=True)
     assert kernel.unsupported_reason(kernel.Layout(2, 12, 32)) == \
         "head_dim=12 is not a power of two from 16"
 
@@ -115,7 +145,7 @@ def test_kernel_lowers_to_triton_without_a_gpu(batch, monkeypatch):
     args = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in
             _case(np.random.default_rng(0), "bfloat16", layout, batch=batch, groups=8)]
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    text = jax.jit(lambda *t: kernel.mixer_step(*t, layout), donate_argnums=(7,)).trace(
+    text = jax.jit(lambda *t: kernel.mixer_step(*t, layout), donate_argnums=(1, 7)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mamba_decode_mixer" in text
 
@@ -124,6 +154,6 @@ def test_kernel_lowers_to_triton_without_a_gpu(batch, monkeypatch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_kernel_matches_float64_on_gpu(dtype, batch, rng):
-    """The 1.4B model's layout, and a head split into two blocks."""
+    """The 1.4B model's layout, and a head split into blocks."""
     _check(rng, dtype, LAYOUTS["the 1.4B model's"], interpret=False, batch=batch, groups=8)
-    _check(rng, dtype, LAYOUTS["two blocks a head"], interpret=False, batch=batch, groups=2)
+    _check(rng, dtype, LAYOUTS["a head in blocks"], interpret=False, batch=batch, groups=2)
