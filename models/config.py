@@ -27,7 +27,7 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # the model's attention_impl with XLA's cache update; "pallas" one kernel
 # that attends and writes the new position into the cache
 # (models.decode_attention_pallas); "auto" the kernel on CUDA GPUs where it
-# takes the heads, else "model".
+# takes the heads and the batch is small, else "model".
 DECODE_ATTENTION_IMPLS = ("model", "pallas", "auto")
 # MambaConfig.decode_mixer, a decode step's work between in_proj and the
 # gated norm (convolution, SSM state update, skip): "xla" is XLA's ops,
@@ -170,9 +170,11 @@ class TransformerConfig(_Presets):
         of :data:`DECODE_ATTENTION_IMPLS`: "model" (default: the model's
         ``attention_impl``, the cache updated by XLA), "pallas" (one Pallas
         GPU kernel that also writes the cache) or "auto" (the kernel on CUDA
-        GPUs where it takes the heads). The kernel is opt-in until it
-        measures faster: on one H200 it ties cuDNN at batch 1-8 and is 5%
-        slower at 32 (docs/models.md).
+        GPUs where it takes the heads, at batches per device up to
+        ``models.decode_attention_pallas.AUTO_MAX_BATCH``; see
+        :func:`models.transformer.decode_attention_implementation`). On one
+        H200 the kernel was 1.077x cuDNN's step at batch 1, 0.994x at 8 and
+        0.967x at 32 (docs/models.md).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled

@@ -70,7 +70,8 @@ def test_query_groups(q_per_kv, rng):
 def test_default_splits_follow_the_split_positions(monkeypatch):
     """About 128 programs, none with fewer than MIN_SPLIT_POSITIONS positions:
     the 1B layer at batch 1 and a cache of 560 (8 KV heads)."""
-    assert kernel._tiling(1, 8, 560, None, False).splits == 3          # 560 / 256
+    assert kernel.MIN_SPLIT_POSITIONS == 128
+    assert kernel._tiling(1, 8, 560, None, False).splits == 5          # 560 / 128
     monkeypatch.setattr(kernel, "MIN_SPLIT_POSITIONS", 64)
     tiling = kernel._tiling(1, 8, 560, None, False)
     assert (tiling.splits, tiling.split_len) == (9, 64)
