@@ -86,6 +86,8 @@ def _kernel(pos_ref, x_new_ref, b_new_ref, c_new_ref, dt_ref, w_x_ref, w_b_ref, 
             bias_x_ref, bias_b_ref, bias_c_ref, dt_bias_ref, a_log_ref, skip_ref, conv_ref,
             h_ref, y_ref, conv_out_ref, h_out_ref, *, layout: Layout, width: int):
     hpg, p, n = layout
+    # The state first: its load is the long one, and the rest does not need it.
+    h = h_ref[...]                                                            # [channels, n]
     channels = x_new_ref.shape[-1]
     head_in_group = pl.program_id(1) % hpg
     block = pl.program_id(2)
@@ -109,8 +111,7 @@ def _kernel(pos_ref, x_new_ref, b_new_ref, c_new_ref, dt_ref, w_x_ref, w_b_ref, 
 
     dt = jax.nn.softplus(dt_ref[...].astype(jnp.float32) + dt_bias_ref[...])   # [1]
     decay = jnp.exp(-dt * jnp.exp(a_log_ref[...]))
-    h = (decay[:, None] * h_ref[...]
-         + (dt * x)[:, None] * b[None, :])                                    # [channels, n]
+    h = decay[:, None] * h + (dt * x)[:, None] * b[None, :]
     h_out_ref[...] = h
     y = jnp.sum(h * c[None, :], axis=1) + skip_ref[...] * x
     y_ref[...] = y.astype(y_ref.dtype)
