@@ -33,7 +33,7 @@ from jax_flashoverlap.nn import same_variance
 
 from .pallas_gpu import plgpu, require_runnable
 
-__all__ = ["Layout", "mixer_step", "unsupported_reason"]
+__all__ = ["Layout", "mixer_step", "mixer_step_xla", "unsupported_reason"]
 
 # Programs a call aims for: a head's channels are split into blocks (down to
 # 16) until there are this many, so that batch 1 does not leave most SMs
@@ -237,3 +237,31 @@ def mixer_step(zxbcdt: jax.Array, conv: jax.Array, conv_weight: jax.Array,
       conv_bias, conv_bias, dt_bias, a_log, d_skip, conv, ssm)
     return (y.reshape(batch, groups, hpg, p), ssm.reshape(batch, groups, hpg, p, n),
             conv.reshape(width, batch, groups * c))
+
+
+def mixer_step_xla(zxbcdt: jax.Array, conv: jax.Array, conv_weight: jax.Array,
+                   conv_bias: jax.Array, dt_bias: jax.Array, a_log: jax.Array,
+                   d_skip: jax.Array, ssm: jax.Array, pos: jax.Array,
+                   layout: Layout) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`mixer_step` in XLA's ops, on any backend: its contract, for
+    tests of the model's use of the kernel and as the baseline it is timed
+    against (scripts/mamba_decode_mixer_probe.py). Same arguments and results."""
+    hpg, p, n = layout
+    batch, groups, _ = zxbcdt.shape
+    width = conv.shape[0]
+    f32 = jnp.float32
+    xbc = zxbcdt[..., hpg * p:2 * hpg * p + 2 * n].reshape(batch, -1)      # [b, g·c]
+    older = jnp.take(conv, (pos + 1 + jnp.arange(width - 1)) % width, axis=0)
+    window = jnp.concatenate([older, xbc[None]]).astype(f32)               # oldest first
+    pre = conv_bias.astype(f32) + sum(conv_weight[i].astype(f32) * window[i]
+                                      for i in range(width))
+    act = jax.nn.silu(pre).reshape(batch, groups, -1)
+    x = act[..., :hpg * p].reshape(batch, groups, hpg, p)
+    b, c = act[..., hpg * p:hpg * p + n], act[..., hpg * p + n:]
+    dt = jax.nn.softplus(zxbcdt[..., -hpg:].astype(f32) + dt_bias.reshape(groups, hpg))
+    decay = jnp.exp(-dt * jnp.exp(a_log.reshape(groups, hpg)))
+    state = (decay[..., None, None] * ssm
+             + (dt[..., None] * x)[..., None] * b[:, :, None, None, :])
+    y = jnp.einsum("bghpn,bgn->bghp", state, c) + d_skip.reshape(groups, hpg, 1) * x
+    conv = jax.lax.dynamic_update_slice(conv, xbc[None].astype(conv.dtype), (pos % width, 0, 0))
+    return y.astype(zxbcdt.dtype), state, conv

@@ -130,28 +130,6 @@ def test_decode_attention_setting():
         dataclasses.replace(config, decode_attention="cudnn")
 
 
-def _mixer_step_as_the_kernel_computes_it(zxbcdt, ring, weight, bias, dt_bias, a_log,
-                                          d_skip, ssm, pos, layout):
-    """``mamba_decode_pallas.mixer_step``'s contract in jnp ops (the kernel
-    against float64 is in test_mamba_decode_pallas.py)."""
-    hpg, p, n = layout
-    batch, groups, _ = zxbcdt.shape
-    width = ring.shape[0]
-    f32 = jnp.float32
-    xbc = zxbcdt[..., hpg * p:2 * hpg * p + 2 * n].reshape(batch, -1)
-    older = jnp.take(ring, (pos + 1 + jnp.arange(width - 1)) % width, axis=0)
-    window = jnp.concatenate([older, xbc[None]])
-    act = jax.nn.silu(models.mamba.causal_conv1d(window.astype(f32), weight, bias)[-1])
-    act = act.reshape(batch, groups, -1)
-    x = act[..., :hpg * p].reshape(batch, groups, hpg, p)
-    dt = jax.nn.softplus(zxbcdt[..., -hpg:].astype(f32) + dt_bias.reshape(groups, hpg))
-    y, state = models.mamba.ssd_step(x, dt, -jnp.exp(a_log.reshape(groups, hpg)),
-                                     act[..., hpg * p:hpg * p + n], act[..., hpg * p + n:], ssm)
-    y = y + d_skip.reshape(groups, hpg, 1) * x
-    ring = jax.lax.dynamic_update_slice(ring, xbc[None].astype(ring.dtype), (pos % width, 0, 0))
-    return y.astype(zxbcdt.dtype), state, ring
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_decoding_through_the_mixer_kernel_gives_the_forward_pass_logits(tp, rng,
                                                                        monkeypatch):
@@ -161,7 +139,7 @@ def test_decoding_through_the_mixer_kernel_gives_the_forward_pass_logits(tp, rng
 
     def step(*args):
         calls.append((args[0].shape, args[-1]))
-        return _mixer_step_as_the_kernel_computes_it(*args)
+        return models.mamba_decode_pallas.mixer_step_xla(*args)
 
     monkeypatch.setattr(models.mamba_decode_pallas, "mixer_step", step)
     model_cls, config = MODELS["mamba"]
@@ -450,7 +428,7 @@ def test_generate_command_passes_the_decode_mixer_to_the_layers(tmp_path, monkey
 
     def step(*args):
         calls.append(args[-1])
-        return _mixer_step_as_the_kernel_computes_it(*args)
+        return models.mamba_decode_pallas.mixer_step_xla(*args)
 
     monkeypatch.setattr(models.mamba_decode_pallas, "mixer_step", step)
 

@@ -62,11 +62,11 @@ LAYOUTS = {"one block a head": kernel.Layout(2, 16, 32),
            "the 1.4B model's": kernel.Layout(8, 64, 128)}
 
 
-def _check(rng, dtype, layout, interpret, **shape):
+def _check(rng, dtype, layout, interpret, step=kernel.mixer_step, **shape):
     args = _case(rng, dtype, layout, **shape)
     want_y, want_state, want_ring = _reference(*args, layout)
-    run = jax.jit(lambda *t: kernel.mixer_step(*t, layout, interpret=interpret),
-                  donate_argnums=(1, 7))
+    options = {} if step is kernel.mixer_step_xla else {"interpret": interpret}
+    run = jax.jit(lambda *t: step(*t, layout, **options), donate_argnums=(1, 7))
     y, state, ring = run(*args)
     assert y.dtype == jnp.dtype(dtype) and state.dtype == jnp.float32
     assert_close(y, want_y, dtype)
@@ -79,6 +79,13 @@ def _check(rng, dtype, layout, interpret, **shape):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mixer_step_matches_float64(layout, dtype, rng):
     _check(rng, dtype, LAYOUTS[layout], interpret=True, batch=2, groups=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_xla_step_matches_float64(dtype, rng):
+    """mixer_step_xla, the kernel's contract in XLA's ops."""
+    _check(rng, dtype, LAYOUTS["one block a head"], interpret=False,
+           step=kernel.mixer_step_xla)
 
 
 @pytest.mark.parametrize("pos", [0, 2, 3, 4, 7])
