@@ -80,31 +80,43 @@ def _attention_as_the_kernel_computes_it(q, k, v, cache_k, cache_v, pos):
                    for c, t in ((cache_k, k), (cache_v, v))))
 
 
+def _decoding_through(kernel_module, kernel: str, contract, record, name, tp, rng,
+                      monkeypatch, **overrides):
+    """Generates with ``kernel_module.kernel`` replaced by ``contract`` (it
+    runs inside shard_map on CPU, where the Pallas interpreter does not),
+    checks the logits against the model's forward pass, and returns (the
+    config, the set of ``record(*args)`` over the kernel's calls)."""
+    calls = []
+
+    def replaced(*args):
+        calls.append(record(*args))
+        return contract(*args)
+
+    monkeypatch.setattr(kernel_module, kernel, replaced)
+    model_cls, config = MODELS[name]
+    config = dataclasses.replace(config, **overrides)
+    mesh = cpu_mesh(tp=tp)
+    model = build(model_cls, config, mesh, nnx.state(_random_model(model_cls, config, rng)))
+    with jax.set_mesh(mesh):
+        tokens, logits = models.generate(model, _prompt(int(rng.integers(1 << 30))), NEW_TOKENS,
+                                         return_logits=True)
+    want = _forward_logits(model, mesh, np.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=1e-4,
+                               atol=1e-4 * np.abs(want).max())
+    return config, set(calls)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_decoding_through_the_attention_kernel_gives_the_forward_pass_logits(tp, rng,
                                                                            monkeypatch):
     """decode_attention="pallas": every layer hands the kernel its query
     heads grouped by KV head and takes back the updated caches; the logits
     are the forward pass's."""
-    calls = []
-
-    def attend(*args):
-        calls.append(args[0].shape)
-        return _attention_as_the_kernel_computes_it(*args)
-
-    monkeypatch.setattr(models.decode_attention_pallas, "decode_attention", attend)
-    model_cls, config = MODELS["transformer"]
-    config = dataclasses.replace(config, decode_attention="pallas")
-    mesh = cpu_mesh(tp=tp)
-    model = build(model_cls, config, mesh, nnx.state(_random_model(model_cls, config, rng)))
-    with jax.set_mesh(mesh):
-        tokens, logits = models.generate(model, _prompt(int(rng.integers(1 << 30))), NEW_TOKENS,
-                                         return_logits=True)
+    config, calls = _decoding_through(
+        models.decode_attention_pallas, "decode_attention", _attention_as_the_kernel_computes_it,
+        lambda q, *_: q.shape, "transformer", tp, rng, monkeypatch, decode_attention="pallas")
     kv = config.num_kv_heads // tp
-    assert set(calls) == {(2, kv, config.num_heads // config.num_kv_heads, config.head_dim)}
-    want = _forward_logits(model, mesh, np.asarray(tokens))
-    np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=1e-4,
-                               atol=1e-4 * np.abs(want).max())
+    assert calls == {(2, kv, config.num_heads // config.num_kv_heads, config.head_dim)}
 
 
 def test_decode_attention_setting():
@@ -134,29 +146,15 @@ def test_decode_attention_setting():
 def test_decoding_through_the_mixer_kernel_gives_the_forward_pass_logits(tp, rng,
                                                                        monkeypatch):
     """decode_mixer="pallas": every layer hands the kernel in_proj's output
-    by group, its caches and its parameters; the logits are the forward pass's."""
-    calls = []
-
-    def step(*args):
-        calls.append((args[0].shape, args[-1]))
-        return models.mamba_decode_pallas.mixer_step_xla(*args)
-
-    monkeypatch.setattr(models.mamba_decode_pallas, "mixer_step", step)
-    model_cls, config = MODELS["mamba"]
-    config = dataclasses.replace(config, decode_mixer="pallas")
-    mesh = cpu_mesh(tp=tp)
-    model = build(model_cls, config, mesh, nnx.state(_random_model(model_cls, config, rng)))
-    with jax.set_mesh(mesh):
-        tokens, logits = models.generate(model, _prompt(int(rng.integers(1 << 30))), NEW_TOKENS,
-                                         return_logits=True)
+    by group, its states and its parameters; the logits are the forward pass's."""
+    config, calls = _decoding_through(
+        models.mamba_decode_pallas, "mixer_step", models.mamba_decode_pallas.mixer_step_xla,
+        lambda zxbcdt, *args: (zxbcdt.shape, args[-1]), "mamba", tp, rng, monkeypatch,
+        decode_mixer="pallas")
     hpg = config.num_heads // config.num_groups
     width = 2 * hpg * config.head_dim + 2 * config.state_dim + hpg
-    assert set(calls) == {((2, config.num_groups // tp, width),
-                           models.mamba_decode_pallas.Layout(hpg, config.head_dim,
-                                                             config.state_dim))}
-    want = _forward_logits(model, mesh, np.asarray(tokens))
-    np.testing.assert_allclose(np.asarray(logits, np.float64), want, rtol=1e-4,
-                               atol=1e-4 * np.abs(want).max())
+    layout = models.mamba_decode_pallas.Layout(hpg, config.head_dim, config.state_dim)
+    assert calls == {((2, config.num_groups // tp, width), layout)}
 
 
 def test_decode_mixer_setting():

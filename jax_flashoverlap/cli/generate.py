@@ -82,7 +82,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-attention", choices=DECODE_ATTENTION_IMPLS, default="model",
                         help="the Transformer's decode attention: the model's (cuDNN or XLA, "
                              "XLA updating the cache), one Pallas kernel that also writes the "
-                             "cache (pallas), or the kernel where it runs (auto)")
+                             "cache (pallas), or the kernel on CUDA GPUs at batch 1 per device "
+                             "(auto)")
     parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="auto",
                         help="Mamba-2's decode step between its projections (convolution, "
                              "state update, skip): XLA's ops, one Pallas kernel a layer "
