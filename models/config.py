@@ -31,9 +31,9 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 DECODE_ATTENTION_IMPLS = ("model", "pallas", "auto")
 # MambaConfig.decode_mixer, a decode step's work between in_proj and the
 # gated norm (convolution, SSM state update, skip): "xla" is XLA's ops,
-# "pallas" one kernel (models.mamba_decode_pallas), "auto" the kernel on CUDA
-# GPUs where it takes the layout, else "xla".
-DECODE_MIXER_IMPLS = ("auto", "xla", "pallas")
+# "pallas" one kernel a layer (models.mamba_decode_pallas; opt-in: slower
+# than XLA's fusions on one H200, docs/measurements.md session 29).
+DECODE_MIXER_IMPLS = ("xla", "pallas")
 # The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
 # kernels where they can run (models.mamba.ssd).
 SSD_IMPLS = ("auto", "xla", "pallas")
@@ -316,9 +316,11 @@ class MambaConfig(_Presets):
         :data:`DECODE_MATMUL_IMPLS` (see :class:`TransformerConfig`).
       decode_mixer: a decode step's convolution, SSM state update and skip,
         one of :data:`DECODE_MIXER_IMPLS` (see
-        :func:`models.mamba.decode_mixer_implementation`): "auto" (default)
-        is one Pallas GPU kernel a layer on CUDA GPUs
-        (:mod:`models.mamba_decode_pallas`), XLA's ops elsewhere.
+        :func:`models.mamba.decode_mixer_implementation`): "xla" (default)
+        or "pallas", one Pallas GPU kernel a layer
+        (:mod:`models.mamba_decode_pallas`; on one H200 3.79 µs a layer for
+        XLA's ops against 4.10 for the kernel at batch 1, docs/measurements.md
+        session 29).
       residuals: what a block keeps for the backward, one of
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
@@ -360,7 +362,7 @@ class MambaConfig(_Presets):
     fuse_skip: bool = True
     ssd_keeps_chunk_states: bool = False
     decode_matmul: str = "xla"
-    decode_mixer: str = "auto"
+    decode_mixer: str = "xla"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 

@@ -31,7 +31,6 @@ from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 from . import conv_pallas, mamba_decode_pallas, ssd_pallas
 from .config import SSD_IMPLS, MambaConfig
 from .layers import CausalLM, RMSNorm, linear_options
-from .pallas_gpu import on_cuda
 
 __all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSD_IMPLS", "SSD_STATES_NAME", "SSMCache",
            "ssd", "ssd_step", "causal_conv1d", "decode_mixer_implementation",
@@ -347,23 +346,19 @@ def _decode_layout(config: MambaConfig) -> mamba_decode_pallas.Layout:
                                       config.state_dim)
 
 
-def decode_mixer_implementation(config: MambaConfig, device: jax.Device | None = None) -> str:
-    """``config.decode_mixer`` on ``device`` (default the first): "pallas" or "xla".
-
-    "auto" is "pallas" on CUDA GPUs where the kernel takes the layout
-    (:func:`models.mamba_decode_pallas.unsupported_reason`), else "xla".
+def decode_mixer_implementation(config: MambaConfig) -> str:
+    """``config.decode_mixer``, checked: "pallas" or "xla".
 
     Raises:
-      ValueError: "pallas" asked for a layout the kernel cannot take.
+      ValueError: "pallas" asked for a layout the kernel cannot take
+        (:func:`models.mamba_decode_pallas.unsupported_reason`).
     """
     if config.decode_mixer == "xla":
         return "xla"
     why_not = mamba_decode_pallas.unsupported_reason(_decode_layout(config))
-    if config.decode_mixer == "auto":
-        return "pallas" if on_cuda(device) and not why_not else "xla"
     if why_not:
         raise ValueError(f"MambaConfig: decode_mixer='pallas' but {why_not}; use "
-                         f"decode_mixer='xla' or 'auto'.")
+                         f"decode_mixer='xla'.")
     return "pallas"
 
 

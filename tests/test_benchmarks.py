@@ -313,7 +313,7 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
     out = tmp_path / "d.json"
     assert bench.main(["--json", str(out), "--size", "tiny", "--mesh",
                        "1x2", "--impls", "xla", "decomposed", "--decode-matmuls", "xla",
-                       "--decode-mixers", "auto", "--batches", "2",
+                       "--decode-mixers", "xla", "--batches", "2",
                        "--contexts", "32", "--steps", "2", "6", "--reps", "2"]) == 0
     result = json.loads(out.read_text())
     meta = result["meta"]
@@ -328,7 +328,6 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
         assert r["weight_bytes"] > 0 and r["cache_bytes"] > 0 and r["hbm_floor_ms"] > 0
         assert r["prefill_ms_min"] <= r["prefill_ms"] <= r["prefill_ms_max"]
     assert {r["decode_attention"] for r in rows} == {"model"}
-    # "auto" is XLA's ops off CUDA GPUs, and the rows say what ran.
     assert [r["decode_mixer"] for r in rows] == [None, None, "xla", "xla"]
     out = capsys.readouterr().out
     assert "| transformer | decomposed | xla | model | – | 2 | 32 |" in out

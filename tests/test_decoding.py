@@ -158,23 +158,22 @@ def test_decoding_through_the_mixer_kernel_gives_the_forward_pass_logits(tp, rng
 
 
 def test_decode_mixer_setting():
-    """"auto" is the kernel only on CUDA GPUs; a layout it cannot take is an
-    error for "pallas" and XLA's ops for "auto"."""
+    """XLA's ops by default; a layout the kernel cannot take is an error for
+    "pallas", at the model's construction."""
     config = models.MambaConfig.tiny()
-    assert config.decode_mixer == "auto"
+    assert config.decode_mixer == "xla"
     choose = models.mamba.decode_mixer_implementation
-    on_cuda = jax.default_backend() == "gpu"
-    assert choose(config) == ("pallas" if on_cuda else "xla")
-    assert choose(dataclasses.replace(config, decode_mixer="xla")) == "xla"
+    assert choose(config) == "xla"
     assert choose(dataclasses.replace(config, decode_mixer="pallas")) == "pallas"
-    odd_state = dataclasses.replace(config, state_dim=24)
-    assert choose(odd_state) == "xla"
+    odd_state = dataclasses.replace(config, state_dim=24, decode_mixer="pallas")
     with pytest.raises(ValueError, match=r"decode_mixer='pallas' but state_dim=24 is not a "
-                                         r"power of two from 16; use decode_mixer='xla' or "
-                                         r"'auto'"):
-        choose(dataclasses.replace(odd_state, decode_mixer="pallas"))
+                                         r"power of two from 16; use decode_mixer='xla'"):
+        choose(odd_state)
+    with (jax.set_mesh(cpu_mesh(tp=1)),
+          pytest.raises(ValueError, match="decode_mixer='pallas' but state_dim=24")):
+        models.Mamba2(odd_state, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="decode_mixer"):
-        dataclasses.replace(config, decode_mixer="cuda")
+        dataclasses.replace(config, decode_mixer="auto")
 
 
 def _random_model(model_cls, config, rng):

@@ -84,10 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "XLA updating the cache), one Pallas kernel that also writes the "
                              "cache (pallas), or the kernel on CUDA GPUs at batch 1 per device "
                              "(auto)")
-    parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="auto",
+    parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="xla",
                         help="Mamba-2's decode step between its projections (convolution, "
-                             "state update, skip): XLA's ops, one Pallas kernel a layer "
-                             "(pallas), or the kernel on CUDA GPUs (auto)")
+                             "state update, skip): XLA's ops, or one Pallas GPU kernel a "
+                             "layer (pallas)")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel",
                         action="store_false", help="prefill without sequence parallelism")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")

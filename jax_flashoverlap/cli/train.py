@@ -262,7 +262,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  residuals: str = "named", fuse_skip: bool = True,
                  decode_matmul: str = "xla", chunk_size: int | None = None,
                  ssd_keeps_chunk_states: bool = False, decode_attention: str = "model",
-                 decode_mixer: str = "auto"):
+                 decode_mixer: str = "xla"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
