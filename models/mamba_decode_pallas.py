@@ -17,8 +17,8 @@ Opt-in (``MambaConfig.decode_mixer="pallas"``): correct on an H200, but
 slower than XLA's fusions of the same step. 48 layers' steps at batch 1,
 states carried and donated: XLA 3.79 µs a layer, the kernel 4.10 with 16
 channels a program, 4.40 with 64 (scripts/mamba_decode_mixer_probe.py,
-docs/measurements.md session 29); in the 1B decode loop the first version
-lost 3-8% a token.
+docs/measurements.md session 29); in the 1.4B model's decode loop the
+first version lost 3-8% a token.
 
 The convolution state is a ring of k rows, position t's input in row
 t mod k, updated in place: a step reads the k-1 rows before its own and
@@ -80,11 +80,12 @@ def unsupported_reason(layout: Layout) -> str | None:
     return None
 
 
-def _channels(head_dim: int, programs_per_block: int) -> int:
+def _channels(head_dim: int, whole_head_programs: int) -> int:
     """A head's channels per program: the whole head, halved while there
-    are fewer than _MIN_PROGRAMS programs (``programs_per_block`` at whole heads)."""
+    are fewer than _MIN_PROGRAMS programs (``whole_head_programs`` with a
+    program per head: batch × heads)."""
     channels = head_dim
-    while channels > _MIN_CHANNELS and programs_per_block * head_dim // channels < _MIN_PROGRAMS:
+    while channels > _MIN_CHANNELS and whole_head_programs * head_dim // channels < _MIN_PROGRAMS:
         channels //= 2
     return channels
 
