@@ -11,8 +11,10 @@ flash attention at the 1B Transformer's layer (16 heads of 128, 8 KV heads,
 causal) the same way, in one process, by the project's
 protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
 results are checked against XLA's (relative error by norm, bf16 tolerance).
-``--sweep`` also times the chunk output's kernels alone per tile side and warps
-per program (a tiling that does not fit is recorded as skipped). ``--norm``
+``--sweep`` also times the chunk output's kernels alone per tile side, warps
+per program and pipeline stages (a tiling that does not fit is recorded as
+skipped). ``--once`` runs the Pallas SSD's forward + backward once, untimed,
+for a profiler (``gpu_run.sh ncu``). ``--norm``
 also times a layer's two norms, the mixer's gated norm ([seq, batch, inner]
 in groups) and the block's norm ([seq, batch, embed], ungated, one group),
 XLA's ops against :mod:`models.norm_pallas`'s kernels, checked first the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import sys
 
@@ -86,38 +89,51 @@ def attention_ops(config: models.TransformerConfig, seq_len: int, batch: int, ke
 
 def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[dict]:
     """The chunk output's kernels alone (``models.ssd_pallas.chunk_output``),
-    forward and forward + backward, per tile side and warps per program."""
+    forward and forward + backward, per tile side, warps per program and
+    software-pipeline stages."""
     x, dt, a, b, c = inputs
     s, chunk = x.shape[0], config.chunk_size
     x, dt, b, c = (t.reshape(s // chunk, chunk, *t.shape[1:]) for t in (x, dt, b, c))
     operands = models.ssd_pallas.chunk_operands(x, dt, jnp.cumsum(dt * a, axis=1), b, c)
     batch, groups, heads, p = x.shape[2:]
+    # In x's dtype, as the model passes the entering states.
     state = jax.random.normal(jax.random.key(1),
-                              (batch, groups, heads, s // chunk, p, c.shape[-1]), jnp.float32)
+                              (batch, groups, heads, s // chunk, p, c.shape[-1]), x.dtype)
     operands = (*operands, state)
+
+    def default_forward(*t):
+        return models.ssd_pallas.chunk_output(*t, chunk_size=chunk)
+    want = {"forward": jax.jit(default_forward)(*operands),
+            "forward+backward": jax.jit(jax.grad(lambda *u: jnp.sum(default_forward(*u)),
+                                                 argnums=tuple(range(6))))(*operands)}
     rows = []
-    for block in (32, 64, 128):
-        for warps in (4, 8):
-            def forward(*t, block=block, warps=warps):
-                return models.ssd_pallas.chunk_output(*t, chunk_size=chunk, block=block,
-                                                      num_warps=warps)
+    for block, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4)):
+        def forward(*t, block=block, warps=warps, stages=stages):
+            return models.ssd_pallas.chunk_output(*t, chunk_size=chunk, block=block,
+                                                  num_warps=warps, num_stages=stages)
 
-            def backward(*t, forward=forward):
-                return jax.grad(lambda *u: jnp.sum(forward(*u)), argnums=tuple(range(6)))(*t)
+        def backward(*t, forward=forward):
+            return jax.grad(lambda *u: jnp.sum(forward(*u)), argnums=tuple(range(6)))(*t)
 
-            for phase, fn in (("forward", forward), ("forward+backward", backward)):
-                row = {"what": "chunk_output kernels", "block": block, "num_warps": warps,
-                       "phase": phase}
-                try:
-                    t = benchmarking.time_per_op(fn, operands, mesh=mesh,
-                                                 in_specs=(P(),) * 6, k1=2, k2=8, reps=reps)
-                except jax.errors.JaxRuntimeError as e:  # e.g. tiles beyond shared memory
-                    row["skipped"] = str(e).splitlines()[0]
-                else:
-                    row.update(ms=t.median_s * 1e3, ms_min=t.min_s * 1e3,
-                               ms_max=t.max_s * 1e3, reps=t.reps)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+        for phase, fn in (("forward", forward), ("forward+backward", backward)):
+            row = {"what": "chunk_output kernels", "block": block, "num_warps": warps,
+                   "num_stages": stages, "phase": phase}
+            try:
+                err = relative_error(jax.jit(fn)(*operands), want[phase])
+                if not err <= TOLERANCE:
+                    raise AssertionError(f"chunk_output at block {block}, {warps} warps, "
+                                         f"{stages} stages, {phase}: relative error {err:.3g} "
+                                         f"against the default tiling > {TOLERANCE}")
+                row["relative_error"] = err
+                t = benchmarking.time_per_op(fn, operands, mesh=mesh,
+                                             in_specs=(P(),) * 6, k1=2, k2=8, reps=reps)
+            except jax.errors.JaxRuntimeError as e:  # e.g. tiles beyond shared memory
+                row["skipped"] = str(e).splitlines()[0]
+            else:
+                row.update(ms=t.median_s * 1e3, ms_min=t.min_s * 1e3,
+                           ms_max=t.max_s * 1e3, reps=t.reps)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     return rows
 
 
@@ -179,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="also time the chunk output's kernels alone per tile side and warps "
                              "(with --norm, the norm's kernels per rows and warps)")
+    parser.add_argument("--once", action="store_true",
+                        help="only run the Pallas SSD's forward + backward once, untimed (for "
+                             "a profiler such as ncu)")
     parser.add_argument("--norm", action="store_true",
                         help="also time the mixer's gated norm, XLA's ops against the kernels")
     args = parser.parse_args(argv)
@@ -190,6 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     mesh = benchmarking.first_devices_mesh(1)
     key = jax.random.key(0)
     inputs = ssd_inputs(config, args.seq_len, args.batch, key)
+    if args.once:
+        jax.block_until_ready(jax.jit(ssd_ops(config, "pallas")[1])(*inputs))
+        return 0
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
     ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)
@@ -260,10 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         sweep = tiling_sweep(config, inputs, mesh, args.reps)
         rows += sweep
         save()
-        print("\n| block | warps | forward (ms) | forward + backward (ms) |\n|---|---|---|---|")
+        print("\n| block | warps | stages | forward (ms) | forward + backward (ms) |"
+              "\n|---|---|---|---|---|")
         for fwd, both in zip(sweep[::2], sweep[1::2]):
             cells = (f"{r['ms']:.3f}" if "ms" in r else "failed" for r in (fwd, both))
-            print(f"| {fwd['block']} | {fwd['num_warps']} | {' | '.join(cells)} |")
+            print(f"| {fwd['block']} | {fwd['num_warps']} | {fwd['num_stages']} | "
+                  f"{' | '.join(cells)} |")
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]

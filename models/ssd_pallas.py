@@ -57,18 +57,21 @@ _MAX_BLOCK = 64
 
 class Tiling(NamedTuple):
     """How the kernels cut a chunk: [block, block] tiles, ``num_warps`` warps
-    per program (None: Triton's default, 4); ``interpret`` runs them in
-    Pallas's interpreter."""
+    per program (None: Triton's default, 4), ``num_stages`` stages of the
+    loops' software pipelines (None: Pallas's default, 3); ``interpret`` runs
+    them in Pallas's interpreter."""
 
     chunk_size: int
     block: int
     num_warps: int | None = None
     interpret: bool = False
+    num_stages: int | None = None
 
     def params(self) -> dict:
         """pallas_call's keyword arguments."""
         return dict(interpret=self.interpret,
-                    compiler_params=plgpu.CompilerParams(num_warps=self.num_warps))
+                    compiler_params=plgpu.CompilerParams(num_warps=self.num_warps,
+                                                         num_stages=self.num_stages))
 
 
 def unsupported_reason(chunk_size: int, head_dim: int, heads_per_group: int,
@@ -328,7 +331,7 @@ def chunk_operands(x: jax.Array, dt: jax.Array, cum: jax.Array, b: jax.Array,
 def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: jax.Array,
                  state: jax.Array, *, chunk_size: int, skip: jax.Array | None = None,
                  block: int | None = None, num_warps: int | None = None,
-                 interpret: bool = False) -> jax.Array:
+                 num_stages: int | None = None, interpret: bool = False) -> jax.Array:
     """The SSD's output, from inside each chunk and from the state entering
     it, differentiable, on the GPU.
 
@@ -349,6 +352,8 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
       block: the tiles' side, a power of two from 16 dividing l (default
         min(l, 64)).
       num_warps: warps per kernel program (default Triton's, 4).
+      num_stages: software-pipeline stages of the kernels' loops (default
+        Pallas's, 3).
       interpret: run the kernels in Pallas's interpreter (any backend; for tests).
 
     Returns:
@@ -359,7 +364,8 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
     s, _, _, heads, p = x.shape
     n, chunks = c.shape[-1], state.shape[3]
     tiling = _tiling("chunk_output", s, chunk_size,
-                     unsupported_reason(chunk_size, p, heads, n), block, num_warps, interpret)
+                     unsupported_reason(chunk_size, p, heads, n), block, num_warps, interpret,
+                     num_stages)
     if s != chunks * chunk_size:
         raise ValueError(f"ssd_pallas.chunk_output: {chunks} chunks of state for a sequence "
                          f"of {s} = {s // chunk_size} chunks")
@@ -370,7 +376,7 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
 
 
 def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int | None,
-            num_warps: int | None, interpret: bool) -> Tiling:
+            num_warps: int | None, interpret: bool, num_stages: int | None = None) -> Tiling:
     """The Tiling of a public function's arguments, or a ValueError naming them."""
     if reason:
         raise ValueError(f"ssd_pallas.{caller}: {reason}; use the XLA SSD (ssd_impl='xla').")
@@ -381,7 +387,9 @@ def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int
     if block < 16 or block & (block - 1) or chunk_size % block:
         raise ValueError(f"ssd_pallas.{caller}: block={block} must be a power of two "
                          f"from 16 that divides chunk_size={chunk_size}")
-    return Tiling(chunk_size, block, num_warps, interpret)
+    if num_stages is not None and num_stages < 1:
+        raise ValueError(f"ssd_pallas.{caller}: num_stages={num_stages} must be at least 1")
+    return Tiling(chunk_size, block, num_warps, interpret, num_stages)
 
 
 # The state products. Per (chunk, batch, group, head), with S that head's
@@ -545,7 +553,8 @@ _chunk_states.defvjp(_chunk_states_fwd, _chunk_states_bwd)
 
 
 def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | None = None,
-                 num_warps: int | None = None, interpret: bool = False) -> jax.Array:
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 interpret: bool = False) -> jax.Array:
     """Each chunk's ``sum_u x[u]^T b[u]`` per head, differentiable, on the GPU.
 
     With x already weighted by ``dt[u]·exp(cum[l-1] - cum[u])``, the state
@@ -555,7 +564,7 @@ def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | No
       x: [s, batch, g, heads, p] (bf16 or float32), s = chunks · l.
       b: [s, batch, g, n], the same dtype.
       chunk_size: l.
-      block, num_warps, interpret: as :func:`chunk_output`'s.
+      block, num_warps, num_stages, interpret: as :func:`chunk_output`'s.
 
     Returns:
       [batch, g, heads, chunks, p, n] float32.
@@ -563,5 +572,5 @@ def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | No
     s, _, _, heads, p = x.shape
     tiling = _tiling("chunk_states", s, chunk_size,
                      unsupported_reason(chunk_size, p, heads, b.shape[-1]), block, num_warps,
-                     interpret)
+                     interpret, num_stages)
     return _chunk_states(x, b, tiling)

@@ -241,3 +241,5 @@ def test_mamba_1b_trains_alike_with_either_ssd():
     assert losses["xla"][-1] < losses["xla"][0], losses  # it trains
     np.testing.assert_allclose(losses["pallas"][0], losses["xla"][0], rtol=2e-3)
     np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=3e-2)
+    with pytest.raises(ValueError, match="num_stages=0 must be at least 1"):
+        models.ssd_pallas.chunk_states(x, b, chunk_size=64, num_stages=0)
