@@ -11,9 +11,10 @@ flash attention at the 1B Transformer's layer (16 heads of 128, 8 KV heads,
 causal) the same way, in one process, by the project's
 protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
 results are checked against XLA's (relative error by norm, bf16 tolerance).
-``--sweep`` also times the chunk output's kernels alone per tile side, warps
-per program and pipeline stages (a tiling that does not fit is recorded as
-skipped). ``--once`` runs the Pallas SSD's forward + backward once, untimed,
+``--sweep`` also times the chunk output's kernels alone per tiles (rows x
+columns, ``--sweep-tiles``), warps per program and pipeline stages, each
+tiling checked against the default first (one that does not fit is recorded
+as skipped). ``--once`` runs the Pallas SSD's forward + backward once, untimed,
 for a profiler (``gpu_run.sh ncu``). ``--norm``
 also times a layer's two norms, the mixer's gated norm ([seq, batch, inner]
 in groups) and the block's norm ([seq, batch, embed], ungated, one group),
@@ -87,10 +88,12 @@ def attention_ops(config: models.TransformerConfig, seq_len: int, batch: int, ke
     return (q, k, v), forward, backward
 
 
-def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[dict]:
+def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int,
+                 tiles: list[tuple[int, int]], warps: list[int], stages: list[int]) -> list[dict]:
     """The chunk output's kernels alone (``models.ssd_pallas.chunk_output``),
-    forward and forward + backward, per tile side, warps per program and
-    software-pipeline stages."""
+    forward and forward + backward, per tiling: every (rows, columns) of the
+    intra-chunk tiles in ``tiles``, warps per program in ``warps`` and
+    software-pipeline stages in ``stages``."""
     x, dt, a, b, c = inputs
     s, chunk = x.shape[0], config.chunk_size
     x, dt, b, c = (t.reshape(s // chunk, chunk, *t.shape[1:]) for t in (x, dt, b, c))
@@ -107,23 +110,24 @@ def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int) -> list[di
             "forward+backward": jax.jit(jax.grad(lambda *u: jnp.sum(default_forward(*u)),
                                                  argnums=tuple(range(6))))(*operands)}
     rows = []
-    for block, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3, 4)):
-        def forward(*t, block=block, warps=warps, stages=stages):
+    for (block, cols), num_warps, num_stages in itertools.product(tiles, warps, stages):
+        def forward(*t, block=block, cols=cols, num_warps=num_warps, num_stages=num_stages):
             return models.ssd_pallas.chunk_output(*t, chunk_size=chunk, block=block,
-                                                  num_warps=warps, num_stages=stages)
+                                                  block_cols=cols, num_warps=num_warps,
+                                                  num_stages=num_stages)
 
         def backward(*t, forward=forward):
             return jax.grad(lambda *u: jnp.sum(forward(*u)), argnums=tuple(range(6)))(*t)
 
         for phase, fn in (("forward", forward), ("forward+backward", backward)):
-            row = {"what": "chunk_output kernels", "block": block, "num_warps": warps,
-                   "num_stages": stages, "phase": phase}
+            row = {"what": "chunk_output kernels", "block": block, "block_cols": cols,
+                   "num_warps": num_warps, "num_stages": num_stages, "phase": phase}
             try:
                 err = relative_error(jax.jit(fn)(*operands), want[phase])
                 if not err <= TOLERANCE:
-                    raise AssertionError(f"chunk_output at block {block}, {warps} warps, "
-                                         f"{stages} stages, {phase}: relative error {err:.3g} "
-                                         f"against the default tiling > {TOLERANCE}")
+                    raise AssertionError(f"chunk_output at tiles {block}x{cols}, {num_warps} "
+                                         f"warps, {num_stages} stages, {phase}: relative error "
+                                         f"{err:.3g} against the default tiling > {TOLERANCE}")
                 row["relative_error"] = err
                 t = benchmarking.time_per_op(fn, operands, mesh=mesh,
                                              in_specs=(P(),) * 6, k1=2, k2=8, reps=reps)
@@ -195,6 +199,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true",
                         help="also time the chunk output's kernels alone per tile side and warps "
                              "(with --norm, the norm's kernels per rows and warps)")
+    parser.add_argument("--sweep-tiles", nargs="+", default=["32x32", "64x64", "128x128"],
+                        metavar="ROWSxCOLS", help="the --sweep's intra-chunk tiles")
+    parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
+    parser.add_argument("--sweep-stages", nargs="+", type=int, default=[1, 2, 3, 4])
     parser.add_argument("--once", action="store_true",
                         help="only run the Pallas SSD's forward + backward once, untimed (for "
                              "a profiler such as ncu)")
@@ -279,15 +287,17 @@ def main(argv: list[str] | None = None) -> int:
                       f"{by_norm[(f'{which} {name}', 'forward+backward')]:.4f} |")
     by = {(r["what"], r["phase"]): r["ms"] for r in rows}
     if args.sweep:
-        sweep = tiling_sweep(config, inputs, mesh, args.reps)
+        tiles = [tuple(int(side) for side in tile.split("x")) for tile in args.sweep_tiles]
+        sweep = tiling_sweep(config, inputs, mesh, args.reps, tiles, args.sweep_warps,
+                             args.sweep_stages)
         rows += sweep
         save()
-        print("\n| block | warps | stages | forward (ms) | forward + backward (ms) |"
+        print("\n| tiles | warps | stages | forward (ms) | forward + backward (ms) |"
               "\n|---|---|---|---|---|")
         for fwd, both in zip(sweep[::2], sweep[1::2]):
             cells = (f"{r['ms']:.3f}" if "ms" in r else "failed" for r in (fwd, both))
-            print(f"| {fwd['block']} | {fwd['num_warps']} | {fwd['num_stages']} | "
-                  f"{' | '.join(cells)} |")
+            print(f"| {fwd['block']}x{fwd['block_cols']} | {fwd['num_warps']} | "
+                  f"{fwd['num_stages']} | {' | '.join(cells)} |")
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]

@@ -56,16 +56,23 @@ _MAX_BLOCK = 64
 
 
 class Tiling(NamedTuple):
-    """How the kernels cut a chunk: [block, block] tiles, ``num_warps`` warps
-    per program (None: Triton's default, 4), ``num_stages`` stages of the
-    loops' software pipelines (None: Pallas's default, 3); ``interpret`` runs
-    them in Pallas's interpreter."""
+    """How the kernels cut a chunk: [block, cols] tiles of the chunk's
+    [l, l] products (``block_cols`` None: square), ``num_warps`` warps per
+    program (None: Triton's default, 4), ``num_stages`` stages of the loops'
+    software pipelines (None: Pallas's default, 3); ``interpret`` runs them
+    in Pallas's interpreter."""
 
     chunk_size: int
     block: int
     num_warps: int | None = None
     interpret: bool = False
     num_stages: int | None = None
+    block_cols: int | None = None
+
+    @property
+    def cols(self) -> int:
+        """The tiles' columns."""
+        return self.block if self.block_cols is None else self.block_cols
 
     def params(self) -> dict:
         """pallas_call's keyword arguments."""
@@ -107,7 +114,13 @@ def _decay(cum_rows, cum_cols, row0, col0):
     return jnp.exp(jnp.where(t >= u, cum_rows[:, None] - cum_cols[None, :], -jnp.inf))
 
 
-def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, *refs, block):
+def _to_diagonal(row, block, cols):
+    """How many column tiles of side ``cols`` start before the end of row
+    block ``row`` (of side ``block``): those on or below the diagonal."""
+    return lax.div(row * block + block + cols - 1, cols)
+
+
+def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, *refs, block, cols):
     """One head's rows [t0, t0 + block) of one chunk: from inside the chunk,
     plus the entering state's ``exp(cum[t]) · c[t] · S^T``; with a skip
     (refs = skip, y), also ``skip[t] · x[t]``. y in its ref's dtype."""
@@ -118,83 +131,91 @@ def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, *refs, blo
     precision = _precision(x_ref.dtype)
 
     def column(col, acc):
-        cols = pl.ds(col * block, block)
-        tile = (cb_ref[:, cols] * _decay(cum_rows, cum_ref[cols], row * block, col * block)
-                * dt_ref[cols][None, :])
-        return acc + plgpu.dot(tile.astype(x_ref.dtype), x_ref[cols, :], precision=precision)
+        tile_cols = pl.ds(col * cols, cols)
+        tile = (cb_ref[:, tile_cols] * _decay(cum_rows, cum_ref[tile_cols], row * block, col * cols)
+                * dt_ref[tile_cols][None, :])
+        return acc + plgpu.dot(tile.astype(x_ref.dtype), x_ref[tile_cols, :],
+                               precision=precision)
 
     entering = plgpu.dot(c_ref[...], state_ref[...].astype(c_ref.dtype), trans_b=True,
                          precision=precision)
-    y = lax.fori_loop(0, row + 1, column, jnp.exp(cum_rows)[:, None] * entering)
+    y = lax.fori_loop(0, _to_diagonal(row, block, cols), column,
+                      jnp.exp(cum_rows)[:, None] * entering)
     if skip_ref:
         y = y + skip_ref[0][rows][:, None] * x_ref[rows, :].astype(jnp.float32)
     y_ref[...] = y.astype(y_ref.dtype)
 
 
 def _columns_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dx_ref, ddt_ref, dcum_ref, *,
-                    block, blocks):
-    """One head's columns [u0, u0 + block): dx, d(dt), and -sum over rows of
-    d(log decay) for d(cum)."""
+                    block, cols, blocks):
+    """One head's columns [u0, u0 + cols): dx, d(dt), and -sum over rows of
+    d(log decay) for d(cum), from its ``blocks`` row blocks of ``block`` rows
+    on or after the diagonal."""
     col = pl.program_id(4)
-    cols = pl.ds(col * block, block)
-    x_cols, dt_cols, cum_cols = x_ref[cols, :], dt_ref[cols], cum_ref[cols]
+    tile_cols = pl.ds(col * cols, cols)
+    x_cols, dt_cols, cum_cols = x_ref[tile_cols, :], dt_ref[tile_cols], cum_ref[tile_cols]
     precision = _precision(x_ref.dtype)
 
     def row(r, carry):
         dxs, dcum = carry
         rows = pl.ds(r * block, block)
         dy = dy_ref[rows, :].astype(x_ref.dtype)
-        scores = cb_ref[rows, cols] * _decay(cum_ref[rows], cum_cols, r * block, col * block)
+        scores = cb_ref[rows, tile_cols] * _decay(cum_ref[rows], cum_cols, r * block, col * cols)
         dxs = dxs + plgpu.dot(scores.astype(x_ref.dtype), dy, trans_a=True, precision=precision)
         dy_x = plgpu.dot(dy, x_cols, trans_b=True, precision=precision)   # [t, u]
         return dxs, dcum - jnp.sum(scores * dt_cols[None, :] * dy_x, axis=0)
 
-    dxs, dcum = lax.fori_loop(col, blocks, row,
+    dxs, dcum = lax.fori_loop(lax.div(col * cols, block), blocks, row,
                               (jnp.zeros(x_cols.shape, jnp.float32),
-                               jnp.zeros((block,), jnp.float32)))
+                               jnp.zeros((cols,), jnp.float32)))
     dx_ref[...] = (dxs * dt_cols[:, None]).astype(dx_ref.dtype)
     ddt_ref[...] = jnp.sum(dxs * x_cols.astype(jnp.float32), axis=1)
     dcum_ref[...] = dcum
 
 
 def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
-                 block, blocks, heads):
+                 block, cols, col_blocks, heads):
     """One group's rows [t0, t0 + block): d(CB) summed over its heads, and
-    each head's sum over columns of d(log decay) for d(cum)."""
+    each head's sum over columns of d(log decay) for d(cum), over the
+    chunk's ``col_blocks`` column tiles of ``cols``."""
     row = pl.program_id(3)
     rows = pl.ds(row * block, block)
     precision = _precision(x_ref.dtype)
     head_ids = lax.broadcasted_iota(jnp.int32, (heads, block), 0)
 
     def column(col, dcum):
-        cols = pl.ds(col * block, block)
-        cb = cb_ref[:, cols]
+        tile_cols = pl.ds(col * cols, cols)
+        cb = cb_ref[:, tile_cols]
 
         def head(h, carry):
             dcb, dcum = carry
-            dy_x = plgpu.dot(dy_ref[rows, h, :].astype(x_ref.dtype), x_ref[cols, h, :],
-                          trans_b=True, precision=precision)
-            d = (_decay(cum_ref[rows, h], cum_ref[cols, h], row * block, col * block)
-                 * dt_ref[cols, h][None, :] * dy_x)
+            dy_x = plgpu.dot(dy_ref[rows, h, :].astype(x_ref.dtype), x_ref[tile_cols, h, :],
+                             trans_b=True, precision=precision)
+            d = (_decay(cum_ref[rows, h], cum_ref[tile_cols, h], row * block, col * cols)
+                 * dt_ref[tile_cols, h][None, :] * dy_x)
             dcum = dcum + jnp.where(head_ids == h, jnp.sum(cb * d, axis=1)[None, :], 0.0)
             return dcb + d, dcum
 
         dcb, dcum = lax.fori_loop(0, heads, head, (jnp.zeros(cb.shape, jnp.float32), dcum))
-        dcb_ref[:, cols] = dcb.astype(dcb_ref.dtype)
+        dcb_ref[:, tile_cols] = dcb.astype(dcb_ref.dtype)
         return dcum
 
-    dcum_ref[...] = lax.fori_loop(0, row + 1, column, jnp.zeros((heads, block), jnp.float32))
+    on_diagonal = _to_diagonal(row, block, cols)
+    dcum_ref[...] = lax.fori_loop(0, on_diagonal, column,
+                                  jnp.zeros((heads, block), jnp.float32))
 
     def above_diagonal(col, carry):
-        dcb_ref[:, pl.ds(col * block, block)] = jnp.zeros((block, block), dcb_ref.dtype)
+        dcb_ref[:, pl.ds(col * cols, cols)] = jnp.zeros((block, cols), dcb_ref.dtype)
         return carry
 
-    lax.fori_loop(row + 1, blocks, above_diagonal, None)
+    lax.fori_loop(on_diagonal, col_blocks, above_diagonal, None)
 
 
-def _grid_and_specs(x, tiling: Tiling):
+def _grid_and_specs(x, tiling: Tiling, block: int):
+    """The grid (chunk, batch, group, head, block of ``block`` rows) and
+    its BlockSpecs."""
     s, batch, groups, heads, p = x.shape
-    chunk_size, block = tiling.chunk_size, tiling.block
+    chunk_size = tiling.chunk_size
     chunks, blocks = s // chunk_size, chunk_size // block
     per_head = dict(
         whole_chunk=pl.BlockSpec((chunk_size, None, None, None, p),
@@ -214,7 +235,7 @@ def _grid_and_specs(x, tiling: Tiling):
 
 
 def _forward(cb, x, dt, cum, c, state, skip, tiling: Tiling, out_dtype):
-    grid, block, blocks, spec = _grid_and_specs(x, tiling)
+    grid, block, blocks, spec = _grid_and_specs(x, tiling, tiling.block)
     n, p = c.shape[-1], x.shape[-1]
     # The rows of c and the state entering this head's chunk.
     c_rows = pl.BlockSpec((block, None, None, n), lambda c, b, g, h, i: (c * blocks + i, b, g, 0))
@@ -223,7 +244,7 @@ def _forward(cb, x, dt, cum, c, state, skip, tiling: Tiling, out_dtype):
     operands, varying = same_variance(cb, x, dt, cum, c, state,
                                       *([] if skip is None else [skip]))
     return pl.pallas_call(
-        functools.partial(_forward_kernel, block=block),
+        functools.partial(_forward_kernel, block=block, cols=tiling.cols),
         grid=grid,
         in_specs=[spec["cb_rows"], spec["whole_chunk"], spec["scalars"], spec["scalars"],
                   c_rows, state_spec] + ([] if skip is None else [spec["scalars"]]),
@@ -235,13 +256,14 @@ def _forward(cb, x, dt, cum, c, state, skip, tiling: Tiling, out_dtype):
 
 
 def _backward(cb, x, dt, cum, dy, tiling: Tiling):
-    grid, block, blocks, spec = _grid_and_specs(x, tiling)
-    chunk_size = tiling.chunk_size
+    block, cols, chunk_size = tiling.block, tiling.cols, tiling.chunk_size
+    grid, _, col_blocks, spec = _grid_and_specs(x, tiling, cols)
+    blocks = chunk_size // block
     s, batch, groups, heads, p = x.shape
     (cb, x, dt, cum, dy), varying = same_variance(cb, x, dt, cum, dy)
     result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
     dx, ddt, dcum_columns = pl.pallas_call(
-        functools.partial(_columns_kernel, block=block, blocks=blocks),
+        functools.partial(_columns_kernel, block=block, cols=cols, blocks=blocks),
         grid=grid,
         in_specs=[spec["cb_whole"], spec["whole_chunk"], spec["scalars"], spec["scalars"],
                   spec["whole_chunk"]],
@@ -259,7 +281,8 @@ def _backward(cb, x, dt, cum, dy, tiling: Tiling):
     cb_rows = pl.BlockSpec((None, None, None, block, chunk_size),
                            lambda c, b, g, i: (b, g, c, i, 0))
     dcb, dcum_rows = pl.pallas_call(
-        functools.partial(_rows_kernel, block=block, blocks=blocks, heads=heads),
+        functools.partial(_rows_kernel, block=block, cols=cols, col_blocks=col_blocks,
+                          heads=heads),
         grid=group_grid,
         in_specs=[cb_rows, whole_group, group_scalars, group_scalars, whole_group],
         out_specs=[cb_rows,
@@ -330,8 +353,9 @@ def chunk_operands(x: jax.Array, dt: jax.Array, cum: jax.Array, b: jax.Array,
 
 def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: jax.Array,
                  state: jax.Array, *, chunk_size: int, skip: jax.Array | None = None,
-                 block: int | None = None, num_warps: int | None = None,
-                 num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+                 block: int | None = None, block_cols: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 interpret: bool = False) -> jax.Array:
     """The SSD's output, from inside each chunk and from the state entering
     it, differentiable, on the GPU.
 
@@ -351,6 +375,8 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
         so no float32 y goes through memory.
       block: the tiles' side, a power of two from 16 dividing l (default
         min(l, 64)).
+      block_cols: the intra-chunk tiles' columns, the same kind of number
+        (default ``block``: square tiles).
       num_warps: warps per kernel program (default Triton's, 4).
       num_stages: software-pipeline stages of the kernels' loops (default
         Pallas's, 3).
@@ -365,7 +391,7 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
     n, chunks = c.shape[-1], state.shape[3]
     tiling = _tiling("chunk_output", s, chunk_size,
                      unsupported_reason(chunk_size, p, heads, n), block, num_warps, interpret,
-                     num_stages)
+                     num_stages, block_cols)
     if s != chunks * chunk_size:
         raise ValueError(f"ssd_pallas.chunk_output: {chunks} chunks of state for a sequence "
                          f"of {s} = {s // chunk_size} chunks")
@@ -376,7 +402,8 @@ def chunk_output(cb: jax.Array, x: jax.Array, dt: jax.Array, cum: jax.Array, c: 
 
 
 def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int | None,
-            num_warps: int | None, interpret: bool, num_stages: int | None = None) -> Tiling:
+            num_warps: int | None, interpret: bool, num_stages: int | None = None,
+            block_cols: int | None = None) -> Tiling:
     """The Tiling of a public function's arguments, or a ValueError naming them."""
     if reason:
         raise ValueError(f"ssd_pallas.{caller}: {reason}; use the XLA SSD (ssd_impl='xla').")
@@ -384,12 +411,13 @@ def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int
         raise ValueError(f"ssd_pallas.{caller}: sequence length {s} is not a multiple "
                          f"of chunk_size={chunk_size}")
     block = min(chunk_size, _MAX_BLOCK) if block is None else block
-    if block < 16 or block & (block - 1) or chunk_size % block:
-        raise ValueError(f"ssd_pallas.{caller}: block={block} must be a power of two "
-                         f"from 16 that divides chunk_size={chunk_size}")
+    for name, side in (("block", block), ("block_cols", block_cols)):
+        if side is not None and (side < 16 or side & (side - 1) or chunk_size % side):
+            raise ValueError(f"ssd_pallas.{caller}: {name}={side} must be a power of two "
+                             f"from 16 that divides chunk_size={chunk_size}")
     if num_stages is not None and num_stages < 1:
         raise ValueError(f"ssd_pallas.{caller}: num_stages={num_stages} must be at least 1")
-    return Tiling(chunk_size, block, num_warps, interpret, num_stages)
+    return Tiling(chunk_size, block, num_warps, interpret, num_stages, block_cols)
 
 
 # The state products. Per (chunk, batch, group, head), with S that head's

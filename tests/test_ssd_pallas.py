@@ -243,3 +243,31 @@ def test_mamba_1b_trains_alike_with_either_ssd():
     np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=3e-2)
     with pytest.raises(ValueError, match="num_stages=0 must be at least 1"):
         models.ssd_pallas.chunk_states(x, b, chunk_size=64, num_stages=0)
+
+
+@pytest.mark.parametrize("block, block_cols", [(32, 16), (16, 32), (64, 16), (16, 64)])
+def test_interpreted_rectangular_tiles_equal_square_tiles(block, block_cols, rng):
+    """The chunk output with [block, block_cols] tiles (forward, and the
+    gradients of all six operands, whose backward kernels walk the diagonal
+    by rows and by columns) equals its result with square 16-tiles."""
+    s, chunk, heads, p, n = 128, 64, 2, 16, 16
+    x, dt, a, b, c = _inputs(rng, s, heads=heads, p=p, n=n, dtype="float32")
+    chunked = [t.reshape(s // chunk, chunk, *t.shape[1:]) for t in (x, dt, b, c)]
+    cum = jnp.cumsum(chunked[1] * a, axis=1)
+    operands = models.ssd_pallas.chunk_operands(chunked[0], chunked[1], cum, *chunked[2:])
+    state = random(rng, (1, 2, heads, s // chunk, p, n), "float32")
+    probe = random(rng, x.shape, "float32")
+
+    def run(**tiles):
+        def loss(*t):
+            y = models.ssd_pallas.chunk_output(*t, chunk_size=chunk, interpret=True, **tiles)
+            return jnp.sum(y * probe), y
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)), has_aux=True))(
+                *operands, state)
+
+    (_, got_y), got = run(block=block, block_cols=block_cols)
+    (_, want_y), want = run(block=16)
+    np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
+    for name, g, w in zip(("cb", "x", "dt", "cum", "c", "state"), got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
