@@ -153,10 +153,14 @@ fi
 # Opt-in: Nsight Compute's counters for the Pallas SSD's kernels, one layer's
 # forward + backward at the 1.4B shape (benchmarks/ssd.py --once); the clocks
 # left alone. JFO_NCU_KERNELS (a regex, default ssd_) and JFO_NCU_COUNT
-# (launches, default 10) pick the kernels.
+# (launches, default 10) pick the kernels; JFO_NCU_TIMEOUT (s, default 240)
+# bounds it.
 if [[ " ${stages[*]} " == *" ncu "* ]]; then
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-  step ncu$tag "${ncu_bin:-ncu}" --clock-control none -k "regex:${JFO_NCU_KERNELS:-ssd_}" \
+  # XLA's autotuning launches thousands of kernels while compiling, each slowed
+  # by ncu (the first try spent 10 minutes there): off under the profiler.
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" step ncu$tag \
+    timeout "${JFO_NCU_TIMEOUT:-240}" "${ncu_bin:-ncu}" --clock-control none -k "regex:${JFO_NCU_KERNELS:-ssd_}" \
     --launch-count "${JFO_NCU_COUNT:-10}" --section SpeedOfLight --section Occupancy \
     --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section ComputeWorkloadAnalysis --log-file "$OUT/ncu_ssd$tag.txt" \
