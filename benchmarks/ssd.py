@@ -14,9 +14,7 @@ results are checked against XLA's (relative error by norm, bf16 tolerance).
 ``--sweep`` also times the chunk output's kernels alone per tiles (rows x
 columns, ``--sweep-tiles``), warps per program and pipeline stages, each
 tiling checked against the default first (one that does not fit is recorded
-as skipped). ``--once`` runs the Pallas SSD's forward + backward once, untimed,
-for a profiler (``gpu_run.sh ncu``). ``--norm``
-also times a layer's two norms, the mixer's gated norm ([seq, batch, inner]
+as skipped). ``--norm`` also times a layer's two norms, the mixer's gated norm ([seq, batch, inner]
 in groups) and the block's norm ([seq, batch, embed], ungated, one group),
 XLA's ops against :mod:`models.norm_pallas`'s kernels, checked first the
 same way; with ``--sweep`` the kernels per rows per program and warps. The JSON is
@@ -203,9 +201,6 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="ROWSxCOLS", help="the --sweep's intra-chunk tiles")
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--sweep-stages", nargs="+", type=int, default=[1, 2, 3, 4])
-    parser.add_argument("--once", action="store_true",
-                        help="only run the Pallas SSD's forward + backward once, untimed (for "
-                             "a profiler such as ncu)")
     parser.add_argument("--norm", action="store_true",
                         help="also time the mixer's gated norm, XLA's ops against the kernels")
     args = parser.parse_args(argv)
@@ -217,9 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     mesh = benchmarking.first_devices_mesh(1)
     key = jax.random.key(0)
     inputs = ssd_inputs(config, args.seq_len, args.batch, key)
-    if args.once:
-        jax.block_until_ready(jax.jit(ssd_ops(config, "pallas")[1])(*inputs))
-        return 0
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
     ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)

@@ -117,6 +117,8 @@ def _decay(cum_rows, cum_cols, row0, col0):
 def _to_diagonal(row, block, cols):
     """How many column tiles of side ``cols`` start before the end of row
     block ``row`` (of side ``block``): those on or below the diagonal."""
+    if cols == block:  # square tiles: the kernels' instructions as before rectangles
+        return row + 1
     return lax.div(row * block + block + cols - 1, cols)
 
 
@@ -165,7 +167,8 @@ def _columns_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dx_ref, ddt_ref, dcu
         dy_x = plgpu.dot(dy, x_cols, trans_b=True, precision=precision)   # [t, u]
         return dxs, dcum - jnp.sum(scores * dt_cols[None, :] * dy_x, axis=0)
 
-    dxs, dcum = lax.fori_loop(lax.div(col * cols, block), blocks, row,
+    diagonal = col if cols == block else lax.div(col * cols, block)
+    dxs, dcum = lax.fori_loop(diagonal, blocks, row,
                               (jnp.zeros(x_cols.shape, jnp.float32),
                                jnp.zeros((cols,), jnp.float32)))
     dx_ref[...] = (dxs * dt_cols[:, None]).astype(dx_ref.dtype)

@@ -3,8 +3,7 @@
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
 #                                               train decode all
-#                                               profile, stall, nvshmem, nvlink, cutlass, mixer,
-#                                               ncu
+#                                               profile, stall, nvshmem, nvlink, cutlass, mixer
 #                                               (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
@@ -149,24 +148,6 @@ fi
 if [[ " ${stages[*]} " == *" mixer "* ]]; then
   # shellcheck disable=SC2086
   step mixer$tag $PY -P scripts/mamba_decode_mixer_probe.py ${JFO_MIXER_BATCHES:-}
-fi
-# Opt-in: Nsight Compute's counters for the Pallas SSD's kernels, one layer's
-# forward + backward at the 1.4B shape (benchmarks/ssd.py --once); the clocks
-# left alone. JFO_NCU_KERNELS (a regex, default ssd_) and JFO_NCU_COUNT
-# (launches, default 10) pick the kernels; JFO_NCU_TIMEOUT (s, default 240)
-# bounds it.
-if [[ " ${stages[*]} " == *" ncu "* ]]; then
-  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
-  # XLA's autotuning launches thousands of kernels while compiling, each slowed
-  # by ncu (the first try spent 10 minutes there): off under the profiler.
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0" step ncu$tag \
-    timeout "${JFO_NCU_TIMEOUT:-240}" "${ncu_bin:-ncu}" --clock-control none -k "regex:${JFO_NCU_KERNELS:-ssd_}" \
-    --launch-count "${JFO_NCU_COUNT:-10}" --section SpeedOfLight --section Occupancy \
-    --section LaunchStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-    --section ComputeWorkloadAnalysis --log-file "$OUT/ncu_ssd$tag.txt" \
-    $PY -P benchmarks/ssd.py --once
-  grep -E "^  [a-z_]+.*\(|Duration|Compute \(SM\) Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Block Limit|Dynamic Shared" \
-    "$OUT/ncu_ssd$tag.txt" | head -150
 fi
 # Opt-in: the NVLink ceilings between GPUs 0 and 1 (copy engine, SM push and
 # pull, the two-shot's pattern without flags; scripts/nvlink_probe.cu).

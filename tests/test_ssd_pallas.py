@@ -198,6 +198,8 @@ def test_tile_side_errors():
     with pytest.raises(ValueError, match="sequence length 128 is not a multiple of "
                                          "chunk_size=256"):
         models.ssd_pallas.chunk_states(x, b, chunk_size=256)
+    with pytest.raises(ValueError, match="num_stages=0 must be at least 1"):
+        models.ssd_pallas.chunk_states(x, b, chunk_size=64, num_stages=0)
 
 
 # (sequence, chunk, head_dim, dtype): each chunk size, both head dims and
@@ -241,8 +243,6 @@ def test_mamba_1b_trains_alike_with_either_ssd():
     assert losses["xla"][-1] < losses["xla"][0], losses  # it trains
     np.testing.assert_allclose(losses["pallas"][0], losses["xla"][0], rtol=2e-3)
     np.testing.assert_allclose(losses["pallas"], losses["xla"], rtol=3e-2)
-    with pytest.raises(ValueError, match="num_stages=0 must be at least 1"):
-        models.ssd_pallas.chunk_states(x, b, chunk_size=64, num_stages=0)
 
 
 @pytest.mark.parametrize("block, block_cols", [(32, 16), (16, 32), (64, 16), (16, 64)])
@@ -271,3 +271,30 @@ def test_interpreted_rectangular_tiles_equal_square_tiles(block, block_cols, rng
     np.testing.assert_allclose(got_y, want_y, rtol=1e-5, atol=1e-5)
     for name, g, w in zip(("cb", "x", "dt", "cum", "c", "state"), got, want):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("block, block_cols", [(128, 64), (32, 64)])
+def test_rectangular_tiles_lower_to_triton_without_a_gpu(block, block_cols, monkeypatch):
+    """The chunk output's kernels with rectangular tiles and a pipeline
+    depth of their own lower for an H200, at the 1.4B model's head shape."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    s, chunk, groups, heads, p, n = 512, 256, 2, 8, 64, 128
+    shapes = [((1, groups, s // chunk, chunk, chunk), "bfloat16"),
+              ((s, 1, groups, heads, p), "bfloat16"), ((s, 1, groups, heads), "float32"),
+              ((s, 1, groups, heads), "float32"), ((s, 1, groups, n), "bfloat16"),
+              ((1, groups, heads, s // chunk, p, n), "bfloat16")]
+    args = [jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)) for shape, dtype in shapes]
+
+    def grads(*t):
+        return jax.grad(lambda *u: jnp.sum(models.ssd_pallas.chunk_output(
+            *u, chunk_size=chunk, block=block, block_cols=block_cols, num_stages=2)),
+            argnums=tuple(range(6)))(*t)
+
+    text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for kernel in ("ssd_chunk_output", "ssd_intra_chunk_backward_columns",
+                   "ssd_intra_chunk_backward_rows"):
+        assert kernel in text, kernel
+    assert "num_stages = 2" in text
