@@ -14,6 +14,11 @@
 # JFO_SAMPLE_CLOCKS=1 samples each GPU's SM clock and power every 100 ms
 # during every stage (read-only nvidia-smi queries) and prints their range:
 # whether a benchmark ran power-throttled.
+# JFO_DEADLINE (seconds since the epoch; default: 570 s after this script
+# starts) bounds every stage: a stage still running then is stopped, a later
+# one skipped, and the summary still printed, before the device tool's limit
+# takes the whole call and its output. Chained calls share one deadline:
+#   export JFO_DEADLINE=$(( $(date +%s) + 570 )); bash scripts/gpu_run.sh ...; ...
 #
 # Logs and JSON go under $OUT (the device tool brings that folder back); the
 # last thing printed is the summary table. The NVLink-multicast switches stay
@@ -33,6 +38,7 @@ tag="${tag}${JFO_TAG:-}"  # e.g. JFO_TAG=_autotune keeps a second run's JSON apa
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(all)
 want() { [[ " ${stages[*]} " == *" $1 "* || " ${stages[*]} " == *" all "* ]]; }
+JFO_DEADLINE=${JFO_DEADLINE:-$(( $(date +%s) + 570 ))}
 status=0
 # Per GPU: the range of the SM clock and power samples in file $1 (lines
 # "index, clock, power").
@@ -55,15 +61,24 @@ PYEOF
 }
 step() {  # step NAME CMD...: runs CMD, logs it, remembers failures
   local name=$1; shift
+  local left=$(( JFO_DEADLINE - $(date +%s) ))
+  if [ "$left" -lt 20 ]; then
+    echo "=== $name: skipped, ${left} s left before JFO_DEADLINE"
+    status=1
+    return 1
+  fi
   echo "=== $name: $*"
-  local t0=$SECONDS sampler=""
+  local t0=$SECONDS sampler="" bound=()
+  # Shell functions (the probes) run unbounded: timeout runs programs only.
+  [ "$(type -t "$1")" = function ] || bound=(timeout -k 10 "$(( left - 10 ))")
   if [ -n "${JFO_SAMPLE_CLOCKS:-}" ]; then
     nvidia-smi --query-gpu=index,clocks.sm,power.draw --format=csv,noheader,nounits \
       -lms 100 > "/tmp/jfo_clocks_$name.csv" 2>/dev/null &
     sampler=$!
   fi
-  "$@" 2>&1 | tee "$OUT/$name.log"
+  "${bound[@]}" "$@" 2>&1 | tee "$OUT/$name.log"
   local rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && [ ${#bound[@]} -gt 0 ] && echo "=== $name: stopped at JFO_DEADLINE"
   if [ -n "$sampler" ]; then
     kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null
     clock_summary "/tmp/jfo_clocks_$name.csv" | tee -a "$OUT/$name.log"
