@@ -29,6 +29,7 @@ from .config import (
     SSD_IMPLS,
     MambaConfig,
     ShardingConfig,
+    SSDTiling,
     TransformerConfig,
 )
 from .decoding import Generator, generate
@@ -37,6 +38,7 @@ from .mamba import Mamba2
 from .transformer import Transformer, attention_implementation, resolve_scan_layers
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
+           "SSDTiling",
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",

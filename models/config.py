@@ -13,7 +13,7 @@ from jax_flashoverlap import IMPLS
 from jax_flashoverlap.decode_matmul import DECODE_MATMUL_IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
-__all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "IMPLS", "SIZES",
+__all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "SSDTiling", "IMPLS", "SIZES",
            "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
            "DECODE_MATMUL_IMPLS", "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS"]
 
@@ -51,6 +51,47 @@ NORM_BACKWARDS = ("auto", "autodiff", "recompute", "pallas")
 # values Mamba2.saved_in_backward names, recomputing the rest; or every
 # residual autodiff keeps.
 RESIDUALS = ("named", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class SSDTiling:
+    """How the Pallas SSD's kernels cut their work (``models.ssd_pallas``);
+    None leaves a setting at the kernels' default.
+
+    Attributes:
+      block: rows of the intra-chunk tiles and of the state kernels' row
+        blocks: a power of two from 16 dividing the chunk (default min(chunk,
+        64)).
+      block_cols: columns of the intra-chunk tiles, the same kind of number
+        (default: ``block``, square tiles).
+      num_warps: warps per kernel program (default 4).
+      num_stages: software-pipeline stages of the kernels' loops (default 3).
+    """
+
+    block: int | None = None
+    block_cols: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    @classmethod
+    def parse(cls, tiles: str | None = None, num_warps: int | None = None,
+              num_stages: int | None = None) -> SSDTiling:
+        """From the trainer's flags: ``tiles`` "ROWS" or "ROWSxCOLS"."""
+        if tiles is None:
+            return cls(num_warps=num_warps, num_stages=num_stages)
+        sides = tiles.lower().split("x")
+        if len(sides) > 2 or not all(side.isdigit() for side in sides):
+            raise ValueError(f"SSD tiles {tiles!r}: write ROWS or ROWSxCOLS, e.g. 128x64")
+        block, cols = int(sides[0]), int(sides[-1])
+        return cls(block, cols if len(sides) == 2 else None, num_warps, num_stages)
+
+    def kernel_options(self, *, columns: bool = True) -> dict:
+        """The settings that are set, as ``ssd_pallas.chunk_output``'s keyword
+        arguments (``columns=False``: ``chunk_states``', without block_cols)."""
+        options = {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        if not columns:
+            options.pop("block_cols", None)
+        return options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,6 +349,9 @@ class MambaConfig(_Presets):
         model adding it to a float32 y. At the 1.4B size and sequence 8192 on
         one H200: a step 265.9 ms against 274.7 without, the same peak memory
         (docs/measurements.md, session 22).
+      ssd_tiling: the Pallas SSD kernels' tiles, warps and pipeline
+        stages (:class:`SSDTiling`; the default leaves each at the kernels'
+        own).
       ssd_keeps_chunk_states: the SSD's backward keeps the chunk states of
         its forward instead of computing them again (``keep_chunk_states``
         of :func:`models.mamba.ssd`; about 0.1 GB more per layer at the 1.4B
@@ -361,6 +405,7 @@ class MambaConfig(_Presets):
     residuals: str = "named"
     fuse_skip: bool = True
     ssd_keeps_chunk_states: bool = False
+    ssd_tiling: SSDTiling = SSDTiling()
     decode_matmul: str = "xla"
     decode_mixer: str = "xla"
     sharding: ShardingConfig = ShardingConfig()

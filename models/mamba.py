@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
 from . import conv_pallas, mamba_decode_pallas, ssd_pallas
-from .config import SSD_IMPLS, MambaConfig
+from .config import SSD_IMPLS, MambaConfig, SSDTiling
 from .layers import CausalLM, RMSNorm, linear_options
 
 __all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSD_IMPLS", "SSD_STATES_NAME", "SSMCache",
@@ -75,7 +75,8 @@ def _segsum(a: jax.Array) -> jax.Array:
 
 def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
         chunk_size: int, *, return_final_state: bool = False, impl: str = "auto",
-        d_skip: jax.Array | None = None, keep_chunk_states: bool = False):
+        d_skip: jax.Array | None = None, keep_chunk_states: bool = False,
+        tiling: SSDTiling | None = None):
     """The SSD selective scan, chunked (Mamba-2's "minimal SSD" algorithm).
 
     Computes the recurrence ``h_t = exp(dt_t·a) h_{t-1} + dt_t x_t ⊗ b_t``,
@@ -112,6 +113,8 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
         ``jax.checkpoint`` the policy must save them too: they are named
         :data:`SSD_STATES_NAME`. Off by default: not yet measured against
         recomputing them.
+      tiling: the Pallas kernels' tiling (None: their defaults); unused by
+        the XLA path.
 
     Returns:
       y: [s, batch, g, heads, p], float32 (x's dtype with ``d_skip``); with
@@ -119,7 +122,8 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
       ``(y, h)`` with h: [batch, g, heads, p, n], float32, the state
       :func:`ssd_step` continues from.
     """
-    chunked = _chunked_ssd_for(impl, chunk_size, x.shape[-1], x.shape[-2], b.shape[-1])
+    chunked = _at_tiling(_chunked_ssd_for(impl, chunk_size, x.shape[-1], x.shape[-2],
+                                          b.shape[-1]), tiling)
     s = x.shape[0]
     pad = -s % chunk_size
     if pad:
@@ -168,6 +172,20 @@ def _chunked_ssd_for(impl: str, chunk_size: int, head_dim: int, heads_per_group:
     return _chunked_ssd_pallas
 
 
+def _at_tiling(chunked, tiling: SSDTiling | None):
+    """``chunked`` (from :func:`_chunked_ssd_for`) with its Pallas kernels at
+    ``tiling``; itself where it runs none or ``tiling`` is the default."""
+    if tiling is None or tiling == SSDTiling():
+        return chunked
+    base = getattr(chunked, "func", chunked)  # a functools.partial in tests
+    if base is _chunked_ssd_pallas:
+        return functools.partial(chunked, tiling=tiling)
+    if base is _chunked_ssd_auto:
+        return functools.partial(chunked, pallas=functools.partial(_chunked_ssd_pallas,
+                                                                   tiling=tiling))
+    return chunked
+
+
 def _states_xla(x, b):
     return jnp.einsum("cubghp,cubgn->bghcpn", x, b, preferred_element_type=jnp.float32)
 
@@ -189,21 +207,26 @@ def _output_xla(x, dt, log_decay, cum, b, c, entering, skip):
 _XLA_PRODUCTS = _ChunkProducts(_states_xla, _output_xla)
 
 
-def _pallas_products(interpret: bool = False) -> _ChunkProducts:
+def _pallas_products(interpret: bool = False, tiling: SSDTiling | None = None
+                     ) -> _ChunkProducts:
     """:mod:`models.ssd_pallas`'s kernels behind :class:`_ChunkProducts`
-    (``interpret``: in Pallas's interpreter, for tests on CPU)."""
+    (``interpret``: in Pallas's interpreter, for tests on CPU), at ``tiling``."""
+    tiling = tiling or SSDTiling()
+
     def states(x, b):
         def merged(t):  # [C, l, ...] -> [C·l, ...]: the kernels index chunks themselves
             return t.reshape(-1, *t.shape[2:])
         return ssd_pallas.chunk_states(merged(x), merged(b), chunk_size=x.shape[1],
-                                       interpret=interpret)
+                                       interpret=interpret,
+                                       **tiling.kernel_options(columns=False))
 
     def output(x, dt, log_decay, cum, b, c, entering, skip):
         del log_decay
         if skip is not None:
             skip = skip.reshape(-1, *skip.shape[2:])
         y = ssd_pallas.chunk_output(*ssd_pallas.chunk_operands(x, dt, cum, b, c), entering,
-                                    chunk_size=x.shape[1], skip=skip, interpret=interpret)
+                                    chunk_size=x.shape[1], skip=skip, interpret=interpret,
+                                    **tiling.kernel_options())
         return y.reshape(x.shape[:2] + y.shape[1:])
 
     return _ChunkProducts(states, output)
@@ -213,14 +236,16 @@ def _chunked_ssd_xla(x, dt, a, b, c, d, chunk_size, saved=None):
     return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _XLA_PRODUCTS, saved)
 
 
-def _chunked_ssd_pallas(x, dt, a, b, c, d, chunk_size, saved=None, *, interpret=False):
-    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _pallas_products(interpret), saved)
+def _chunked_ssd_pallas(x, dt, a, b, c, d, chunk_size, saved=None, *, interpret=False,
+                        tiling=None):
+    return _chunked_ssd(x, dt, a, b, c, d, chunk_size, _pallas_products(interpret, tiling),
+                        saved)
 
 
-def _chunked_ssd_auto(x, dt, a, b, c, d, chunk_size, saved=None):
+def _chunked_ssd_auto(x, dt, a, b, c, d, chunk_size, saved=None, *, pallas=_chunked_ssd_pallas):
     def branch(chunked):
         return lambda *t: chunked(*t[:6], chunk_size, t[6])
-    return jax.lax.platform_dependent(x, dt, a, b, c, d, saved, cuda=branch(_chunked_ssd_pallas),
+    return jax.lax.platform_dependent(x, dt, a, b, c, d, saved, cuda=branch(pallas),
                                       default=branch(_chunked_ssd_xla))
 
 
@@ -398,6 +423,7 @@ class Mamba2Mixer(nnx.Module):
         self.chunk_size, self.ssd_impl = config.chunk_size, config.ssd_impl
         self.fuse_skip = config.fuse_skip
         self.ssd_keeps_chunk_states = config.ssd_keeps_chunk_states
+        self.ssd_tiling = config.ssd_tiling
         self.conv_impl = config.conv_impl
         self.decode_layout = _decode_layout(config)
         self.decode_implementation = decode_mixer_implementation(config)
@@ -490,7 +516,7 @@ class Mamba2Mixer(nnx.Module):
         d_skip = self.d_skip[...].reshape(a.shape) if self.fuse_skip else None
         y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True,
                        impl=self.ssd_impl, d_skip=d_skip,
-                       keep_chunk_states=self.ssd_keeps_chunk_states)
+                       keep_chunk_states=self.ssd_keeps_chunk_states, tiling=self.ssd_tiling)
         return self._output(y, x, z, self.out_proj, skip_added=self.fuse_skip), (conv_in, state)
 
     def _split(self, zxbcdt: jax.Array):

@@ -305,6 +305,13 @@ def test_train_flags_for_the_backward(capsys):
     assert train.model_config("mamba", "tiny", ssd_keeps_chunk_states=args.ssd_keeps_chunk_states
                               ).ssd_keeps_chunk_states
     assert not train.model_config("mamba", "tiny").ssd_keeps_chunk_states
+    args = train.parse_args(["--model", "mamba", "--ssd-tiles", "128x64", "--ssd-warps", "8",
+                             "--ssd-stages", "2"])
+    tiling = train.model_config("mamba", "1b", ssd_tiling=args.ssd_tiling).ssd_tiling
+    assert tiling == models.SSDTiling(block=128, block_cols=64, num_warps=8, num_stages=2)
+    assert train.parse_args(["--model", "mamba", "--ssd-tiles", "32"]).ssd_tiling == \
+        models.SSDTiling(block=32)
+    assert train.model_config("mamba", "1b").ssd_tiling == models.SSDTiling()
     for argv, message in [
             (["--chunk-size", "128"], "--chunk-size applies to --model mamba, not transformer"),
             (["--residuals", "all"], "--residuals applies to --model mamba, not transformer"),
@@ -313,6 +320,11 @@ def test_train_flags_for_the_backward(capsys):
             (["--no-fuse-skip"], "--fuse-skip applies to --model mamba, not transformer"),
             (["--ssd-keeps-chunk-states"],
              "--ssd-keeps-chunk-states applies to --model mamba, not transformer"),
+            (["--ssd-tiles", "128x64"], "--ssd-tiles applies to --model mamba, not transformer"),
+            (["--ssd-warps", "8"], "--ssd-warps applies to --model mamba, not transformer"),
+            (["--ssd-stages", "2"], "--ssd-stages applies to --model mamba, not transformer"),
+            (["--model", "mamba", "--ssd-tiles", "128x"],
+             "--ssd-tiles: SSD tiles '128x': write ROWS or ROWSxCOLS, e.g. 128x64"),
             (["--model", "mamba", "--residuals", "all", "--remat"],
              "--residuals all and --remat exclude each other")]:
         with pytest.raises(SystemExit):

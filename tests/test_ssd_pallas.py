@@ -298,3 +298,47 @@ def test_rectangular_tiles_lower_to_triton_without_a_gpu(block, block_cols, monk
                    "ssd_intra_chunk_backward_rows"):
         assert kernel in text, kernel
     assert "num_stages = 2" in text
+
+
+def test_interpreted_ssd_runs_its_kernels_at_the_tiling_asked(interpreted, monkeypatch, rng):
+    """ssd(tiling=...) hands the tiling to both kernels (chunk_states without
+    the columns) and gives the default tiling's result."""
+    seen = {}
+
+    def spy_on(name, kernel):
+        def spy(*args, **kwargs):
+            seen[name] = {k: kwargs.get(k) for k in ("block", "block_cols", "num_warps",
+                                                        "num_stages")}
+            return kernel(*args, **kwargs)
+        monkeypatch.setattr(models.ssd_pallas, name, spy)
+
+    for name in ("chunk_output", "chunk_states"):
+        spy_on(name, getattr(models.ssd_pallas, name))
+    inputs = _inputs(rng, 64, heads=2, p=16, n=16, dtype="float32")
+    tiling = models.SSDTiling(block=16, block_cols=32, num_warps=8, num_stages=2)
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(lambda *t: mamba.ssd(*t, 32, impl="pallas", tiling=tiling))(*inputs)
+        assert seen == {"chunk_output": dict(block=16, block_cols=32, num_warps=8, num_stages=2),
+                        "chunk_states": dict(block=16, block_cols=None, num_warps=8,
+                                             num_stages=2)}
+        want = jax.jit(lambda *t: mamba.ssd(*t, 32, impl="pallas"))(*inputs)
+    assert seen["chunk_output"] == dict(block=None, block_cols=None, num_warps=None,
+                                        num_stages=None)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_ssd_lowers_its_kernels_at_the_tiling_asked(monkeypatch):
+    """impl="auto" compiled for CUDA: the kernels carry the tiling's warps
+    and stages (the model's MambaConfig.ssd_tiling takes this path)."""
+    from jax._src.pallas.triton import gpu_info
+
+    monkeypatch.setattr(gpu_info, "get_gpu_info",
+                        lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    inputs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in
+              _inputs(np.random.default_rng(0), 512, heads=8, p=64, n=128, dtype="bfloat16")]
+    tiling = models.SSDTiling(block=128, block_cols=64, num_warps=8, num_stages=2)
+    text = jax.jit(lambda *t: mamba.ssd(*t, 256, impl="auto", tiling=tiling)).trace(
+        *inputs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "ssd_chunk_output" in text
+    assert "num_warps = 8" in text and "num_stages = 2" in text
+    assert "num_warps = 4" not in text

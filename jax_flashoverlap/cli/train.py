@@ -32,15 +32,11 @@ from jax.sharding import PartitionSpec as P
 
 from .. import dispatch
 from ..models import (
-    ATTENTION_IMPLS,
-    CONV_IMPLS,
     IMPLS,
     MODELS,
-    NORM_BACKWARDS,
-    RESIDUALS,
     SIZES,
-    SSD_IMPLS,
     ShardingConfig,
+    SSDTiling,
     TransformerConfig,
     attention_implementation,
     resolve_scan_layers,
@@ -48,6 +44,7 @@ from ..models import (
 from ..models.mamba import resolve_scan_layers as resolve_mamba_scan_layers
 from .data import batch_at, load_corpus
 from .devices import ensure_cpu_devices
+from .kernel_flags import add_kernel_flags, check_kernel_flags
 from .progress import TrainingProgress
 
 __all__ = ["main", "train", "parse_args", "parse_mesh_shape", "make_mesh", "model_config",
@@ -66,12 +63,6 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
 
 
-# The flags (by argparse dest) that only one model takes.
-_MODEL_FLAGS = {"attention": "transformer", "ssd": "mamba", "conv": "mamba",
-                "norm_backward": "mamba", "fuse_skip": "mamba", "residuals": "mamba",
-                "chunk_size": "mamba", "ssd_keeps_chunk_states": "mamba"}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-train",
                                      description=__doc__.splitlines()[0],
@@ -84,34 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100,
                         help="total steps (the schedule's length; --restore continues)")
     parser.add_argument("--impl", choices=IMPLS, default="auto")
-    parser.add_argument("--attention", choices=ATTENTION_IMPLS, default="auto",
-                        help="Transformer attention: cuDNN flash attention, XLA's, or "
-                             "auto (cuDNN on GPUs that support it)")
-    parser.add_argument("--ssd", choices=SSD_IMPLS, default="auto",
-                        help="Mamba-2's SSD within chunks: fused Pallas GPU kernels, XLA "
-                             "einsums, or auto (Pallas on GPUs)")
-    parser.add_argument("--conv", choices=CONV_IMPLS, default="xla",
-                        help="Mamba-2's causal convolution + SiLU: XLA's ops, or one fused "
-                             "Pallas GPU kernel (opt-in: 2%% slower a 1.4B step)")
-    parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="auto",
-                        help="Mamba-2's gated norm in the backward: autodiff, a "
-                             "custom_vjp that keeps only its inputs (recompute), that "
-                             "with fused GPU kernels (pallas), or those kernels on GPUs "
-                             "(auto, the default)")
-    parser.add_argument("--chunk-size", type=int, default=None, metavar="L",
-                        help="Mamba-2's SSD chunk length (default: the size's; the result "
-                             "does not depend on it, only the speed and rounding do)")
-    parser.add_argument("--residuals", choices=RESIDUALS, default="named",
-                        help="Mamba-2: what a block keeps for the backward (all: every "
-                             "residual, 6%% less time a 1b step at seq 8192, about 0.6 GB "
-                             "more per layer)")
-    parser.add_argument("--fuse-skip", action=argparse.BooleanOptionalAction, default=True,
-                        help="Mamba-2: the SSD's output kernel adds the D skip and writes "
-                             "the compute dtype (3%% less time a 1b step at seq 8192)")
-    parser.add_argument("--ssd-keeps-chunk-states", action=argparse.BooleanOptionalAction,
-                        default=False,
-                        help="Mamba-2: the SSD's backward keeps the forward's chunk states "
-                             "instead of computing them again (experimental, unmeasured)")
+    add_kernel_flags(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
                              "parameters and optimizer state stay float32")
@@ -149,10 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.restore and args.checkpoint_dir is None:
         parser.error("--restore needs --checkpoint-dir")
-    for dest, model in _MODEL_FLAGS.items():  # a flag set away from its default
-        if getattr(args, dest) != parser.get_default(dest) and args.model != model:
-            parser.error(f"--{dest.replace('_', '-')} applies to --model {model}, "
-                         f"not {args.model}")
+    check_kernel_flags(parser, args)
     if args.residuals != "named" and args.remat:
         parser.error(f"--residuals {args.residuals} and --remat exclude each other (keep "
                      f"residuals, or recompute every block)")
@@ -262,7 +223,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  residuals: str = "named", fuse_skip: bool = True,
                  decode_matmul: str = "xla", chunk_size: int | None = None,
                  ssd_keeps_chunk_states: bool = False, decode_attention: str = "model",
-                 decode_mixer: str = "xla"):
+                 decode_mixer: str = "xla", ssd_tiling: SSDTiling | None = None):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
@@ -270,7 +231,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
     this platform and, for the Transformer, the attention that runs here.
     ``chunk_size`` None: the size's (Mamba-2 only); ``decode_attention``:
     the Transformer's (``TransformerConfig.decode_attention``);
-    ``decode_mixer``: Mamba-2's (``MambaConfig.decode_mixer``).
+    ``decode_mixer``: Mamba-2's (``MambaConfig.decode_mixer``); ``ssd_tiling``
+    None: the SSD kernels' defaults (``MambaConfig.ssd_tiling``).
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
@@ -283,6 +245,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
                  "residuals": residuals, "fuse_skip": fuse_skip,
                  "ssd_keeps_chunk_states": ssd_keeps_chunk_states, "decode_mixer": decode_mixer,
+                 "ssd_tiling": ssd_tiling or SSDTiling(),
                  **({} if chunk_size is None else {"chunk_size": chunk_size})}))
     if has_attention:
         return resolve_scan_layers(config, attention_implementation(config))
@@ -335,7 +298,8 @@ def build(args: argparse.Namespace) -> Trainer:
                           attention=args.attention, ssd=args.ssd, conv=args.conv,
                           norm_backward=args.norm_backward, residuals=args.residuals,
                           fuse_skip=args.fuse_skip, chunk_size=args.chunk_size,
-                          ssd_keeps_chunk_states=args.ssd_keeps_chunk_states)
+                          ssd_keeps_chunk_states=args.ssd_keeps_chunk_states,
+                          ssd_tiling=args.ssd_tiling)
     # Before compiling anything: a clear error for a shape the mesh cannot split
     # (model_config has already refused cuDNN attention where it cannot run).
     config.check(dict(mesh.shape), batch=args.batch, seq_len=args.seq_len)
