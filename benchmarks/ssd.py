@@ -13,11 +13,12 @@ protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
 results are checked against XLA's (relative error by norm, bf16 tolerance).
 ``--sweep`` also times the chunk output's kernels alone per tiles (rows x
 columns, ``--sweep-tiles``), warps per program and pipeline stages, each
-tiling checked against the default first (one that does not fit is recorded
-as skipped). ``--norm`` also times a layer's two norms, the mixer's gated norm ([seq, batch, inner]
-in groups) and the block's norm ([seq, batch, embed], ungated, one group),
-XLA's ops against :mod:`models.norm_pallas`'s kernels, checked first the
-same way; with ``--sweep`` the kernels per rows per program and warps. The JSON is
+tiling checked against the default first (one that does not fit is recorded as
+skipped); ``--sweep-only`` times only that. ``--norm`` also times a layer's
+two norms, the mixer's gated norm ([seq, batch, inner] in groups) and the
+block's norm ([seq, batch, embed], ungated, one group), XLA's ops against
+:mod:`models.norm_pallas`'s kernels, checked first the same way; with
+``--sweep`` the kernels per rows per program and warps. The JSON is
 rewritten after each row.
 TFLOP/s count the SSD's FLOPs as ``MambaConfig.ssd_flops_per_token`` does
 (forward + backward as three forwards).
@@ -87,11 +88,13 @@ def attention_ops(config: models.TransformerConfig, seq_len: int, batch: int, ke
 
 
 def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int,
-                 tiles: list[tuple[int, int]], warps: list[int], stages: list[int]) -> list[dict]:
+                 tiles: list[tuple[int, int]], warps: list[int], stages: list[int],
+                 rows: list[dict], save) -> list[dict]:
     """The chunk output's kernels alone (``models.ssd_pallas.chunk_output``),
     forward and forward + backward, per tiling: every (rows, columns) of the
     intra-chunk tiles in ``tiles``, warps per program in ``warps`` and
-    software-pipeline stages in ``stages``."""
+    software-pipeline stages in ``stages``: the rows appended to ``rows``,
+    ``save()`` called after each, and returned."""
     x, dt, a, b, c = inputs
     s, chunk = x.shape[0], config.chunk_size
     x, dt, b, c = (t.reshape(s // chunk, chunk, *t.shape[1:]) for t in (x, dt, b, c))
@@ -107,7 +110,7 @@ def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int,
     want = {"forward": jax.jit(default_forward)(*operands),
             "forward+backward": jax.jit(jax.grad(lambda *u: jnp.sum(default_forward(*u)),
                                                  argnums=tuple(range(6))))(*operands)}
-    rows = []
+    first = len(rows)
     for (block, cols), num_warps, num_stages in itertools.product(tiles, warps, stages):
         def forward(*t, block=block, cols=cols, num_warps=num_warps, num_stages=num_stages):
             return models.ssd_pallas.chunk_output(*t, chunk_size=chunk, block=block,
@@ -136,7 +139,37 @@ def tiling_sweep(config: models.MambaConfig, inputs, mesh, reps: int,
                            ms_max=t.max_s * 1e3, reps=t.reps)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    return rows
+            save()
+    return rows[first:]
+
+
+def parse_tiles(texts: list[str]) -> list[tuple[int, int]]:
+    """["128x64", ...] -> [(128, 64), ...]."""
+    return [tuple(int(side) for side in text.split("x")) for text in texts]
+
+
+def print_sweep(sweep: list[dict]) -> None:
+    """The sweep's rows as a table, forward and forward + backward side by side."""
+    print("\n| tiles | warps | stages | forward (ms) | forward + backward (ms) |"
+          "\n|---|---|---|---|---|")
+    for fwd, both in zip(sweep[::2], sweep[1::2]):
+        cells = (f"{r['ms']:.3f}" if "ms" in r else "failed" for r in (fwd, both))
+        print(f"| {fwd['block']}x{fwd['block_cols']} | {fwd['num_warps']} | "
+              f"{fwd['num_stages']} | {' | '.join(cells)} |")
+
+
+def sweep_only(config: models.MambaConfig, inputs, mesh, args: argparse.Namespace) -> int:
+    """``--sweep-only``: the tiling sweep's rows, the JSON written after each."""
+    meta = benchmarking.provenance({k: v for k, v in vars(args).items() if k != "json"})
+    rows = []
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    print_sweep(tiling_sweep(config, inputs, mesh, args.reps, parse_tiles(args.sweep_tiles),
+                             args.sweep_warps, args.sweep_stages, rows, save))
+    return 0
 
 
 def norm_ops(config: models.MambaConfig, which: str, seq_len: int, batch: int, key,
@@ -201,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                         metavar="ROWSxCOLS", help="the --sweep's intra-chunk tiles")
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
     parser.add_argument("--sweep-stages", nargs="+", type=int, default=[1, 2, 3, 4])
+    parser.add_argument("--sweep-only", action="store_true",
+                        help="only the --sweep (no XLA, default-tiling or attention rows)")
     parser.add_argument("--norm", action="store_true",
                         help="also time the mixer's gated norm, XLA's ops against the kernels")
     args = parser.parse_args(argv)
@@ -212,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
     mesh = benchmarking.first_devices_mesh(1)
     key = jax.random.key(0)
     inputs = ssd_inputs(config, args.seq_len, args.batch, key)
+
+    if args.sweep_only:
+        return sweep_only(config, inputs, mesh, args)
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
     ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)
@@ -279,17 +317,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{by_norm[(f'{which} {name}', 'forward+backward')]:.4f} |")
     by = {(r["what"], r["phase"]): r["ms"] for r in rows}
     if args.sweep:
-        tiles = [tuple(int(side) for side in tile.split("x")) for tile in args.sweep_tiles]
-        sweep = tiling_sweep(config, inputs, mesh, args.reps, tiles, args.sweep_warps,
-                             args.sweep_stages)
-        rows += sweep
-        save()
-        print("\n| tiles | warps | stages | forward (ms) | forward + backward (ms) |"
-              "\n|---|---|---|---|---|")
-        for fwd, both in zip(sweep[::2], sweep[1::2]):
-            cells = (f"{r['ms']:.3f}" if "ms" in r else "failed" for r in (fwd, both))
-            print(f"| {fwd['block']}x{fwd['block_cols']} | {fwd['num_warps']} | "
-                  f"{fwd['num_stages']} | {' | '.join(cells)} |")
+        print_sweep(tiling_sweep(config, inputs, mesh, args.reps, parse_tiles(args.sweep_tiles),
+                                 args.sweep_warps, args.sweep_stages, rows, save))
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]

@@ -29,6 +29,7 @@ attention where supported); each row records which ran.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -138,6 +139,8 @@ def _measure(model: str, impl: str, variant: str, args: argparse.Namespace) -> d
         "residuals": getattr(trainer.config, "residuals", None),
         "fuse_skip": getattr(trainer.config, "fuse_skip", None),
         "chunk_size": getattr(trainer.config, "chunk_size", None),
+        "ssd_tiling": (dataclasses.asdict(trainer.config.ssd_tiling)
+                       if hasattr(trainer.config, "ssd_tiling") else None),
         "variant": variant,
         "scan_layers": trainer.config.scan_layers,
         "mesh": args.mesh, "batch": args.batch, "seq_len": args.seq_len,

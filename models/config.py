@@ -85,6 +85,17 @@ class SSDTiling:
         block, cols = int(sides[0]), int(sides[-1])
         return cls(block, cols if len(sides) == 2 else None, num_warps, num_stages)
 
+    def check(self, chunk_size: int) -> None:
+        """A ValueError naming the setting the kernels cannot take at ``chunk_size``."""
+        for name in ("block", "block_cols"):
+            side = getattr(self, name)
+            if side is not None and (side < 16 or side & (side - 1) or chunk_size % side):
+                raise ValueError(f"SSDTiling: {name}={side} must be a power of two from 16 "
+                                 f"that divides chunk_size={chunk_size}")
+        for name in ("num_warps", "num_stages"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"SSDTiling: {name}={getattr(self, name)} must be at least 1")
+
     def kernel_options(self, *, columns: bool = True) -> dict:
         """The settings that are set, as ``ssd_pallas.chunk_output``'s keyword
         arguments (``columns=False``: ``chunk_states``', without block_cols)."""
@@ -423,6 +434,7 @@ class MambaConfig(_Presets):
         if not isinstance(self.chunk_size, int) or self.chunk_size < 1:
             raise ValueError(f"MambaConfig: chunk_size={self.chunk_size!r} must be a positive "
                              f"int")
+        self.ssd_tiling.check(self.chunk_size)
         if self.inner_dim % self.head_dim:
             raise ValueError(f"MambaConfig: inner width expand*embed_dim={self.inner_dim} "
                              f"must be a multiple of head_dim={self.head_dim}")

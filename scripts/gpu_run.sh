@@ -3,7 +3,8 @@
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
 #                                               train decode all
-#                                               profile, stall, nvshmem, nvlink, cutlass, mixer
+#                                               profile, stall, nvshmem, nvlink, cutlass, mixer,
+#                                               ssd_tiling
 #                                               (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
@@ -139,6 +140,35 @@ if want train; then
   # shellcheck disable=SC2086
   step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
     ${JFO_TRAIN_ARGS:-}
+fi
+# Opt-in: the Pallas SSD's tilings (benchmarks/ssd.py --sweep-only; JFO_SWEEP_ARGS
+# replaces the grid), then, if one beats the default's forward + backward by
+# 3%, the Mamba-2 1.4B step at it against the default and the Transformer's,
+# in one process (benchmarks/train_step.py, one GPU).
+if [[ " ${stages[*]} " == *" ssd_tiling "* ]]; then
+  # shellcheck disable=SC2086
+  step ssd_sweep$tag $PY -P benchmarks/ssd.py --sweep-only --reps 5 \
+    --json "$OUT/ssd_sweep$tag.json" ${JFO_SWEEP_ARGS:---sweep-tiles 64x64 128x64 64x32 \
+    128x32 --sweep-warps 4 8 --sweep-stages 2 3}
+  variant=$($PY - "$OUT/ssd_sweep$tag.json" <<'PYEOF'
+import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"]
+        if r["phase"] == "forward+backward" and "ms" in r]
+default = [r for r in rows if (r["block"], r["block_cols"], r["num_warps"], r["num_stages"])
+           == (64, 64, 4, 3)]
+best = min(rows, key=lambda r: r["ms"]) if rows else None
+if best and default and best["ms"] < 0.97 * default[0]["ms"]:
+    print(f"ssd-tiles={best['block']}x{best['block_cols']},ssd-warps={best['num_warps']},"
+          f"ssd-stages={best['num_stages']}")
+PYEOF
+)
+  if [ -n "$variant" ]; then
+    step train_tiling$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step_tiling$tag.json" \
+      --models mamba transformer --impls xla --mesh 1x1 --steps 5 --reps 3 --warmup 2 \
+      --mamba-variants default "$variant"
+  else
+    echo "=== ssd_tiling: no tiling beat the default (64x64, 4 warps, 3 stages) by 3%"
+  fi
 fi
 # Decoding (benchmarks/decode.py); JFO_DECODE_PROFILE=1 also traces each case's
 # decode loop and prints its kernels per step (JFO_DECODE_STEPS: the loop's

@@ -285,10 +285,14 @@ def test_train_step_passes_a_variants_flags_to_the_trainer(tmp_path, monkeypatch
     assert bench.main(["--json", str(out), "--models", "mamba", "--impls", "xla",
                        "--size", "tiny", "--seq-len", "64", "--warmup", "1", "--steps", "2",
                        "--reps", "1", "--dtype", "float32", "--mamba-variants", "default",
-                       "residuals=all,norm-backward=recompute,no-fuse-skip"]) == 0
+                       "residuals=all,norm-backward=recompute,no-fuse-skip,ssd-tiles=16x16,"
+                       "ssd-warps=8,ssd-stages=2"]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [(r["residuals"], r["norm_backward"], r["fuse_skip"]) for r in rows] == [
         ("named", "auto", True), ("all", "recompute", False)]
+    assert [r["ssd_tiling"] for r in rows] == [
+        dict(block=None, block_cols=None, num_warps=None, num_stages=None),
+        dict(block=16, block_cols=16, num_warps=8, num_stages=2)]
     assert rows[0]["loss_first"] == pytest.approx(rows[1]["loss_first"], rel=1e-5)
 
 

@@ -273,6 +273,15 @@ def test_config_errors():
         with pytest.raises(ValueError, match=rf"MambaConfig: chunk_size={chunk_size} must be a "
                                              rf"positive int"):
             MambaConfig(chunk_size=chunk_size)
+    with pytest.raises(ValueError, match="SSDTiling: block_cols=32 must be a power of two "
+                                         "from 16 that divides chunk_size=16"):
+        MambaConfig(ssd_tiling=models.SSDTiling(block=16, block_cols=32))
+    with pytest.raises(ValueError, match="SSDTiling: block=24 must be a power of two"):
+        MambaConfig(chunk_size=48, ssd_tiling=models.SSDTiling(block=24))
+    with pytest.raises(ValueError, match="SSDTiling: num_stages=0 must be at least 1"):
+        MambaConfig(ssd_tiling=models.SSDTiling(num_stages=0))
+    with pytest.raises(ValueError, match="SSDTiling: num_warps=0 must be at least 1"):
+        MambaConfig(ssd_tiling=models.SSDTiling(num_warps=0))
 
 
 def test_scan_layers_default_is_per_platform(monkeypatch):
