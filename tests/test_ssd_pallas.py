@@ -62,9 +62,15 @@ def _check_against_xla(inputs, chunk_size, dtype, rng):
 
 @pytest.fixture
 def interpreted(monkeypatch):
-    """impl="pallas" runs the kernels in Pallas's interpreter (on CPU)."""
-    monkeypatch.setattr(mamba, "_chunked_ssd_for", lambda *_: functools.partial(
-        mamba._chunked_ssd_pallas, interpret=True))
+    """impl="pallas" runs the kernels in Pallas's interpreter (on CPU); the
+    other impls stay what they are (the reference is XLA's SSD)."""
+    chunked_for = mamba._chunked_ssd_for
+
+    def interpreted_for(impl, *args):
+        if impl == "pallas":
+            return functools.partial(mamba._chunked_ssd_pallas, interpret=True)
+        return chunked_for(impl, *args)
+    monkeypatch.setattr(mamba, "_chunked_ssd_for", interpreted_for)
 
 
 @pytest.mark.parametrize("s, chunk_size", [(64, 16), (64, 32), (40, 16), (256, 128)],
@@ -216,6 +222,26 @@ GPU_SHAPES = [(s, chunk, p, dtype) for s, chunk, p in
 def test_kernels_equal_xla_on_gpu(s, chunk_size, head_dim, dtype, rng):
     _check_against_xla(_inputs(rng, s, heads=8, p=head_dim, n=128, dtype=dtype), chunk_size,
                        dtype, rng)
+
+
+GPU_TILINGS = [models.SSDTiling(128, 64, 8, 2), models.SSDTiling(64, 32, 4, 2),
+               models.SSDTiling(128, 32, 8, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", GPU_TILINGS, ids=lambda t: f"{t.block}x{t.block_cols}_"
+                         f"w{t.num_warps}_s{t.num_stages}")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernels_at_rectangular_tilings_equal_xla_on_gpu(tiling, dtype, monkeypatch, rng):
+    """The kernels compiled at the tilings benchmarks/ssd.py sweeps, at the
+    1.4B layer's heads (chunk 256, 8 heads of 64 a group, state 128)."""
+    chunked_for = mamba._chunked_ssd_for
+
+    def at_tiling(impl, *args):
+        chunked = chunked_for(impl, *args)
+        return mamba._at_tiling(chunked, tiling) if impl == "pallas" else chunked
+    monkeypatch.setattr(mamba, "_chunked_ssd_for", at_tiling)
+    _check_against_xla(_inputs(rng, 1024, heads=8, p=64, n=128, dtype=dtype), 256, dtype, rng)
 
 
 @pytest.mark.gpu
