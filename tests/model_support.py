@@ -51,8 +51,10 @@ def check_matches_reference(model_cls, config, ref, *, tp: int, dp: int = 2, **o
     model = build(model_cls, dataclasses.replace(config, **overrides), mesh, state)
     loss, grads = loss_and_grads(model, batch, mesh)
     assert_close(loss, ref_loss, "float32")
+    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(grads)]
-    for path, got, want in zip(paths, jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    for path, got, want in zip(paths, jax.tree.leaves(grads), jax.tree.leaves(ref_grads),
+                               strict=True):
         try:
             assert_close(got, want, "float32")
         except AssertionError as e:

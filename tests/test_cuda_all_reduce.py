@@ -122,6 +122,7 @@ def _sizes(rng, dtype, algorithm):
             int(rng.integers(min(1 << 16, top - 1), min(1 << 22, top))) | 1, top]
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 is the identity, no kernel runs
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rank_order_sum_with_the_same_bits_on_every_rank(dtype, algorithm, rng):
@@ -141,6 +142,7 @@ def test_rank_order_sum_with_the_same_bits_on_every_rank(dtype, algorithm, rng):
         assert_close(per_rank[0], f64(x).sum(0), dtype)
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 is the identity, no kernel runs
 @pytest.mark.parametrize("algorithm", KERNELS)
 def test_fori_loop_replays_of_a_captured_call_stay_exact(algorithm):
     """200 iterations of one call site with fresh data; XLA is told to put
@@ -167,6 +169,7 @@ def test_fori_loop_replays_of_a_captured_call_stay_exact(algorithm):
                     f"times for {iters} iterations on {n} GPUs (XLA did not capture it)")
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 is the identity, no kernel runs
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_jit_called_100_times(algorithm):
     mesh, _ = _mesh()
@@ -180,6 +183,7 @@ def test_jit_called_100_times(algorithm):
     _assert_none_wrong(wrong)
     jfo.check_device_errors()
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 is the identity, no kernel runs
 
 def test_back_to_back_calls_of_random_sizes_and_algorithms():
     """STRESS_CALLS x STRESS_ITERS all-reduces, each of a randomly drawn size

@@ -50,6 +50,7 @@ def _call(op, impl, args, **kwargs):
     return f(*placed)
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 runs XLA's plain dot, not the kernels
 @pytest.mark.parametrize("impl", ["cuda", "auto"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("shape", [(256, 512, 384), (100, 72, 40), (8, 16, 8)])
@@ -75,6 +76,7 @@ def mar_kernel(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 runs XLA's plain dot, not the kernels
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("shape", [(256, 512, 384), (100, 72, 40)])
 def test_matmul_all_reduce_kernels_match_float64(mar_kernel, shape, dtype, rng):
@@ -88,6 +90,7 @@ def test_matmul_all_reduce_kernels_match_float64(mar_kernel, shape, dtype, rng):
     assert_close(y, f64(x) @ f64(w), dtype)
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 runs XLA's plain dot, not the kernels
 @pytest.mark.parametrize("chunks", [2, 3])
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter"])
 def test_cuda_chunked(op, chunks, rng):
@@ -193,6 +196,7 @@ def test_waits_on_the_xla_stream(chunks, fold, rng, monkeypatch):
             np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=2e-4, atol=2e-3)
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 runs XLA's plain dot, not the kernels
 @pytest.mark.parametrize("autotune,shapes", [
     ("1", [(384, 640, 448), (136, 520, 264)]), ("0", [(392, 648, 456), (144, 528, 272)])])
 @pytest.mark.parametrize("op", MATMUL_OPS)
@@ -215,6 +219,7 @@ def test_gemm_plans_with_and_without_autotuning_match_float64(op, autotune, shap
             assert_close(y, f64(x) @ f64(w), "bfloat16")
 
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 runs XLA's plain dot, not the kernels
 @pytest.mark.parametrize("op", MATMUL_OPS)
 def test_cuda_gradients_match_xla(op, rng):
     mesh, n = _mesh()
@@ -242,6 +247,7 @@ def test_cuda_gradients_match_xla(op, rng):
             err = np.linalg.norm(f64(g) - e) / np.linalg.norm(e)
             assert err < 5e-3, (impl, err)  # float32 inputs, TF32-rate GEMMs
 
+@pytest.mark.gpus(2)  # one GPU: an axis of size 1 runs XLA's plain dot, not the kernels
 
 def test_back_to_back_random_calls_equal_xla():
     """1,000 calls of randomly chosen ops, shapes and (for matmul_all_reduce)

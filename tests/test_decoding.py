@@ -442,12 +442,15 @@ def test_byte_tokens_round_trip():
 
 def _check_bf16_decoding_against_float32(name: str, prompt: np.ndarray, **overrides):
     """On one GPU: the bf16 decode loop's logits after ``prompt`` [batch,
-    length] are as close to a float32 forward pass as the bf16 forward
+    length] are as close to a float32 forward pass through XLA's ops (for
+    Mamba-2 its SSD and norm, not the Pallas kernels) as the bf16 forward
     pass's own."""
     model_cls, config = MODELS[name]
     mesh = jax.sharding.Mesh(np.asarray(jax.devices("gpu")[:1]).reshape(1, 1),
                              ("data", "tensor"))
     bf16 = build(model_cls, dataclasses.replace(config, dtype="bfloat16", **overrides), mesh)
+    if isinstance(config, models.MambaConfig):  # the reference runs none of the kernels
+        config = dataclasses.replace(config, ssd_impl="xla", norm_backward="autodiff")
     exact = build(model_cls, config, mesh, nnx.state(bf16))
     with jax.set_mesh(mesh):
         tokens, logits = models.generate(bf16, prompt, NEW_TOKENS, return_logits=True)
