@@ -127,6 +127,8 @@ def test_kernel_lowers_to_triton_without_a_gpu(splits, monkeypatch):
     text = jax.jit(attend, donate_argnums=(3, 4)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "decode_attention" in text
+    # The kernel writes the caches in place, and the donated caches are the outputs.
+    assert "output_operand_aliases" in text and text.count("tf.aliasing_output") == 2
 
 
 @pytest.mark.gpu

@@ -155,6 +155,8 @@ def test_kernel_lowers_to_triton_without_a_gpu(batch, monkeypatch):
     text = jax.jit(lambda *t: kernel.mixer_step(*t, layout), donate_argnums=(1, 7)).trace(
         *args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mamba_decode_mixer" in text
+    # The kernel updates both states in place, and the donated states are the outputs.
+    assert "output_operand_aliases" in text and text.count("tf.aliasing_output") == 2
 
 
 @pytest.mark.gpu
