@@ -91,7 +91,9 @@ def test_the_xla_step_matches_float64(dtype, rng):
 @pytest.mark.parametrize("pos", [0, 2, 3, 4, 7])
 def test_every_ring_row(pos, rng):
     """The new position's row, and the window's, at every row of the ring
-    (k = 4), from the first position on (rows before it are zeros)."""
+    (k = 4), from the first position on. The rows of positions before 0 are
+    read as the ring holds them (prefill writes zeros there; here they are
+    random, and the reference reads the same rows)."""
     _check(rng, "float32", LAYOUTS["one block a head"], interpret=True, pos=pos)
 
 
