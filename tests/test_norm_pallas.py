@@ -143,6 +143,14 @@ def test_auto_runs_xla_on_cpu_keeping_only_the_inputs(gated, rng, monkeypatch):
             assert (g is None) == (w is None)
             if w is not None:
                 assert_close(g, f64(w), "float32")
+
+    def kept(backward):
+        """Elements the vjp keeps for the backward at the kernels' group size."""
+        _, vjp = jax.vjp(lambda *t: models.layers.rms_norm(
+            t[0], t[2], eps=1e-5, group_size=32, gate=t[1], backward=backward), x, gate, weight)
+        return sum(leaf.size for leaf in jax.tree.leaves(vjp))
+    inputs = x.size + weight.size + (0 if gate is None else gate.size)
+    assert kept("auto") <= inputs < kept("autodiff"), (kept("auto"), kept("autodiff"))
     with pytest.raises(ValueError, match=r"norm_pallas.gated_rms_norm_or: group size 48 is not "
                                          r"a power of two from 16"):
         norm_pallas.gated_rms_norm_or(models.layers._rms_norm_output, x, gate, weight,
