@@ -117,7 +117,7 @@ def _decay(cum_rows, cum_cols, row0, col0):
 def _to_diagonal(row, block, cols):
     """How many column tiles of side ``cols`` start before the end of row
     block ``row`` (of side ``block``): those on or below the diagonal."""
-    if cols == block:  # square tiles: the kernels' instructions as before rectangles
+    if cols == block:  # square tiles keep the instructions measured before rectangles
         return row + 1
     return lax.div(row * block + block + cols - 1, cols)
 
