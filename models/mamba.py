@@ -122,8 +122,8 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
       ``(y, h)`` with h: [batch, g, heads, p, n], float32, the state
       :func:`ssd_step` continues from.
     """
-    chunked = _at_tiling(_chunked_ssd_for(impl, chunk_size, x.shape[-1], x.shape[-2],
-                                          b.shape[-1]), tiling)
+    chunked = _chunked_ssd_for(impl, chunk_size, x.shape[-1], x.shape[-2], b.shape[-1],
+                               tiling=tiling)
     s = x.shape[0]
     pad = -s % chunk_size
     if pad:
@@ -152,16 +152,21 @@ class _ChunkProducts(NamedTuple):
 
 
 def _chunked_ssd_for(impl: str, chunk_size: int, head_dim: int, heads_per_group: int,
-                     state_dim: int):
+                     state_dim: int, tiling: SSDTiling | None = None):
     """The function (x, dt, a, b, c, d, chunk_size) -> (y, final state) running
-    :func:`ssd` on a sequence of whole chunks for ``impl``."""
+    :func:`ssd` on a sequence of whole chunks for ``impl``, the Pallas
+    kernels at ``tiling`` (None: their defaults)."""
+    pallas, auto = _chunked_ssd_pallas, _chunked_ssd_auto
+    if tiling is not None and tiling != SSDTiling():
+        pallas = functools.partial(_chunked_ssd_pallas, tiling=tiling)
+        auto = functools.partial(_chunked_ssd_auto, pallas=pallas)
     if impl == "xla":
         return _chunked_ssd_xla
     if impl not in SSD_IMPLS:
         raise ValueError(f"ssd: impl={impl!r} is not one of {SSD_IMPLS}")
     reason = ssd_pallas.unsupported_reason(chunk_size, head_dim, heads_per_group, state_dim)
     if impl == "auto":
-        return _chunked_ssd_xla if reason else _chunked_ssd_auto
+        return _chunked_ssd_xla if reason else auto
     if reason:
         raise ValueError(f"ssd: impl='pallas' cannot run this shape: {reason}. "
                          f"Use impl='auto' or 'xla'.")
@@ -169,21 +174,7 @@ def _chunked_ssd_for(impl: str, chunk_size: int, head_dim: int, heads_per_group:
         raise ValueError(f"ssd: impl='pallas' runs on CUDA GPUs only (Pallas Triton kernels), "
                          f"and the default backend is {jax.default_backend()!r}. Use "
                          f"impl='auto' (Pallas on GPUs, XLA elsewhere) or 'xla'.")
-    return _chunked_ssd_pallas
-
-
-def _at_tiling(chunked, tiling: SSDTiling | None):
-    """``chunked`` (from :func:`_chunked_ssd_for`) with its Pallas kernels at
-    ``tiling``; itself where it runs none or ``tiling`` is the default."""
-    if tiling is None or tiling == SSDTiling():
-        return chunked
-    base = getattr(chunked, "func", chunked)  # a functools.partial in tests
-    if base is _chunked_ssd_pallas:
-        return functools.partial(chunked, tiling=tiling)
-    if base is _chunked_ssd_auto:
-        return functools.partial(chunked, pallas=functools.partial(_chunked_ssd_pallas,
-                                                                   tiling=tiling))
-    return chunked
+    return pallas
 
 
 def _states_xla(x, b):

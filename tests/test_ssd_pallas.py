@@ -66,9 +66,9 @@ def interpreted(monkeypatch):
     other impls stay what they are (the reference is XLA's SSD)."""
     chunked_for = mamba._chunked_ssd_for
 
-    def interpreted_for(impl, *args):
+    def interpreted_for(impl, *args, tiling=None):
         if impl == "pallas":
-            return functools.partial(mamba._chunked_ssd_pallas, interpret=True)
+            return functools.partial(mamba._chunked_ssd_pallas, interpret=True, tiling=tiling)
         return chunked_for(impl, *args)
     monkeypatch.setattr(mamba, "_chunked_ssd_for", interpreted_for)
 
@@ -235,11 +235,10 @@ GPU_TILINGS = [models.SSDTiling(128, 64, 8, 2), models.SSDTiling(64, 32, 4, 2),
 def test_kernels_at_rectangular_tilings_equal_xla_on_gpu(tiling, dtype, monkeypatch, rng):
     """The kernels compiled at the tilings benchmarks/ssd.py sweeps, at the
     1.4B layer's heads (chunk 256, 8 heads of 64 a group, state 128)."""
-    chunked_for = mamba._chunked_ssd_for
+    chunked_for, asked = mamba._chunked_ssd_for, tiling
 
-    def at_tiling(impl, *args):
-        chunked = chunked_for(impl, *args)
-        return mamba._at_tiling(chunked, tiling) if impl == "pallas" else chunked
+    def at_tiling(impl, *args, tiling=None):
+        return chunked_for(impl, *args, tiling=asked if impl == "pallas" else tiling)
     monkeypatch.setattr(mamba, "_chunked_ssd_for", at_tiling)
     _check_against_xla(_inputs(rng, 1024, heads=8, p=64, n=128, dtype=dtype), 256, dtype, rng)
 
