@@ -85,16 +85,23 @@ class SSDTiling:
         block, cols = int(sides[0]), int(sides[-1])
         return cls(block, cols if len(sides) == 2 else None, num_warps, num_stages)
 
-    def check(self, chunk_size: int) -> None:
-        """A ValueError naming the setting the kernels cannot take at ``chunk_size``."""
+    def problem(self, chunk_size: int) -> str | None:
+        """Which setting the kernels cannot take at ``chunk_size``, and why;
+        None when they take them all."""
         for name in ("block", "block_cols"):
             side = getattr(self, name)
             if side is not None and (side < 16 or side & (side - 1) or chunk_size % side):
-                raise ValueError(f"SSDTiling: {name}={side} must be a power of two from 16 "
-                                 f"that divides chunk_size={chunk_size}")
+                return (f"{name}={side} must be a power of two from 16 that divides "
+                        f"chunk_size={chunk_size}")
         for name in ("num_warps", "num_stages"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"SSDTiling: {name}={getattr(self, name)} must be at least 1")
+                return f"{name}={getattr(self, name)} must be at least 1"
+        return None
+
+    def check(self, chunk_size: int) -> None:
+        """A ValueError naming the setting the kernels cannot take at ``chunk_size``."""
+        if why := self.problem(chunk_size):
+            raise ValueError(f"SSDTiling: {why}")
 
     def kernel_options(self, *, columns: bool = True) -> dict:
         """The settings that are set, as ``ssd_pallas.chunk_output``'s keyword

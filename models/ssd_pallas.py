@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from .config import SSDTiling
 from .layers import same_variance
 from .pallas_gpu import plgpu
 
@@ -414,12 +415,8 @@ def _tiling(caller: str, s: int, chunk_size: int, reason: str | None, block: int
         raise ValueError(f"ssd_pallas.{caller}: sequence length {s} is not a multiple "
                          f"of chunk_size={chunk_size}")
     block = min(chunk_size, _MAX_BLOCK) if block is None else block
-    for name, side in (("block", block), ("block_cols", block_cols)):
-        if side is not None and (side < 16 or side & (side - 1) or chunk_size % side):
-            raise ValueError(f"ssd_pallas.{caller}: {name}={side} must be a power of two "
-                             f"from 16 that divides chunk_size={chunk_size}")
-    if num_stages is not None and num_stages < 1:
-        raise ValueError(f"ssd_pallas.{caller}: num_stages={num_stages} must be at least 1")
+    if why := SSDTiling(block, block_cols, num_warps, num_stages).problem(chunk_size):
+        raise ValueError(f"ssd_pallas.{caller}: {why}")
     return Tiling(chunk_size, block, num_warps, interpret, num_stages, block_cols)
 
 
