@@ -158,20 +158,6 @@ def print_sweep(sweep: list[dict]) -> None:
               f"{fwd['num_stages']} | {' | '.join(cells)} |")
 
 
-def sweep_only(config: models.MambaConfig, inputs, mesh, args: argparse.Namespace) -> int:
-    """``--sweep-only``: the tiling sweep's rows, the JSON written after each."""
-    meta = benchmarking.provenance({k: v for k, v in vars(args).items() if k != "json"})
-    rows = []
-
-    def save():
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    print_sweep(tiling_sweep(config, inputs, mesh, args.reps, parse_tiles(args.sweep_tiles),
-                             args.sweep_warps, args.sweep_stages, rows, save))
-    return 0
-
-
 def norm_ops(config: models.MambaConfig, which: str, seq_len: int, batch: int, key,
              tilings):
     """One of a Mamba-2 layer's norms at ``config``'s shape, ``which`` "gated
@@ -247,9 +233,21 @@ def main(argv: list[str] | None = None) -> int:
     mesh = benchmarking.first_devices_mesh(1)
     key = jax.random.key(0)
     inputs = ssd_inputs(config, args.seq_len, args.batch, key)
+    rows = []
+    meta = benchmarking.provenance({k: v for k, v in vars(args).items() if k != "json"})
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+    def sweep():
+        print_sweep(tiling_sweep(config, inputs, mesh, args.reps, parse_tiles(args.sweep_tiles),
+                                 args.sweep_warps, args.sweep_stages, rows, save))
 
     if args.sweep_only:
-        return sweep_only(config, inputs, mesh, args)
+        sweep()
+        return 0
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
     ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)
@@ -263,14 +261,7 @@ def main(argv: list[str] | None = None) -> int:
             if not err <= TOLERANCE:
                 raise AssertionError(f"{impl}, {phase}: relative error {err:.3g} > {TOLERANCE}")
 
-    rows = []
-    meta = benchmarking.provenance({k: v for k, v in vars(args).items() if k != "json"})
     meta["pallas_relative_error"] = errors
-
-    def save():
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
     def timed(name, op, operands, shape, flops=None):
         for phase, fn, work in zip(("forward", "forward+backward"), op,
@@ -317,8 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{by_norm[(f'{which} {name}', 'forward+backward')]:.4f} |")
     by = {(r["what"], r["phase"]): r["ms"] for r in rows}
     if args.sweep:
-        print_sweep(tiling_sweep(config, inputs, mesh, args.reps, parse_tiles(args.sweep_tiles),
-                                 args.sweep_warps, args.sweep_stages, rows, save))
+        sweep()
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]
