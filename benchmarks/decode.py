@@ -52,6 +52,7 @@ from flax import nnx
 from jax_flashoverlap import benchmarking, cuda_policy, distributed, models
 from jax_flashoverlap.cli import train
 from jax_flashoverlap.cli.devices import ensure_cpu_devices
+from jax_flashoverlap.cli.flags import parse_mesh_shape
 
 # H200 HBM3e, datasheet.
 HBM_TB_S = 4.8
@@ -346,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["transformer", "mamba"],
                         choices=tuple(models.MODELS))
     parser.add_argument("--size", default="1b", choices=tuple(models.SIZES))
-    parser.add_argument("--mesh", type=train.parse_mesh_shape, default=(1, 2),
+    parser.add_argument("--mesh", type=parse_mesh_shape, default=(1, 2),
                         metavar="DATAxTENSOR")
     parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda:lamport",
                                                        "cuda:one_shot", "cuda:two_shot"])

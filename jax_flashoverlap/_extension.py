@@ -22,7 +22,7 @@ __all__ = ["build_info", "cuda_ops_available", "require_cuda_ops", "check_device
 
 _NOT_BUILT = ("jax_flashoverlap was installed without its compiled extension "
               "(jax_flashoverlap._ffi).")
-_HOW_TO_BUILD = ("Reinstall from source on a machine with nvcc >= 12 and the "
+_HOW_TO_BUILD = ("Reinstall from source on a machine with nvcc (CUDA 12.8 or later) and the "
                  "nvidia-cublas wheel: `pip install --no-build-isolation .` "
                  "(README: 'Install'; docs/design.md: 'Building with CUDA').")
 

@@ -346,6 +346,21 @@ def test_generate_command_rejects_bad_flags(argv, message, capsys):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_generate_command_without_cuda_kernels_refuses_decode_matmul_cuda(monkeypatch, capsys):
+    """A CPU-only build: --decode-matmul cuda is a flag error naming the fix,
+    not a traceback from inside the first compilation."""
+    from jax_flashoverlap import _extension
+
+    monkeypatch.setattr(_extension, "cuda_ops_available", lambda target=None: False)
+    with pytest.raises(SystemExit) as exit_info:
+        generate_cli.parse_args(["--prompt", "x", "--max-new-tokens", "2",
+                                 "--decode-matmul", "cuda"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert ("built without its CUDA kernels (build_info()['cuda'] is False); "
+            "use --decode-matmul xla") in err
+
+
 def test_generate_command_reports_errors_in_one_line(capsys):
     assert generate_cli.main(["--prompt", "x" * 40, "--max-new-tokens", "8200",
                               "--mesh", "1x1"]) == 2

@@ -152,6 +152,28 @@ def test_command_runs_on_cpu_devices(tmp_path):
     assert "done: 2 steps of transformer/tiny" in out.stdout
 
 
+def test_the_commands_without_the_models_extra_name_it(tmp_path):
+    """Installed without [models], the train and generate commands say which
+    extra to install instead of failing on a bare import."""
+    code = "import sys; sys.modules['flax'] = None; import jax_flashoverlap.cli.generate"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    assert ("flax is not installed: the models and the train and generate commands need the "
+            "'models' extra: pip install 'jax-flashoverlap[models]'") in proc.stderr
+
+
+def test_help_gives_defaults_but_not_for_switches(capsys):
+    """`--no-progress` must not read "(default: True)"; options keep their defaults."""
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "global batch (sequences) (default: 8)" in text
+    assert "no progress bar (the summary still prints)" in text
+    assert "still prints) (default" not in text
+    assert "(default: True)" not in text and "(default: False)" not in text
+
+
 @pytest.mark.parametrize("flags, check", [
     (["--dtype", "bfloat16"], lambda t: t.config.dtype == "bfloat16"),
     (["--remat"], lambda t: t.config.remat),

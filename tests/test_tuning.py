@@ -150,8 +150,12 @@ def test_tune_model_shapes():
     assert ("all_reduce", (4096,)) in cases
 
 
-@pytest.mark.parametrize("argv,match", [(["--axis-size", "1"], "at least 2"),
-                                        (["--no-grid"], "without --model")])
+@pytest.mark.parametrize("argv,match", [
+    (["--axis-size", "1"], "at least 2"),
+    (["--no-grid"], "without --model"),
+    (["--axis-size", "4", "--mesh", "1x2"], "disagree: the tensor axis tuned is the mesh's"),
+    (["--mesh", "8x1"], "a tensor size of at least 2"),
+    (["--mesh", "two"], "expected DATAxTENSOR")])
 def test_tune_flags_name_the_fix(argv, match, capsys):
     with pytest.raises(SystemExit):
         tune.parse_args(argv)
@@ -168,6 +172,16 @@ def test_tune_budget_output_and_verify(tmp_path, capsys):
     assert "stopping after 1 of" in printed and f"wrote 1 entries to {out}" in printed
     assert len(tuning.read(out).entries) == 1
     assert "verify all_reduce" in printed and "verify: auto is at most" in printed
+
+
+def test_tune_measures_at_the_mesh_tensor_size(tmp_path, capsys):
+    """--mesh 1x2 on 8 devices tunes an axis of 2, the size a model on that
+    mesh looks up, not all 8 devices."""
+    out = tmp_path / "table.json"
+    tune.main(["--ops", "all_reduce", "--reps", "1", "--budget-s", "1e-6", "--mesh", "1x2",
+               "--output", str(out)])
+    assert "axis size 2," in capsys.readouterr().out
+    assert [e.axis_size for e in tuning.read(out).entries] == [2]
 
 
 def test_verify_times_auto_as_the_program_it_compiles_to(monkeypatch):

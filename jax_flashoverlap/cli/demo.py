@@ -15,6 +15,7 @@ import json
 import sys
 
 from .devices import ensure_cpu_devices
+from .flags import HelpFormatter
 
 
 def _cases(n: int, on_gpu: bool):
@@ -31,7 +32,7 @@ def _cases(n: int, on_gpu: bool):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-demo",
                                      description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--reps", type=int, default=5, help="timing repetitions")
     args = parser.parse_args(argv)

@@ -22,6 +22,10 @@ runs on 8 CPU devices.
 
 from __future__ import annotations
 
+from . import _requires_models  # noqa: F401  (first: names the extra if flax is missing)
+
+# isort: split
+
 import argparse
 import json
 import sys
@@ -32,7 +36,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from .. import distributed
+from .. import _extension, distributed
 from ..decode_matmul import DECODE_MATMUL_IMPLS
 from ..models import (
     DECODE_ATTENTION_IMPLS,
@@ -43,12 +47,12 @@ from ..models import (
     ShardingConfig,
 )
 from .devices import ensure_cpu_devices
+from .flags import HelpFormatter, parse_mesh_shape
 from .train import (
     CPU_DEVICES,
     add_model_flags,
     make_mesh,
     model_config,
-    parse_mesh_shape,
     restore_model_state,
 )
 
@@ -58,7 +62,7 @@ __all__ = ["main", "parse_args", "run", "encode", "decode_text"]
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-generate",
                                      description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_model_flags(parser)
     parser.add_argument("--restore", type=Path, default=None, metavar="DIR",
                         help="load the latest checkpoint of jax-flashoverlap-train "
@@ -113,6 +117,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
     if args.heap_mb < 1:
         parser.error(f"--heap-mb must be at least 1, got {args.heap_mb}")
+    if args.decode_matmul == "cuda" and not _extension.cuda_ops_available():
+        parser.error("--decode-matmul cuda: this jax_flashoverlap was built without its CUDA "
+                     "kernels (build_info()['cuda'] is False); use --decode-matmul xla")
     if args.restore is not None and not args.restore.is_dir():
         parser.error(f"--restore {args.restore}: no such directory")
     if args.prompt_file is not None and not args.prompt_file.is_file():

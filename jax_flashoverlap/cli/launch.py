@@ -40,6 +40,7 @@ from typing import IO
 
 from ..distributed import ENV
 from .devices import without_cpu_device_count
+from .flags import HelpFormatter
 
 __all__ = ["ENV", "FORCED_ENV", "main", "visible_gpus"]
 
@@ -214,7 +215,7 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m jax_flashoverlap.cli.launch",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
         usage="%(prog)s -n N [options] (script.py | -m module) [args...]",
         description="Start N local processes for jax.distributed, one per GPU "
                     "(or CPU processes without GPUs).")

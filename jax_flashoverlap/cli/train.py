@@ -13,6 +13,10 @@ GPU it runs on 8 CPU devices, and says so.
 
 from __future__ import annotations
 
+from . import _requires_models  # noqa: F401  (first: names the extra if flax is missing)
+
+# isort: split
+
 import argparse
 import dataclasses
 import functools
@@ -44,10 +48,11 @@ from ..models import (
 from ..models.mamba import resolve_scan_layers as resolve_mamba_scan_layers
 from .data import batch_at, load_corpus
 from .devices import ensure_cpu_devices
+from .flags import HelpFormatter, parse_mesh_shape
 from .kernel_flags import add_kernel_flags, check_kernel_flags
 from .progress import TrainingProgress
 
-__all__ = ["main", "train", "parse_args", "parse_mesh_shape", "make_mesh", "model_config",
+__all__ = ["main", "train", "parse_args", "make_mesh", "model_config",
            "restore_model_state", "build", "Trainer", "TrainResult", "loss_fn"]
 
 CPU_DEVICES = 8
@@ -66,7 +71,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-train",
                                      description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     add_model_flags(parser)
     parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
                         help="mesh shape, e.g. 4x2; None: tensor 2, data the rest")
@@ -120,18 +125,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     return args
-
-
-def parse_mesh_shape(text: str) -> tuple[int, int]:
-    """``--mesh DATAxTENSOR`` (e.g. "4x2") as (data, tensor); argparse's error otherwise."""
-    try:
-        data, tensor = (int(v) for v in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--mesh {text!r}: expected DATAxTENSOR, e.g. 4x2") from None
-    if data < 1 or tensor < 1:
-        raise argparse.ArgumentTypeError(f"--mesh {text!r}: sizes must be positive")
-    return data, tensor
 
 
 def loss_fn(model: nnx.Module, tokens: jax.Array) -> jax.Array:

@@ -7,9 +7,11 @@ For each op, shape and implementation ("xla", "decomposed", and "cuda" on
 NVIDIA GPUs with the CUDA build) it checks the result against "xla", then
 times it with the project's in-graph protocol
 (:func:`jax_flashoverlap.benchmarking.time_per_op`), over a tensor axis of
-all local devices (``--axis-size`` fewer). The entries go into the tuning
-cache (:func:`jax_flashoverlap.tuning.cache_path`), merged with what is
-there, and "auto" follows them from the next compilation on
+``--mesh``'s tensor size (or ``--axis-size``; default all local devices).
+"auto" looks entries up by that axis size, so tune at the size the model
+runs. The entries go into the tuning cache
+(:func:`jax_flashoverlap.tuning.cache_path`), merged with what is there,
+and "auto" follows them from the next compilation on
 (:func:`jax_flashoverlap.dispatch.resolve`). ``--model`` adds the shapes of
 that model's training step and decode step. The run stops after
 ``--budget-s`` seconds and keeps what it measured.
@@ -35,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from .. import _extension, benchmarking, cuda_policy, dispatch, tuning
 from .devices import ensure_cpu_devices
+from .flags import HelpFormatter, parse_mesh_shape
 
 __all__ = ["main", "parse_args", "default_grid", "model_grid", "run"]
 
@@ -50,17 +53,19 @@ _CPU_GRID = ([(r, k, k) for r in (32, 256) for k in (128, 512)], [4 << 10, 256 <
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-tune",
                                      description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
     parser.add_argument("--dtype", default=None,
                         help="operand dtype (default: bfloat16 on GPUs, float32 on CPUs)")
     parser.add_argument("--axis-size", type=int, default=None,
-                        help="ranks of the tensor axis (default: all local devices)")
+                        help="ranks of the tensor axis (default: --mesh's tensor size, else "
+                             "all local devices)")
     parser.add_argument("--model", choices=("transformer", "mamba"), default=None,
                         help="also tune this model's shapes (with --size, --mesh)")
     parser.add_argument("--size", default="1b")
-    parser.add_argument("--mesh", default=None, metavar="DATAxTENSOR",
-                        help="the model's mesh (default: 1 x the axis size)")
+    parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
+                        help="the mesh the model runs on: its tensor size is the axis size "
+                             "tuned (default: 1 x the axis size)")
     parser.add_argument("--seq", type=int, default=4096, help="the model's training sequence")
     parser.add_argument("--batch", type=int, default=1,
                         help="the model's rows per data rank (training and decoding)")
@@ -78,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.axis_size is not None and args.axis_size < 2:
         parser.error(f"--axis-size must be at least 2 (one rank runs the local dot), "
                      f"got {args.axis_size}")
+    if args.mesh and args.axis_size is not None and args.axis_size != args.mesh[1]:
+        parser.error(f"--axis-size {args.axis_size} and --mesh {args.mesh[0]}x{args.mesh[1]} "
+                     f"disagree: the tensor axis tuned is the mesh's; drop --axis-size")
+    if args.mesh and args.mesh[1] < 2:
+        parser.error(f"--mesh {args.mesh[0]}x{args.mesh[1]}: a tensor size of at least 2 "
+                     f"(one rank runs the local dot)")
     if args.no_grid and not args.model:
         parser.error("--no-grid leaves nothing to tune without --model")
     return args
@@ -152,7 +163,7 @@ def run(args: argparse.Namespace, out=None) -> tuning.Table:
     out = out or sys.stdout
     on_gpu = jax.default_backend() == "gpu"
     devices = jax.devices()
-    n = args.axis_size or len(devices)
+    n = args.axis_size or (args.mesh[1] if args.mesh else len(devices))
     if n < 2:
         raise SystemExit("jax-flashoverlap-tune: one device: nothing to tune (an axis of one "
                          "rank runs the local dot)")
@@ -162,8 +173,7 @@ def run(args: argparse.Namespace, out=None) -> tuning.Table:
     dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
     cases = [] if args.no_grid else default_grid(on_gpu)
     if args.model:
-        tp = int(args.mesh.split("x")[1]) if args.mesh else n
-        cases += model_grid(args.model, args.size, tp, args.seq, args.batch, dtype.itemsize)
+        cases += model_grid(args.model, args.size, n, args.seq, args.batch, dtype.itemsize)
     cases = [c for c in dict.fromkeys(cases) if c[0] in args.ops]
     impls = ["xla", "decomposed"] + (["cuda"] if on_gpu and _extension.cuda_ops_available()
                                      else [])
