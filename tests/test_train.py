@@ -163,6 +163,27 @@ def test_the_commands_without_the_models_extra_name_it(tmp_path):
             "'models' extra: pip install 'jax-flashoverlap[models]'") in proc.stderr
 
 
+def test_library_notes_print_above_the_progress_bar(capsys):
+    """A warning of the library's logger during training (e.g. "auto" finding
+    no tuning table) starts its own line, instead of being appended to the
+    bar's line."""
+    import logging
+    from types import SimpleNamespace
+
+    from jax_flashoverlap.cli.progress import TrainingProgress
+
+    trainer = SimpleNamespace(args=SimpleNamespace(progress=True, steps=3, batch=1, seq_len=8),
+                              flops_per_step=1.0, peak_flops=None)
+    progress = TrainingProgress(trainer, 0)
+    progress.finished(jnp.float32(1.0), jnp.float32(0.5))
+    logging.getLogger("jax_flashoverlap").warning("a note from the library")
+    progress.close()
+    err = capsys.readouterr().err
+    assert "train:" in err and "a note from the library" in err
+    before = err[:err.index("a note from the library")]
+    assert before.rsplit("\r", 1)[-1].rsplit("\n", 1)[-1] == "", repr(before[-200:])
+
+
 def test_help_gives_defaults_but_not_for_switches(capsys):
     """`--no-progress` must not read "(default: True)"; options keep their defaults."""
     with pytest.raises(SystemExit):

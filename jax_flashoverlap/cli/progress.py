@@ -3,6 +3,8 @@ and the numbers of its final summary."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import statistics
 import sys
 import time
@@ -28,11 +30,17 @@ class TrainingProgress:
         self.t_last = time.perf_counter()
         args = trainer.args
         self.bar = None
+        self._redirect = contextlib.ExitStack()
         if args.progress:
             from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
 
             self.bar = tqdm(total=args.steps, initial=start, desc="train", unit="step",
                             file=sys.stderr)
+            # The library's one-line notes (e.g. "auto" finding no tuning
+            # table at the first compilation) print above the bar, not into it.
+            self._redirect.enter_context(
+                logging_redirect_tqdm([logging.getLogger("jax_flashoverlap")]))
 
     def finished(self, loss: jax.Array, grad_norm: jax.Array) -> None:
         """Waits for a step's results; the time since the last one is its step time."""
@@ -57,6 +65,7 @@ class TrainingProgress:
         return f"{self.trainer.flops_per_step / step_s / peak:.1%}" if peak else "n/a"
 
     def close(self) -> None:
+        self._redirect.close()
         if self.bar is not None:
             self.bar.close()
 

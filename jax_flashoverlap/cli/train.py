@@ -18,6 +18,7 @@ from . import _requires_models  # noqa: F401  (first: names the extra if flax is
 # isort: split
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import sys
@@ -385,7 +386,7 @@ def train(args: argparse.Namespace) -> TrainResult:
     # idle device.
     progress = TrainingProgress(trainer, start,
                          untimed=range(profiling.start, profiling.stop + 1) if profiling else ())
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(trainer.mesh), contextlib.closing(progress):
         pending = None
         for i in range(start, args.steps):
             if profiling and i == profiling.start:
@@ -410,7 +411,6 @@ def train(args: argparse.Namespace) -> TrainResult:
                 manager.save(i + 1, args=ocp.args.StandardSave(trainer.state))
         if pending is not None:
             progress.finished(*pending)
-    progress.close()
     if manager is not None:
         if manager.latest_step() != args.steps:
             manager.save(args.steps, args=ocp.args.StandardSave(trainer.state), force=True)
