@@ -361,6 +361,11 @@ def test_generate_command_without_cuda_kernels_refuses_decode_matmul_cuda(monkey
             "use --decode-matmul xla") in err
 
 
+def test_generate_command_refuses_an_empty_prompt():
+    with pytest.raises(SystemExit, match="jax-flashoverlap-generate: the prompt is empty"):
+        generate_cli.run(generate_cli.parse_args(["--prompt", "", "--max-new-tokens", "2"]))
+
+
 def test_generate_command_reports_errors_in_one_line(capsys):
     assert generate_cli.main(["--prompt", "x" * 40, "--max-new-tokens", "8200",
                               "--mesh", "1x1"]) == 2

@@ -30,6 +30,12 @@ def test_initialize_without_the_module_names_the_cmake_option(monkeypatch):
     assert not nvshmem.is_initialized()
 
 
+def test_a_node_size_that_does_not_divide_the_processes_is_an_error():
+    with pytest.raises(ValueError, match=r"node_size=3 must be in \[1, 8\] and divide the "
+                                         r"process count 1"):
+        nvshmem.ffi_all_reduce(None, node_size=3)
+
+
 def test_initialize_without_jax_distributed_names_the_launcher(monkeypatch):
     class FakeModule:
         @staticmethod

@@ -147,7 +147,7 @@ def test_unsupported_shapes(chunk_size, head_dim, heads, n, message):
     with pytest.raises(ValueError, match=message):
         models.ssd_pallas.chunk_states(x, b, chunk_size=chunk_size)
     dt = jnp.zeros((chunk_size, 1, 1, heads))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=rf"{message}; use the XLA SSD \(ssd_impl='xla'\)"):
         models.ssd_pallas.chunk_output(jnp.zeros((1, 1, 1, chunk_size, chunk_size)), x, dt, dt,
                                        b, jnp.zeros((1, 1, heads, 1, head_dim, n)),
                                        chunk_size=chunk_size)

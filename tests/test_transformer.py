@@ -205,6 +205,9 @@ def test_cudnn_attention_matches_xla():
 def test_config_errors():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         TransformerConfig(num_heads=6, num_kv_heads=4)
+    with pytest.raises(ValueError, match=r"head_dim=15 must be even \(rotary embeddings "
+                                         r"rotate pairs of channels\)"):
+        TransformerConfig(head_dim=15)
     with pytest.raises(ValueError, match="attention_impl must be one of"):
         TransformerConfig(attention_impl="flash")
     with pytest.raises(ValueError, match="impl must be one of"):
