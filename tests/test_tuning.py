@@ -154,7 +154,7 @@ def test_tune_model_shapes():
     (["--axis-size", "1"], "at least 2"),
     (["--no-grid"], "without --model"),
     (["--axis-size", "4", "--mesh", "1x2"], "disagree: the tensor axis tuned is the mesh's"),
-    (["--mesh", "8x1"], "a tensor size of at least 2"),
+    (["--mesh", "8x1"], "the tensor size must be at least 2"),
     (["--mesh", "two"], "expected DATAxTENSOR")])
 def test_tune_flags_name_the_fix(argv, match, capsys):
     with pytest.raises(SystemExit):

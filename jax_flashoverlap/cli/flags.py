@@ -8,7 +8,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     ``--no-progress`` that stores False by default would read "(default: True)"."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.nargs == 0:  # store_true / store_false / count-free switches
+        if action.nargs == 0:  # a switch (store_true, store_false, store_const): no value
             return action.help
         return super()._get_help_string(action)
 

@@ -87,8 +87,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--axis-size {args.axis_size} and --mesh {args.mesh[0]}x{args.mesh[1]} "
                      f"disagree: the tensor axis tuned is the mesh's; drop --axis-size")
     if args.mesh and args.mesh[1] < 2:
-        parser.error(f"--mesh {args.mesh[0]}x{args.mesh[1]}: a tensor size of at least 2 "
-                     f"(one rank runs the local dot)")
+        parser.error(f"--mesh {args.mesh[0]}x{args.mesh[1]}: the tensor size must be at "
+                     f"least 2 (one rank runs the local dot)")
     if args.no_grid and not args.model:
         parser.error("--no-grid leaves nothing to tune without --model")
     return args
