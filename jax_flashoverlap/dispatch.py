@@ -165,8 +165,8 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
     kind, count = device_kind, devices
     entry, why = tuning.load().lookup(op, shapes, dtype.name, n, kind, count, dtype.itemsize)
     if entry is None:
-        if why.startswith("no tuning table"):
-            _say_untuned_once(kind, count)
+        if why.startswith("no tuning table") or " not tuned on " in why:
+            _say_untuned_once(kind, count, n, dtype.name)
         return Decision("xla", why)
     impls = ["xla", "decomposed"]
     unfit = _cuda_unfit(op, shapes, dtype, n, chunks, entry) if gpu else "not a CUDA platform"
@@ -218,10 +218,13 @@ def _cuda_unfit(op: str, shapes: Shapes, dtype: np.dtype, n: int, chunks: int | 
 
 
 @functools.cache
-def _say_untuned_once(device_kind: str, devices: int) -> None:
+def _say_untuned_once(device_kind: str, devices: int, n: int, dtype: str) -> None:
+    # The command names the axis size and dtype: tune's defaults (all local
+    # devices; bf16 on GPUs) need not be what a model's mesh runs.
     logging.getLogger("jax_flashoverlap").warning(
-        "impl='auto' runs 'xla' on %s x%d: no tuning table; run "
-        "`jax-flashoverlap-tune` once to measure this machine", device_kind, devices)
+        "impl='auto' runs 'xla' over an axis of %d on %s x%d in %s: nothing measured there; "
+        "run `jax-flashoverlap-tune --axis-size %d --dtype %s` once to measure it",
+        n, device_kind, devices, dtype, n, dtype)
 
 
 def explain(op: str, x_shape: Sequence[int], w_shape: Sequence[int] | None = None,

@@ -83,7 +83,27 @@ def test_an_untuned_machine_runs_xla_and_says_so_once(cache, caplog):
             got = dispatch.resolve("all_gather_matmul", shapes, "float32", 8, platform="cpu")
             assert got.impl == "xla" and got.reason == "no tuning table for cpu x8"
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and "jax-flashoverlap-tune" in lines[0], lines
+    assert len(lines) == 1, lines
+    assert "run `jax-flashoverlap-tune --axis-size 8 --dtype float32` once" in lines[0]
+
+
+def test_a_table_without_this_axis_size_says_which_to_tune(cache, caplog, tmp_path):
+    """Tuned at 8 ranks, a model's axis of 2 still runs xla, and the note
+    names the axis size to tune, once."""
+    dispatch._say_untuned_once.cache_clear()
+    out = tmp_path / "table.json"
+    tune.main(["--ops", "all_gather_matmul", "--reps", "1", "--budget-s", "1e-6",
+               "--output", str(out)])
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(out.read_text())
+    tuning.reload()
+    shapes = [(64, 32), (32, 32)]
+    with caplog.at_level(logging.WARNING, logger="jax_flashoverlap"):
+        for _ in range(2):
+            got = dispatch.resolve("all_gather_matmul", shapes, "float32", 2, platform="cpu")
+            assert got.impl == "xla" and "not tuned on cpu x8 for axis size 2" in got.reason
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "--axis-size 2 --dtype float32" in lines[0], lines
 
 
 def test_explain_names_the_measurement(cache, capsys, monkeypatch):
