@@ -253,6 +253,16 @@ def test_optimizer_flags_warmup_weight_decay_and_clip():
     assert float(jnp.abs(clipped["w"]).max()) < 1e-2 * float(jnp.abs(free["w"]).max())
 
 
+def test_restore_takes_the_directory_as_generate_does(tmp_path):
+    """`--restore DIR` is `--checkpoint-dir DIR --restore`."""
+    for argv in (["--restore", str(tmp_path)],
+                 ["--checkpoint-dir", str(tmp_path), "--restore"],
+                 ["--restore", str(tmp_path), "--checkpoint-dir", str(tmp_path)]):
+        args = train.parse_args([*RUN, *argv])
+        assert args.restore is True and args.checkpoint_dir == tmp_path, argv
+    assert train.parse_args(RUN).restore is None
+
+
 def test_checkpoint_every_saves_on_schedule(tmp_path):
     args = train.parse_args([*RUN, "--mesh", "1x2", "--steps", "3", "--checkpoint-dir",
                              str(tmp_path), "--checkpoint-every", "2"])
@@ -266,7 +276,9 @@ def test_checkpoint_every_saves_on_schedule(tmp_path):
     (["--data", "/nonexistent"], "--data /nonexistent: no such file"),
     (["--mesh", "0x2"], "--mesh '0x2': sizes must be positive"),
     (["--mesh", "2by4"], "--mesh '2by4': expected DATAxTENSOR, e.g. 4x2"),
-    (["--restore"], "--restore needs --checkpoint-dir"),
+    (["--restore"], "--restore needs a directory: --restore DIR, or --checkpoint-dir DIR"),
+    (["--restore", "a", "--checkpoint-dir", "b"],
+     "--restore a and --checkpoint-dir b: a run resumes from and saves to one directory"),
     (["--model", "transformer", "--ssd", "pallas"], "--ssd applies to --model mamba, not "
                                                      "transformer"),
     (["--model", "mamba", "--attention", "xla"], "--attention applies to --model transformer, "

@@ -110,15 +110,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="save the final state here (orbax-checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0,
                         help="also save every N steps (0: only at the end)")
-    parser.add_argument("--restore", action="store_true",
-                        help="resume from the latest checkpoint in --checkpoint-dir")
+    # DIR optional: `--restore ckpt` reads as jax-flashoverlap-generate's flag does.
+    parser.add_argument("--restore", nargs="?", const=True, default=None, type=Path,
+                        metavar="DIR",
+                        help="resume from the latest checkpoint in DIR (alone: in "
+                             "--checkpoint-dir), and keep checkpointing there")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help=f"write a jax.profiler trace of {PROFILE_STEPS} steps here")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
                         help="no progress bar (the summary still prints)")
     args = parser.parse_args(argv)
+    if isinstance(args.restore, Path):
+        if args.checkpoint_dir not in (None, args.restore):
+            parser.error(f"--restore {args.restore} and --checkpoint-dir {args.checkpoint_dir}: "
+                         f"a run resumes from and saves to one directory; give one of them")
+        args.checkpoint_dir, args.restore = args.restore, True
     if args.restore and args.checkpoint_dir is None:
-        parser.error("--restore needs --checkpoint-dir")
+        parser.error("--restore needs a directory: --restore DIR, or --checkpoint-dir DIR")
     check_kernel_flags(parser, args)
     if args.residuals != "named" and args.remat:
         parser.error(f"--residuals {args.residuals} and --remat exclude each other (keep "
