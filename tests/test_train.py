@@ -184,17 +184,6 @@ def test_library_notes_print_above_the_progress_bar(capsys):
     assert before.rsplit("\r", 1)[-1].rsplit("\n", 1)[-1] == "", repr(before[-200:])
 
 
-def test_help_gives_defaults_but_not_for_switches(capsys):
-    """`--no-progress` must not read "(default: True)"; options keep their defaults."""
-    with pytest.raises(SystemExit):
-        train.parse_args(["--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert "global batch (sequences) (default: 8)" in text
-    assert "no progress bar (the summary still prints)" in text
-    assert "still prints) (default" not in text
-    assert "(default: True)" not in text and "(default: False)" not in text
-
-
 @pytest.mark.parametrize("flags, check", [
     (["--dtype", "bfloat16"], lambda t: t.config.dtype == "bfloat16"),
     (["--remat"], lambda t: t.config.remat),
@@ -295,9 +284,16 @@ def test_bad_flags_and_files_get_one_line_errors(argv, message, capsys):
 
 
 def test_help_shows_the_defaults(capsys):
+    """Options show their defaults; switches do not (`--no-progress` would
+    read "(default: True)")."""
     with pytest.raises(SystemExit):
         train.parse_args(["--help"])
-    assert "peak learning rate (default: 0.001)" in " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split())
+    assert "peak learning rate (default: 0.001)" in text
+    assert "global batch (sequences) (default: 8)" in text
+    assert "no progress bar (the summary still prints)" in text
+    assert "still prints) (default" not in text
+    assert "(default: True)" not in text and "(default: False)" not in text
 
 
 def test_without_pydoc_data_the_corpus_names_data(monkeypatch):
