@@ -53,7 +53,9 @@ VARIANTS = {
     "cuda_add_after": (("matmul_reduce_scatter",), {"REDUCE_SCATTER_FOLD": "add_after"}),
     "cuda_xla_waits": (("all_gather_matmul", "matmul_reduce_scatter"),
                        {"PEER_WAIT_STREAM": "xla"}),
-    "cuda_tile_signalled": (("matmul_reduce_scatter",), {"REDUCE_SCATTER_GEMM": "tile_signalled"}),
+    "cuda_tile_signalled": (("matmul_reduce_scatter", "matmul_all_reduce"),
+                            {"REDUCE_SCATTER_GEMM": "tile_signalled",
+                             "MATMUL_ALL_REDUCE_GEMM": "tile_signalled"}),
 }
 
 
@@ -67,7 +69,8 @@ def _op_fn(op, impl):
     replaces by dot + all-reduce for small results ("cuda_fused" and the
     chunked rows time the fused kernel; "cuda" times what users get);
     "cuda_add_after" runs matmul_reduce_scatter's other fold,
-    "cuda_tile_signalled" its one tile-signalled CUTLASS GEMM,
+    "cuda_tile_signalled" the tile-signalled CUTLASS GEMMs of
+    matmul_reduce_scatter and the fused matmul_all_reduce,
     "cuda_xla_waits" the peer waits on XLA's stream and "cuda_part_alignA"
     the fused matmul_all_reduce with parts aligned to A rows.
     """
@@ -100,7 +103,8 @@ def _op_fn(op, impl):
         if op == "matmul_all_reduce":
             return None
         return functools.partial(call, impl="decomposed", topology="bidirectional"), {}
-    return functools.partial(call, impl=impl), overrides
+    # A variant of matmul_all_reduce changes its fused kernel: time that one.
+    return functools.partial(call, impl=impl), {**fused, **overrides} if overrides else {}
 
 
 @contextlib.contextmanager
@@ -341,8 +345,9 @@ def main():
                              "waiting for peers on XLA's stream (rows 'cuda_xla_waits', with "
                              "each --chunks)")
     parser.add_argument("--tile-signalled", action="store_true",
-                        help="also time matmul_reduce_scatter with its one tile-signalled "
-                             "CUTLASS GEMM (row 'cuda_tile_signalled'; needs the CUTLASS build)")
+                        help="also time matmul_reduce_scatter and the fused matmul_all_reduce "
+                             "with their tile-signalled CUTLASS GEMMs (row "
+                             "'cuda_tile_signalled'; needs the CUTLASS build)")
     parser.add_argument("--part-aligns", nargs="+", type=int, default=[],
                         help="also time the fused matmul_all_reduce with each of these "
                              "cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN (rows 'cuda_part_alignA')")

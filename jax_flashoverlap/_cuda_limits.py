@@ -58,16 +58,18 @@ def check_copy_engine_size(aval) -> None:
             f"or use algorithm='two_shot'")
 
 
-def check_tile_signalled(x, w) -> None:
-    """What the tile-signalled GEMM needs of the build and of x [n*m, K] and
-    w [K, N], or a ValueError naming the fix."""
-    fix = "; or set cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'"
+def check_tile_signalled(x, w, policy: str = "REDUCE_SCATTER_GEMM") -> None:
+    """What the tile-signalled GEMM needs of the build and of x [rows, K] and
+    w [K, N], or a ValueError naming the fix; ``policy``: the cuda_policy
+    setting that chose it."""
+    what = f"the tile-signalled GEMM (cuda_policy.{policy})"
+    fix = f"; or set cuda_policy.{policy} = 'row_blocks'"
     if not _extension.build_info().get("cutlass"):
-        raise ValueError("the tile-signalled GEMM (cuda_policy.REDUCE_SCATTER_GEMM) needs the "
+        raise ValueError(f"{what} needs the "
                          "extension built with CUTLASS: pip install nvidia-cutlass==4.2.0.0, "
                          "then pip install --no-build-isolation ." + fix)
     k, n = w.shape
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16 or k % 8 or n % 8:
-        raise ValueError(f"the tile-signalled GEMM (cuda_policy.REDUCE_SCATTER_GEMM) takes "
+        raise ValueError(f"{what} takes "
                          f"bf16 x and w with K and N multiples of 8, got x {x.dtype} {x.shape} "
                          f"and w {w.dtype} {w.shape}" + fix)

@@ -137,7 +137,8 @@ def _rs_attrs(n, opts):
 
 
 def _mar_attrs(n, opts):
-    return {"chunk_rows": np.asarray(opts["chunk_rows"], np.int32)}
+    return {"chunk_rows": np.asarray(opts["chunk_rows"], np.int32),
+            "tile_signalled": np.int32(opts["gemm"] == "tile_signalled")}
 
 
 def _ar_attrs(n, opts):
@@ -196,12 +197,20 @@ def _mar_options(ctx, n, opts):
     return opts
 
 
+def _mar_cuda_options(ctx, n, opts):
+    """The kernel by result size, and the fused kernel's GEMMs (checked)."""
+    out = ctx.avals_out[0]
+    opts["kernel"] = cuda_policy.matmul_all_reduce_kernel(math.prod(out.shape) * out.dtype.itemsize)
+    opts["gemm"] = _policy_choice("MATMUL_ALL_REDUCE_GEMM", cuda_policy.MATMUL_ALL_REDUCE_GEMMS)
+    if opts["kernel"] == "fused" and opts["gemm"] == "tile_signalled":
+        _cuda_limits.check_tile_signalled(*ctx.avals_in, policy="MATMUL_ALL_REDUCE_GEMM")
+    return opts
+
+
 def _mar_lowering(ctx, args, transport, n, opts):
     """XLA's dot and the all-reduce kernel for small results; else the fused
     kernel (None), within its event budget."""
-    out = ctx.avals_out[0]
-    if cuda_policy.matmul_all_reduce_kernel(
-            math.prod(out.shape) * out.dtype.itemsize) == "gemm_then_all_reduce":
+    if opts["kernel"] == "gemm_then_all_reduce":
         return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
     _cuda_limits.check_event_budget(len(opts["chunk_rows"]), n)
     return None
@@ -246,7 +255,8 @@ OPS: dict[str, OpDef] = {
         lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
         _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
         _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs,
-        _as_tuple(_local_dot), options=_mar_options, cuda_lowering=_mar_lowering),
+        _as_tuple(_local_dot), options=_mar_options, cuda_options=_mar_cuda_options,
+        cuda_lowering=_mar_lowering),
     "all_reduce": OpDef(
         "all_reduce", "jfo_all_reduce",
         lambda xs, n, opts: (xs,), True,

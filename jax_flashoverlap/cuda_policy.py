@@ -26,6 +26,7 @@ __all__ = ["ALL_REDUCE_ALGORITHMS", "ALL_REDUCE_KERNELS", "COPY_ENGINE_ALL_REDUC
            "process_cuda_devices", "rows_per_rank", "transport_capacity", "transport_needs",
            "LAMPORT_AUTO_MAX_BYTES", "LAMPORT_MAX_BYTES", "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES",
            "MATMUL_ALL_REDUCE_PART_ALIGN", "ONE_SHOT_MAX_BYTES", "PEER_WAIT_STREAM",
+           "MATMUL_ALL_REDUCE_GEMM", "MATMUL_ALL_REDUCE_GEMMS",
            "PEER_WAIT_STREAMS", "REDUCE_SCATTER_FOLD", "REDUCE_SCATTER_FOLDS",
            "TWO_CHUNKS_FROM_ROWS"]
 
@@ -245,6 +246,16 @@ REDUCE_SCATTER_FOLD = "gemm_input"
 # on two GPUs, so off.
 REDUCE_SCATTER_GEMMS = ("row_blocks", "tile_signalled")
 REDUCE_SCATTER_GEMM = "row_blocks"
+
+# The GEMMs of impl="cuda" matmul_all_reduce's fused kernel: "row_blocks"
+# (cuBLASLt, one GEMM per rank's part of every chunk) or "tile_signalled"
+# (experimental: each rank owns 1/n of the rows; the peers' rows in one
+# CUTLASS GEMM per side of the own part, sent as their row blocks of 256 are
+# written, then the own part in chunks, each summed with the peers' partials
+# and sent on while the next one computes). Same needs as
+# REDUCE_SCATTER_GEMM's; not yet measured on two GPUs, so off.
+MATMUL_ALL_REDUCE_GEMMS = ("row_blocks", "tile_signalled")
+MATMUL_ALL_REDUCE_GEMM = "row_blocks"
 
 # Where impl="cuda" all_gather_matmul and matmul_reduce_scatter wait for a
 # peer's message: "side" (a one-thread wait kernel on a side stream from the

@@ -135,6 +135,37 @@ def test_tile_signalled_reduce_scatter(rng, monkeypatch):
 
 # On one GPU the op is the plain dot (no kernel): this needs two.
 @pytest.mark.gpus(2)
+def test_tile_signalled_matmul_all_reduce(rng, monkeypatch):
+    """cuda_policy.MATMUL_ALL_REDUCE_GEMM = "tile_signalled": the peers'
+    rows in tile GEMMs sent as their counters complete, the own part in
+    chunks summed and sent on. On 2 GPUs: 1100 rows (parts of 550, which
+    cross the counters' 256-row blocks), twice in a row (the counters and
+    the staging are reused), 4096 rows in two chunks, and 6 rows."""
+    if not jfo.build_info()["cutlass"]:
+        pytest.skip("built without CUTLASS (carry build/wheels to gpu_run.sh build)")
+    if jax.devices("gpu")[0].compute_capability != "9.0":
+        pytest.skip("the tile GEMM runs on sm_90 GPUs")
+    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_GEMM", "tile_signalled")
+    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", -1)  # fused
+    _, n = _mesh()
+    for shape in [(550, 72, 40), (550, 72, 40), (2048, 256, 384), (3, 64, 16)]:
+        xs, ws = _global_shapes("matmul_all_reduce", n, *shape)
+        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+        poison_allocator(int(np.prod(xs)) * 2)
+        y = _call("matmul_all_reduce", "cuda", (x, w))
+        jfo.check_device_errors()
+        assert_close(y, f64(x) @ f64(w), "bfloat16")
+    mesh, _ = _mesh()
+    in_specs, out_specs = SPECS["matmul_all_reduce"]
+    fn = functools.partial(jfo.matmul_all_reduce, axis_name="tp", impl="cuda")
+    lowered = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                                    out_specs=out_specs)).lower(x, w)
+    assert "tile_signalled = 1" in lowered.as_text()  # the schedule under test ran
+
+
+# On one GPU the op is the plain dot (no kernel): this needs two.
+@pytest.mark.gpus(2)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_reduce_scatter_adding_partials_after_the_gemm(chunks, dtype, rng, monkeypatch):

@@ -262,6 +262,34 @@ def test_the_tile_signalled_gemm_takes_bf16_with_k_and_n_multiples_of_8(monkeypa
         _cuda_text(fn, _mesh(), [(256, 128), (128, 60)], in_specs, out_spec)
 
 
+@pytest.mark.parametrize("gemm, flag", [("row_blocks", 0), ("tile_signalled", 1)])
+def test_matmul_all_reduce_gemm_is_an_attribute(monkeypatch, gemm, flag):
+    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_GEMM", gemm)
+    _with_cutlass(monkeypatch, "4.2.0.0")
+    text = _matmul_all_reduce_text(2048, 8192, "cuda")
+    assert _custom_calls(text) == ["jfo_matmul_all_reduce"]
+    assert re.search(rf"tile_signalled = {flag} : i32", text), text[-2000:]
+
+
+def test_the_tile_signalled_all_reduce_gemm_is_checked_only_where_the_fused_kernel_runs(
+        monkeypatch):
+    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_GEMM", "tile_signalled")
+    _with_cutlass(monkeypatch, "")
+    # A small result: XLA's dot and the all-reduce kernel, no tile GEMM.
+    assert _custom_calls(_matmul_all_reduce_text(128, 256, "cuda")) == ["jfo_all_reduce"]
+    with pytest.raises(ValueError, match=r"cuda_policy.MATMUL_ALL_REDUCE_GEMM\) needs the "
+                                         r"extension built with CUTLASS.*MATMUL_ALL_REDUCE_GEMM "
+                                         r"= 'row_blocks'"):
+        _matmul_all_reduce_text(2048, 8192, "cuda")
+
+
+def test_an_unknown_matmul_all_reduce_gemm_names_the_choices(monkeypatch):
+    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_GEMM", "tiles")
+    with pytest.raises(ValueError, match=r"cuda_policy.MATMUL_ALL_REDUCE_GEMM must be one of "
+                                         r"\('row_blocks', 'tile_signalled'\), got 'tiles'"):
+        _matmul_all_reduce_text(2048, 8192, "cuda")
+
+
 @pytest.mark.parametrize("op", list(_MATMUL_SPECS))
 @pytest.mark.parametrize("where, flag", [("side", 0), ("xla", 1)])
 def test_peer_wait_stream_is_an_attribute(monkeypatch, op, where, flag):
@@ -365,7 +393,7 @@ _FFI_TYPES = {"int32_t": lambda v: isinstance(v, np.int32),
 _SAMPLE_OPTIONS = {"all_gather_matmul": {"chunks": 2, "peer_wait_stream": "side"},
                    "matmul_reduce_scatter": {"chunks": 2, "peer_wait_stream": "side",
                                              "fold": "add_after", "gemm": "row_blocks"},
-                   "matmul_all_reduce": {"chunk_rows": [16, 8]},
+                   "matmul_all_reduce": {"chunk_rows": [16, 8], "gemm": "tile_signalled"},
                    "all_reduce": {"algorithm": "lamport"}}
 
 

@@ -8,7 +8,19 @@
 // is needed one step after it was computed, so its transfer hides behind
 // S(i+1); what remains after the last GEMM is the all-gather of the last
 // (smallest) chunk's part.
+// Or, with `tile_signalled` (experimental, built with CUTLASS): rank r owns
+// rows SplitRows(0, m, n, r). One tile GEMM per side of that part computes
+// the peers' rows, uncut, and the copy engines send each peer its rows as
+// the epilogue's counters complete (Channel::SendWhen); then the own part,
+// in the shrinking chunks of chunk_rows, is x w + the peers' partials, each
+// chunk sent on to every peer as soon as it is summed, while the next one
+// computes. The tail is the last own chunk's all-gather.
+#include <algorithm>
+#include <array>
+#include <vector>
+
 #include "ops_common.h"
+#include "tile_gemm.h"
 
 namespace jfo {
 namespace {
@@ -106,13 +118,201 @@ class AllReduceSchedule {
   std::vector<int> rs_index_, ag_index_;  // message index of each chunk
 };
 
+#ifdef JFO_WITH_CUTLASS
+// The tile-signalled schedule (see the top). Every rank derives what each
+// peer sends it from the same layout, so message indices need no exchange.
+class TileSignalledAllReduce {
+ public:
+  TileSignalledAllReduce(Channel& ch, ffi::DataType dtype, int64_t m, int64_t cols,
+                         int64_t k, const char* x, const void* w, char* y,
+                         std::vector<int64_t> chunk_start)
+      : ch_(ch), dtype_(dtype), m_(m), cols_(cols), k_(k), x_(x), w_(w), y_(y),
+        row_y_(cols * DataTypeBytes(dtype)),
+        product_bytes_((m * row_y_ + 255) / 256 * 256),
+        chunk_start_(std::move(chunk_start)) {}
+
+  // Staging: the peers' rows of the product at their own row positions,
+  // then the counters of the GEMMs on both sides of the own part.
+  size_t StagingBytes() const {
+    return product_bytes_ + (TileGemmCounters(m_) + 1) * sizeof(uint32_t);
+  }
+
+  // Refuses, before anything is sent, what the tile GEMM cannot run.
+  ffi::Error Check() const {
+    if (dtype_ != ffi::DataType::BF16) {
+      return ffi::Error::InvalidArgument(
+          "jax_flashoverlap matmul_all_reduce: tile_signalled takes bf16 operands only");
+    }
+    for (const Side& side : Sides(ch_.rank())) {
+      if (side.rows.size() > 0) JFO_RETURN_IF_ERROR(CheckTileGemm(ch_.ordinal(), Gemm(side)));
+    }
+    return ffi::Error::Success();
+  }
+
+  ffi::Error Run() {
+    const int n = ch_.n(), r = ch_.rank();
+    uint32_t* counters = Counters();
+    JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+        counters, 0, (TileGemmCounters(m_) + 1) * sizeof(uint32_t), ch_.stream()));
+    auto zeroed = ch_.Mark();
+    if (zeroed.has_error()) return zeroed.error();
+    size_t ws_bytes = 0;
+    void* ws = ch_.GemmWorkspace(&ws_bytes);
+    // The rehearsal launches one GEMM once per device, to load the kernel
+    // before any call's waits (Channel::Run).
+    const bool launch = !ch_.rehearsal() || FirstTileGemmOn(ch_.ordinal());
+    for (const Side& side : Sides(r)) {
+      if (side.rows.size() == 0 || !launch) continue;
+      JFO_RETURN_IF_ERROR(TileGemm(ch_.ordinal(), Gemm(side), ws, ws_bytes, ch_.stream()));
+      if (ch_.rehearsal()) break;
+    }
+    const uint32_t written = TileGemmTilesPerRowBlock(cols_);
+    for (int j = 1; j < n; ++j) {
+      const int q = (r + j) % n;
+      for (const Piece& p : Pieces(r, q)) {
+        auto sent = ch_.SendWhen(q, p.rows.begin * row_y_, Product(p.rows.begin),
+                                 p.rows.size() * row_y_, *zeroed, p.counter, written);
+        if (sent.has_error()) return sent.error();
+      }
+    }
+    // Now every wait precedes XLA-stream work that reads its message: on
+    // the XLA stream, a wait takes no SM from the GEMMs before it.
+    ch_.set_waits_on_xla_stream(true);
+    const int chunks = static_cast<int>(chunk_start_.size()) - 1;
+    for (int c = 0; c < chunks; ++c) {
+      JFO_RETURN_IF_ERROR(ReduceOwnChunk(c));
+      if (c > 0) JFO_RETURN_IF_ERROR(ReceiveReduced(c - 1));
+    }
+    return ReceiveReduced(chunks - 1);
+  }
+
+ private:
+  struct Side {
+    Rows rows;
+    int64_t first_counter;  // its counters' index in Counters()
+  };
+  // Rows [begin, end) of one GEMM side, sent on when `counter` is complete.
+  struct Piece {
+    Rows rows;
+    const uint32_t* counter;
+  };
+
+  Rows Part(int q) const { return SplitRows(0, m_, ch_.n(), q); }
+  // The rows after rank `s`'s own part, then those before it: the peers'
+  // rows, in the order its GEMMs compute them.
+  std::array<Side, 2> Sides(int s) const {
+    const Rows own = Part(s);
+    const Rows after{own.end, m_}, before{0, own.begin};
+    return {Side{after, 0}, Side{before, TileGemmCounters(after.size())}};
+  }
+  uint32_t* Counters() const {
+    return reinterpret_cast<uint32_t*>(ch_.Staging() + product_bytes_);
+  }
+  char* Product(int64_t row) const { return ch_.Staging() + row * row_y_; }
+  TileGemmArgs Gemm(const Side& side) const {
+    return {side.rows.size(), cols_, k_, x_ + side.rows.begin * k_ * DataTypeBytes(dtype_),
+            w_, Product(side.rows.begin), Counters() + side.first_counter};
+  }
+  // What rank `s` sends rank `d` of its product: d's part, cut at the
+  // counters' row blocks of the side that holds it.
+  std::vector<Piece> Pieces(int s, int d) const {
+    const Rows part = Part(d);
+    const Side side = Sides(s)[d > s ? 0 : 1];
+    std::vector<Piece> out;
+    for (int64_t g = (part.begin - side.rows.begin) / kTileGemmRows;
+         side.rows.begin + g * kTileGemmRows < part.end; ++g) {
+      const int64_t block = side.rows.begin + g * kTileGemmRows;
+      out.push_back({{std::max(block, part.begin), std::min(block + kTileGemmRows, part.end)},
+                     Counters() + side.first_counter + g});
+    }
+    return out;
+  }
+  // Rank q's own chunk c: its part cut in chunk_rows' proportions.
+  Rows OwnChunk(int q, int c) const {
+    const Rows part = Part(q);
+    auto at = [&](int i) { return part.begin + part.size() * chunk_start_[i] / m_; };
+    return {at(c), at(c + 1)};
+  }
+
+  ffi::Error ReduceOwnChunk(int c) {
+    const int n = ch_.n(), r = ch_.rank();
+    const Rows rows = OwnChunk(r, c);
+    char* out = y_ + rows.begin * row_y_;
+    // An empty chunk (fewer rows than ranks) still sends its (empty) message.
+    if (rows.size() > 0) JFO_RETURN_IF_ERROR(SumOwnChunk(rows, out));
+    auto done = ch_.Mark();
+    if (done.has_error()) return done.error();
+    for (int j = 1; j < n; ++j) {
+      auto sent = ch_.Send((r + j) % n, rows.begin * row_y_, out, rows.size() * row_y_, *done);
+      if (sent.has_error()) return sent.error();
+    }
+    return ffi::Error::Success();
+  }
+
+  // out = the own rows' x w + the peers' partials of them, once landed.
+  ffi::Error SumOwnChunk(const Rows& rows, char* out) {
+    const int n = ch_.n(), r = ch_.rank();
+    std::vector<const void*> partials;
+    for (int j = 1; j < n; ++j) {
+      const int q = (r + j) % n;
+      // The last of q's pieces that overlaps these rows (they land in order).
+      const auto pieces = Pieces(q, r);
+      int last = 0;
+      while (last + 1 < static_cast<int>(pieces.size()) &&
+             pieces[last + 1].rows.begin < rows.end) {
+        ++last;
+      }
+      auto landed = ch_.Arrival(q, last);
+      if (landed.has_error()) return landed.error();
+      JFO_RETURN_IF_ERROR(ch_.WaitOn(*landed));
+      partials.push_back(ch_.RecvSlot(q) + rows.begin * row_y_);
+    }
+    const void* first = partials.empty() ? nullptr : partials.front();
+    JFO_RETURN_IF_ERROR(RowGemm(ch_, dtype_, rows.size(), cols_, k_,
+                                x_ + rows.begin * k_ * DataTypeBytes(dtype_), w_, first, out));
+    if (partials.size() > 1) {
+      partials.erase(partials.begin());
+      return AddInto(ch_, dtype_, out, partials, rows.size() * cols_);
+    }
+    return ffi::Error::Success();
+  }
+
+  // Copies each peer's summed chunk c into y once it landed.
+  ffi::Error ReceiveReduced(int c) {
+    const int n = ch_.n(), r = ch_.rank();
+    for (int j = 1; j < n; ++j) {
+      const int q = (r + j) % n;
+      const Rows rows = OwnChunk(q, c);
+      const int index = static_cast<int>(Pieces(q, r).size()) + c;
+      auto landed = ch_.Arrival(q, index);
+      if (landed.has_error()) return landed.error();
+      JFO_RETURN_IF_ERROR(ch_.CopyLocal(y_ + rows.begin * row_y_,
+                                        ch_.RecvSlot(q) + rows.begin * row_y_,
+                                        rows.size() * row_y_, *landed));
+    }
+    return ffi::Error::Success();
+  }
+
+  Channel& ch_;
+  ffi::DataType dtype_;
+  int64_t m_, cols_, k_;
+  const char* x_;
+  const void* w_;
+  char* y_;
+  size_t row_y_, product_bytes_;
+  std::vector<int64_t> chunk_start_;  // as AllReduceSchedule's
+};
+#endif  // JFO_WITH_CUTLASS
+
 ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
                                Buffer_Type x, Buffer_Type w, Result_Type y,
                                I32Span group_ordinals, int32_t n,
-                               int32_t timeout_ms, I32Span chunk_rows) {
+                               int32_t timeout_ms, I32Span chunk_rows,
+                               int32_t tile_signalled) {
   auto group = FindGroup(kOp, group_ordinals, n, ordinal);
   if (group.has_error()) return group.error();
   JFO_RETURN_IF_ERROR(CheckCommon(kOp, timeout_ms, 1));
+  JFO_RETURN_IF_ERROR(CheckSwitch(kOp, "tile_signalled", tile_signalled));
   const auto dtype = x.element_type();
   JFO_RETURN_IF_ERROR(
       CheckDtypes(kOp, {dtype, w.element_type(), y->element_type()}));
@@ -143,6 +343,23 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
   Channel ch;
   JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
   const size_t bytes = m * cols * DataTypeBytes(dtype);
+  if (tile_signalled) {
+#ifndef JFO_WITH_CUTLASS
+    return ffi::Error::InvalidArgument(
+        "jax_flashoverlap matmul_all_reduce: tile_signalled needs the extension built "
+        "with CUTLASS (build_info()['cutlass'] is empty); set "
+        "cuda_policy.MATMUL_ALL_REDUCE_GEMM = 'row_blocks'");
+#else
+    TileSignalledAllReduce schedule(ch, dtype, m, cols, k,
+                                    static_cast<const char*>(x.untyped_data()),
+                                    w.untyped_data(), static_cast<char*>(y->untyped_data()),
+                                    std::move(start));
+    JFO_RETURN_IF_ERROR(ch.CheckCapacity(bytes, schedule.StagingBytes()));
+    JFO_RETURN_IF_ERROR(schedule.Check());
+    JFO_RETURN_IF_ERROR(ch.Run([&] { return schedule.Run(); }));
+    return ch.End({{y->untyped_data(), y->element_count(), dtype}});
+#endif
+  }
   JFO_RETURN_IF_ERROR(ch.CheckCapacity(bytes, bytes));
   AllReduceSchedule schedule(
       ch, dtype, static_cast<const char*>(x.untyped_data()), w.untyped_data(),
@@ -166,6 +383,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<I32Span>("group_ordinals")  // [G*n] CUDA ordinals by rank
         .Attr<int32_t>("n")             // ranks per group
         .Attr<int32_t>("timeout_ms")    // bound of every wait
-        .Attr<I32Span>("chunk_rows"));  // row count per chunk, sums to m
+        .Attr<I32Span>("chunk_rows")    // row count per chunk, sums to m
+        .Attr<int32_t>("tile_signalled"));  // 1: tile GEMMs (see the top)
 
 }  // namespace jfo
