@@ -125,7 +125,8 @@ def transport_attrs(group_ordinals: np.ndarray, n: int, timeout: int) -> dict:
 def _ag_attrs(n, opts):
     sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
     return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
-            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla")}
+            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla"),
+            "tile_signalled": np.int32(opts["gemm"] == "tile_signalled")}
 
 
 def _rs_attrs(n, opts):
@@ -147,19 +148,25 @@ def _ar_attrs(n, opts):
 
 def _collective_matmul_options(op_name: str):
     """cuda_options of the collective matmuls, every kernel choice decided here
-    from cuda_policy: chunks=None picked by shape, where peer waits run, and
-    matmul_reduce_scatter's fold."""
+    from cuda_policy: chunks=None picked by shape, where peer waits run, the
+    GEMM, and matmul_reduce_scatter's fold."""
     def options(ctx, n, opts):
         if opts.get("chunks") is None:
             opts["chunks"] = cuda_policy.collective_matmul_chunks(
                 op_name, [a.shape for a in ctx.avals_in], n)
         opts["peer_wait_stream"] = _policy_choice("PEER_WAIT_STREAM",
                                                   cuda_policy.PEER_WAIT_STREAMS)
+        policy = {"all_gather_matmul": "ALL_GATHER_GEMM",
+                  "matmul_reduce_scatter": "REDUCE_SCATTER_GEMM"}[op_name]
+        opts["gemm"] = _policy_choice(policy, getattr(cuda_policy, policy + "S"))
+        if opts["gemm"] == "tile_signalled":
+            _cuda_limits.check_tile_signalled(*ctx.avals_in, policy=policy)
+            if op_name == "all_gather_matmul" and n != 2:
+                raise ValueError(f"the tile-signalled GEMM (cuda_policy.{policy}) runs on an "
+                                 f"axis of 2 devices, got {n}; set cuda_policy.{policy} = "
+                                 f"'row_blocks'")
         if op_name == "matmul_reduce_scatter":
             opts["fold"] = _policy_choice("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLDS)
-            opts["gemm"] = _policy_choice("REDUCE_SCATTER_GEMM", cuda_policy.REDUCE_SCATTER_GEMMS)
-            if opts["gemm"] == "tile_signalled":
-                _cuda_limits.check_tile_signalled(*ctx.avals_in)
         return opts
     return options
 

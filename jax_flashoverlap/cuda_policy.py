@@ -26,6 +26,7 @@ __all__ = ["ALL_REDUCE_ALGORITHMS", "ALL_REDUCE_KERNELS", "COPY_ENGINE_ALL_REDUC
            "process_cuda_devices", "rows_per_rank", "transport_capacity", "transport_needs",
            "LAMPORT_AUTO_MAX_BYTES", "LAMPORT_MAX_BYTES", "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES",
            "MATMUL_ALL_REDUCE_PART_ALIGN", "ONE_SHOT_MAX_BYTES", "PEER_WAIT_STREAM",
+           "ALL_GATHER_GEMM", "ALL_GATHER_GEMMS",
            "MATMUL_ALL_REDUCE_GEMM", "MATMUL_ALL_REDUCE_GEMMS",
            "PEER_WAIT_STREAMS", "REDUCE_SCATTER_FOLD", "REDUCE_SCATTER_FOLDS",
            "TWO_CHUNKS_FROM_ROWS"]
@@ -256,6 +257,16 @@ REDUCE_SCATTER_GEMM = "row_blocks"
 # REDUCE_SCATTER_GEMM's; not yet measured on two GPUs, so off.
 MATMUL_ALL_REDUCE_GEMMS = ("row_blocks", "tile_signalled")
 MATMUL_ALL_REDUCE_GEMM = "row_blocks"
+
+# The GEMM of impl="cuda" all_gather_matmul: "row_blocks" (cuBLASLt, the own
+# shard, then one GEMM per peer chunk once it landed) or "tile_signalled"
+# (experimental, 2 ranks: the peer's shard lands in one [2m, K] frame beside
+# the own one, and one gathering CUTLASS GEMM runs over the whole frame, its
+# load warp waiting for each chunk's flag before it reads those rows; the
+# backward's gathered x, when asked for, is copied after the GEMM). Same
+# needs as REDUCE_SCATTER_GEMM's; not yet measured on two GPUs, so off.
+ALL_GATHER_GEMMS = ("row_blocks", "tile_signalled")
+ALL_GATHER_GEMM = "row_blocks"
 
 # Where impl="cuda" all_gather_matmul and matmul_reduce_scatter wait for a
 # peer's message: "side" (a one-thread wait kernel on a side stream from the

@@ -135,6 +135,42 @@ def test_tile_signalled_reduce_scatter(rng, monkeypatch):
 
 # On one GPU the op is the plain dot (no kernel): this needs two.
 @pytest.mark.gpus(2)
+def test_tile_signalled_all_gather_matmul(rng, monkeypatch):
+    """cuda_policy.ALL_GATHER_GEMM = "tile_signalled": one gathering tile
+    GEMM over the [2m, K] frame, waiting in-kernel for each chunk. Shards
+    of 300 rows (in 3 chunks of 100, and in 1 where 7 does not divide
+    them), twice in a row; and the gradient, whose forward keeps the
+    gathered x."""
+    if not jfo.build_info()["cutlass"]:
+        pytest.skip("built without CUTLASS (carry build/wheels to gpu_run.sh build)")
+    if jax.devices("gpu")[0].compute_capability != "9.0":
+        pytest.skip("the tile GEMM runs on sm_90 GPUs")
+    monkeypatch.setattr(cuda_policy, "ALL_GATHER_GEMM", "tile_signalled")
+    mesh, n = _mesh()
+    for chunks in [3, 3, 7]:
+        xs, ws = _global_shapes("all_gather_matmul", n, 300, 72, 40)
+        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+        poison_allocator(int(np.prod(xs)) * 2 * n)
+        y = _call("all_gather_matmul", "cuda", (x, w), chunks=chunks)
+        jfo.check_device_errors()
+        assert_close(y, f64(x) @ f64(w), "bfloat16")
+    in_specs, out_specs = SPECS["all_gather_matmul"]
+    fn = functools.partial(jfo.all_gather_matmul, axis_name="tp", impl="cuda")
+    sharded = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    dy = jnp.asarray(rng.standard_normal((xs[0], ws[1]), dtype=np.float32), jnp.bfloat16)
+    dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(sharded(a, b).astype(jnp.float32)
+                                                   * dy.astype(jnp.float32)),
+                              argnums=(0, 1)))(x, w)
+    jfo.check_device_errors()
+    assert_close(dx, f64(dy) @ f64(w).T, "bfloat16")
+    assert_close(dw, f64(x).T @ f64(dy), "bfloat16")
+    lowered = jax.jit(sharded).lower(x, w)
+    assert "tile_signalled = 1" in lowered.as_text()  # the schedule under test ran
+
+
+# On one GPU the op is the plain dot (no kernel): this needs two.
+@pytest.mark.gpus(2)
 def test_tile_signalled_matmul_all_reduce(rng, monkeypatch):
     """cuda_policy.MATMUL_ALL_REDUCE_GEMM = "tile_signalled": the peers'
     rows in tile GEMMs sent as their counters complete, the own part in

@@ -263,6 +263,26 @@ def test_the_tile_signalled_gemm_takes_bf16_with_k_and_n_multiples_of_8(monkeypa
 
 
 @pytest.mark.parametrize("gemm, flag", [("row_blocks", 0), ("tile_signalled", 1)])
+def test_all_gather_gemm_is_an_attribute(monkeypatch, gemm, flag):
+    monkeypatch.setattr(cuda_policy, "ALL_GATHER_GEMM", gemm)
+    _with_cutlass(monkeypatch, "4.2.0.0")
+    text = _collective_matmul_text("all_gather_matmul")
+    assert _custom_calls(text) == ["jfo_all_gather_matmul"]
+    assert re.search(rf"tile_signalled = {flag} : i32", text), text[-2000:]
+
+
+def test_the_tile_signalled_all_gather_runs_on_two_devices_only(monkeypatch):
+    monkeypatch.setattr(cuda_policy, "ALL_GATHER_GEMM", "tile_signalled")
+    _with_cutlass(monkeypatch, "4.2.0.0")
+    fn = functools.partial(jfo.all_gather_matmul, axis_name="tp", impl="cuda")
+    in_specs, out_spec = _MATMUL_SPECS["all_gather_matmul"]
+    with pytest.raises(ValueError, match=r"\(cuda_policy.ALL_GATHER_GEMM\) runs on an axis of "
+                                         r"2 devices, got 4; set cuda_policy.ALL_GATHER_GEMM = "
+                                         r"'row_blocks'"):
+        _cuda_text(fn, _mesh((4,)), [(256, 128), (128, 64)], in_specs, out_spec)
+
+
+@pytest.mark.parametrize("gemm, flag", [("row_blocks", 0), ("tile_signalled", 1)])
 def test_matmul_all_reduce_gemm_is_an_attribute(monkeypatch, gemm, flag):
     monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_GEMM", gemm)
     _with_cutlass(monkeypatch, "4.2.0.0")
@@ -390,7 +410,8 @@ _FFI_TYPES = {"int32_t": lambda v: isinstance(v, np.int32),
               "I32Span": lambda v: isinstance(v, np.ndarray) and v.dtype == np.int32
               and v.ndim == 1,
               "float": lambda v: isinstance(v, np.float32)}
-_SAMPLE_OPTIONS = {"all_gather_matmul": {"chunks": 2, "peer_wait_stream": "side"},
+_SAMPLE_OPTIONS = {"all_gather_matmul": {"chunks": 2, "peer_wait_stream": "side",
+                                         "gemm": "row_blocks"},
                    "matmul_reduce_scatter": {"chunks": 2, "peer_wait_stream": "side",
                                              "fold": "add_after", "gemm": "row_blocks"},
                    "matmul_all_reduce": {"chunk_rows": [16, 8], "gemm": "tile_signalled"},

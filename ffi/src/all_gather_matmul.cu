@@ -3,24 +3,98 @@
 // peer's shard arrives chunk by chunk on copy engines; each peer chunk is
 // multiplied as soon as its signal landed. The gathered x (the backward
 // residual) is assembled by a copy engine alongside.
+// Or, with `tile_signalled` (experimental, built with CUTLASS, 2 ranks): the
+// peer sends its shard into this rank's receive slot, at its rows of one
+// [n*m, K] frame, a copy engine brings the own shard into the frame's other
+// rows, and one gathering tile GEMM (tile_gemm.h) runs over the whole frame
+// from the own rows on, its load warp waiting (bounded) for each chunk's
+// flag before it reads those rows: no GEMM cut per chunk, no XLA-stream wait.
+#include <algorithm>
+
 #include "ops_common.h"
+#include "tile_gemm.h"
 
 namespace jfo {
 namespace {
 
 constexpr OpId kOp = OpId::kAllGatherMatmul;
 
+#ifdef JFO_WITH_CUTLASS
+// The tile-signalled schedule (see the top) on `ch`'s two ranks: x [m, K]
+// this rank's shard, y [2m, N], gathered [2m, K] or null. Each shard comes
+// in `chunks` equal blocks (the GEMM's waits take equal blocks: fewer
+// chunks where m does not divide).
+ffi::Error TileSignalled(Channel& ch, int64_t m, int64_t cols, int64_t k, const char* x,
+                         const void* w, void* y, char* gathered, int chunks) {
+  const int n = ch.n(), r = ch.rank(), q = 1 - r;
+  const size_t row_x = k * DataTypeBytes(ffi::DataType::BF16);
+  chunks = std::min(chunks, RowArrivals::kMaxBlocks / n);
+  while (m % chunks != 0) --chunks;
+  const int64_t block_rows = m / chunks;
+  // The frame: the peer's sends land in its slot at the peer's rows.
+  char* frame = ch.RecvSlot(q);
+  GatherGemmArgs args;
+  args.gemm = {n * m, cols, k, frame, w, y, nullptr};
+  args.first_row = r * m;
+  JFO_RETURN_IF_ERROR(CheckGatherGemm(ch.ordinal(), args));
+  size_t ws_bytes = 0;
+  void* ws = ch.GemmWorkspace(&ws_bytes);
+  return ch.Run([&]() -> ffi::Error {
+    RowArrivals& arrivals = args.arrivals;
+    arrivals.block_rows = static_cast<int32_t>(block_rows);
+    arrivals.blocks = n * chunks;
+    for (int c = 0; c < chunks; ++c) {
+      const size_t offset = (r * m + c * block_rows) * row_x;
+      auto sent = ch.Send(q, offset, x + c * block_rows * row_x, block_rows * row_x, nullptr);
+      if (sent.has_error()) return sent.error();
+      auto copied = ch.CopyLocalFlagged(frame + offset, x + c * block_rows * row_x,
+                                        block_rows * row_x);
+      if (copied.has_error()) return copied.error();
+      for (const auto& [rank, wait] : {std::pair{r, *copied}, std::pair{q, ch.ArrivalFlag(q, c)}}) {
+        const int b = rank * chunks + c;
+        arrivals.flag[b] = wait.flag;
+        arrivals.expected[b] = wait.expected;
+        arrivals.peer_rank[b] = rank;
+        arrivals.peer_ordinal[b] = wait.report.info.peer_ordinal;
+        arrivals.report = wait.report;  // the same but for the peer's fields
+      }
+    }
+    if (ch.rehearsal()) {
+      // Once per device, without waits (nothing arrives in a rehearsal), to
+      // load the kernel before any call's waits (Channel::Run); y is
+      // overwritten by the real pass.
+      if (!FirstTileGemmOn(ch.ordinal())) return ffi::Error::Success();
+      arrivals.blocks = 0;
+    }
+    JFO_RETURN_IF_ERROR(GatherGemm(ch.ordinal(), args, ws, ws_bytes, ch.stream()));
+    if (gathered != nullptr) {
+      // The residual: the own rows at once, the peer's once the GEMM has
+      // read them (so no wait kernel holds an SM beside it). That copy is
+      // exposed; forward-only calls ask for no residual.
+      JFO_RETURN_IF_ERROR(ch.CopyLocal(gathered + r * m * row_x, x, m * row_x, nullptr));
+      auto read = ch.Mark();
+      if (read.has_error()) return read.error();
+      JFO_RETURN_IF_ERROR(ch.CopyLocal(gathered + q * m * row_x, frame + q * m * row_x,
+                                       m * row_x, *read));
+    }
+    return ffi::Error::Success();
+  });
+}
+#endif  // JFO_WITH_CUTLASS
+
 ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
                                Buffer_Type x, Buffer_Type w, Result_Type y,
                                Result_Type x_gathered, I32Span group_ordinals,
                                int32_t n, int32_t timeout_ms, I32Span order,
-                               int32_t chunks, int32_t waits_on_xla_stream) {
+                               int32_t chunks, int32_t waits_on_xla_stream,
+                               int32_t tile_signalled) {
   auto group = FindGroup(kOp, group_ordinals, n, ordinal);
   if (group.has_error()) return group.error();
   JFO_RETURN_IF_ERROR(CheckCommon(kOp, timeout_ms, chunks));
   JFO_RETURN_IF_ERROR(CheckOrder(kOp, order, n, /*own_first=*/true));
   JFO_RETURN_IF_ERROR(
       CheckSwitch(kOp, "waits_on_xla_stream", waits_on_xla_stream));
+  JFO_RETURN_IF_ERROR(CheckSwitch(kOp, "tile_signalled", tile_signalled));
   const auto dtype = x.element_type();
   JFO_RETURN_IF_ERROR(CheckDtypes(kOp, {dtype, w.element_type(),
                                         y->element_type(),
@@ -47,12 +121,34 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
   ch.set_waits_on_xla_stream(waits_on_xla_stream != 0);
   const size_t es = DataTypeBytes(dtype);
   const size_t row_x = k * es, row_y = cols * es;
-  JFO_RETURN_IF_ERROR(ch.CheckCapacity(m * row_x, 0));
   const int r = ch.rank();
   const char* xp = static_cast<const char*>(x.untyped_data());
   const void* wp = w.untyped_data();
   char* yp = static_cast<char*>(y->untyped_data());
   char* gp = static_cast<char*>(x_gathered->untyped_data());
+  const Channel::Output outs[] = {
+      {y->untyped_data(), y->element_count(), dtype},
+      {x_gathered->untyped_data(), x_gathered->element_count(), dtype}};
+  if (tile_signalled) {
+#ifndef JFO_WITH_CUTLASS
+    return ffi::Error::InvalidArgument(
+        "jax_flashoverlap all_gather_matmul: tile_signalled needs the extension built "
+        "with CUTLASS (build_info()['cutlass'] is empty); set "
+        "cuda_policy.ALL_GATHER_GEMM = 'row_blocks'");
+#else
+    if (dtype != ffi::DataType::BF16 || n != 2) {
+      return ffi::Error::InvalidArgument(
+          "jax_flashoverlap all_gather_matmul: tile_signalled takes bf16 operands on 2 "
+          "ranks, got " + std::to_string(n) + " ranks; set cuda_policy.ALL_GATHER_GEMM = "
+          "'row_blocks'");
+    }
+    JFO_RETURN_IF_ERROR(ch.CheckCapacity(n * m * row_x, 0));
+    JFO_RETURN_IF_ERROR(
+        TileSignalled(ch, m, cols, k, xp, wp, yp, gather ? gp : nullptr, chunks));
+    return ch.End({outs[0], outs[1]});
+#endif
+  }
+  JFO_RETURN_IF_ERROR(ch.CheckCapacity(m * row_x, 0));
   const int* row = order.begin() + r * n;
 
   JFO_RETURN_IF_ERROR(ch.Run([&]() -> ffi::Error {
@@ -91,9 +187,6 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
     }
     return ffi::Error::Success();
   }));
-  const Channel::Output outs[] = {
-      {y->untyped_data(), y->element_count(), dtype},
-      {x_gathered->untyped_data(), x_gathered->element_count(), dtype}};
   return ch.End({outs[0], outs[1]});
 }
 
@@ -115,6 +208,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("timeout_ms")    // bound of every wait
         .Attr<I32Span>("order")         // [n*n] row r: shards rank r computes
         .Attr<int32_t>("chunks")        // row chunks (signals) per shard
-        .Attr<int32_t>("waits_on_xla_stream"));  // 1: see Channel::Arrival
+        .Attr<int32_t>("waits_on_xla_stream")  // 1: see Channel::Arrival
+        .Attr<int32_t>("tile_signalled"));  // 1: one gathering tile GEMM (see the top)
 
 }  // namespace jfo

@@ -51,9 +51,9 @@ ffi::Error TileGemm(int ordinal, const TileGemmArgs& args, void* workspace,
 // Where the gathered rows of A come from: block b (rows [b * block_rows,
 // ...), rank b's rows) may be read once flag[b] (a copy-engine flag,
 // ChannelFlag) reaches expected[b]; a null flag: the block is in place before
-// the GEMM starts (this rank's own rows). A wait that fails (timeout, peer
-// out of step) is recorded through `report`, with peer_rank b and
-// peer_ordinal[b], and the GEMM goes on: the call's outputs become NaN and
+// the GEMM starts. A wait that fails (timeout, peer out of step) is recorded
+// through `report`, naming peer_rank[b] and peer_ordinal[b] (the rank the
+// block comes from), and the GEMM goes on: the call's outputs become NaN and
 // the host gets the error, as for the transport's own waits.
 struct RowArrivals {
   static constexpr int kMaxBlocks = 8;
@@ -61,6 +61,7 @@ struct RowArrivals {
   int32_t blocks = 0;  // 0: nothing to wait for
   const uint32_t* flag[kMaxBlocks] = {};
   uint32_t expected[kMaxBlocks] = {};
+  int32_t peer_rank[kMaxBlocks] = {};
   int32_t peer_ordinal[kMaxBlocks] = {};
   WaitReport report = {};
 };

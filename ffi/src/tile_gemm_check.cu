@@ -113,6 +113,7 @@ ffi::Error GatherTileGemmCheckImpl(cudaStream_t stream, int ordinal, Buffer_Type
   for (int b = 0; b < blocks; ++b) {
     arrivals.flag[b] = b == own_block ? nullptr : res.words + b;
     arrivals.expected[b] = expected;
+    arrivals.peer_rank[b] = b;
     arrivals.peer_ordinal[b] = ordinal;
   }
 

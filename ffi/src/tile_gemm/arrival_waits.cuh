@@ -27,7 +27,7 @@ CUTLASS_DEVICE void WaitForRows(const RowArrivals& arrivals, int row_begin, int 
     for (int b = row_begin / arrivals.block_rows; b <= last; ++b) {
       if (arrivals.flag[b] == nullptr) continue;
       WaitReport report = arrivals.report;
-      report.info.peer_rank = b;
+      report.info.peer_rank = arrivals.peer_rank[b];
       report.info.peer_ordinal = arrivals.peer_ordinal[b];
       signal::WaitChannelFlag(arrivals.flag[b], arrivals.expected[b], report);
     }

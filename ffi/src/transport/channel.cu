@@ -198,8 +198,10 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
 ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
   rehearsal_ = true;
   events_rehearsed_ = 0;
+  local_flags_ = 0;
   ffi::Error rehearsed = schedule();
   rehearsal_ = false;
+  local_flags_ = 0;
   // A rehearsal can fail on one rank only (its GEMMs run cuBLASLt, which may
   // fail on one device) while the peers send: a fault, which the destructor
   // marks.
@@ -340,6 +342,17 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
     // A wait starts its clock with the call, not while the stream runs ahead.
     JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, start_, 0));
   }
+  const FlagWait wait = ArrivalFlag(peer_rank, index);
+  WaitFlagKernel<<<1, 1, 0, s>>>(wait.flag, wait.expected, wait.report);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  auto ev = NextEvent();
+  if (ev.has_error()) return ev;
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, s));
+  return ev;
+}
+
+Channel::FlagWait Channel::ArrivalFlag(int peer_rank, int index) const {
+  const int peer = group_->ordinals[peer_rank];
   TimeoutRecord info{};
   info.op = static_cast<int32_t>(op_);
   info.rank = group_->rank;
@@ -347,15 +360,32 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
   info.peer_rank = peer_rank;
   info.peer_ordinal = peer;
   info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
-  const uint32_t expected = ChannelFlag(dev_->pair_calls[peer] + 1, index + 1);
-  WaitFlagKernel<<<1, 1, 0, s>>>(dev_->flags + peer, expected,
-                                 {timeout_ns_, dev_->fail_call, call_id_, dev_->record,
-                                  dev_->record_lock, info});
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  auto ev = NextEvent();
-  if (ev.has_error()) return ev;
-  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(*ev, s));
-  return ev;
+  // The own ordinal's pair count stays 0 (End counts peers only), so the
+  // own flag's values are (1, copy) in every call, after its zeroing.
+  return {dev_->flags + peer, ChannelFlag(dev_->pair_calls[peer] + 1, index + 1),
+          {timeout_ns_, dev_->fail_call, call_id_, dev_->record, dev_->record_lock, info}};
+}
+
+ffi::ErrorOr<Channel::FlagWait> Channel::CopyLocalFlagged(void* dst, const void* src,
+                                                          size_t bytes) {
+  const FlagWait wait = ArrivalFlag(group_->rank, local_flags_);
+  const bool first = local_flags_++ == 0;
+  if (rehearsal_) {
+    if (first) ++events_rehearsed_;  // the real pass's zeroing takes one
+    return wait;
+  }
+  uint32_t* flag = dev_->flags + ordinal();
+  cudaStream_t s = dev_->copy_stream;
+  if (first) {
+    // A value left by an earlier call could pass this call's waits.
+    JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(flag, 0, sizeof(uint32_t), stream_));
+    auto zeroed = Mark();
+    if (zeroed.has_error()) return zeroed.error();
+    JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, *zeroed, 0));
+  }
+  JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, s));
+  JFO_RETURN_IF_ERROR(WriteFlag(s, flag, wait.expected));
+  return wait;
 }
 
 ffi::Error Channel::CopyLocal(void* dst, const void* src, size_t bytes,

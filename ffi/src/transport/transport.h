@@ -203,6 +203,20 @@ class Channel {
   // work after a wait needs that message anyway.
   ffi::ErrorOr<cudaEvent_t> Arrival(int peer_rank, int index);
   void set_waits_on_xla_stream(bool on) { waits_on_xla_stream_ = on; }
+  // For a kernel that waits for messages itself (signal::WaitChannelFlag;
+  // the gathering tile GEMM): the flag that message `index` from `peer_rank`
+  // raises, the value it then holds, and where a failed wait reports.
+  struct FlagWait {
+    const uint32_t* flag;
+    uint32_t expected;
+    WaitReport report;
+  };
+  FlagWait ArrivalFlag(int peer_rank, int index) const;
+  // CopyLocal from the call start, then a raise of this device's own flag
+  // (the word of its own ordinal, which no peer writes; zeroed on the XLA
+  // stream at the call's first such copy): a kernel can wait for the copy
+  // with the returned FlagWait instead of the XLA stream waiting for it.
+  ffi::ErrorOr<FlagWait> CopyLocalFlagged(void* dst, const void* src, size_t bytes);
   // Device-local copy on a copy engine, ordered after `after` (nullptr: the
   // call start); joined into the XLA stream by End.
   ffi::Error CopyLocal(void* dst, const void* src, size_t bytes,
@@ -241,6 +255,7 @@ class Channel {
   FaultKind fault_ = FaultKind::kNone;
   std::string failure_;  // the error that stopped the call, for MarkFailed
   bool waits_on_xla_stream_ = false;
+  int local_flags_ = 0;      // CopyLocalFlagged calls in this pass
   std::vector<int> sent_;    // messages sent to each rank in this call
   std::vector<int> parity_;  // receive-slot parity per rank in this call
   std::unique_lock<std::mutex> lock_;  // one call at a time per device
