@@ -226,14 +226,15 @@ class TransformerConfig(_Presets):
         XLA's dot elsewhere; see :mod:`jax_flashoverlap.decode_matmul`), an
         experiment slower than XLA's on one H200 so far.
       decode_attention: a decode step's attention over the KV cache, one
-        of :data:`DECODE_ATTENTION_IMPLS`: "model" (default: the model's
+        of :data:`DECODE_ATTENTION_IMPLS`: "model" (the model's
         ``attention_impl``, the cache updated by XLA), "pallas" (one Pallas
-        GPU kernel that also writes the cache) or "auto" (the kernel on CUDA
-        GPUs where it takes the heads, at batches per device up to
-        ``models.decode_attention_pallas.AUTO_MAX_BATCH``; see
-        :func:`models.transformer.decode_attention_implementation`). On one
-        H200 the kernel was 1.077x cuDNN's step at batch 1, 0.994x at 8 and
-        0.967x at 32 (docs/models.md).
+        GPU kernel that also writes the cache) or "auto" (default: the
+        kernel on CUDA GPUs where it takes the heads, at batches per device
+        up to ``models.decode_attention_pallas.AUTO_MAX_BATCH``, else
+        "model"; see :func:`models.transformer.decode_attention_implementation`).
+        On one H200 the kernel was 1.077x cuDNN's step at batch 1, 0.994x at
+        8 and 0.967x at 32, and "auto" 1.051x "model" at batch 1 in another
+        process (docs/models.md).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled
@@ -259,7 +260,7 @@ class TransformerConfig(_Presets):
     impl: str = "auto"
     attention_impl: str = "auto"
     decode_matmul: str = "xla"
-    decode_attention: str = "model"
+    decode_attention: str = "auto"
     remat: bool = False
     scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()

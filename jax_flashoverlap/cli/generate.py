@@ -83,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-matmul", choices=DECODE_MATMUL_IMPLS, default="xla",
                         help="the decode step's weight matmuls: XLA's, or the library's "
                              "kernel for a few bf16 rows (cuda)")
-    parser.add_argument("--decode-attention", choices=DECODE_ATTENTION_IMPLS, default="model",
+    parser.add_argument("--decode-attention", choices=DECODE_ATTENTION_IMPLS, default="auto",
                         help="the Transformer's decode attention: the model's (cuDNN or XLA, "
                              "XLA updating the cache), one Pallas kernel that also writes the "
                              "cache (pallas), or the kernel on CUDA GPUs at batch 1 per device "

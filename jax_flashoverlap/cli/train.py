@@ -224,7 +224,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  conv: str = "xla", norm_backward: str = "auto",
                  residuals: str = "named", fuse_skip: bool = True,
                  decode_matmul: str = "xla", chunk_size: int | None = None,
-                 ssd_keeps_chunk_states: bool = False, decode_attention: str = "model",
+                 ssd_keeps_chunk_states: bool = False, decode_attention: str = "auto",
                  decode_mixer: str = "xla", ssd_tiling: SSDTiling | None = None):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
