@@ -53,8 +53,9 @@ VARIANTS = {
     "cuda_add_after": (("matmul_reduce_scatter",), {"REDUCE_SCATTER_FOLD": "add_after"}),
     "cuda_xla_waits": (("all_gather_matmul", "matmul_reduce_scatter"),
                        {"PEER_WAIT_STREAM": "xla"}),
-    "cuda_tile_signalled": (("matmul_reduce_scatter", "matmul_all_reduce"),
-                            {"REDUCE_SCATTER_GEMM": "tile_signalled",
+    "cuda_tile_signalled": (("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce"),
+                            {"ALL_GATHER_GEMM": "tile_signalled",
+                             "REDUCE_SCATTER_GEMM": "tile_signalled",
                              "MATMUL_ALL_REDUCE_GEMM": "tile_signalled"}),
 }
 
@@ -69,8 +70,8 @@ def _op_fn(op, impl):
     replaces by dot + all-reduce for small results ("cuda_fused" and the
     chunked rows time the fused kernel; "cuda" times what users get);
     "cuda_add_after" runs matmul_reduce_scatter's other fold,
-    "cuda_tile_signalled" the tile-signalled CUTLASS GEMMs of
-    matmul_reduce_scatter and the fused matmul_all_reduce,
+    "cuda_tile_signalled" the ops' tile-signalled CUTLASS GEMMs (the
+    fused kernel's, for matmul_all_reduce),
     "cuda_xla_waits" the peer waits on XLA's stream and "cuda_part_alignA"
     the fused matmul_all_reduce with parts aligned to A rows.
     """
@@ -345,9 +346,9 @@ def main():
                              "waiting for peers on XLA's stream (rows 'cuda_xla_waits', with "
                              "each --chunks)")
     parser.add_argument("--tile-signalled", action="store_true",
-                        help="also time matmul_reduce_scatter and the fused matmul_all_reduce "
-                             "with their tile-signalled CUTLASS GEMMs (row "
-                             "'cuda_tile_signalled'; needs the CUTLASS build)")
+                        help="also time each op with its tile-signalled CUTLASS GEMM (row "
+                             "'cuda_tile_signalled'; matmul_all_reduce's fused kernel; needs "
+                             "the CUTLASS build, all_gather_matmul 2 devices)")
     parser.add_argument("--part-aligns", nargs="+", type=int, default=[],
                         help="also time the fused matmul_all_reduce with each of these "
                              "cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN (rows 'cuda_part_alignA')")

@@ -60,7 +60,8 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
     fused = {"MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES": -1}
     add_after = {"REDUCE_SCATTER_FOLD": "add_after"}
     xla_waits = {"PEER_WAIT_STREAM": "xla"}
-    tile_signalled = {"REDUCE_SCATTER_GEMM": "tile_signalled",
+    tile_signalled = {"ALL_GATHER_GEMM": "tile_signalled",
+                      "REDUCE_SCATTER_GEMM": "tile_signalled",
                       "MATMUL_ALL_REDUCE_GEMM": "tile_signalled"}
     cases = [("matmul_all_reduce", "cuda_fused", None, fused),
              ("matmul_all_reduce", "cuda_chunks2", 2, fused),
@@ -69,6 +70,7 @@ def test_collective_matmul_cuda_rows_run_the_cuda_kernels():
              ("matmul_reduce_scatter", "cuda_add_after_chunks2", 2, add_after),
              ("all_gather_matmul", "cuda_xla_waits", None, xla_waits),
              ("matmul_reduce_scatter", "cuda_xla_waits_chunks2", 2, xla_waits),
+             ("all_gather_matmul", "cuda_tile_signalled", None, tile_signalled),
              ("matmul_reduce_scatter", "cuda_tile_signalled", None, tile_signalled),
              ("matmul_all_reduce", "cuda_tile_signalled", None, {**fused, **tile_signalled}),
              ("matmul_all_reduce", "cuda_part_align8", None,
