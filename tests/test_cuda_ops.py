@@ -104,6 +104,35 @@ def test_cuda_chunked(op, chunks, rng):
     assert_close(y, f64(x) @ f64(w), "bfloat16")
 
 
+def _require_tile_gemm():
+    if not jfo.build_info()["cutlass"]:
+        pytest.skip("built without CUTLASS (carry build/wheels to gpu_run.sh build)")
+    if jax.devices("gpu")[0].compute_capability != "9.0":
+        pytest.skip("the tile GEMM runs on sm_90 GPUs")
+
+
+def _tile_signalled_matches_float64(op, shapes, rng, **kwargs):
+    """``op`` with impl="cuda" on bf16 operands of each (m, k, cols) in
+    ``shapes`` against float64, and its lowering asks for the tile GEMM.
+    Returns the last operands."""
+    _, n = _mesh()
+    for shape in shapes:
+        xs, ws = _global_shapes(op, n, *shape)
+        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
+        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
+        poison_allocator(int(np.prod(xs)) * 2 * n)
+        y = _call(op, "cuda", (x, w), **kwargs)
+        jfo.check_device_errors()
+        assert_close(y, f64(x) @ f64(w), "bfloat16")
+    mesh, _ = _mesh()
+    in_specs, out_specs = SPECS[op]
+    fn = functools.partial(getattr(jfo, op), axis_name="tp", impl="cuda", **kwargs)
+    lowered = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                                    out_specs=out_specs)).lower(x, w)
+    assert "tile_signalled = 1" in lowered.as_text()  # the schedule under test ran
+    return x, w
+
+
 # On one GPU the op is the plain dot (no kernel): this needs two.
 @pytest.mark.gpus(2)
 def test_tile_signalled_reduce_scatter(rng, monkeypatch):
@@ -111,26 +140,10 @@ def test_tile_signalled_reduce_scatter(rng, monkeypatch):
     over every row, each peer's rows sent as the tile counters complete. 300
     rows per rank split across the counters' 256-row blocks; twice in a row,
     since the counters and the staging are reused."""
-    if not jfo.build_info()["cutlass"]:
-        pytest.skip("built without CUTLASS (carry build/wheels to gpu_run.sh build)")
-    if jax.devices("gpu")[0].compute_capability != "9.0":
-        pytest.skip("the tile GEMM runs on sm_90 GPUs")
+    _require_tile_gemm()
     monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_GEMM", "tile_signalled")
-    _, n = _mesh()
-    for shape in [(256, 512, 384), (300, 72, 40), (300, 72, 40)]:
-        xs, ws = _global_shapes("matmul_reduce_scatter", n, *shape)
-        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
-        poison_allocator(int(np.prod(xs)) * 2)
-        y = _call("matmul_reduce_scatter", "cuda", (x, w))
-        jfo.check_device_errors()
-        assert_close(y, f64(x) @ f64(w), "bfloat16")
-    mesh, _ = _mesh()
-    in_specs, out_specs = SPECS["matmul_reduce_scatter"]
-    fn = functools.partial(jfo.matmul_reduce_scatter, axis_name="tp", impl="cuda")
-    lowered = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
-                                    out_specs=out_specs)).lower(x, w)
-    assert "tile_signalled = 1" in lowered.as_text()  # the schedule under test ran
+    _tile_signalled_matches_float64("matmul_reduce_scatter",
+                                    [(256, 512, 384), (300, 72, 40), (300, 72, 40)], rng)
 
 
 # On one GPU the op is the plain dot (no kernel): this needs two.
@@ -138,35 +151,26 @@ def test_tile_signalled_reduce_scatter(rng, monkeypatch):
 def test_tile_signalled_all_gather_matmul(rng, monkeypatch):
     """cuda_policy.ALL_GATHER_GEMM = "tile_signalled": one gathering tile
     GEMM over the [2m, K] frame, waiting in-kernel for each chunk. Shards
-    of 300 rows (in 3 chunks of 100, and in 1 where 7 does not divide
-    them), twice in a row; and the gradient, whose forward keeps the
+    of 300 rows in 3 chunks of 100, twice in a row, and in 1 chunk where 7
+    does not divide them; and the gradient, whose forward keeps the
     gathered x."""
-    if not jfo.build_info()["cutlass"]:
-        pytest.skip("built without CUTLASS (carry build/wheels to gpu_run.sh build)")
-    if jax.devices("gpu")[0].compute_capability != "9.0":
-        pytest.skip("the tile GEMM runs on sm_90 GPUs")
+    _require_tile_gemm()
     monkeypatch.setattr(cuda_policy, "ALL_GATHER_GEMM", "tile_signalled")
-    mesh, n = _mesh()
-    for chunks in [3, 3, 7]:
-        xs, ws = _global_shapes("all_gather_matmul", n, 300, 72, 40)
-        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
-        poison_allocator(int(np.prod(xs)) * 2 * n)
-        y = _call("all_gather_matmul", "cuda", (x, w), chunks=chunks)
-        jfo.check_device_errors()
-        assert_close(y, f64(x) @ f64(w), "bfloat16")
-    in_specs, out_specs = SPECS["all_gather_matmul"]
+    op, shape = "all_gather_matmul", (300, 72, 40)
+    _tile_signalled_matches_float64(op, [shape, shape], rng, chunks=3)
+    x, w = _tile_signalled_matches_float64(op, [shape], rng, chunks=7)
+    mesh, _ = _mesh()
+    in_specs, out_specs = SPECS[op]
     fn = functools.partial(jfo.all_gather_matmul, axis_name="tp", impl="cuda")
     sharded = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    dy = jnp.asarray(rng.standard_normal((xs[0], ws[1]), dtype=np.float32), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((x.shape[0], w.shape[1]), dtype=np.float32),
+                     jnp.bfloat16)
     dx, dw = jax.jit(jax.grad(lambda a, b: jnp.sum(sharded(a, b).astype(jnp.float32)
                                                    * dy.astype(jnp.float32)),
                               argnums=(0, 1)))(x, w)
     jfo.check_device_errors()
     assert_close(dx, f64(dy) @ f64(w).T, "bfloat16")
     assert_close(dw, f64(x).T @ f64(dy), "bfloat16")
-    lowered = jax.jit(sharded).lower(x, w)
-    assert "tile_signalled = 1" in lowered.as_text()  # the schedule under test ran
 
 
 # On one GPU the op is the plain dot (no kernel): this needs two.
@@ -177,27 +181,11 @@ def test_tile_signalled_matmul_all_reduce(rng, monkeypatch):
     chunks summed and sent on. On 2 GPUs: 1100 rows (parts of 550, which
     cross the counters' 256-row blocks), twice in a row (the counters and
     the staging are reused), 4096 rows in two chunks, and 6 rows."""
-    if not jfo.build_info()["cutlass"]:
-        pytest.skip("built without CUTLASS (carry build/wheels to gpu_run.sh build)")
-    if jax.devices("gpu")[0].compute_capability != "9.0":
-        pytest.skip("the tile GEMM runs on sm_90 GPUs")
+    _require_tile_gemm()
     monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_GEMM", "tile_signalled")
     monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_COMPOSED_MAX_BYTES", -1)  # fused
-    _, n = _mesh()
-    for shape in [(550, 72, 40), (550, 72, 40), (2048, 256, 384), (3, 64, 16)]:
-        xs, ws = _global_shapes("matmul_all_reduce", n, *shape)
-        x = jnp.asarray(rng.standard_normal(xs, dtype=np.float32), jnp.bfloat16)
-        w = jnp.asarray(rng.standard_normal(ws, dtype=np.float32), jnp.bfloat16)
-        poison_allocator(int(np.prod(xs)) * 2)
-        y = _call("matmul_all_reduce", "cuda", (x, w))
-        jfo.check_device_errors()
-        assert_close(y, f64(x) @ f64(w), "bfloat16")
-    mesh, _ = _mesh()
-    in_specs, out_specs = SPECS["matmul_all_reduce"]
-    fn = functools.partial(jfo.matmul_all_reduce, axis_name="tp", impl="cuda")
-    lowered = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
-                                    out_specs=out_specs)).lower(x, w)
-    assert "tile_signalled = 1" in lowered.as_text()  # the schedule under test ran
+    _tile_signalled_matches_float64(
+        "matmul_all_reduce", [(550, 72, 40), (550, 72, 40), (2048, 256, 384), (3, 64, 16)], rng)
 
 
 # On one GPU the op is the plain dot (no kernel): this needs two.

@@ -232,12 +232,24 @@ def _with_cutlass(monkeypatch, version: str) -> None:
     monkeypatch.setattr(_extension, "build_info", lambda: {**built, "cutlass": version})
 
 
+# Each op's GEMM setting, and its lowering (matmul_all_reduce's fused kernel).
+_GEMM_SETTINGS = {
+    "all_gather_matmul": ("ALL_GATHER_GEMM", lambda: _collective_matmul_text("all_gather_matmul")),
+    "matmul_reduce_scatter": ("REDUCE_SCATTER_GEMM",
+                              lambda: _collective_matmul_text("matmul_reduce_scatter")),
+    "matmul_all_reduce": ("MATMUL_ALL_REDUCE_GEMM",
+                          lambda: _matmul_all_reduce_text(2048, 8192, "cuda")),
+}
+
+
+@pytest.mark.parametrize("op", list(_GEMM_SETTINGS))
 @pytest.mark.parametrize("gemm, flag", [("row_blocks", 0), ("tile_signalled", 1)])
-def test_reduce_scatter_gemm_is_an_attribute(monkeypatch, gemm, flag):
-    monkeypatch.setattr(cuda_policy, "REDUCE_SCATTER_GEMM", gemm)
+def test_the_gemm_is_an_attribute(monkeypatch, op, gemm, flag):
+    setting, lower = _GEMM_SETTINGS[op]
+    monkeypatch.setattr(cuda_policy, setting, gemm)
     _with_cutlass(monkeypatch, "4.2.0.0")
-    text = _collective_matmul_text("matmul_reduce_scatter")
-    assert _custom_calls(text) == ["jfo_matmul_reduce_scatter"]
+    text = lower()
+    assert _custom_calls(text) == ["jfo_" + op]
     assert re.search(rf"tile_signalled = {flag} : i32", text), text[-2000:]
 
 
@@ -262,15 +274,6 @@ def test_the_tile_signalled_gemm_takes_bf16_with_k_and_n_multiples_of_8(monkeypa
         _cuda_text(fn, _mesh(), [(256, 128), (128, 60)], in_specs, out_spec)
 
 
-@pytest.mark.parametrize("gemm, flag", [("row_blocks", 0), ("tile_signalled", 1)])
-def test_all_gather_gemm_is_an_attribute(monkeypatch, gemm, flag):
-    monkeypatch.setattr(cuda_policy, "ALL_GATHER_GEMM", gemm)
-    _with_cutlass(monkeypatch, "4.2.0.0")
-    text = _collective_matmul_text("all_gather_matmul")
-    assert _custom_calls(text) == ["jfo_all_gather_matmul"]
-    assert re.search(rf"tile_signalled = {flag} : i32", text), text[-2000:]
-
-
 def test_the_tile_signalled_all_gather_runs_on_two_devices_only(monkeypatch):
     monkeypatch.setattr(cuda_policy, "ALL_GATHER_GEMM", "tile_signalled")
     _with_cutlass(monkeypatch, "4.2.0.0")
@@ -280,15 +283,6 @@ def test_the_tile_signalled_all_gather_runs_on_two_devices_only(monkeypatch):
                                          r"2 devices, got 4; set cuda_policy.ALL_GATHER_GEMM = "
                                          r"'row_blocks'"):
         _cuda_text(fn, _mesh((4,)), [(256, 128), (128, 64)], in_specs, out_spec)
-
-
-@pytest.mark.parametrize("gemm, flag", [("row_blocks", 0), ("tile_signalled", 1)])
-def test_matmul_all_reduce_gemm_is_an_attribute(monkeypatch, gemm, flag):
-    monkeypatch.setattr(cuda_policy, "MATMUL_ALL_REDUCE_GEMM", gemm)
-    _with_cutlass(monkeypatch, "4.2.0.0")
-    text = _matmul_all_reduce_text(2048, 8192, "cuda")
-    assert _custom_calls(text) == ["jfo_matmul_all_reduce"]
-    assert re.search(rf"tile_signalled = {flag} : i32", text), text[-2000:]
 
 
 def test_the_tile_signalled_all_reduce_gemm_is_checked_only_where_the_fused_kernel_runs(

@@ -94,11 +94,8 @@ class CopyEngineSchedule {
     for (int j = 1; j < ch_.n(); ++j) {
       const int q = Peer(j);
       const Rows p = Part(chunk, q);
-      auto landed = ch_.Arrival(q, ag_index_[chunk]);
-      if (landed.has_error()) return landed.error();
-      JFO_RETURN_IF_ERROR(ch_.CopyLocal(y_ + p.begin * es_,
-                                        ch_.RecvSlot(q) + p.begin * es_,
-                                        p.size() * es_, *landed));
+      JFO_RETURN_IF_ERROR(
+          CopyOutOnArrival(ch_, q, ag_index_[chunk], y_, p.begin * es_, p.size() * es_));
     }
     return ffi::Error::Success();
   }

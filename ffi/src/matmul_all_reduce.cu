@@ -98,11 +98,8 @@ class AllReduceSchedule {
     for (int j = 1; j < ch_.n(); ++j) {
       const int q = Peer(j);
       const Rows p = Part(chunk, q);
-      auto landed = ch_.Arrival(q, ag_index_[chunk]);
-      if (landed.has_error()) return landed.error();
-      JFO_RETURN_IF_ERROR(ch_.CopyLocal(y_ + p.begin * RowY(),
-                                        ch_.RecvSlot(q) + p.begin * RowY(),
-                                        p.size() * RowY(), *landed));
+      JFO_RETURN_IF_ERROR(CopyOutOnArrival(ch_, q, ag_index_[chunk], y_, p.begin * RowY(),
+                                           p.size() * RowY()));
     }
     return ffi::Error::Success();
   }
@@ -284,11 +281,8 @@ class TileSignalledAllReduce {
       const int q = (r + j) % n;
       const Rows rows = OwnChunk(q, c);
       const int index = static_cast<int>(Pieces(q, r).size()) + c;
-      auto landed = ch_.Arrival(q, index);
-      if (landed.has_error()) return landed.error();
-      JFO_RETURN_IF_ERROR(ch_.CopyLocal(y_ + rows.begin * row_y_,
-                                        ch_.RecvSlot(q) + rows.begin * row_y_,
-                                        rows.size() * row_y_, *landed));
+      JFO_RETURN_IF_ERROR(
+          CopyOutOnArrival(ch_, q, index, y_, rows.begin * row_y_, rows.size() * row_y_));
     }
     return ffi::Error::Success();
   }

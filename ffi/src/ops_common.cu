@@ -164,6 +164,13 @@ ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
   return SumInto(ch, dtype, d, d, srcs, elements);
 }
 
+ffi::Error CopyOutOnArrival(Channel& ch, int peer_rank, int index, char* dst, size_t offset,
+                            size_t bytes) {
+  auto landed = ch.Arrival(peer_rank, index);
+  if (landed.has_error()) return landed.error();
+  return ch.CopyLocal(dst + offset, ch.RecvSlot(peer_rank) + offset, bytes, *landed);
+}
+
 ffi::Error SumInto(Channel& ch, ffi::DataType dtype, void* d, const void* first,
                    const std::vector<const void*>& srcs, size_t elements) {
   if (ch.rehearsal() || (srcs.empty() && first == d)) return ffi::Error::Success();
