@@ -151,14 +151,16 @@ def test_tile_signalled_reduce_scatter(rng, monkeypatch):
 def test_tile_signalled_all_gather_matmul(rng, monkeypatch):
     """cuda_policy.ALL_GATHER_GEMM = "tile_signalled": one gathering tile
     GEMM over the [2m, K] frame, waiting in-kernel for each chunk. Shards
-    of 300 rows in 3 chunks of 100, twice in a row, and in 1 chunk where 7
-    does not divide them; and the gradient, whose forward keeps the
+    of 300 rows in 3 chunks of 100, twice in a row; chunks=7 cut to the 4
+    that the GEMM's 8 blocks of waits allow; 301 rows, which no chunk count
+    from 2 to 4 divides, in one; and the gradient, whose forward keeps the
     gathered x."""
     _require_tile_gemm()
     monkeypatch.setattr(cuda_policy, "ALL_GATHER_GEMM", "tile_signalled")
     op, shape = "all_gather_matmul", (300, 72, 40)
     _tile_signalled_matches_float64(op, [shape, shape], rng, chunks=3)
-    x, w = _tile_signalled_matches_float64(op, [shape], rng, chunks=7)
+    _tile_signalled_matches_float64(op, [shape], rng, chunks=7)
+    x, w = _tile_signalled_matches_float64(op, [(301, 72, 40)], rng, chunks=4)
     mesh, _ = _mesh()
     in_specs, out_specs = SPECS[op]
     fn = functools.partial(jfo.all_gather_matmul, axis_name="tp", impl="cuda")

@@ -35,14 +35,20 @@ ffi::Error TileSignalled(Channel& ch, int64_t m, int64_t cols, int64_t k, const 
   char* frame = ch.RecvSlot(q);
   GatherGemmArgs args;
   args.gemm = {n * m, cols, k, frame, w, y, nullptr};
-  args.first_row = r * m;
-  JFO_RETURN_IF_ERROR(CheckGatherGemm(ch.ordinal(), args));
+  // The first whole tile of own rows: a tile that also holds peer rows
+  // would wait for the peer's last chunk first.
+  args.first_row = (r * m + kTileGemmRows - 1) / kTileGemmRows * kTileGemmRows;
+  if (args.first_row >= n * m) args.first_row = 0;
+  RowArrivals& arrivals = args.arrivals;
+  arrivals.block_rows = static_cast<int32_t>(block_rows);
+  arrivals.blocks = n * chunks;
+  if (ffi::Error why = CheckGatherGemm(ch.ordinal(), args); why.failure()) {
+    return ch.Refuse(std::move(why));
+  }
   size_t ws_bytes = 0;
   void* ws = ch.GemmWorkspace(&ws_bytes);
   return ch.Run([&]() -> ffi::Error {
-    RowArrivals& arrivals = args.arrivals;
-    arrivals.block_rows = static_cast<int32_t>(block_rows);
-    arrivals.blocks = n * chunks;
+    arrivals.blocks = n * chunks;  // the rehearsal waits for none
     for (int c = 0; c < chunks; ++c) {
       const size_t offset = (r * m + c * block_rows) * row_x;
       auto sent = ch.Send(q, offset, x + c * block_rows * row_x, block_rows * row_x, nullptr);
@@ -50,7 +56,8 @@ ffi::Error TileSignalled(Channel& ch, int64_t m, int64_t cols, int64_t k, const 
       auto copied = ch.CopyLocalFlagged(frame + offset, x + c * block_rows * row_x,
                                         block_rows * row_x);
       if (copied.has_error()) return copied.error();
-      for (const auto& [rank, wait] : {std::pair{r, *copied}, std::pair{q, ch.ArrivalFlag(q, c)}}) {
+      for (const auto& [rank, wait] :
+           {std::pair{r, *copied}, std::pair{q, ch.ArrivalFlag(q, c)}}) {
         const int b = rank * chunks + c;
         arrivals.flag[b] = wait.flag;
         arrivals.expected[b] = wait.expected;
@@ -59,14 +66,13 @@ ffi::Error TileSignalled(Channel& ch, int64_t m, int64_t cols, int64_t k, const 
         arrivals.report = wait.report;  // the same but for the peer's fields
       }
     }
-    if (ch.rehearsal()) {
-      // Once per device, without waits (nothing arrives in a rehearsal), to
-      // load the kernel before any call's waits (Channel::Run); y is
-      // overwritten by the real pass.
-      if (!FirstTileGemmOn(ch.ordinal())) return ffi::Error::Success();
-      arrivals.blocks = 0;
+    // The rehearsal launches it once per device, without waits (nothing
+    // arrives in a rehearsal), to load the kernel before any call's waits
+    // (Channel::Run); the real pass overwrites y.
+    if (ch.rehearsal()) arrivals.blocks = 0;
+    if (!ch.rehearsal() || FirstTileGemmOn(ch.ordinal(), TileKernel::kGathering)) {
+      JFO_RETURN_IF_ERROR(GatherGemm(ch.ordinal(), args, ws, ws_bytes, ch.stream()));
     }
-    JFO_RETURN_IF_ERROR(GatherGemm(ch.ordinal(), args, ws, ws_bytes, ch.stream()));
     if (gathered != nullptr) {
       // The residual: the own rows at once, the peer's once the GEMM has
       // read them (so no wait kernel holds an SM beside it). That copy is
@@ -131,16 +137,16 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
       {x_gathered->untyped_data(), x_gathered->element_count(), dtype}};
   if (tile_signalled) {
 #ifndef JFO_WITH_CUTLASS
-    return ffi::Error::InvalidArgument(
+    return ch.Refuse(ffi::Error::InvalidArgument(
         "jax_flashoverlap all_gather_matmul: tile_signalled needs the extension built "
         "with CUTLASS (build_info()['cutlass'] is empty); set "
-        "cuda_policy.ALL_GATHER_GEMM = 'row_blocks'");
+        "cuda_policy.ALL_GATHER_GEMM = 'row_blocks'"));
 #else
     if (dtype != ffi::DataType::BF16 || n != 2) {
-      return ffi::Error::InvalidArgument(
+      return ch.Refuse(ffi::Error::InvalidArgument(
           "jax_flashoverlap all_gather_matmul: tile_signalled takes bf16 operands on 2 "
           "ranks, got " + std::to_string(n) + " ranks; set cuda_policy.ALL_GATHER_GEMM = "
-          "'row_blocks'");
+          "'row_blocks'"));
     }
     JFO_RETURN_IF_ERROR(ch.CheckCapacity(n * m * row_x, 0));
     JFO_RETURN_IF_ERROR(

@@ -137,11 +137,28 @@ class TileSignalledAllReduce {
   // Refuses, before anything is sent, what the tile GEMM cannot run.
   ffi::Error Check() const {
     if (dtype_ != ffi::DataType::BF16) {
-      return ffi::Error::InvalidArgument(
-          "jax_flashoverlap matmul_all_reduce: tile_signalled takes bf16 operands only");
+      return ch_.Refuse(ffi::Error::InvalidArgument(
+          "jax_flashoverlap matmul_all_reduce: tile_signalled takes bf16 operands only"));
     }
     for (const Side& side : Sides(ch_.rank())) {
-      if (side.rows.size() > 0) JFO_RETURN_IF_ERROR(CheckTileGemm(ch_.ordinal(), Gemm(side)));
+      if (side.rows.size() == 0) continue;
+      if (ffi::Error why = CheckTileGemm(ch_.ordinal(), Gemm(side)); why.failure()) {
+        return ch_.Refuse(std::move(why));
+      }
+    }
+    // Checked here, not when a send fails halfway through the call.
+    size_t messages = 0;
+    for (int j = 1; j < ch_.n(); ++j) {
+      messages = std::max(messages, Pieces(ch_.rank(), (ch_.rank() + j) % ch_.n()).size() +
+                                        chunk_start_.size() - 1);
+    }
+    if (messages > static_cast<size_t>(kMaxMessagesPerCall)) {
+      return ch_.Refuse(ffi::Error::InvalidArgument(
+          "jax_flashoverlap matmul_all_reduce: tile_signalled would send " +
+          std::to_string(messages) + " messages to a peer (a row block of " +
+          std::to_string(kTileGemmRows) + " rows each), more than " +
+          std::to_string(kMaxMessagesPerCall) +
+          "; set cuda_policy.MATMUL_ALL_REDUCE_GEMM = 'row_blocks'"));
     }
     return ffi::Error::Success();
   }
@@ -155,14 +172,16 @@ class TileSignalledAllReduce {
     if (zeroed.has_error()) return zeroed.error();
     size_t ws_bytes = 0;
     void* ws = ch_.GemmWorkspace(&ws_bytes);
-    // The rehearsal launches one GEMM once per device, to load the kernel
-    // before any call's waits (Channel::Run).
-    const bool launch = !ch_.rehearsal() || FirstTileGemmOn(ch_.ordinal());
     for (const Side& side : Sides(r)) {
-      if (side.rows.size() == 0 || !launch) continue;
+      if (side.rows.size() == 0) continue;
+      // The rehearsal launches one GEMM once per device, to load the kernel
+      // before any call's waits (Channel::Run).
+      if (ch_.rehearsal() && !FirstTileGemmOn(ch_.ordinal(), TileKernel::kSignalling)) break;
       JFO_RETURN_IF_ERROR(TileGemm(ch_.ordinal(), Gemm(side), ws, ws_bytes, ch_.stream()));
       if (ch_.rehearsal()) break;
     }
+    auto tiles_done = ch_.Mark();
+    if (tiles_done.has_error()) return tiles_done.error();
     const uint32_t written = TileGemmTilesPerRowBlock(cols_);
     for (int j = 1; j < n; ++j) {
       const int q = (r + j) % n;
@@ -172,15 +191,12 @@ class TileSignalledAllReduce {
         if (sent.has_error()) return sent.error();
       }
     }
-    // Now every wait precedes XLA-stream work that reads its message: on
-    // the XLA stream, a wait takes no SM from the GEMMs before it.
-    ch_.set_waits_on_xla_stream(true);
     const int chunks = static_cast<int>(chunk_start_.size()) - 1;
     for (int c = 0; c < chunks; ++c) {
       JFO_RETURN_IF_ERROR(ReduceOwnChunk(c));
-      if (c > 0) JFO_RETURN_IF_ERROR(ReceiveReduced(c - 1));
+      if (c > 0) JFO_RETURN_IF_ERROR(ReceiveReduced(c - 1, *tiles_done));
     }
-    return ReceiveReduced(chunks - 1);
+    return ReceiveReduced(chunks - 1, *tiles_done);
   }
 
  private:
@@ -247,8 +263,11 @@ class TileSignalledAllReduce {
   }
 
   // out = the own rows' x w + the peers' partials of them, once landed.
+  // These waits precede the XLA-stream GEMM that reads their messages: on
+  // the XLA stream, behind the tile GEMMs, they take none of its SMs.
   ffi::Error SumOwnChunk(const Rows& rows, char* out) {
     const int n = ch_.n(), r = ch_.rank();
+    ch_.set_waits_on_xla_stream(true);
     std::vector<const void*> partials;
     for (int j = 1; j < n; ++j) {
       const int q = (r + j) % n;
@@ -264,6 +283,7 @@ class TileSignalledAllReduce {
       JFO_RETURN_IF_ERROR(ch_.WaitOn(*landed));
       partials.push_back(ch_.RecvSlot(q) + rows.begin * row_y_);
     }
+    ch_.set_waits_on_xla_stream(false);
     const void* first = partials.empty() ? nullptr : partials.front();
     JFO_RETURN_IF_ERROR(RowGemm(ch_, dtype_, rows.size(), cols_, k_,
                                 x_ + rows.begin * k_ * DataTypeBytes(dtype_), w_, first, out));
@@ -274,15 +294,17 @@ class TileSignalledAllReduce {
     return ffi::Error::Success();
   }
 
-  // Copies each peer's summed chunk c into y once it landed.
-  ffi::Error ReceiveReduced(int c) {
+  // Copies each peer's summed chunk c into y once it landed. Only a copy
+  // engine reads it, so its wait is on a side stream, from `tiles_done`:
+  // not spinning beside the tile GEMMs.
+  ffi::Error ReceiveReduced(int c, cudaEvent_t tiles_done) {
     const int n = ch_.n(), r = ch_.rank();
     for (int j = 1; j < n; ++j) {
       const int q = (r + j) % n;
       const Rows rows = OwnChunk(q, c);
       const int index = static_cast<int>(Pieces(q, r).size()) + c;
-      JFO_RETURN_IF_ERROR(
-          CopyOutOnArrival(ch_, q, index, y_, rows.begin * row_y_, rows.size() * row_y_));
+      JFO_RETURN_IF_ERROR(CopyOutOnArrival(ch_, q, index, y_, rows.begin * row_y_,
+                                           rows.size() * row_y_, tiles_done));
     }
     return ffi::Error::Success();
   }
@@ -339,10 +361,10 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
   const size_t bytes = m * cols * DataTypeBytes(dtype);
   if (tile_signalled) {
 #ifndef JFO_WITH_CUTLASS
-    return ffi::Error::InvalidArgument(
+    return ch.Refuse(ffi::Error::InvalidArgument(
         "jax_flashoverlap matmul_all_reduce: tile_signalled needs the extension built "
         "with CUTLASS (build_info()['cutlass'] is empty); set "
-        "cuda_policy.MATMUL_ALL_REDUCE_GEMM = 'row_blocks'");
+        "cuda_policy.MATMUL_ALL_REDUCE_GEMM = 'row_blocks'"));
 #else
     TileSignalledAllReduce schedule(ch, dtype, m, cols, k,
                                     static_cast<const char*>(x.untyped_data()),

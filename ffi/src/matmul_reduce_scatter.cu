@@ -30,14 +30,14 @@ ffi::Error TileSignalled(Channel& ch, ffi::DataType dtype, int64_t m, int64_t co
                          int64_t k, const void* x, const void* w, void* y,
                          const int* order_row) {
 #ifndef JFO_WITH_CUTLASS
-  return ffi::Error::InvalidArgument(
+  return ch.Refuse(ffi::Error::InvalidArgument(
       "jax_flashoverlap matmul_reduce_scatter: tile_signalled needs the extension built "
       "with CUTLASS (build_info()['cutlass'] is empty); set "
-      "cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'");
+      "cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'"));
 #else
   if (dtype != ffi::DataType::BF16) {
-    return ffi::Error::InvalidArgument(
-        "jax_flashoverlap matmul_reduce_scatter: tile_signalled takes bf16 operands only");
+    return ch.Refuse(ffi::Error::InvalidArgument(
+        "jax_flashoverlap matmul_reduce_scatter: tile_signalled takes bf16 operands only"));
   }
   const int n = ch.n(), r = ch.rank();
   const int64_t rows = n * m;
@@ -51,7 +51,9 @@ ffi::Error TileSignalled(Channel& ch, ffi::DataType dtype, int64_t m, int64_t co
   size_t ws_bytes = 0;
   void* ws = ch.GemmWorkspace(&ws_bytes);
   const TileGemmArgs gemm{rows, cols, k, x, w, product, counter};
-  JFO_RETURN_IF_ERROR(CheckTileGemm(ch.ordinal(), gemm));
+  if (ffi::Error why = CheckTileGemm(ch.ordinal(), gemm); why.failure()) {
+    return ch.Refuse(std::move(why));
+  }
   const uint32_t written = TileGemmTilesPerRowBlock(cols);
   // Block b in pieces of the counters' row blocks: (counter, first row, end
   // row). The same pieces on every rank, so each peer expects what it gets.
@@ -72,7 +74,7 @@ ffi::Error TileSignalled(Channel& ch, ffi::DataType dtype, int64_t m, int64_t co
     // The GEMM before the sends' counter waits (Channel::SendWhen). The
     // rehearsal launches it once per device: that first launch may load the
     // kernel, which must come before any call's waits (Channel::Run).
-    if (!ch.rehearsal() || FirstTileGemmOn(ch.ordinal())) {
+    if (!ch.rehearsal() || FirstTileGemmOn(ch.ordinal(), TileKernel::kSignalling)) {
       JFO_RETURN_IF_ERROR(TileGemm(ch.ordinal(), gemm, ws, ws_bytes, ch.stream()));
     }
     for (int i = 0; i + 1 < n; ++i) {

@@ -165,8 +165,8 @@ ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
 }
 
 ffi::Error CopyOutOnArrival(Channel& ch, int peer_rank, int index, char* dst, size_t offset,
-                            size_t bytes) {
-  auto landed = ch.Arrival(peer_rank, index);
+                            size_t bytes, cudaEvent_t after) {
+  auto landed = ch.Arrival(peer_rank, index, after);
   if (landed.has_error()) return landed.error();
   return ch.CopyLocal(dst + offset, ch.RecvSlot(peer_rank) + offset, bytes, *landed);
 }

@@ -74,9 +74,10 @@ ffi::Error GemmPlusPartials(Channel& ch, ffi::DataType dtype, int64_t rows,
 ffi::Error AddInto(Channel& ch, ffi::DataType dtype, void* d,
                    const std::vector<const void*>& srcs, size_t elements);
 // Copies bytes [offset, offset + bytes) of `peer_rank`'s receive slot to the
-// same bytes of `dst` on a copy engine, once its message `index` landed.
+// same bytes of `dst` on a copy engine, once its message `index` landed
+// (Channel::Arrival, its wait from `after`).
 ffi::Error CopyOutOnArrival(Channel& ch, int peer_rank, int index, char* dst, size_t offset,
-                            size_t bytes);
+                            size_t bytes, cudaEvent_t after = nullptr);
 // d[i] = first[i] + sum_j srcs[j][i] (first may be d), the same way.
 ffi::Error SumInto(Channel& ch, ffi::DataType dtype, void* d, const void* first,
                    const std::vector<const void*>& srcs, size_t elements);

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
@@ -189,11 +190,11 @@ ffi::Error GatherGemm(int ordinal, const GatherGemmArgs& args, void* workspace,
                               workspace_bytes, stream);
 }
 
-bool FirstTileGemmOn(int ordinal) {
+bool FirstTileGemmOn(int ordinal, TileKernel kernel) {
   static std::mutex mutex;
-  static std::set<int> launched;
+  static std::set<std::pair<int, TileKernel>> launched;
   std::lock_guard<std::mutex> lock(mutex);
-  return launched.insert(ordinal).second;
+  return launched.insert({ordinal, kernel}).second;
 }
 
 namespace {

@@ -80,9 +80,10 @@ ffi::Error CheckGatherGemm(int ordinal, const GatherGemmArgs& args);
 ffi::Error GatherGemm(int ordinal, const GatherGemmArgs& args, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream);
 
-// True once per device: for a schedule's rehearsal to launch the GEMM (and
-// so load its kernel) before the device's first call that waits.
-bool FirstTileGemmOn(int ordinal);
+// True once per device and kernel: for a schedule's rehearsal to launch the
+// GEMM (and so load its kernel) before the device's first call that waits.
+enum class TileKernel { kSignalling, kGathering };
+bool FirstTileGemmOn(int ordinal, TileKernel kernel);
 
 #ifdef JFO_WITH_CUTLASS
 // The handler of `jfo_tile_gemm` (tests and benchmarks: the GEMM and its

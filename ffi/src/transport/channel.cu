@@ -253,6 +253,11 @@ ffi::Error Channel::CheckCapacity(size_t slot_bytes, size_t staging_bytes) {
       " MiB; raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first call)");
 }
 
+ffi::Error Channel::Refuse(ffi::Error why) {
+  committed_ = false;
+  return why;
+}
+
 char* Channel::RecvSlot(int peer_rank) const {
   return dev_->Slot(group_->ordinals[peer_rank], parity_[peer_rank]);
 }
@@ -331,7 +336,7 @@ ffi::ErrorOr<int> Channel::SendWhen(int peer_rank, size_t offset, const void* sr
   return sent_[peer_rank]++;
 }
 
-ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
+ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index, cudaEvent_t after) {
   if (rehearsal_) {
     ++events_rehearsed_;  // the real pass takes one
     return start_;
@@ -340,7 +345,7 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index) {
   cudaStream_t s = waits_on_xla_stream_ ? stream_ : dev_->wait_streams[peer];
   if (!waits_on_xla_stream_) {
     // A wait starts its clock with the call, not while the stream runs ahead.
-    JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, start_, 0));
+    JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
   }
   const FlagWait wait = ArrivalFlag(peer_rank, index);
   WaitFlagKernel<<<1, 1, 0, s>>>(wait.flag, wait.expected, wait.report);

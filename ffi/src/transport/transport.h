@@ -171,6 +171,10 @@ class Channel {
   // Fails, naming the fix, when one message or the local scratch exceed the
   // workspace (JAX_FLASHOVERLAP_WORKSPACE_MB).
   ffi::Error CheckCapacity(size_t slot_bytes, size_t staging_bytes);
+  // Returns `why` for a call refused after Begin but before anything moved,
+  // for a reason the same on every rank (a shape or build the schedule
+  // cannot take): the group stays sound, as for CheckCapacity.
+  ffi::Error Refuse(ffi::Error why);
 
   int rank() const { return group_->rank; }
   int n() const { return group_->n; }
@@ -195,13 +199,15 @@ class Channel {
                              size_t bytes, cudaEvent_t after,
                              const uint32_t* counter, uint32_t at_least);
   // An event that completes when message `index` from `peer_rank` landed.
-  // Its wait kernel runs on a side stream from the call start, or, after
-  // set_waits_on_xla_stream(true), on the XLA stream after the work enqueued
-  // there so far: then it holds no SM while earlier GEMMs run (a spinning
-  // CTA takes an SM slot a GEMM CTA could use), but what follows it on the
-  // XLA stream waits for the message. Only for schedules whose XLA-stream
-  // work after a wait needs that message anyway.
-  ffi::ErrorOr<cudaEvent_t> Arrival(int peer_rank, int index);
+  // Its wait kernel runs on a side stream from the call start (or from
+  // `after`, an event of this call, so that it does not spin beside the
+  // work before that), or, after set_waits_on_xla_stream(true), on the XLA
+  // stream after the work enqueued there so far: then it holds no SM while
+  // earlier GEMMs run (a spinning CTA takes an SM slot a GEMM CTA could
+  // use), but what follows it on the XLA stream waits for the message. Only
+  // for schedules whose XLA-stream work after a wait needs that message
+  // anyway.
+  ffi::ErrorOr<cudaEvent_t> Arrival(int peer_rank, int index, cudaEvent_t after = nullptr);
   void set_waits_on_xla_stream(bool on) { waits_on_xla_stream_ = on; }
   // For a kernel that waits for messages itself (signal::WaitChannelFlag;
   // the gathering tile GEMM): the flag that message `index` from `peer_rank`
