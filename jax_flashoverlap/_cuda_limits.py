@@ -58,7 +58,7 @@ def check_copy_engine_size(aval) -> None:
             f"or use algorithm='two_shot'")
 
 
-def check_tile_signalled(x, w, policy: str = "REDUCE_SCATTER_GEMM") -> None:
+def check_tile_signalled(x, w, policy: str) -> None:
     """What the tile-signalled GEMM needs of the build and of x [rows, K] and
     w [K, N], or a ValueError naming the fix; ``policy``: the cuda_policy
     setting that chose it."""
