@@ -354,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-matmuls", nargs="+", default=["xla"],
                         choices=models.DECODE_MATMUL_IMPLS,
                         help="the decode step's weight matmuls to compare (each with every impl)")
-    parser.add_argument("--decode-attentions", nargs="+", default=["model"],
+    parser.add_argument("--decode-attentions", nargs="+", default=["auto"],
                         choices=models.DECODE_ATTENTION_IMPLS,
                         help="the Transformer's decode attentions to compare (each with every "
-                             "impl and matmul; Mamba-2 runs only 'model')")
+                             "impl and matmul; default: the model's default, 'auto', each row "
+                             "naming what it ran; Mamba-2 runs only 'model')")
     parser.add_argument("--decode-mixers", nargs="+", default=["xla"],
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "
