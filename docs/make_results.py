@@ -31,9 +31,6 @@ NVSHMEM = "hierarchical_all_reduce_2xh200.json"
 TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
-# "auto" against "model" decode attention at batch 1 in one process: what the
-# default "auto" runs where DECODE predates it.
-DECODE_AUTO = "decode_attention_auto_1xh200.json"
 SSD = "ssd_keeps_states_1xh200.json"
 # The first MAMBA_STEPS_AT_DEFAULTS files ran today's defaults, each in its own
 # process: the headline gives their range.
@@ -159,19 +156,6 @@ def training_table() -> tuple[str, dict]:
         f"From {s}" for s in sources), gains
 
 
-def decode_auto() -> dict | None:
-    """Where DECODE ran before decode_attention="auto" was the default (its
-    rows name no decode attention): the Transformer's batch-1 row with
-    "auto" from DECODE_AUTO, with ``vs_model`` its speed over the "model"
-    row of that run; else None."""
-    if any("decode_attention" in r for r in _load(DECODE)["rows"]):
-        return None
-    rows = _load(DECODE_AUTO)["rows"]
-    model = next(r for r in rows if r["decode_attention"] == "model")
-    auto = next(r for r in rows if r["decode_attention"] != "model")
-    return {**auto, "vs_model": model["per_token_ms"] / auto["per_token_ms"]}
-
-
 def decode_table() -> tuple[str, list]:
     doc = _load(DECODE)
     lines = ["| model | batch | context | per token ms | HBM floor ms | × floor | prefill ms |",
@@ -181,16 +165,9 @@ def decode_table() -> tuple[str, list]:
         lines.append(f"| {r['model']} {r['size']} | {r['batch']} | {r['context']} | "
                      f"{r['per_token_ms']:.3f} | {r['hbm_floor_ms']:.3f} | "
                      f"{r['per_token_ms'] / r['hbm_floor_ms']:.2f} | {r['prefill_ms']:.2f} |")
-    auto, nondefault = decode_auto(), ""
-    if auto is not None:
-        nondefault = (f"decode attention \"model\"; the default is now \"auto\", the "
-                      f"attention kernel at batch 1, which took {auto['per_token_ms']:.3f} ms a "
-                      f"token there ({auto['per_token_ms'] / auto['hbm_floor_ms']:.2f}× the "
-                      f"floor, {auto['vs_model']:.3f}× faster than \"model\" in the same run, "
-                      f"`benchmarks/results/{DECODE_AUTO}`)")
     return ("One H200 (TP=1), impl \"xla\" (one GPU: no communication), bf16. The floor is "
             "the bytes of weights and cache one token reads, at 4.8 TB/s.\n\n"
-            + "\n".join(lines) + f"\n\nFrom {_source(DECODE, doc, nondefault)}"), rows
+            + "\n".join(lines) + f"\n\nFrom {_source(DECODE, doc)}"), rows
 
 
 def mamba_tables() -> tuple[str, dict]:
@@ -344,11 +321,6 @@ def headline() -> str:
                    for op, v in sorted(speedups.items()))
     shapes = len(next(iter(speedups.values())))
     tf = next(r for r in decode if r["model"] == "transformer" and r["batch"] == 1)
-    auto = decode_auto()
-    auto_note = "" if auto is None else (
-        f"decode attention \"model\"; \"auto\" (the default): {auto['per_token_ms']:.3f} ms, "
-        f"{auto['per_token_ms'] / auto['hbm_floor_ms']:.2f}×, {auto['vs_model']:.3f}× faster "
-        f"than \"model\" in its run")
     lines = [
         "| what (bf16) | measured | |",
         "|---|---|---|",
@@ -367,7 +339,7 @@ def headline() -> str:
         f"the Transformer 1B step ({len(mamba['step_ratios'])} processes) | no `--remat`, peak "
         f"{mamba['peak_gb']:.1f} GB |",
         f"| Transformer 1B decode, one H200, batch 1 | {tf['per_token_ms']:.3f} ms per token, "
-        f"{tf['per_token_ms'] / tf['hbm_floor_ms']:.2f}× the HBM floor | {auto_note} |",
+        f"{tf['per_token_ms'] / tf['hbm_floor_ms']:.2f}× the HBM floor | |",
     ]
     return "\n".join(lines)
 
