@@ -137,10 +137,7 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
       {x_gathered->untyped_data(), x_gathered->element_count(), dtype}};
   if (tile_signalled) {
 #ifndef JFO_WITH_CUTLASS
-    return ch.Refuse(ffi::Error::InvalidArgument(
-        "jax_flashoverlap all_gather_matmul: tile_signalled needs the extension built "
-        "with CUTLASS (build_info()['cutlass'] is empty); set "
-        "cuda_policy.ALL_GATHER_GEMM = 'row_blocks'"));
+    return ch.Refuse(TileGemmNotBuilt("all_gather_matmul", "ALL_GATHER_GEMM"));
 #else
     if (dtype != ffi::DataType::BF16 || n != 2) {
       return ch.Refuse(ffi::Error::InvalidArgument(

@@ -361,10 +361,7 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
   const size_t bytes = m * cols * DataTypeBytes(dtype);
   if (tile_signalled) {
 #ifndef JFO_WITH_CUTLASS
-    return ch.Refuse(ffi::Error::InvalidArgument(
-        "jax_flashoverlap matmul_all_reduce: tile_signalled needs the extension built "
-        "with CUTLASS (build_info()['cutlass'] is empty); set "
-        "cuda_policy.MATMUL_ALL_REDUCE_GEMM = 'row_blocks'"));
+    return ch.Refuse(TileGemmNotBuilt("matmul_all_reduce", "MATMUL_ALL_REDUCE_GEMM"));
 #else
     TileSignalledAllReduce schedule(ch, dtype, m, cols, k,
                                     static_cast<const char*>(x.untyped_data()),

@@ -30,10 +30,7 @@ ffi::Error TileSignalled(Channel& ch, ffi::DataType dtype, int64_t m, int64_t co
                          int64_t k, const void* x, const void* w, void* y,
                          const int* order_row) {
 #ifndef JFO_WITH_CUTLASS
-  return ch.Refuse(ffi::Error::InvalidArgument(
-      "jax_flashoverlap matmul_reduce_scatter: tile_signalled needs the extension built "
-      "with CUTLASS (build_info()['cutlass'] is empty); set "
-      "cuda_policy.REDUCE_SCATTER_GEMM = 'row_blocks'"));
+  return ch.Refuse(TileGemmNotBuilt("matmul_reduce_scatter", "REDUCE_SCATTER_GEMM"));
 #else
   if (dtype != ffi::DataType::BF16) {
     return ch.Refuse(ffi::Error::InvalidArgument(

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "common.h"
 #include "transport/transport.h"
@@ -79,6 +80,14 @@ ffi::Error CheckGatherGemm(int ordinal, const GatherGemmArgs& args);
 // Launches the GEMM; `args` passed CheckGatherGemm.
 ffi::Error GatherGemm(int ordinal, const GatherGemmArgs& args, void* workspace,
                       size_t workspace_bytes, cudaStream_t stream);
+
+// The refusal of a tile-signalled schedule in a build without CUTLASS:
+// `op` the op's name, `setting` the cuda_policy setting that asked for it.
+inline ffi::Error TileGemmNotBuilt(const std::string& op, const std::string& setting) {
+  return ffi::Error::InvalidArgument(
+      "jax_flashoverlap " + op + ": tile_signalled needs the extension built with CUTLASS "
+      "(build_info()['cutlass'] is empty); set cuda_policy." + setting + " = 'row_blocks'");
+}
 
 // True once per device and kernel: for a schedule's rehearsal to launch the
 // GEMM (and so load its kernel) before the device's first call that waits.
