@@ -242,15 +242,14 @@ ffi::Error Channel::CheckCapacity(size_t slot_bytes, size_t staging_bytes) {
   if (slot_bytes <= dev_->slot_bytes && staging_bytes <= dev_->staging_bytes) {
     return ffi::Error::Success();
   }
-  committed_ = false;  // the same on every rank, before anything moved
-  return ffi::Error::InvalidArgument(
+  return Refuse(ffi::Error::InvalidArgument(
       std::string("jax_flashoverlap ") + OpName(op_) + ": needs " +
       std::to_string(slot_bytes >> 20) + " MiB per receive slot and " +
       std::to_string(staging_bytes >> 20) +
       " MiB of staging, the workspace has " +
       std::to_string(dev_->slot_bytes >> 20) + " and " +
       std::to_string(dev_->staging_bytes >> 20) +
-      " MiB; raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first call)");
+      " MiB; raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first call)"));
 }
 
 ffi::Error Channel::Refuse(ffi::Error why) {
