@@ -43,6 +43,10 @@ TOLERANCE = 1e-2  # bf16
 # tiles of 2048 to 16384 values either way.
 NORM_SWEEPS = {"gated norm": [(rows, warps) for rows in (4, 8, 16, 32) for warps in (4, 8)],
                "block norm": [(rows, warps) for rows in (1, 2, 4, 8) for warps in (4, 8)]}
+# (rows per tile, tiles per program, warps) of the convolution's backward
+# kernel under --conv --sweep.
+CONV_SWEEP = [(rows, steps, warps) for rows in (16, 32) for steps in (1, 4, 16)
+              for warps in (4, 8)]
 
 
 def ssd_inputs(config: models.MambaConfig, seq_len: int, batch: int, key) -> tuple[jax.Array, ...]:
@@ -198,12 +202,78 @@ def norm_ops(config: models.MambaConfig, which: str, seq_len: int, batch: int, k
     return (operands, described), ops
 
 
+def conv_ops(config: models.MambaConfig, seq_len: int, batch: int, key,
+             tilings: list[tuple[int, int, int]] = ()):
+    """A Mamba-2 layer's in_proj split, convolutions and SiLU
+    (:func:`models.conv_pallas.split_conv_silu`) at ``config``'s shape:
+    (operands (in_proj's output, weight, bias, the outputs' gradients), the
+    shape in words) and, per backward ("xla", "pallas", and the kernel at
+    each (rows per program, warps) in ``tilings``), (forward, forward +
+    backward)."""
+    g = config.num_groups
+    layout = models.conv_pallas.Layout(config.num_heads // g, config.head_dim, config.state_dim)
+    dtype = jnp.dtype(config.dtype)
+    keys = jax.random.split(key, 8)
+    zxbcdt = jax.random.normal(keys[0], (seq_len, batch, g, layout.width), dtype)
+    weight = 0.5 * jax.random.normal(keys[1], (config.conv_width, g * layout.conv_channels), dtype)
+    bias = 0.1 * jax.random.normal(keys[2], (g * layout.conv_channels,), dtype)
+    inputs = (zxbcdt, weight, bias)
+    shapes = jax.eval_shape(lambda *t: models.conv_pallas.split_conv_silu(*t, layout, impl="xla"),
+                            *inputs)
+    # The outputs' gradients are operands, random: from a sum's constant
+    # gradient XLA would fold the backward into the forward.
+    grads = tuple(jax.random.normal(k, s.shape, s.dtype) for k, s in zip(keys[3:], shapes))
+
+    def op(impl, **tiling):
+        def forward(*t):
+            return models.conv_pallas.split_conv_silu(*t[:3], layout, impl=impl, **tiling)
+
+        def forward_and_backward(*t):
+            out, vjp = jax.vjp(lambda *u: forward(*u), *t[:3])
+            return out, vjp(t[3:])
+        return forward, forward_and_backward
+    described = (f"[{seq_len}, {batch}, {g}, {layout.width}] {config.dtype}, "
+                 f"width {config.conv_width}")
+    ops = {impl: op(impl) for impl in ("xla", "pallas")}
+    for rows, steps, warps in tilings:
+        ops[f"pallas rows {rows}x{steps} warps {warps}"] = op(
+            "pallas", block_rows=rows, steps=steps, num_warps=warps)
+    return ((*inputs, *grads), described), ops
+
+
 def relative_error(got, want) -> float:
     """Worst relative error by norm over the leaves of two pytrees."""
     errs = [float(jnp.linalg.norm((g - w).astype(jnp.float32))
                   / jnp.maximum(jnp.linalg.norm(w.astype(jnp.float32)), 1e-30))
             for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
     return max(errs)
+
+
+def time_conv(config, args, key, mesh, rows: list[dict], save) -> None:
+    """The --conv rows, each backward checked against XLA's first: appended
+    to ``rows``, ``save()`` after each, and printed as a table."""
+    (operands, shape), ops = conv_ops(config, args.seq_len, args.batch, key,
+                                      CONV_SWEEP if args.sweep else [])
+    times = {}
+    for impl, op in ops.items():
+        for phase, fn in zip(("forward", "forward+backward"), op):
+            err = relative_error(jax.jit(fn)(*operands), jax.jit(ops["xla"][phase != "forward"])
+                                 (*operands))
+            if not err <= TOLERANCE:
+                raise AssertionError(f"conv {impl}, {phase}: relative error {err:.3g} > "
+                                     f"{TOLERANCE}")
+            t = benchmarking.time_per_op(fn, operands, mesh=mesh,
+                                         in_specs=(P(),) * len(operands), k1=2, k2=8,
+                                         reps=args.reps)
+            times[impl, phase] = t.median_s * 1e3
+            rows.append({"what": f"conv {impl}", "phase": phase, "shape": shape,
+                         "relative_error": err, "ms": t.median_s * 1e3,
+                         "ms_min": t.min_s * 1e3, "ms_max": t.max_s * 1e3, "reps": t.reps})
+            print(json.dumps(rows[-1]), flush=True)
+            save()
+    print(f"\n| convolution ({shape}) | forward (ms) | forward + backward (ms) |\n|---|---|---|")
+    for impl in ops:
+        print(f"| {impl} | {times[impl, 'forward']:.4f} | {times[impl, 'forward+backward']:.4f} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--sweep", action="store_true",
                         help="also time the chunk output's kernels alone per tile side and warps "
-                             "(with --norm, the norm's kernels per rows and warps)")
+                             "(with --norm, the norm's kernels per rows and warps; with "
+                             "--conv, the convolution's backward kernel)")
     parser.add_argument("--sweep-tiles", nargs="+", default=["32x32", "64x64", "128x128"],
                         metavar="ROWSxCOLS", help="the --sweep's intra-chunk tiles")
     parser.add_argument("--sweep-warps", nargs="+", type=int, default=[4, 8])
@@ -224,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the --sweep (no XLA, default-tiling or attention rows)")
     parser.add_argument("--norm", action="store_true",
                         help="also time the mixer's gated norm, XLA's ops against the kernels")
+    parser.add_argument("--conv", action="store_true",
+                        help="also time in_proj's split, the convolutions and their SiLU, "
+                             "XLA's backward against the kernel")
+    parser.add_argument("--conv-only", action="store_true", help="only the --conv rows")
     args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("benchmarks/ssd.py times the Pallas GPU kernels: it needs a CUDA GPU",
@@ -248,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep_only:
         sweep()
         return 0
+    if args.conv or args.conv_only:
+        time_conv(config, args, key, mesh, rows, save)
+        if args.conv_only:
+            return 0
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
     ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)

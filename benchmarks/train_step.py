@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--ssd", default="auto", choices=models.SSD_IMPLS,
                         help="Mamba-2's SSD within chunks (auto: Pallas kernels on GPUs)")
-    parser.add_argument("--conv", default="xla", choices=models.CONV_IMPLS,
-                        help="Mamba-2's convolution + SiLU (pallas: the fused kernel)")
+    parser.add_argument("--conv", default="auto", choices=models.CONV_IMPLS,
+                        help="the backward of Mamba-2's convolution + SiLU (auto: the Pallas "
+                             "kernel on GPUs)")
     parser.add_argument("--mamba-variants", nargs="+", default=["default"], metavar="FLAGS",
                         help="Mamba-2 runs once per FLAGS, extra jax-flashoverlap-train flags "
                              "without their dashes, joined by commas (e.g. default "

@@ -37,9 +37,9 @@ DECODE_MIXER_IMPLS = ("xla", "pallas")
 # The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
 # kernels where they can run (models.mamba.ssd).
 SSD_IMPLS = ("auto", "xla", "pallas")
-# Mamba-2's convolution + SiLU: XLA's ops, or the fused Pallas kernel
-# (models.conv_pallas; opt-in: 2% slower a 1.4B step than XLA's ops on one H200).
-CONV_IMPLS = ("xla", "pallas")
+# The backward of Mamba-2's in_proj split, convolution and SiLU: one Pallas
+# kernel (models.conv_pallas), XLA's ops, or the kernel where it can run.
+CONV_IMPLS = ("auto", "xla", "pallas")
 # How RMSNorm's backward gets what it needs: "autodiff" keeps (or, under a
 # checkpoint policy, recomputes) the float32 intermediates of the forward;
 # "recompute" is a custom_vjp that keeps only the norm's inputs and recomputes
@@ -354,10 +354,13 @@ class MambaConfig(_Presets):
         :func:`models.mamba.resolve_scan_layers`).
       ssd_impl: the SSD's intra-chunk step, one of :data:`SSD_IMPLS` (see
         :func:`models.mamba.ssd`).
-      conv_impl: the causal convolution and its SiLU, one of
-        :data:`CONV_IMPLS`: "xla" (default) or "pallas", one fused GPU
-        kernel (:mod:`models.conv_pallas`; 2% slower a 1.4B step on one
-        H200 than XLA's ops, docs/measurements.md session 21).
+      conv_impl: the backward of in_proj's split, the causal convolution
+        and its SiLU, one of :data:`CONV_IMPLS`: "pallas", one GPU kernel
+        that writes in_proj's output gradient (:mod:`models.conv_pallas`);
+        "xla", XLA's ops; "auto" (default), the kernel on CUDA GPUs (at the
+        1.4B size and sequence 8192 on one H200: a step 241.1 ms against
+        247.3 with "xla", docs/measurements.md session 33), XLA's ops
+        elsewhere. The forward is XLA's either way.
       norm_backward: the gated norm's backward, one of
         :data:`NORM_BACKWARDS` (see :func:`models.layers.rms_norm`). "auto"
         (default): fused Pallas kernels on GPUs (at the 1.4B size and
@@ -419,7 +422,7 @@ class MambaConfig(_Presets):
     remat: bool = False
     scan_layers: bool | None = None
     ssd_impl: str = "auto"
-    conv_impl: str = "xla"
+    conv_impl: str = "auto"
     norm_backward: str = "auto"
     residuals: str = "named"
     fuse_skip: bool = True

@@ -30,28 +30,12 @@ from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
 from . import conv_pallas, mamba_decode_pallas, ssd_pallas
 from .config import SSD_IMPLS, MambaConfig, SSDTiling
+from .conv_pallas import causal_conv1d
 from .layers import CausalLM, RMSNorm, linear_options
 
 __all__ = ["Mamba2", "Mamba2Block", "Mamba2Mixer", "SSD_IMPLS", "SSD_STATES_NAME", "SSMCache",
            "ssd", "ssd_step", "causal_conv1d", "decode_mixer_implementation",
            "resolve_scan_layers"]
-
-
-def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
-    """Depthwise causal convolution along the sequence.
-
-    Args:
-      x: [s, b, *channels], the whole sequence.
-      weight: [k, *channels]; tap k-1 multiplies the current position.
-      bias: [*channels].
-
-    Returns:
-      [s, b, *channels]: ``y[t] = bias + sum_i weight[i] * x[t - (k-1) + i]``.
-    """
-    k, s = weight.shape[0], x.shape[0]
-    padded = jnp.pad(x, ((k - 1, 0),) + ((0, 0),) * (x.ndim - 1))
-    # k is small (4): k shifted multiply-adds that XLA fuses into one pass.
-    return bias + sum(weight[i] * padded[i:i + s] for i in range(k))
 
 
 def _segsum(a: jax.Array) -> jax.Array:
@@ -420,8 +404,9 @@ class Mamba2Mixer(nnx.Module):
         self.decode_implementation = decode_mixer_implementation(config)
         self.dtype = jnp.dtype(config.dtype)
         group_x = self.heads_per_group * p
-        self.conv_channels = group_x + 2 * n                # [x, B, C] per group
-        self.group_width = group_x + self.conv_channels + self.heads_per_group  # z, xBC, dt
+        self.conv_layout = conv_pallas.Layout(self.heads_per_group, p, n)
+        self.conv_channels = self.conv_layout.conv_channels  # [x, B, C] per group
+        self.group_width = self.conv_layout.width           # [z, x, B, C, dt] per group
         self.in_proj = ColumnParallelLinear(d, g * self.group_width, **linear_options(config, rngs))
         bound = 1 / math.sqrt(config.conv_width)            # PyTorch's Conv1d default
         conv_init = nnx.initializers.uniform(2 * bound)
@@ -459,7 +444,8 @@ class Mamba2Mixer(nnx.Module):
           (output as ``__call__``'s, the cache after position ``length - 1``).
         """
         del cache_len
-        out, (conv_in, state) = self._mix(u, length)
+        out, (zxbcdt, state) = self._mix(u, length)
+        conv_in = self._split(zxbcdt)[1]
         k = self.conv_weight.shape[0]
         # The convolution's inputs, zeros before the sequence's start.
         padded = jnp.pad(conv_in, ((k - 1, 0), (0, 0), (0, 0)))   # row i: position i-k+1
@@ -499,16 +485,20 @@ class Mamba2Mixer(nnx.Module):
         return self._output(y[None], x, z, self.out_proj.decode), SSMCache(window[1:], state)
 
     def _mix(self, u: jax.Array, length: int | None = None):
-        """(output, (the convolution's input [s, b, c], the final SSM state))."""
-        z, conv_in, dt = self._split(checkpoint_name(self.in_proj(u), "mamba_in_proj"))
-        x, bmat, cmat, dt, a = self._ssm_inputs(*self._conv_silu(conv_in), dt)
+        """(output, (in_proj's output [s, b, g/tp * group width], the final SSM state))."""
+        zxbcdt = checkpoint_name(self.in_proj(u), "mamba_in_proj")
+        s, b = zxbcdt.shape[:2]
+        z, *parts, dt = conv_pallas.split_conv_silu(
+            zxbcdt.reshape(s, b, -1, self.group_width), *self._conv_params(), self.conv_layout,
+            impl=self.conv_impl)
+        x, bmat, cmat, dt, a = self._ssm_inputs(*parts, dt)
         if length is not None:
             dt = jnp.where(jnp.arange(dt.shape[0])[:, None, None, None] < length, dt, 0.0)
         d_skip = self.d_skip[...].reshape(a.shape) if self.fuse_skip else None
         y, state = ssd(x, dt, a, bmat, cmat, self.chunk_size, return_final_state=True,
                        impl=self.ssd_impl, d_skip=d_skip,
                        keep_chunk_states=self.ssd_keeps_chunk_states, tiling=self.ssd_tiling)
-        return self._output(y, x, z, self.out_proj, skip_added=self.fuse_skip), (conv_in, state)
+        return self._output(y, x, z, self.out_proj, skip_added=self.fuse_skip), (zxbcdt, state)
 
     def _split(self, zxbcdt: jax.Array):
         """in_proj's [s, b, g/tp * per-group width] -> z [s, b, g/tp, heads/g * p],
@@ -534,23 +524,6 @@ class Mamba2Mixer(nnx.Module):
 
     def _conv(self, conv_in: jax.Array) -> jax.Array:
         return causal_conv1d(conv_in, *self._conv_params())
-
-    def _conv_silu(self, conv_in: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """SiLU of the convolution over the whole sequence [s, b, c], as
-        :meth:`_conv_parts`' x, B and C."""
-        if self.conv_impl == "pallas":
-            return self._conv_parts(conv_pallas.causal_conv1d_silu(conv_in,
-                                                                   *self._conv_params()))
-        # One convolution per part, each written where the SSD reads it: a
-        # convolution over all channels made XLA copy x, B and C out of its
-        # output, in the forward and the recomputation (12.5 ms of copies a
-        # 1.4B step on one H200; the step gained about 4 ms, as in_proj's
-        # gradient concatenation took in the convolutions' backward:
-        # docs/measurements.md, session 23).
-        parts = zip(self._conv_parts(conv_in), *map(self._conv_parts, self._conv_params()))
-        # Named for saved_in_backward: the SiLU's backward needs this, not its output.
-        return tuple(jax.nn.silu(checkpoint_name(causal_conv1d(*part), "mamba_conv"))
-                     for part in parts)
 
     def _ssm_inputs(self, x: jax.Array, bmat: jax.Array, cmat: jax.Array, dt: jax.Array):
         """The convolution's activated parts (see :meth:`_conv_parts`) and
@@ -628,7 +601,7 @@ class Mamba2(CausalLM):
     # keeping every residual (config.residuals="all") took 254.0 ms against
     # that 270.5, at a peak of 64.5 GB against 35.8 (docs/measurements.md,
     # session 21).
-    saved_in_backward = ("mamba_in_proj", "mamba_conv", "mamba_ssd")
+    saved_in_backward = ("mamba_in_proj", conv_pallas.CONV_NAME, "mamba_ssd")
 
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
         config = resolve_scan_layers(config)

@@ -274,8 +274,8 @@ def test_train_step_measures_each_mamba_variant_against_the_first(monkeypatch, c
                        "--mamba-variants", "default", "residuals=all"]) == 0
     table = capsys.readouterr().out.split("MFU vs")[-1]
     assert "| transformer | 1,000.0M | xla | cudnn |" in table
-    assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla | 300.0" in table
-    assert "| mamba | 1,000.0M | xla | ssd pallas, conv xla, residuals=all | 240.0" in table
+    assert "| mamba | 1,000.0M | xla | ssd pallas, conv auto | 300.0" in table
+    assert "| mamba | 1,000.0M | xla | ssd pallas, conv auto, residuals=all | 240.0" in table
     assert table.rstrip().endswith("| 1.250x |")
 
 

@@ -213,8 +213,10 @@ def _kept_bytes(config) -> int:
 
 
 def test_named_residuals_keep_less_than_all():
-    """"named" keeps three values a block, "all" every residual."""
-    kept = {r: _kept_bytes(dataclasses.replace(CONFIG, residuals=r))
+    """"named" keeps three values a block, "all" every residual (with XLA's
+    convolution backward: the kernel's custom_vjp keeps the same few values
+    under either policy)."""
+    kept = {r: _kept_bytes(dataclasses.replace(CONFIG, residuals=r, conv_impl="xla"))
             for r in models.RESIDUALS}
     assert kept["named"] < kept["all"] / 2, kept
 

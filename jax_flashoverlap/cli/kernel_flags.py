@@ -25,9 +25,9 @@ def add_kernel_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ssd", choices=SSD_IMPLS, default="auto",
                         help="Mamba-2's SSD within chunks: fused Pallas GPU kernels, XLA "
                              "einsums, or auto (Pallas on GPUs)")
-    parser.add_argument("--conv", choices=CONV_IMPLS, default="xla",
-                        help="Mamba-2's causal convolution + SiLU: XLA's ops, or one fused "
-                             "Pallas GPU kernel (opt-in: 2%% slower a 1.4B step)")
+    parser.add_argument("--conv", choices=CONV_IMPLS, default="auto",
+                        help="the backward of Mamba-2's convolution + SiLU: one Pallas GPU "
+                             "kernel, XLA's ops, or auto (the kernel on GPUs)")
     parser.add_argument("--norm-backward", choices=NORM_BACKWARDS, default="auto",
                         help="Mamba-2's gated norm in the backward: autodiff, a "
                              "custom_vjp that keeps only its inputs (recompute), that "
