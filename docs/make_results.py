@@ -32,10 +32,11 @@ TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
 SSD = "ssd_keeps_states_1xh200.json"
-# The first MAMBA_STEPS_AT_DEFAULTS files ran today's defaults, each in its own
-# process: the headline gives their range.
-MAMBA_STEPS_AT_DEFAULTS = 4
-MAMBA_STEPS = ["train_step_mamba_keeps_states_1xh200.json",
+# The processes whose row of that variant ran today's defaults: the headline
+# gives their range.
+MAMBA_AT_DEFAULTS = [("train_step_mamba_conv_kernel_1xh200.json", "conv=pallas")]
+MAMBA_STEPS = ["train_step_mamba_conv_kernel_1xh200.json",
+               "train_step_mamba_keeps_states_1xh200.json",
                "train_step_mamba_keeps_states_rerun_1xh200.json",
                "train_step_mamba_bf16_operands_1xh200.json",
                "train_step_mamba_bf16_operands_rerun_1xh200.json",
@@ -199,8 +200,8 @@ def mamba_tables() -> tuple[str, dict]:
             # A process's peak: a row's own only where it ran first.
             peak = f"{r['peak_memory_gb']:.1f}" if i == 0 else "–"
             ratio = r["step_ms"] / baseline["step_ms"] if baseline else None
-            ratios.setdefault((name, r["model"]), ratio)  # a process's first row: its default
             variant = r.get("variant") or "default"
+            ratios[(name, r["model"], variant)] = ratio
             label = f"{r['model']} {r['size']}" + ("" if variant == "default" else f" ({variant})")
             steps.append(f"| {label} | {r.get('ssd') or '–'} | "
                          f"{'scanned' if r['scan_layers'] else 'unrolled'} | "
@@ -208,19 +209,23 @@ def mamba_tables() -> tuple[str, dict]:
                          f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
                          f"{'–' if ratio is None else f'{ratio:.2f}×'} | "
                          f"{100 * r['mfu']:.1f}% | {peak} |")
-    mamba = next(r for r in _load(MAMBA_STEPS[0])["rows"] if r["model"] == "mamba")
+    # A process's peak so far: at its row of today's defaults, that row's or an earlier one's.
+    name, variant = MAMBA_AT_DEFAULTS[0]
+    mamba = next(r for r in _load(name)["rows"]
+                 if r["model"] == "mamba" and (r.get("variant") or "default") == variant)
     numbers = {"ssd_speedup": by[("ssd xla", "forward+backward")]["ms"]
                / by[("ssd pallas", "forward+backward")]["ms"],
                "ssd_vs_attention": by[("ssd pallas", "forward+backward")]["ms"] / attention,
-               "step_ratios": [ratios[(name, "mamba")]
-                               for name in MAMBA_STEPS[:MAMBA_STEPS_AT_DEFAULTS]],
+               "step_ratios": [ratios[(name, "mamba", variant)]
+                               for name, variant in MAMBA_AT_DEFAULTS],
                "peak_gb": mamba["peak_memory_gb"]}
     text = (f"One H200, bf16, batch 1, sequence 8192. {shapes}\n\n" + "\n".join(ssd)
             + "\n\nTraining steps (mesh 1x1, no `--remat`; each ratio against the Transformer "
             "of the same process; the peak memory of the process, whose first row each is; SSD "
             "\"auto\" runs the Pallas kernels; layers unrolled is the GPU default; the \"xla\" "
             "row ran before the SSD's states were multiplied in bf16 and before the saved "
-            "residual became the norm's bf16 input):\n\n"
+            "residual became the norm's bf16 input; in the first process the default row ran "
+            "XLA's convolution backward and `conv=pallas` the kernel, today's default):\n\n"
             + "\n".join(steps) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources))
     return text, numbers
 
@@ -309,6 +314,15 @@ both in `benchmarks/results/`.
 """
 
 
+def _span(values: list[float]) -> str:
+    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
+    return low if low == high else f"{low}–{high}"
+
+
+def _processes(count: int) -> str:
+    return f"{count} process" + ("es" if count != 1 else "")
+
+
 def headline() -> str:
     _, speedups = collective_matmul_table()
     _, ratios = all_reduce_table()
@@ -335,8 +349,8 @@ def headline() -> str:
         f"| Mamba-2 1.4B training, one H200, sequence 8192 | SSD layer forward + backward "
         f"{mamba['ssd_speedup']:.2f}× faster with the Pallas kernels, "
         f"{mamba['ssd_vs_attention']:.2f}× the time of cuDNN attention's at the 1B "
-        f"Transformer layer; step {min(mamba['step_ratios']):.2f}–{max(mamba['step_ratios']):.2f}× "
-        f"the Transformer 1B step ({len(mamba['step_ratios'])} processes) | no `--remat`, peak "
+        f"Transformer layer; step {_span(mamba['step_ratios'])}× "
+        f"the Transformer 1B step ({_processes(len(mamba['step_ratios']))}) | no `--remat`, peak "
         f"{mamba['peak_gb']:.1f} GB |",
         f"| Transformer 1B decode, one H200, batch 1 | {tf['per_token_ms']:.3f} ms per token, "
         f"{tf['per_token_ms'] / tf['hbm_floor_ms']:.2f}× the HBM floor | |",
