@@ -47,6 +47,7 @@ __all__ = ["CONV_NAME", "Layout", "causal_conv1d", "split_conv_silu", "unsupport
 # backward needs them, and a block's jax.checkpoint policy keeps them.
 CONV_NAME = "mamba_conv"
 _BLOCK_ROWS = 16
+_AUTO_MIN_ROWS = 16
 _STEPS = 4
 _MAX_CHANNELS = 128
 
@@ -326,7 +327,10 @@ def split_conv_silu(zxbcdt: jax.Array, weight: jax.Array, bias: jax.Array, layou
         raise ValueError(f"conv_pallas.split_conv_silu: impl must be one of {CONV_IMPLS}, "
                          f"got {impl!r}")
     reason = unsupported_reason(layout, weight.shape[0])
-    if impl == "xla" or (impl == "auto" and reason):
+    s = zxbcdt.shape[0]
+    # "auto" leaves sequences to XLA that only split into tiles of fewer than
+    # 16 rows (where the kernel is not measured), as every op does an empty one.
+    if impl == "xla" or s == 0 or (impl == "auto" and (reason or s & -s < _AUTO_MIN_ROWS)):
         return _forward(zxbcdt, weight, bias, layout)[0]
     if impl == "pallas":
         require_runnable("conv_pallas.split_conv_silu", reason, interpret, "use conv_impl='xla'")

@@ -157,27 +157,36 @@ def test_unsupported_layouts_under_auto_run_xla():
         np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("impl", ["pallas", "auto"])
-def test_kernel_lowers_to_triton_without_a_gpu(impl, monkeypatch):
+@pytest.mark.parametrize("impl, s, kernel", [("pallas", 8192, True), ("auto", 8192, True),
+                                             ("pallas", 8200, True), ("auto", 8200, False)])
+def test_kernel_lowers_to_triton_without_a_gpu(impl, s, kernel, monkeypatch):
     """At the 1.4B layer's shape (8 groups of 8 heads of 64, state 128);
-    "auto" lowered for CUDA takes the kernel too."""
+    "auto" lowered for CUDA takes the kernel too, but for a sequence that
+    splits only into tiles of 8 rows (8200)."""
     from jax._src.pallas.triton import gpu_info
 
     monkeypatch.setattr(gpu_info, "get_gpu_info",
                         lambda: gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     layout = conv_pallas.Layout(heads=8, head_dim=64, state=128)
     args = [jax.ShapeDtypeStruct(shape, jnp.bfloat16) for shape in (
-        (8192, 1, 8, layout.width), (4, 8 * layout.conv_channels), (8 * layout.conv_channels,))]
+        (s, 1, 8, layout.width), (4, 8 * layout.conv_channels), (8 * layout.conv_channels,))]
 
     def grads(*t):
         return jax.grad(lambda *u: sum(jnp.sum(o.astype(jnp.float32)) for o in
-                                       conv_pallas._split_conv_silu(
-                                           *u, conv_pallas._Kernel(layout,
-                                                                   by_platform=impl == "auto"))),
+                                       conv_pallas.split_conv_silu(*u, layout, impl=impl)),
                         argnums=(0, 1, 2))(*t)
 
     text = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mamba_conv_backward" in text
+    assert ("mamba_conv_backward" in text) == kernel
+
+
+def test_an_empty_sequence_runs_xla():
+    zxbcdt = jnp.zeros((0, 1, 1, _SMALL.width))
+    outs = conv_pallas.split_conv_silu(zxbcdt, jnp.zeros((4, 64)), jnp.zeros((64,)), _SMALL,
+                                       interpret=True)
+    assert [o.shape for o in outs] == [(0, 1, 1, 32), (0, 1, 1, 32), (0, 1, 1, 16),
+                                       (0, 1, 1, 16), (0, 1, 1, 2)]
 
 
 def test_mamba_config_and_flag_choose_the_kernel(capsys):
