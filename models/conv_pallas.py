@@ -191,6 +191,9 @@ def _backward_kernel(zx_ref, w_ref, pre_x_ref, pre_b_ref, pre_c_ref, dz_ref, dx_
     @pl.when((first >= inner) & (first < inner + state))
     def _b():
         part(pre_b_ref, db_ref, first - inner)
+
+    @pl.when(first == inner)  # B's first channel block also copies dt's gradient
+    def _dt():
         out_ref[:, pl.ds(inner + layout.conv_channels, layout.heads)] = (
             ddt_ref[...].astype(out_ref.dtype))
 
@@ -225,9 +228,9 @@ def _kernel_backward(kernel: _Kernel, residuals, cotangents):
     channels = _channel_block(layout)
     # The largest power of two dividing s, at most the asked rows.
     block_rows = min(kernel.block_rows or _BLOCK_ROWS, s & -s)
-    steps = min(kernel.steps or _STEPS, s // block_rows)
-    while (s // block_rows) % steps:
-        steps -= 1
+    # Tiles per program: a power of two dividing the tiles, so that a
+    # program's rows (its z and dt copies) are a power of two too.
+    steps = min(kernel.steps or _STEPS, (s // block_rows) & -(s // block_rows))
     program_rows = block_rows * steps
     blocks, conv_blocks = s // program_rows, layout.conv_channels // channels
     operands, varying = same_variance(zxbcdt, weight, *pre, *cotangents)
@@ -308,8 +311,9 @@ def split_conv_silu(zxbcdt: jax.Array, weight: jax.Array, bias: jax.Array, layou
         run the layout, compiled for a CUDA GPU, else XLA's ops.
       block_rows: the kernel's rows per tile, a power of two (default 16;
         at most the largest power of two dividing s).
-      steps: tiles per program, one after the other (default 4; at most
-        the largest count dividing the sequence's tiles).
+      steps: tiles per program, one after the other, a power of two
+        (default 4; at most the largest power of two dividing the
+        sequence's tiles).
       num_warps: the kernel's warps per program (default Triton's, 4).
       interpret: run the backward kernel in Pallas's interpreter (any
         backend; for tests).
@@ -341,7 +345,7 @@ def split_conv_silu(zxbcdt: jax.Array, weight: jax.Array, bias: jax.Array, layou
     if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1)):
         raise ValueError(f"conv_pallas.split_conv_silu: block_rows={block_rows} is not a "
                          f"power of two")
-    if steps is not None and steps < 1:
-        raise ValueError(f"conv_pallas.split_conv_silu: steps={steps} is below 1")
+    if steps is not None and (steps < 1 or steps & (steps - 1)):
+        raise ValueError(f"conv_pallas.split_conv_silu: steps={steps} is not a power of two")
     return _split_conv_silu(zxbcdt, weight, bias, _Kernel(layout, interpret, block_rows,
                                                           num_warps, steps, impl == "auto"))

@@ -57,7 +57,7 @@ _SMALL = conv_pallas.Layout(heads=2, head_dim=16, state=16)
 
 
 # Tiles of 8 rows one a program (40, 200); one program of 4 tiles of 16
-# (64); two programs of 3 tiles of 16 (96).
+# (64); three programs of 2 tiles of 16 (96).
 @pytest.mark.parametrize("s", [40, 64, 96, 200])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_interpreted_kernel_equals_xla(s, dtype, rng):
@@ -108,7 +108,8 @@ def test_unsupported_layouts(layout, width, message):
 
 @pytest.mark.parametrize("tiling, message", [
     (dict(block_rows=3), "block_rows=3 is not a power of two"),
-    (dict(steps=0), "steps=0 is below 1"),
+    (dict(steps=0), "steps=0 is not a power of two"),
+    (dict(steps=3), "steps=3 is not a power of two"),
 ])
 def test_bad_tilings(tiling, message):
     with pytest.raises(ValueError, match=message):
@@ -158,11 +159,14 @@ def test_unsupported_layouts_under_auto_run_xla():
 
 
 @pytest.mark.parametrize("impl, s, kernel", [("pallas", 8192, True), ("auto", 8192, True),
-                                             ("pallas", 8200, True), ("auto", 8200, False)])
+                                             ("pallas", 8200, True), ("auto", 8200, False),
+                                             ("auto", 96, True), ("auto", 480, True)])
 def test_kernel_lowers_to_triton_without_a_gpu(impl, s, kernel, monkeypatch):
     """At the 1.4B layer's shape (8 groups of 8 heads of 64, state 128);
     "auto" lowered for CUDA takes the kernel too, but for a sequence that
-    splits only into tiles of 8 rows (8200)."""
+    splits only into tiles of 8 rows (8200). 96 and 480 rows are 6 and 30
+    tiles of 16: programs of 2 tiles, whose rows are a power of two as
+    Triton's loads need (3 tiles a program failed to lower)."""
     from jax._src.pallas.triton import gpu_info
 
     monkeypatch.setattr(gpu_info, "get_gpu_info",
