@@ -75,6 +75,15 @@ class Layout(NamedTuple):
         """All of a group's columns."""
         return 2 * self.inner + 2 * self.state + self.heads
 
+    def split(self, zxbcdt: jax.Array) -> list[jax.Array]:
+        """[..., width] -> z [..., inner], the convolution's input [...,
+        conv_channels] and dt [..., heads]."""
+        return jnp.split(zxbcdt, [self.inner, self.inner + self.conv_channels], axis=-1)
+
+    def parts(self, xbc: jax.Array) -> list[jax.Array]:
+        """[..., conv_channels] -> x [..., inner], B and C [..., state]."""
+        return jnp.split(xbc, [self.inner, self.inner + self.state], axis=-1)
+
 
 def causal_conv1d(x: jax.Array, weight: jax.Array, bias: jax.Array) -> jax.Array:
     """Depthwise causal convolution along the sequence.
@@ -108,21 +117,16 @@ def unsupported_reason(layout: Layout, width: int) -> str | None:
     return None
 
 
-def _parts(xbc: jax.Array, layout: Layout) -> list[jax.Array]:
-    """[..., conv_channels] -> x, B and C."""
-    return jnp.split(xbc, [layout.inner, layout.inner + layout.state], axis=-1)
-
-
 def _forward(zxbcdt, weight, bias, layout: Layout):
     """(z, SiLU(x), SiLU(B), SiLU(C), dt) and the three pre-activations."""
-    z, xbc, dt = jnp.split(zxbcdt, [layout.inner, layout.inner + layout.conv_channels], axis=-1)
+    z, xbc, dt = layout.split(zxbcdt)
     groups = zxbcdt.shape[2]
     # One convolution per part, each written where its consumer reads it: a
     # convolution over all channels made XLA copy x, B and C out of its
     # output (docs/measurements.md, session 23).
     pre = [checkpoint_name(causal_conv1d(*part), CONV_NAME) for part in zip(
-        _parts(xbc, layout), _parts(weight.reshape(-1, groups, layout.conv_channels), layout),
-        _parts(bias.reshape(groups, layout.conv_channels), layout))]
+        layout.parts(xbc), layout.parts(weight.reshape(-1, groups, layout.conv_channels)),
+        layout.parts(bias.reshape(groups, layout.conv_channels)))]
     return (z, *map(jax.nn.silu, pre), dt), pre
 
 

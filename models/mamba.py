@@ -503,18 +503,15 @@ class Mamba2Mixer(nnx.Module):
     def _split(self, zxbcdt: jax.Array):
         """in_proj's [s, b, g/tp * per-group width] -> z [s, b, g/tp, heads/g * p],
         the convolution's input [s, b, c] and dt [s, b, g/tp, heads/g]."""
-        hpg, p = self.heads_per_group, self.head_dim
         s, b = zxbcdt.shape[:2]
-        zxbcdt = zxbcdt.reshape(s, b, -1, self.group_width)
-        z, xbc, dt = jnp.split(zxbcdt, [hpg * p, hpg * p + self.conv_channels], axis=-1)
+        z, xbc, dt = self.conv_layout.split(zxbcdt.reshape(s, b, -1, self.group_width))
         return z, xbc.reshape(s, b, -1), dt
 
     def _conv_parts(self, xbc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """[..., g/tp * c] -> x [..., g/tp, heads/g * p], B and C [..., g/tp, n]:
         the convolution's channels (activations, weights or biases) of each group."""
-        hpg, p, n = self.heads_per_group, self.head_dim, self.state_dim
-        grouped = xbc.reshape(*xbc.shape[:-1], -1, self.conv_channels)
-        x, bmat, cmat = jnp.split(grouped, [hpg * p, hpg * p + n], axis=-1)
+        x, bmat, cmat = self.conv_layout.parts(xbc.reshape(*xbc.shape[:-1], -1,
+                                                           self.conv_channels))
         return x, bmat, cmat
 
     def _conv_params(self) -> tuple[jax.Array, jax.Array]:
