@@ -377,7 +377,8 @@ class MambaConfig(_Presets):
       ssd_keeps_chunk_states: the SSD's backward keeps the chunk states of
         its forward instead of computing them again (``keep_chunk_states``
         of :func:`models.mamba.ssd`; about 0.1 GB more per layer at the 1.4B
-        size and sequence 8192). Off: not yet measured.
+        size and sequence 8192). Off: the 1.4B step took 4.7 GB more and
+        was no faster than its own spread.
       decode_matmul: the weight matmuls of a decode step, one of
         :data:`DECODE_MATMUL_IMPLS` (see :class:`TransformerConfig`).
       decode_mixer: a decode step's convolution, SSM state update and skip,

@@ -51,7 +51,8 @@ from .config import SSDTiling
 from .layers import same_variance
 from .pallas_gpu import plgpu
 
-__all__ = ["Tiling", "chunk_operands", "chunk_output", "chunk_states", "unsupported_reason"]
+__all__ = ["Tiling", "chunk_operands", "chunk_output", "chunk_states", "pass_states",
+           "unsupported_reason"]
 
 _MAX_BLOCK = 64
 
@@ -602,3 +603,157 @@ def chunk_states(x: jax.Array, b: jax.Array, *, chunk_size: int, block: int | No
                      unsupported_reason(chunk_size, p, heads, b.shape[-1]), block, num_warps,
                      interpret, num_stages)
     return _chunk_states(x, b, tiling)
+
+
+# The recurrence across chunks (step 3 of the SSD). Per (batch, group, head),
+# with a_z the log decay over chunk z and S_z the state it leaves:
+#   R_0 = 0,  R_{z+1} = exp(a_z) R_z + S_z;  entering[z] = R_z, final = R_C.
+# Written as XLA einsums over the [C, C] matrix of decays between chunks,
+# it reads and writes every state in float32 several times, forward and
+# backward; here each program carries one block of a head's state rows
+# through the chunks in registers.
+
+_PASSING_ROWS = 16
+
+
+def _passing_kernel(decay_ref, states_ref, entering_ref, final_ref, *, chunks):
+    def chunk(z, running):
+        entering_ref[z] = running.astype(entering_ref.dtype)
+        return jnp.exp(decay_ref[z]) * running + states_ref[z]
+
+    final_ref[...] = lax.fori_loop(0, chunks, chunk, jnp.zeros(final_ref.shape, jnp.float32))
+
+
+def _passing_backward_kernel(decay_ref, entering_ref, d_entering_ref, d_final_ref,
+                             d_states_ref, d_decay_ref, *, chunks):
+    """With G_z the gradient of R_z, from G_C = d_final back to the first
+    chunk: dS_z = G_{z+1}, d a_z = exp(a_z) <G_{z+1}, R_z> (this block's
+    share), G_z = d_entering[z] + exp(a_z) G_{z+1}."""
+    positions = lax.broadcasted_iota(jnp.int32, d_decay_ref.shape, 0)
+
+    def chunk(i, carry):
+        later, d_decay = carry
+        z = chunks - 1 - i
+        d_states_ref[z] = later
+        decay = jnp.exp(decay_ref[z])
+        share = decay * jnp.sum(later * entering_ref[z].astype(jnp.float32))
+        return (d_entering_ref[z].astype(jnp.float32) + decay * later,
+                jnp.where(positions == z, share, d_decay))
+
+    _, d_decay = lax.fori_loop(0, chunks, chunk, (d_final_ref[...],
+                                                  jnp.zeros(d_decay_ref.shape, jnp.float32)))
+    d_decay_ref[...] = d_decay
+
+
+class _PassingTiling(NamedTuple):
+    rows: int
+    dtype: jnp.dtype
+    interpret: bool
+
+
+def _passing_specs(states_shape, rows: int):
+    """BlockSpecs over the grid (batch, group, head, block of ``rows`` state rows)."""
+    chunks, n = states_shape[3], states_shape[-1]
+    return dict(
+        decay=pl.BlockSpec((None, None, None, chunks), lambda b, g, h, i: (b, g, h, 0)),
+        states=pl.BlockSpec((None, None, None, chunks, rows, n),
+                            lambda b, g, h, i: (b, g, h, 0, i, 0)),
+        final=pl.BlockSpec((None, None, None, rows, n), lambda b, g, h, i: (b, g, h, i, 0)),
+    )
+
+
+def _pass(decay, states, tiling: _PassingTiling):
+    batch, groups, heads, chunks, p, n = states.shape
+    spec = _passing_specs(states.shape, tiling.rows)
+    (decay, states), varying = same_variance(decay, states)
+    result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
+    return pl.pallas_call(
+        functools.partial(_passing_kernel, chunks=chunks),
+        grid=(batch, groups, heads, p // tiling.rows),
+        in_specs=[spec["decay"], spec["states"]],
+        out_specs=[spec["states"], spec["final"]],
+        out_shape=[result(states.shape, tiling.dtype), result((batch, groups, heads, p, n),
+                                                              jnp.float32)],
+        interpret=tiling.interpret,
+        name="ssd_state_passing",
+    )(decay, states)
+
+
+def _pass_backward(decay, entering, d_entering, d_final, tiling: _PassingTiling):
+    batch, groups, heads, chunks, p, n = entering.shape
+    spec = _passing_specs(entering.shape, tiling.rows)
+    # Triton vectors have power-of-two lengths: the chunks' gradients are
+    # padded to one, and each block of rows gives its share, summed after.
+    padded = 1 << (chunks - 1).bit_length()
+    (decay, entering, d_entering, d_final), varying = same_variance(decay, entering,
+                                                                    d_entering, d_final)
+    result = functools.partial(jax.ShapeDtypeStruct, manual_axis_type=varying)
+    d_states, d_decay = pl.pallas_call(
+        functools.partial(_passing_backward_kernel, chunks=chunks),
+        grid=(batch, groups, heads, p // tiling.rows),
+        in_specs=[spec["decay"], spec["states"], spec["states"], spec["final"]],
+        out_specs=[spec["states"],
+                   pl.BlockSpec((None, None, None, None, padded),
+                                lambda b, g, h, i: (b, g, h, i, 0))],
+        out_shape=[result(entering.shape, jnp.float32),
+                   result((batch, groups, heads, p // tiling.rows, padded), jnp.float32)],
+        interpret=tiling.interpret,
+        name="ssd_state_passing_backward",
+    )(decay, entering, d_entering, d_final)
+    return jnp.sum(d_decay, axis=3)[..., :chunks], d_states
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _passing(decay, states, tiling):
+    return _pass(decay, states, tiling)
+
+
+def _passing_fwd(decay, states, tiling):
+    entering, final = _pass(decay, states, tiling)
+    return (entering, final), (decay, entering)
+
+
+def _passing_bwd(tiling, residuals, cotangents):
+    decay, entering = residuals
+    d_entering, d_final = cotangents
+    return _pass_backward(decay, entering, d_entering, d_final, tiling)
+
+
+_passing.defvjp(_passing_fwd, _passing_bwd)
+
+
+def pass_states(log_decay: jax.Array, states: jax.Array, *, dtype=None,
+                rows: int | None = None, interpret: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
+    """The state entering each chunk, and the final state, from the states
+    the chunks leave; differentiable, on the GPU.
+
+    Args:
+      log_decay: [batch, g, heads, chunks] float32, each chunk's sum of
+        ``dt·a`` (its state decays by the exp of it).
+      states: [batch, g, heads, chunks, p, n] float32, the state each chunk
+        leaves from its own inputs (:func:`chunk_states`).
+      dtype: the entering states' dtype (default float32): the dtype
+        :func:`chunk_output` multiplies them in.
+      rows: state rows per kernel program, a power of two dividing p
+        (default min(p, 16)).
+      interpret: run the kernels in Pallas's interpreter (any backend; for tests).
+
+    Returns:
+      (entering [batch, g, heads, chunks, p, n] in ``dtype``: zero for the
+      first chunk, then ``exp(a_z) · entering[z] + states[z]``; final
+      [batch, g, heads, p, n] float32, the state after the last chunk).
+    """
+    *_, chunks, p, n = states.shape
+    if plgpu is None and not interpret:
+        raise ValueError("ssd_pallas.pass_states: this jax has no Pallas Triton backend; use "
+                         "the XLA SSD (ssd_impl='xla').")
+    if log_decay.shape != states.shape[:4]:
+        raise ValueError(f"ssd_pallas.pass_states: log_decay {log_decay.shape} must be states' "
+                         f"[batch, g, heads, chunks] = {states.shape[:4]}")
+    rows = min(p, _PASSING_ROWS) if rows is None else rows
+    if rows < 1 or rows & (rows - 1) or p % rows:
+        raise ValueError(f"ssd_pallas.pass_states: rows={rows} must be a power of two "
+                         f"dividing p={p}")
+    tiling = _PassingTiling(rows, jnp.dtype(dtype or jnp.float32), interpret)
+    return _passing(log_decay.astype(jnp.float32), states.astype(jnp.float32), tiling)
