@@ -6,8 +6,7 @@ cuDNN flash attention at the Transformer's layer.
 At Mamba-2 1.4B's layer shape (batch 1, 64 heads of 64 in 8 groups, state
 128, chunk 256, bf16) it times :func:`models.mamba.ssd` forward, and
 forward + backward (the gradients of every input), with ``impl`` "xla" and
-"pallas" (also keeping the chunk states for the backward, and with the
-passing of states across chunks as XLA's einsums instead of its kernels), and cuDNN
+"pallas" (also keeping the chunk states for the backward), and cuDNN
 flash attention at the 1B Transformer's layer (16 heads of 128, 8 KV heads,
 causal) the same way, in one process, by the project's
 protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
@@ -63,21 +62,10 @@ def ssd_inputs(config: models.MambaConfig, seq_len: int, batch: int, key) -> tup
     return x, dt, a, b, c
 
 
-def _pallas_with_xla_passing(x, dt, a, b, c, d, chunk_size, saved=None):
-    """The Pallas SSD with step 3, the passing across chunks, as XLA's
-    einsums: the SSD before its passing kernels, to A/B them."""
-    mamba = models.mamba
-    products = mamba._pallas_products()._replace(passing=mamba._passing_xla)
-    return mamba._chunked_ssd(x, dt, a, b, c, d, chunk_size, products, saved)
-
-
 def ssd_ops(config: models.MambaConfig, impl: str, keep_chunk_states: bool = False):
     """(forward, forward + backward) of one layer's SSD; ``keep_chunk_states``
-    as :func:`models.mamba.ssd` takes it; impl "pallas, xla passing": see
-    :func:`_pallas_with_xla_passing`."""
+    as :func:`models.mamba.ssd` takes it."""
     def forward(*t):
-        if impl == "pallas, xla passing":
-            return models.mamba._ssd(*t, None, config.chunk_size, _pallas_with_xla_passing)[0]
         return models.mamba.ssd(*t, config.chunk_size, impl=impl,
                                 keep_chunk_states=keep_chunk_states)
 
@@ -343,13 +331,12 @@ def main(argv: list[str] | None = None) -> int:
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
     ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)
-    ops["pallas, xla passing"] = ssd_ops(config, "pallas, xla passing")
     errors = {}
     for i, phase in enumerate(("forward", "forward+backward")):
         want = jax.jit(ops["xla"][i])(*inputs)
-        for impl in ("pallas", "pallas keeps states", "pallas, xla passing"):
+        for impl in ("pallas", "pallas keeps states"):
             err = relative_error(jax.jit(ops[impl][i])(*inputs), want)
-            errors[phase if impl == "pallas" else f"{phase}, {impl}"] = err
+            errors[phase if impl == "pallas" else f"{phase}, keeps states"] = err
             print(f"{impl} vs xla, {phase}: relative error {err:.2e}", flush=True)
             if not err <= TOLERANCE:
                 raise AssertionError(f"{impl}, {phase}: relative error {err:.3g} > {TOLERANCE}")
@@ -405,8 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]
-    for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "ssd pallas, xla passing",
-                 "cudnn attention"):
+    for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "cudnn attention"):
         both = by[(what, "forward+backward")]
         lines.append(f"| {what} | {by[(what, 'forward')]:.3f} | {both:.3f} | "
                      f"{both / attention:.2f}x |")

@@ -179,10 +179,8 @@ def mamba_tables() -> tuple[str, dict]:
     attention = by[("cudnn attention", "forward+backward")]["ms"]
     ssd = ["| per layer | forward ms | forward + backward ms | fwd + bwd vs cuDNN attention |",
            "|---|---|---|---|"]
-    for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "ssd pallas, xla passing",
-                 "cudnn attention"):
-        if (what, "forward") not in by:  # options timed only since 04bc786 and since the
-            # passing kernels
+    for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "cudnn attention"):
+        if (what, "forward") not in by:  # an option timed only since 04bc786
             continue
         fwd, both = by[(what, "forward")], by[(what, "forward+backward")]
         ssd.append(f"| {what} | {fwd['ms']:.3f} | {both['ms']:.3f} | "

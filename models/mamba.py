@@ -91,12 +91,12 @@ def ssd(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,
       d_skip: [g, heads] float32, Mamba-2's D, or None. With it, y is
         ``ssd + d_skip · x`` in x's dtype, added inside the output kernel on
         the Pallas path.
-      keep_chunk_states: the backward also keeps each chunk's state, the
+      keep_chunk_states: the backward also keeps each chunk's state and the
         state entering each chunk ([batch, g, heads, chunks, p, n], float32
-        and x's dtype) and the final state, and does not compute them again.
-        Inside a ``jax.checkpoint`` the policy must save them too: they are
-        named :data:`SSD_STATES_NAME`. Off by default: the 1.4B step took
-        4.7 GB more and was no faster than its own spread.
+        and x's dtype) and does not compute them again. Inside a
+        ``jax.checkpoint`` the policy must save them too: they are named
+        :data:`SSD_STATES_NAME`. Off by default: the 1.4B step took 4.7 GB
+        more and was no faster than its own spread.
       tiling: the Pallas kernels' tiling (None: their defaults); unused by
         the XLA path.
 
@@ -129,14 +129,10 @@ class _ChunkProducts(NamedTuple):
         None) -> y [C, l, batch, g, heads, p], from inside each chunk and
         from the state entering it (plus skip · x, then in x's dtype). dt,
         log_decay and cum float32.
-      passing: (chunk log decays [batch, g, heads, C] float32, states,
-        dtype) -> (the state entering each chunk in dtype, zero for the
-        first; the final state, float32).
     """
 
     states: Callable
     output: Callable
-    passing: Callable
 
 
 def _chunked_ssd_for(impl: str, chunk_size: int, head_dim: int, heads_per_group: int,
@@ -183,15 +179,7 @@ def _output_xla(x, dt, log_decay, cum, b, c, entering, skip):
     return y if skip is None else (y + skip[..., None] * x).astype(dtype)
 
 
-def _passing_xla(chunk_log_decay, states, dtype):
-    """Step 3 as einsums over the [C+1, C+1] decays between chunks."""
-    chunk_decay = jnp.exp(_segsum(jnp.pad(chunk_log_decay, ((0, 0),) * 3 + ((1, 0),))))
-    entering = jnp.einsum("bghzc,bghcpn->bghzpn", chunk_decay[..., :-1, 1:], states)
-    final = jnp.einsum("bghc,bghcpn->bghpn", chunk_decay[..., -1, 1:], states)
-    return entering.astype(dtype), final
-
-
-_XLA_PRODUCTS = _ChunkProducts(_states_xla, _output_xla, _passing_xla)
+_XLA_PRODUCTS = _ChunkProducts(_states_xla, _output_xla)
 
 
 def _pallas_products(interpret: bool = False, tiling: SSDTiling | None = None
@@ -216,10 +204,7 @@ def _pallas_products(interpret: bool = False, tiling: SSDTiling | None = None
                                     **tiling.kernel_options())
         return y.reshape(x.shape[:2] + y.shape[1:])
 
-    def passing(chunk_log_decay, states, dtype):
-        return ssd_pallas.pass_states(chunk_log_decay, states, dtype=dtype, interpret=interpret)
-
-    return _ChunkProducts(states, output, passing)
+    return _ChunkProducts(states, output)
 
 
 def _chunked_ssd_xla(x, dt, a, b, c, d, chunk_size, saved=None):
@@ -289,12 +274,18 @@ def _reused_bwd(fn, args, cotangent):
 _reused.defvjp(_reused_fwd, _reused_bwd)
 
 
+def _entering(chunk_decay, states, dtype):
+    """[batch, g, heads, C, C] decays (from the chunk on the right to the one
+    on the left), [batch, g, heads, C, p, n] float32 -> the state entering
+    each chunk, in ``dtype`` (the output's products multiply in it)."""
+    return jnp.einsum("bghzc,bghcpn->bghzpn", chunk_decay, states).astype(dtype)
+
+
 def _chunked_ssd(x, dt, a, b, c, d, chunk_size, products: _ChunkProducts, saved=None):
     """:func:`ssd` on a sequence that is a multiple of the chunk.
 
-    Returns ((y, final state), (states, (entering, final state))): each
-    chunk's own state (float32) and the state entering it (in x's dtype).
-    ``saved``: those of
+    Returns ((y, final state), (states, entering)): each chunk's own state
+    (float32) and the state entering it (in x's dtype). ``saved``: those of
     the forward pass over the same inputs, given back by the backward pass,
     which then differentiates the chunk states and the passing across chunks
     without computing them again.
@@ -314,14 +305,17 @@ def _chunked_ssd(x, dt, a, b, c, d, chunk_size, products: _ChunkProducts, saved=
               else _reused(products.states, saved[0], *weighted))
     # 3. Across chunks: the state entering each chunk (zero for the first),
     # then the final state.
-    passing = functools.partial(products.passing, dtype=dtype)
-    chunk_log_decay = jnp.moveaxis(cum[:, -1], 0, -1)      # [batch, g, heads, C]
-    entering, final = (passing(chunk_log_decay, states) if saved is None
-                       else _reused(passing, saved[1], chunk_log_decay, states))
+    chunk_decay = jnp.exp(_segsum(jnp.moveaxis(jnp.pad(cum[:, -1], ((1, 0),) + ((0, 0),) * 3),
+                                               0, -1)))     # [batch, g, heads, C+1, C+1]
+    entering_of = functools.partial(_entering, dtype=dtype)
+    to_chunks = (chunk_decay[..., :-1, 1:], states)
+    entering = (entering_of(*to_chunks) if saved is None
+                else _reused(entering_of, saved[1], *to_chunks))
+    final = jnp.einsum("bghc,bghcpn->bghpn", chunk_decay[..., -1, 1:], states)
     # 1 and 4. Within chunks, plus the entering state decayed to each position.
     skip = None if d is None else jnp.broadcast_to(d.astype(jnp.float32), dt.shape)
     y = products.output(x, dt, log_decay, cum, b, c.astype(dtype), entering, skip)
-    return (y.reshape(-1, *y.shape[2:]), final), (states, (entering, final))
+    return (y.reshape(-1, *y.shape[2:]), final), (states, entering)
 
 
 def ssd_step(x: jax.Array, dt: jax.Array, a: jax.Array, b: jax.Array, c: jax.Array,

@@ -87,17 +87,15 @@ def test_ssd_sequence_not_a_multiple_of_the_chunk(rng):
 def test_ssd_backward_keeps_its_inputs(keep_chunk_states, rng):
     """The chunked form's autodiff would keep [chunks, heads, l, l] blocks
     (24576 elements here); the SSD's vjp keeps its inputs (and recomputes),
-    with ``keep_chunk_states`` also each chunk's state, the state
-    entering it and the final state."""
+    with ``keep_chunk_states`` also each chunk's state and the state
+    entering it."""
     s, chunk, batch, g, heads, p, n = 64, 32, 2, 3, 2, 8, 8
     inputs = _ssd_inputs(rng, s=s, batch=batch, g=g, heads=heads, p=p, n=n)
     _, vjp = jax.vjp(lambda *t: ssd(*t, chunk, impl="xla", keep_chunk_states=keep_chunk_states),
                      *inputs)
     kept = sum(leaf.size for leaf in jax.tree.leaves(vjp))
-    final = batch * g * heads * p * n
-    states = final * (s // chunk)
-    assert kept <= sum(t.size for t in inputs) + (2 * states + final if keep_chunk_states
-                                                  else 0), kept
+    states = batch * g * heads * (s // chunk) * p * n
+    assert kept <= sum(t.size for t in inputs) + (2 * states if keep_chunk_states else 0), kept
 
 
 def test_kept_chunk_states_are_not_computed_again(rng):
@@ -224,14 +222,14 @@ def test_named_residuals_keep_less_than_all():
 
 
 def test_kept_chunk_states_pass_the_blocks_checkpoint():
-    """ssd_keeps_chunk_states adds each layer's chunk states (float32),
-    entering states (the compute dtype) and final state (float32) to what
-    the backward keeps, through the blocks' named-residual policy."""
+    """ssd_keeps_chunk_states adds each layer's chunk states (float32) and
+    entering states (the compute dtype) to what the backward keeps, through
+    the blocks' named-residual policy."""
     default = _kept_bytes(CONFIG)
     kept = _kept_bytes(dataclasses.replace(CONFIG, ssd_keeps_chunk_states=True))
-    final = BATCH * CONFIG.num_heads * CONFIG.head_dim * CONFIG.state_dim
-    states = final * (SEQ_LEN // CONFIG.chunk_size)
-    per_layer = states * (4 + jnp.dtype(CONFIG.dtype).itemsize) + final * 4
+    states = (BATCH * CONFIG.num_heads * (SEQ_LEN // CONFIG.chunk_size) * CONFIG.head_dim
+              * CONFIG.state_dim)
+    per_layer = states * (4 + jnp.dtype(CONFIG.dtype).itemsize)
     assert kept - default == CONFIG.num_layers * per_layer, (default, kept, per_layer)
 
 
