@@ -115,6 +115,29 @@ def _decay(cum_rows, cum_cols, row0, col0):
     return jnp.exp(jnp.where(t >= u, cum_rows[:, None] - cum_cols[None, :], -jnp.inf))
 
 
+def _decay_below(cum_rows, cum_cols, cum_last):
+    """[rows, cols] exp(cum[t] - cum[u]) for a tile wholly below the
+    diagonal (every t after every u), as the outer product of
+    exp(cum[t] - cum[v]) and exp(cum[v] - cum[u]), v the tile's last column
+    (``cum_last``, [1]): rows + cols exponentials instead of rows · cols.
+    cum is monotonic along a head (every dt·a has a's sign), so both factors
+    are on the product's side of 1: neither overflows where it does not."""
+    return (jnp.exp(cum_rows - cum_last)[:, None]
+            * jnp.exp(cum_last - cum_cols)[None, :])
+
+
+def _wholly_below(row, block, cols):
+    """How many column tiles of side ``cols`` end before row block ``row``
+    (of side ``block``) starts: those wholly below the diagonal."""
+    return lax.div(row * block, cols)
+
+
+def _first_wholly_below(col, block, cols):
+    """The first row block (of side ``block``) that starts after column tile
+    ``col`` (of side ``cols``) ends."""
+    return lax.div((col + 1) * cols + block - 1, block)
+
+
 def _to_diagonal(row, block, cols):
     """How many column tiles of side ``cols`` start before the end of row
     block ``row`` (of side ``block``): those on or below the diagonal."""
@@ -133,17 +156,22 @@ def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, *refs, blo
     cum_rows = cum_ref[rows]
     precision = _precision(x_ref.dtype)
 
-    def column(col, acc):
+    def column(col, acc, *, below):
         tile_cols = pl.ds(col * cols, cols)
-        tile = (cb_ref[:, tile_cols] * _decay(cum_rows, cum_ref[tile_cols], row * block, col * cols)
-                * dt_ref[tile_cols][None, :])
+        cum_cols = cum_ref[tile_cols]
+        decay = (_decay_below(cum_rows, cum_cols, cum_ref[pl.ds(col * cols + cols - 1, 1)])
+                 if below else _decay(cum_rows, cum_cols, row * block, col * cols))
+        tile = cb_ref[:, tile_cols] * decay * dt_ref[tile_cols][None, :]
         return acc + plgpu.dot(tile.astype(x_ref.dtype), x_ref[tile_cols, :],
                                precision=precision)
 
     entering = plgpu.dot(c_ref[...], state_ref[...].astype(c_ref.dtype), trans_b=True,
                          precision=precision)
-    y = lax.fori_loop(0, _to_diagonal(row, block, cols), column,
+    below = _wholly_below(row, block, cols)
+    y = lax.fori_loop(0, below, functools.partial(column, below=True),
                       jnp.exp(cum_rows)[:, None] * entering)
+    y = lax.fori_loop(below, _to_diagonal(row, block, cols),
+                      functools.partial(column, below=False), y)
     if skip_ref:
         y = y + skip_ref[0][rows][:, None] * x_ref[rows, :].astype(jnp.float32)
     y_ref[...] = y.astype(y_ref.dtype)
@@ -159,19 +187,25 @@ def _columns_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dx_ref, ddt_ref, dcu
     x_cols, dt_cols, cum_cols = x_ref[tile_cols, :], dt_ref[tile_cols], cum_ref[tile_cols]
     precision = _precision(x_ref.dtype)
 
-    def row(r, carry):
+    cum_last = cum_ref[pl.ds(col * cols + cols - 1, 1)]
+
+    def row(r, carry, *, below):
         dxs, dcum = carry
         rows = pl.ds(r * block, block)
         dy = dy_ref[rows, :].astype(x_ref.dtype)
-        scores = cb_ref[rows, tile_cols] * _decay(cum_ref[rows], cum_cols, r * block, col * cols)
+        decay = (_decay_below(cum_ref[rows], cum_cols, cum_last) if below
+                 else _decay(cum_ref[rows], cum_cols, r * block, col * cols))
+        scores = cb_ref[rows, tile_cols] * decay
         dxs = dxs + plgpu.dot(scores.astype(x_ref.dtype), dy, trans_a=True, precision=precision)
         dy_x = plgpu.dot(dy, x_cols, trans_b=True, precision=precision)   # [t, u]
         return dxs, dcum - jnp.sum(scores * dt_cols[None, :] * dy_x, axis=0)
 
     diagonal = col if cols == block else lax.div(col * cols, block)
-    dxs, dcum = lax.fori_loop(diagonal, blocks, row,
-                              (jnp.zeros(x_cols.shape, jnp.float32),
-                               jnp.zeros((cols,), jnp.float32)))
+    below = _first_wholly_below(col, block, cols)
+    carry = lax.fori_loop(diagonal, below, functools.partial(row, below=False),
+                          (jnp.zeros(x_cols.shape, jnp.float32),
+                           jnp.zeros((cols,), jnp.float32)))
+    dxs, dcum = lax.fori_loop(below, blocks, functools.partial(row, below=True), carry)
     dx_ref[...] = (dxs * dt_cols[:, None]).astype(dx_ref.dtype)
     ddt_ref[...] = jnp.sum(dxs * x_cols.astype(jnp.float32), axis=1)
     dcum_ref[...] = dcum
@@ -187,7 +221,7 @@ def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
     precision = _precision(x_ref.dtype)
     head_ids = lax.broadcasted_iota(jnp.int32, (heads, block), 0)
 
-    def column(col, dcum):
+    def column(col, dcum, *, below):
         tile_cols = pl.ds(col * cols, cols)
         cb = cb_ref[:, tile_cols]
 
@@ -195,8 +229,11 @@ def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
             dcb, dcum = carry
             dy_x = plgpu.dot(dy_ref[rows, h, :].astype(x_ref.dtype), x_ref[tile_cols, h, :],
                              trans_b=True, precision=precision)
-            d = (_decay(cum_ref[rows, h], cum_ref[tile_cols, h], row * block, col * cols)
-                 * dt_ref[tile_cols, h][None, :] * dy_x)
+            decay = (_decay_below(cum_ref[rows, h], cum_ref[tile_cols, h],
+                                  cum_ref[pl.ds(col * cols + cols - 1, 1), h]) if below
+                     else _decay(cum_ref[rows, h], cum_ref[tile_cols, h], row * block,
+                                 col * cols))
+            d = decay * dt_ref[tile_cols, h][None, :] * dy_x
             dcum = dcum + jnp.where(head_ids == h, jnp.sum(cb * d, axis=1)[None, :], 0.0)
             return dcb + d, dcum
 
@@ -204,9 +241,11 @@ def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
         dcb_ref[:, tile_cols] = dcb.astype(dcb_ref.dtype)
         return dcum
 
-    on_diagonal = _to_diagonal(row, block, cols)
-    dcum_ref[...] = lax.fori_loop(0, on_diagonal, column,
-                                  jnp.zeros((heads, block), jnp.float32))
+    on_diagonal, below = _to_diagonal(row, block, cols), _wholly_below(row, block, cols)
+    dcum = lax.fori_loop(0, below, functools.partial(column, below=True),
+                         jnp.zeros((heads, block), jnp.float32))
+    dcum_ref[...] = lax.fori_loop(below, on_diagonal, functools.partial(column, below=False),
+                                  dcum)
 
     def above_diagonal(col, carry):
         dcb_ref[:, pl.ds(col * cols, cols)] = jnp.zeros((block, cols), dcb_ref.dtype)
