@@ -31,11 +31,13 @@ NVSHMEM = "hierarchical_all_reduce_2xh200.json"
 TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
-SSD = "ssd_keeps_states_1xh200.json"
+SSD = "ssd_decay_outer_1xh200.json"
 # The processes whose row of that variant ran today's defaults: the headline
 # gives their range.
-MAMBA_AT_DEFAULTS = [("train_step_mamba_conv_kernel_1xh200.json", "conv=pallas")]
-MAMBA_STEPS = ["train_step_mamba_conv_kernel_1xh200.json",
+MAMBA_AT_DEFAULTS = [("train_step_mamba_decay_outer_1xh200.json", "default")]
+MAMBA_STEPS = ["train_step_mamba_decay_outer_1xh200.json",
+               "train_step_mamba_conv_auto_1xh200.json",
+               "train_step_mamba_conv_kernel_1xh200.json",
                "train_step_mamba_keeps_states_1xh200.json",
                "train_step_mamba_keeps_states_rerun_1xh200.json",
                "train_step_mamba_bf16_operands_1xh200.json",
@@ -224,8 +226,10 @@ def mamba_tables() -> tuple[str, dict]:
             "of the same process; the peak memory of the process, whose first row each is; SSD "
             "\"auto\" runs the Pallas kernels; layers unrolled is the GPU default; the \"xla\" "
             "row ran before the SSD's states were multiplied in bf16 and before the saved "
-            "residual became the norm's bf16 input; in the first process the default row ran "
-            "XLA's convolution backward and `conv=pallas` the kernel, today's default):\n\n"
+            "residual became the norm's bf16 input; the first process ran today's defaults; "
+            "in the second (7613ba9) the default row ran the convolution's backward kernel "
+            "and `conv=xla` XLA's ops; in the third (11d62f2) the default row ran XLA's "
+            "convolution backward and `conv=pallas` the kernel):\n\n"
             + "\n".join(steps) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources))
     return text, numbers
 
