@@ -6,7 +6,8 @@ cuDNN flash attention at the Transformer's layer.
 At Mamba-2 1.4B's layer shape (batch 1, 64 heads of 64 in 8 groups, state
 128, chunk 256, bf16) it times :func:`models.mamba.ssd` forward, and
 forward + backward (the gradients of every input), with ``impl`` "xla" and
-"pallas" (also keeping the chunk states for the backward), and cuDNN
+"pallas" (also keeping the chunk states for the backward, and with every
+tile's decays as exponentials of differences, see ``_full_decays``), and cuDNN
 flash attention at the 1B Transformer's layer (16 heads of 128, 8 KV heads,
 causal) the same way, in one process, by the project's
 protocol (``jax_flashoverlap.benchmarking``). Before timing, the Pallas
@@ -27,6 +28,7 @@ TFLOP/s count the SSD's FLOPs as ``MambaConfig.ssd_flops_per_token`` does
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -62,16 +64,35 @@ def ssd_inputs(config: models.MambaConfig, seq_len: int, batch: int, key) -> tup
     return x, dt, a, b, c
 
 
-def ssd_ops(config: models.MambaConfig, impl: str, keep_chunk_states: bool = False):
+@contextlib.contextmanager
+def _full_decays():
+    """While the Pallas kernels are traced inside, the tiles wholly below the
+    diagonal take their decays as rows x cols exponentials of differences,
+    as every tile did before the outer products (d1da4da): to A/B those."""
+    kernels = models.ssd_pallas
+    outer = kernels._decay_below
+    kernels._decay_below = lambda rows, cols, last: jnp.exp(rows[:, None] - cols[None, :])
+    try:
+        yield
+    finally:
+        kernels._decay_below = outer
+
+
+def ssd_ops(config: models.MambaConfig, impl: str, keep_chunk_states: bool = False,
+            full_decays: bool = False):
     """(forward, forward + backward) of one layer's SSD; ``keep_chunk_states``
-    as :func:`models.mamba.ssd` takes it."""
+    as :func:`models.mamba.ssd` takes it; ``full_decays``: see
+    :func:`_full_decays`."""
     def forward(*t):
-        return models.mamba.ssd(*t, config.chunk_size, impl=impl,
-                                keep_chunk_states=keep_chunk_states)
+        with _full_decays() if full_decays else contextlib.nullcontext():
+            return models.mamba.ssd(*t, config.chunk_size, impl=impl,
+                                    keep_chunk_states=keep_chunk_states)
 
     def backward(*t):
         probe = jnp.ones_like(t[0], jnp.float32)
-        return jax.grad(lambda *u: jnp.sum(forward(*u) * probe), argnums=tuple(range(5)))(*t)
+        with _full_decays() if full_decays else contextlib.nullcontext():
+            return jax.grad(lambda *u: jnp.sum(forward(*u) * probe),
+                            argnums=tuple(range(5)))(*t)
     return forward, backward
 
 
@@ -331,12 +352,13 @@ def main(argv: list[str] | None = None) -> int:
 
     ops = {impl: ssd_ops(config, impl) for impl in ("xla", "pallas")}
     ops["pallas keeps states"] = ssd_ops(config, "pallas", keep_chunk_states=True)
+    ops["pallas full decays"] = ssd_ops(config, "pallas", full_decays=True)
     errors = {}
     for i, phase in enumerate(("forward", "forward+backward")):
         want = jax.jit(ops["xla"][i])(*inputs)
-        for impl in ("pallas", "pallas keeps states"):
+        for impl in ("pallas", "pallas keeps states", "pallas full decays"):
             err = relative_error(jax.jit(ops[impl][i])(*inputs), want)
-            errors[phase if impl == "pallas" else f"{phase}, keeps states"] = err
+            errors[phase if impl == "pallas" else f"{phase}, {impl.removeprefix('pallas ')}"] = err
             print(f"{impl} vs xla, {phase}: relative error {err:.2e}", flush=True)
             if not err <= TOLERANCE:
                 raise AssertionError(f"{impl}, {phase}: relative error {err:.3g} > {TOLERANCE}")
@@ -392,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = ["| what | forward (ms) | forward + backward (ms) | fwd+bwd vs cuDNN attention |",
              "|---|---|---|---|"]
     attention = by[("cudnn attention", "forward+backward")]
-    for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "cudnn attention"):
+    for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "ssd pallas full decays",
+                 "cudnn attention"):
         both = by[(what, "forward+backward")]
         lines.append(f"| {what} | {by[(what, 'forward')]:.3f} | {both:.3f} | "
                      f"{both / attention:.2f}x |")
