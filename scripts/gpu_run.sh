@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
 #                                               train decode all
 #                                               profile, stall, nvshmem, nvlink, cutlass, mixer,
-#                                               ssd_tiling
+#                                               ssd_tiling, tune
 #                                               (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
@@ -141,6 +141,15 @@ if want train; then
   step train$tag $PY -P benchmarks/train_step.py --json "$OUT/train_step$tag.json" \
     ${JFO_TRAIN_ARGS:-}
 fi
+# Opt-in: jax-flashoverlap-tune --verify (JFO_TUNE_ARGS adds flags): measures
+# every impl of every op over the default grid (at most 5 minutes), then times
+# "auto" against the fastest on each shape. The table lands in $OUT/xdg_cache
+# (its XDG cache directory), so nothing of the machine's own cache is used.
+if [[ " ${stages[*]} " == *" tune "* ]]; then
+  # shellcheck disable=SC2086
+  XDG_CACHE_HOME="$OUT/xdg_cache" step tune$tag $PY -P -m jax_flashoverlap.cli.tune --verify \
+    ${JFO_TUNE_ARGS:-}
+fi
 # Opt-in: the Pallas SSD's tilings (benchmarks/ssd.py --sweep-only; JFO_SWEEP_ARGS
 # replaces the grid), then, if one beats the default's forward + backward by
 # 3%, the Mamba-2 1.4B step at it against the default and the Transformer's,
@@ -270,7 +279,8 @@ if [[ " ${stages[*]} " == *" stall "* ]]; then
   step stall$tag stall_loop
 fi
 # Opt-in and isolated: rebuilds the package with the NVSHMEM module (CMake
-# option JFO_ENABLE_NVSHMEM), runs its 2-process tests and benchmark. Run
+# option JFO_ENABLE_NVSHMEM), runs its 2-process tests, its benchmark and
+# the decoding benchmark across the 2 processes. Run
 # it after the other stages: a failed build leaves the installed package as
 # it was, and a failed test here fails only this stage.
 if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
@@ -291,6 +301,13 @@ if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
       $PY -P -m jax_flashoverlap.cli.launch -n 2 --node-size 1 --timeout 300 \
       benchmarks/hierarchical_all_reduce.py --single-process "$single" \
       --json "$OUT/hierarchical_all_reduce.json"
+    # Decoding across the same 2 processes: "auto" (the NVSHMEM all-reduce)
+    # against psum (issue 18); JFO_NVSHMEM_DECODE_ARGS replaces the sweep.
+    # shellcheck disable=SC2086
+    step nvshmem_decode env -u XLA_FLAGS XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      $PY -P -m jax_flashoverlap.cli.launch -n 2 --node-size 1 --timeout 400 \
+      benchmarks/decode.py --json "$OUT/decode_nvshmem.json" \
+      ${JFO_NVSHMEM_DECODE_ARGS:---impls xla auto --batches 1 8 --contexts 512}
   fi
 fi
 exit $status
