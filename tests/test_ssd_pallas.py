@@ -81,6 +81,40 @@ def test_interpreted_kernels_equal_xla(interpreted, s, chunk_size, dtype, rng):
                        rng)
 
 
+@pytest.mark.parametrize("a_scale", [-40.0, 0.5], ids=["fast_decay", "growth"])
+def test_interpreted_outer_product_decays_at_extreme_decays(a_scale, monkeypatch, rng):
+    """Decays that underflow to zero inside a tile (a near -40) and states
+    that grow (a > 0, cum increasing): the tiles wholly below the diagonal,
+    whose decays are products of two exponentials, give finite results equal
+    to the same kernels taking every decay as one exponential of a
+    difference. (At a near -40 the gradient of a is 2e-5 off XLA's in
+    float32 either way: its sums cancel.)"""
+    x, dt, a, b, c = _inputs(rng, 256, heads=2, p=16, n=16, dtype="float32")
+    inputs = (x, dt, a_scale * jnp.exp(0.1 * random(rng, a.shape, "float32")), b, c)
+    probe = random(rng, x.shape, "float32")
+    chunked = functools.partial(mamba._chunked_ssd_pallas, interpret=True)
+
+    def outputs():
+        def loss(*t):
+            y = mamba._ssd(*t, None, 128, chunked)[0]
+            return jnp.sum(y * probe), y
+        (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)),
+                                                   has_aux=True))(*inputs)
+        return dict(y=y, **{f"gradient of {name}": g for name, g in
+                            zip(("x", "dt", "a", "b", "c"), grads)})
+
+    with jax.default_matmul_precision("highest"):
+        got = outputs()
+        monkeypatch.setattr(models.ssd_pallas, "_decay_below",
+                            lambda rows, cols, last: jnp.exp(rows[:, None] - cols[None, :]))
+        want = outputs()
+    for name in want:
+        try:
+            assert_close(got[name], f64(want[name]), "float32")
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
 def test_interpreted_kernels_keeping_the_chunk_states_give_the_same_gradients(interpreted,
                                                                             rng):
     """keep_chunk_states hands the forward's chunk states to the backward
