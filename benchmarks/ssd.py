@@ -83,16 +83,22 @@ def ssd_ops(config: models.MambaConfig, impl: str, keep_chunk_states: bool = Fal
     """(forward, forward + backward) of one layer's SSD; ``keep_chunk_states``
     as :func:`models.mamba.ssd` takes it; ``full_decays``: see
     :func:`_full_decays`."""
+    decays = _full_decays if full_decays else contextlib.nullcontext
+
+    def ssd(*t):
+        return models.mamba.ssd(*t, config.chunk_size, impl=impl,
+                                keep_chunk_states=keep_chunk_states)
+
     def forward(*t):
-        with _full_decays() if full_decays else contextlib.nullcontext():
-            return models.mamba.ssd(*t, config.chunk_size, impl=impl,
-                                    keep_chunk_states=keep_chunk_states)
+        with decays():
+            return ssd(*t)
 
     def backward(*t):
         probe = jnp.ones_like(t[0], jnp.float32)
-        with _full_decays() if full_decays else contextlib.nullcontext():
-            return jax.grad(lambda *u: jnp.sum(forward(*u) * probe),
-                            argnums=tuple(range(5)))(*t)
+        # The kernels' backward is traced by jax.grad, after the forward's
+        # trace: the whole gradient runs inside the one context.
+        with decays():
+            return jax.grad(lambda *u: jnp.sum(ssd(*u) * probe), argnums=tuple(range(5)))(*t)
     return forward, backward
 
 

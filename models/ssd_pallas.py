@@ -126,6 +126,12 @@ def _decay_below(cum_rows, cum_cols, cum_last):
             * jnp.exp(cum_last - cum_cols)[None, :])
 
 
+def _last_column(col, cols):
+    """Column tile ``col``'s last column, as an index of one: the v of
+    :func:`_decay_below`."""
+    return pl.ds(col * cols + cols - 1, 1)
+
+
 def _wholly_below(row, block, cols):
     """How many column tiles of side ``cols`` end before row block ``row``
     (of side ``block``) starts: those wholly below the diagonal."""
@@ -159,7 +165,7 @@ def _forward_kernel(cb_ref, x_ref, dt_ref, cum_ref, c_ref, state_ref, *refs, blo
     def column(col, acc, *, below):
         tile_cols = pl.ds(col * cols, cols)
         cum_cols = cum_ref[tile_cols]
-        decay = (_decay_below(cum_rows, cum_cols, cum_ref[pl.ds(col * cols + cols - 1, 1)])
+        decay = (_decay_below(cum_rows, cum_cols, cum_ref[_last_column(col, cols)])
                  if below else _decay(cum_rows, cum_cols, row * block, col * cols))
         tile = cb_ref[:, tile_cols] * decay * dt_ref[tile_cols][None, :]
         return acc + plgpu.dot(tile.astype(x_ref.dtype), x_ref[tile_cols, :],
@@ -187,7 +193,7 @@ def _columns_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dx_ref, ddt_ref, dcu
     x_cols, dt_cols, cum_cols = x_ref[tile_cols, :], dt_ref[tile_cols], cum_ref[tile_cols]
     precision = _precision(x_ref.dtype)
 
-    cum_last = cum_ref[pl.ds(col * cols + cols - 1, 1)]
+    cum_last = cum_ref[_last_column(col, cols)]
 
     def row(r, carry, *, below):
         dxs, dcum = carry
@@ -229,10 +235,9 @@ def _rows_kernel(cb_ref, x_ref, dt_ref, cum_ref, dy_ref, dcb_ref, dcum_ref, *,
             dcb, dcum = carry
             dy_x = plgpu.dot(dy_ref[rows, h, :].astype(x_ref.dtype), x_ref[tile_cols, h, :],
                              trans_b=True, precision=precision)
-            decay = (_decay_below(cum_ref[rows, h], cum_ref[tile_cols, h],
-                                  cum_ref[pl.ds(col * cols + cols - 1, 1), h]) if below
-                     else _decay(cum_ref[rows, h], cum_ref[tile_cols, h], row * block,
-                                 col * cols))
+            cum_rows, cum_cols = cum_ref[rows, h], cum_ref[tile_cols, h]
+            decay = (_decay_below(cum_rows, cum_cols, cum_ref[_last_column(col, cols), h])
+                     if below else _decay(cum_rows, cum_cols, row * block, col * cols))
             d = decay * dt_ref[tile_cols, h][None, :] * dy_x
             dcum = dcum + jnp.where(head_ids == h, jnp.sum(cb * d, axis=1)[None, :], 0.0)
             return dcb + d, dcum
