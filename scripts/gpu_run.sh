@@ -183,7 +183,8 @@ PYEOF
 fi
 # Decoding (benchmarks/decode.py); JFO_DECODE_PROFILE=1 also traces each case's
 # decode loop and prints its kernels per step (JFO_DECODE_STEPS: the loop's
-# steps, i.e. the second --steps value, 48 by default).
+# steps, i.e. the second --steps value, 48 by default; JFO_DECODE_TOP: the
+# kernels named per category, 6 by default).
 if want decode; then
   profile_flag=""
   [ -n "${JFO_DECODE_PROFILE:-}" ] && { rm -rf /tmp/jfo_decode_trace; profile_flag="--profile /tmp/jfo_decode_trace"; }
@@ -195,7 +196,7 @@ if want decode; then
       [ -d "$trace" ] || continue
       echo "--- decode loop trace $(basename "$trace")"
       $PY benchmarks/kernel_times.py trace "$trace" --iterations "${JFO_DECODE_STEPS:-48}" \
-        --top 6 | tee -a "$OUT/decode_profile$tag.log"
+        --top "${JFO_DECODE_TOP:-6}" | tee -a "$OUT/decode_profile$tag.log"
     done
   fi
 fi
