@@ -9,10 +9,11 @@ the weights named: placed right before such a stretch, HBM fetches the next
 GEMM's weights during it, and the GEMM reads them from L2.
 
 On Hopper and newer GPUs the FFI kernel ``jfo_prefetch_to_l2``
-(``ffi/src/l2_prefetch.cu``) issues one prefetch per 64 KiB chunk and exits;
-nothing waits for the fetches. Elsewhere (other platforms, older GPUs, a
-build without CUDA) the call is ``x`` alone: a prefetch is a hint, and its
-result is the same either way.
+(``ffi/src/l2_prefetch.cu``) has one warp on every SM issue bulk L2
+prefetches (the TMA units fetch), on a side stream forked from XLA's at the
+call: XLA's next kernels run meanwhile, and nothing waits for the fetches.
+Elsewhere (other platforms, older GPUs, a build without CUDA) the call is
+``x`` alone: a prefetch is a hint, and its result is the same either way.
 """
 
 from __future__ import annotations

@@ -125,14 +125,15 @@ def test_on_gpu_the_result_is_x_whatever_the_budget(max_bytes, rng):
     arrays = [jnp.asarray(rng.standard_normal(n), jnp.bfloat16) for n in (77, 300_001, 4096)]
 
     def steps(x, *arrays):
-        def body(i, total):
-            y = jfo.prefetch_to_l2(x * (i + 1).astype(x.dtype), arrays, max_bytes=max_bytes)
+        def body(i, total):  # x times a power of two each step: exact, and not hoistable
+            scale = jnp.exp2(i.astype(jnp.float32)).astype(x.dtype)
+            y = jfo.prefetch_to_l2(x * scale, arrays, max_bytes=max_bytes)
             return total + y.astype(jnp.float32)
         return jax.lax.fori_loop(0, 4, body, jnp.zeros(x.shape, jnp.float32))
 
     poison_allocator(x.nbytes)
     got = jax.jit(steps)(x, *arrays)
-    np.testing.assert_array_equal(np.asarray(got), 10 * np.asarray(x, np.float32))
+    np.testing.assert_array_equal(np.asarray(got), 15 * np.asarray(x, np.float32))
     hlo = jax.jit(steps).lower(x, *arrays).compile().as_text()
     assert ("jfo_prefetch_to_l2" in hlo) == (max_bytes > 0)
 

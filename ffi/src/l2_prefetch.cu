@@ -5,12 +5,16 @@
 // embeddings, attention over a short cache, tensor parallelism's
 // all-reduce) during which HBM idles. Started before such a stretch, bulk
 // L2 prefetches fetch the next GEMM's weights in that idle time, and the GEMM
-// finds them in L2. The TMA unit does the fetching: the kernel only issues
-// one prefetch per chunk and exits, so it holds the stream for about a
-// launch, and nothing waits for the fetches. The arrays are only read.
+// finds them in L2. The TMA units do the fetching, each at a fraction of HBM's
+// bandwidth and only while its CTA stays resident: one warp on every SM
+// issues the chunks, on a side stream forked from XLA's at the call, so that
+// XLA's next kernels run while the fetches do. Nothing joins the side
+// stream back: the arrays are only read, and a prefetch changes no value.
 // Before Hopper (no bulk prefetch) the kernel issues nothing: y = x alone.
 #include <algorithm>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "handlers.h"
 
@@ -18,10 +22,10 @@ namespace jfo {
 namespace {
 
 constexpr int kMaxArrays = 8;
-// Bytes per prefetch instruction: large enough that a few hundred threads
-// cover an L2's worth, small enough to spread the chunks over the L2 slices.
-constexpr uint64_t kChunkBytes = 64 * 1024;
-constexpr int kThreads = 128;
+// Bytes per prefetch instruction: small enough that every SM's TMA unit
+// gets a share of a few MiB, large enough to keep the instructions few.
+constexpr uint64_t kChunkBytes = 16 * 1024;
+constexpr int kThreads = 32;  // one warp a CTA, one CTA an SM
 
 struct PrefetchList {
   const char* data[kMaxArrays];
@@ -31,8 +35,6 @@ struct PrefetchList {
 
 __global__ void __launch_bounds__(kThreads) PrefetchToL2Kernel(PrefetchList list) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  // The kernel after this one reads nothing it writes: it may start now.
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const uint64_t threads = static_cast<uint64_t>(gridDim.x) * blockDim.x;
   uint64_t chunk = static_cast<uint64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   for (int a = 0; a < list.count; ++a) {
@@ -47,11 +49,32 @@ __global__ void __launch_bounds__(kThreads) PrefetchToL2Kernel(PrefetchList list
     }
     chunk -= chunks;  // this thread's index into the next array's chunks
   }
-  // Launched early (programmatic serialization), this kernel may start
-  // before the one ahead of it ends. The kernel after this one waits only
-  // for this one: ending after the one ahead keeps what it wrote visible.
-  asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+}
+
+// Per device: the side stream the prefetches run on, the event that forks
+// it from XLA's stream at each call, and the SMs to spread the chunks over.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t fork = nullptr;
+  int sms = 0;
+};
+
+ffi::Error DeviceSideStream(SideStream** out) {
+  static std::mutex mu;
+  static std::unordered_map<int, SideStream> streams;
+  int device = 0;
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  std::lock_guard<std::mutex> lock(mu);
+  SideStream& side = streams[device];
+  if (side.stream == nullptr) {
+    JFO_CUDA_RETURN_IF_ERROR(
+        cudaDeviceGetAttribute(&side.sms, cudaDevAttrMultiProcessorCount, device));
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&side.fork, cudaEventDisableTiming));
+    JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&side.stream, cudaStreamNonBlocking));
+  }
+  *out = &side;
+  return ffi::Error::Success();
 }
 
 ffi::Error PrefetchToL2Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingArgs arrays,
@@ -72,7 +95,7 @@ ffi::Error PrefetchToL2Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remainin
                                              cudaMemcpyDeviceToDevice, stream));
   }
   PrefetchList list = {};
-  uint64_t left = static_cast<uint64_t>(max_bytes), total = 0;
+  uint64_t left = static_cast<uint64_t>(max_bytes);
   for (size_t i = 0; i < arrays.size() && left >= 16; ++i) {
     auto array = arrays.get<ffi::AnyBuffer>(i);
     if (!array.has_value()) return array.error();
@@ -82,35 +105,30 @@ ffi::Error PrefetchToL2Impl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Remainin
     list.data[list.count] = static_cast<const char*>(array->untyped_data());
     list.bytes[list.count++] = bytes;
     left -= bytes;
-    total += bytes;
   }
   if (list.count == 0) return ffi::Error::Success();
-  const uint64_t chunks = (total + kChunkBytes - 1) / kChunkBytes;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(std::min<uint64_t>((chunks + kThreads - 1) / kThreads,
-                                                                  64)), 1, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.stream = stream;
-  // It reads nothing the kernel ahead writes: it may start before that one ends.
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = 1;
-  JFO_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, PrefetchToL2Kernel, list));
+  SideStream* side = nullptr;
+  JFO_RETURN_IF_ERROR(DeviceSideStream(&side));
+  // Forked here, the fetches start once what XLA queued before this call is
+  // done (the GEMM ahead has its weights), not before.
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(side->fork, stream));
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side->stream, side->fork, 0));
+  PrefetchToL2Kernel<<<side->sms, kThreads, 0, side->stream>>>(list);
+  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
 
 }  // namespace
 
+// Not command-buffer compatible: the side stream it forks never joins back,
+// which a captured graph does not allow.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JfoPrefetchToL2, PrefetchToL2Impl,
     ffi::Ffi::Bind()
-        .Ctx<FFI_Stream_Type>()      // XLA's stream
-        .Arg<ffi::AnyBuffer>()       // x
-        .RemainingArgs()             // the arrays to prefetch, in order
-        .Ret<ffi::AnyBuffer>()       // y = x (aliased)
-        .Attr<int64_t>("max_bytes"), // the bytes fetched, over all arrays, at most
-    {ffi::Traits::kCmdBufferCompatible});
+        .Ctx<FFI_Stream_Type>()       // XLA's stream
+        .Arg<ffi::AnyBuffer>()        // x
+        .RemainingArgs()              // the arrays to prefetch, in order
+        .Ret<ffi::AnyBuffer>()        // y = x (aliased)
+        .Attr<int64_t>("max_bytes"));  // the bytes fetched, over all arrays, at most
 
 }  // namespace jfo
