@@ -71,7 +71,6 @@ class Case(NamedTuple):
     decode_attention: str
     decode_mixer: str | None
     split_positions: int | None
-    prefetch_mib: int
     batch: int
     context: int
 
@@ -123,12 +122,10 @@ def split_positions_set(positions: int | None):
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
                 decode_matmul: str = "xla", decode_attention: str = "model",
-                decode_mixer: str = "xla", prefetch_mib: int = 0):
+                decode_mixer: str = "xla"):
     config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
                                 **({"attention": attention, "decode_attention": decode_attention}
                                    if name == "transformer" else {"decode_mixer": decode_mixer}))
-    if prefetch_mib:
-        config = dataclasses.replace(config, decode_prefetch_mib=prefetch_mib)
     _, model_cls = models.MODELS[name]
     with jax.set_mesh(mesh):
         return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(0)))()
@@ -249,8 +246,6 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
             attention += f"{case.split_positions}"
         if case.decode_mixer not in (None, "xla"):
             attention += f"_mixer_{case.decode_mixer}"
-        if case.prefetch_mib:
-            attention += f"_prefetch{case.prefetch_mib}"
         trace_dir = (f"{args.profile}/{case.model}_{case.impl}{attention}_b{case.batch}"
                      f"_c{case.context}")
         with jax.profiler.trace(trace_dir):
@@ -264,7 +259,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         "model": case.model, "size": args.size, "impl": case.impl,
         "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
         "decode_mixer": case.decode_mixer, "split_positions": case.split_positions,
-        "prefetch_mib": case.prefetch_mib, "batch": case.batch,
+        "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
         "attention": getattr(model.blocks[0], "attn", None) and model.blocks[0].attn.implementation,
@@ -290,22 +285,21 @@ def _attention_label(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     """The rows as markdown; "vs xla" against impl "xla" with XLA's matmuls,
-    the model's attention, the same mixer and no prefetch."""
+    the model's attention and the same mixer."""
     def key(r):
         return r["model"], r["batch"], r["context"], r.get("decode_mixer")
     xla = {key(r): r["per_token_ms"]
            for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"
-           and r.get("decode_attention", "model") == "model" and not r.get("prefetch_mib")}
-    lines = ["| model | impl | decode matmul | decode attention | decode mixer | L2 prefetch "
-             "(MiB) | batch | context | prefill (ms) | per token (ms), median [min, max] "
-             "| tokens/s | HBM floor (ms) | × floor | vs xla |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           and r.get("decode_attention", "model") == "model"}
+    lines = ["| model | impl | decode matmul | decode attention | decode mixer | batch | context "
+             "| prefill (ms) | per token (ms), median [min, max] | tokens/s | HBM floor (ms) "
+             "| × floor | vs xla |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = xla.get(key(r))
         lines.append(
             f"| {r['model']} | {r['impl']} | {r['decode_matmul']} "
-            f"| {_attention_label(r)} | {r.get('decode_mixer') or '–'} "
-            f"| {r.get('prefetch_mib') or '–'} | {r['batch']} "
+            f"| {_attention_label(r)} | {r.get('decode_mixer') or '–'} | {r['batch']} "
             f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
             f"{r['per_token_ms_max']:.3f}] | {r['tokens_per_s']:,.0f} | "
@@ -369,9 +363,6 @@ def main(argv: list[str] | None = None) -> int:
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "
                              "matmul)")
-    parser.add_argument("--prefetch-mibs", nargs="+", type=int, default=[0],
-                        help="the Transformer's TransformerConfig.decode_prefetch_mib values "
-                             "(0: no L2 prefetch)")
     parser.add_argument("--split-positions", nargs="+", type=int, default=[None],
                         help="with the attention kernel, each of these fewest cache positions "
                              "per split (models.decode_attention_pallas.MIN_SPLIT_POSITIONS; "
@@ -422,13 +413,11 @@ def main(argv: list[str] | None = None) -> int:
         transformer = model_name == "transformer"
         attentions = args.decode_attentions if transformer else ["model"]
         mixers = ["xla"] if transformer else args.decode_mixers
-        prefetches = args.prefetch_mibs if transformer else [0]
-        for ((label, impl, algorithm), decode_matmul, decode_attention, decode_mixer,
-             prefetch_mib) in itertools.product(impls, args.decode_matmuls,
-                                                dict.fromkeys(attentions), dict.fromkeys(mixers),
-                                                dict.fromkeys(prefetches)):
+        for (label, impl, algorithm), decode_matmul, decode_attention, decode_mixer in (
+                itertools.product(impls, args.decode_matmuls, dict.fromkeys(attentions),
+                                  dict.fromkeys(mixers))):
             model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
-                                decode_matmul, decode_attention, decode_mixer, prefetch_mib)
+                                decode_matmul, decode_attention, decode_mixer)
             mixer_ran = None if transformer else decode_mixer
             if exact is None:
                 with jax.set_mesh(mesh):
@@ -442,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
                                         else [None]):
                     for context in args.contexts:
                         case = Case(model_name, label, decode_matmul, attention_ran,
-                                    mixer_ran, split_positions, prefetch_mib, batch, context)
+                                    mixer_ran, split_positions, batch, context)
                         if lead:
                             print(f"--- {case}", flush=True)
                         with (jax.set_mesh(mesh), forced_algorithm(algorithm),

@@ -16,7 +16,6 @@ from .all_gather_matmul import all_gather_matmul
 from .all_reduce import all_reduce
 from .decode_matmul import decode_matmul
 from .faults import reset
-from .l2_prefetch import prefetch_to_l2
 from .matmul_all_reduce import matmul_all_reduce
 from .matmul_reduce_scatter import matmul_reduce_scatter
 
@@ -26,7 +25,6 @@ __all__ = [
     "matmul_all_reduce",
     "all_reduce",
     "decode_matmul",
-    "prefetch_to_l2",
     "IMPLS",
     "build_info",
     "check_device_errors",

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,6 @@ import numpy as np
 from jax import lax
 
 from . import _extension, _jax_shim
-from .l2_prefetch import prefetch_to_l2
 
 __all__ = ["decode_matmul", "DECODE_MATMUL_IMPLS", "MAX_KERNEL_ROWS"]
 
@@ -38,8 +36,7 @@ TILE_COLUMNS = (64, 128, 256)
 _DEFAULT_TILE_COLUMNS = 64
 
 
-def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla",
-                  prefetch: Sequence[jax.Array] = (), prefetch_bytes: int = 0) -> jax.Array:
+def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla") -> jax.Array:
     """``x @ w`` where x holds a few rows, per device.
 
     Args:
@@ -50,11 +47,6 @@ def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla",
         leading dims, n a multiple of 8, and a program compiled for a CUDA
         GPU. Elsewhere (other shapes, dtypes or platforms) "cuda" runs XLA's
         dot too. Both are differentiable.
-      prefetch: arrays (the weights of the GEMMs that come next) whose
-        leading ``prefetch_bytes`` are fetched into L2 once the product is
-        ready, during whatever runs between it and their GEMMs (see
-        :func:`~jax_flashoverlap.prefetch_to_l2`); none by default.
-      prefetch_bytes: bytes fetched over all of ``prefetch``, at most.
 
     Returns:
       [..., n] in x's dtype (float32 accumulation).
@@ -67,13 +59,9 @@ def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla",
     if impl == "cuda":
         _extension.require_cuda_ops("decode_matmul", _TARGET)
     rows = math.prod(x.shape[:-1])
-
-    def then_prefetch(y):
-        return prefetch_to_l2(y, prefetch, max_bytes=prefetch_bytes)
-
     if impl == "xla" or not _kernel_applies(rows, w):
-        return _xla_dot(x, w, then_prefetch)
-    y = then_prefetch(_kernel_dot(x.reshape(rows, -1), w, _DEFAULT_TILE_COLUMNS))
+        return _xla_dot(x, w)
+    y = _kernel_dot(x.reshape(rows, -1), w, _DEFAULT_TILE_COLUMNS)
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
@@ -81,9 +69,8 @@ def _kernel_applies(rows: int, w: jax.Array) -> bool:
     return 1 <= rows <= MAX_KERNEL_ROWS and w.dtype == jnp.bfloat16 and w.shape[1] % 8 == 0
 
 
-def _xla_dot(x: jax.Array, w: jax.Array,
-             then: Callable[[jax.Array], jax.Array] = lambda y: y) -> jax.Array:
-    """``then(jnp.dot(x, w))``, kept a GEMM when x has a single row.
+def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``jnp.dot(x, w)``, kept a GEMM when x has a single row.
 
     XLA on GPUs rewrites a dot whose left side is one row (a vector), with
     fewer than 10M elements in the row and w together, into a multiply and a
@@ -91,12 +78,11 @@ def _xla_dot(x: jax.Array, w: jax.Array,
     materialised the product of the row with the whole weight matrix,
     several times slower than the GEMM. A zero row added below keeps it a
     GEMM (the weight is read once either way), and the barrier keeps XLA
-    from slicing the row back off before the dot. ``then`` takes the
-    product as the GEMM wrote it (with the zero row: no copy to slice it).
+    from slicing the row back off before the dot.
     """
     if math.prod(x.shape[:-1]) != 1:
-        return then(jnp.dot(x, w))
-    y = lax.optimization_barrier(then(jnp.dot(jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))), w)))
+        return jnp.dot(x, w)
+    y = lax.optimization_barrier(jnp.dot(jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))), w))
     return y[:1].reshape(*x.shape[:-1], w.shape[-1])
 
 

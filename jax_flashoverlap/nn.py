@@ -35,7 +35,7 @@ small messages.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -126,21 +126,16 @@ class ColumnParallelLinear(_ParallelLinear):
         return all_gather_matmul(x, w, self.axis_name, gather_axis=self.sequence_axis,
                                  impl=self.impl)
 
-    def decode(self, x: jax.Array, prefetch: Sequence[jax.Array] = (),
-               prefetch_bytes: int = 0) -> jax.Array:
+    def decode(self, x: jax.Array) -> jax.Array:
         """Per device, the decoding form: x whole on every rank, no communication.
 
         Args:
           x: [..., k], identical on every rank of ``axis_name``.
-          prefetch, prefetch_bytes: weights of later GEMMs to fetch into L2
-            once the product is ready (see
-            :func:`~jax_flashoverlap.decode_matmul.decode_matmul`).
 
         Returns:
           [..., N/n]: this rank's output features.
         """
-        return decode_matmul(*self._operands(x), impl=self.decode_impl, prefetch=prefetch,
-                             prefetch_bytes=prefetch_bytes)
+        return decode_matmul(*self._operands(x), impl=self.decode_impl)
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -184,8 +179,7 @@ class RowParallelLinear(_ParallelLinear):
         return matmul_reduce_scatter(x, w, self.axis_name,
                                      scatter_dimension=self.sequence_axis, impl=self.impl)
 
-    def decode(self, x: jax.Array, prefetch: Sequence[jax.Array] = (),
-               prefetch_bytes: int = 0) -> jax.Array:
+    def decode(self, x: jax.Array) -> jax.Array:
         """Per device, the decoding form: this rank's partial product, all-reduced.
 
         A GEMM of a few rows is cheap and its sum is a message of a few KiB,
@@ -196,17 +190,12 @@ class RowParallelLinear(_ParallelLinear):
 
         Args:
           x: [..., K/n], this rank's input features.
-          prefetch, prefetch_bytes: weights of later GEMMs to fetch into L2
-            once the partial product is ready, during the all-reduce and
-            what follows it (see
-            :func:`~jax_flashoverlap.decode_matmul.decode_matmul`).
 
         Returns:
           [..., N]: the sum, identical on every rank.
         """
-        y = decode_matmul(*self._operands(x), impl=self.decode_impl, prefetch=prefetch,
-                          prefetch_bytes=prefetch_bytes)
-        return all_reduce(y, self.axis_name, impl=self.impl)
+        return all_reduce(decode_matmul(*self._operands(x), impl=self.decode_impl),
+                          self.axis_name, impl=self.impl)
 
 
 def shard_map_apply(fn: Callable[..., Any], module: nnx.Module, *args: Any,

@@ -235,12 +235,6 @@ class TransformerConfig(_Presets):
         On one H200 the kernel was 1.077x cuDNN's step at batch 1, 0.994x at
         8 and 0.967x at 32, and "auto" 1.051x "model" at batch 1 in another
         process (docs/models.md).
-      decode_prefetch_mib: MiB of the next GEMMs' weights that a decode
-        step fetches into L2 before each stretch of latency-bound kernels
-        (before attention: the output projection's and the MLP's first
-        weights; before the SwiGLU: the down projection's; after a block:
-        the next block's QKV weights), with
-        :func:`jax_flashoverlap.prefetch_to_l2`. 0 (default): none.
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled
@@ -267,7 +261,6 @@ class TransformerConfig(_Presets):
     attention_impl: str = "auto"
     decode_matmul: str = "xla"
     decode_attention: str = "auto"
-    decode_prefetch_mib: int = 0
     remat: bool = False
     scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()
@@ -284,9 +277,6 @@ class TransformerConfig(_Presets):
         if self.head_dim % 2:
             raise ValueError(f"TransformerConfig: head_dim={self.head_dim} must be even "
                              f"(rotary embeddings rotate pairs of channels)")
-        if not isinstance(self.decode_prefetch_mib, int) or self.decode_prefetch_mib < 0:
-            raise ValueError(f"TransformerConfig: decode_prefetch_mib must be an int >= 0 "
-                             f"(0: no prefetch), got {self.decode_prefetch_mib!r}")
 
     @classmethod
     def tiny(cls) -> TransformerConfig:

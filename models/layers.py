@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -279,18 +278,10 @@ class CausalLM(nnx.Module):
         # Unrolled even where training scans the layers: a scan would read
         # each layer's cache out of a stacked one and write it back, a copy
         # of the whole cache per token.
-        blocks = list(self.blocks)
-        for i, (block, cache) in enumerate(zip(blocks, caches)):
-            following = blocks[i + 1] if i + 1 < len(blocks) else None
-            x, cache = self.decode_block(block, following, x, cache, pos)
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.decode(x, cache, pos)
             updated.append(cache)
         return self._logits(x[0]), tuple(updated)
-
-    def decode_block(self, block: nnx.Module, following: nnx.Module | None, x: jax.Array,
-                     cache: Any, pos: jax.Array) -> tuple[jax.Array, Any]:
-        """One block's decode step (``following``: the block after it, or None)."""
-        del following
-        return block.decode(x, cache, pos)
 
     def cache_specs(self) -> tuple:
         """The caches' ``PartitionSpec``s (global view), one entry per layer."""

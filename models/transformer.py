@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -193,7 +192,6 @@ class Attention(nnx.Module):
         self.qkv = ColumnParallelLinear(d, kv * (self.q_per_kv + 2) * h,
                                         **linear_options(config, rngs))
         self.out = RowParallelLinear(config.num_heads * h, d, **linear_options(config, rngs))
-        self.prefetch_bytes = config.decode_prefetch_mib << 20
 
     def decode_implementation(self, batch: int) -> str:
         """The decode attention a step of ``batch`` rows per device runs:
@@ -240,25 +238,20 @@ class Attention(nnx.Module):
         pad = ((0, 0), (0, 0), (0, cache_len - k.shape[0]), (0, 0))
         return out, KVCache(*(jnp.pad(t.transpose(1, 2, 0, 3), pad) for t in (k, v)))
 
-    def decode(self, x: jax.Array, cache: KVCache, pos: jax.Array,
-               then: Sequence[jax.Array] = ()) -> tuple[jax.Array, KVCache]:
+    def decode(self, x: jax.Array, cache: KVCache,
+               pos: jax.Array) -> tuple[jax.Array, KVCache]:
         """One token: attends over the cache up to and including ``pos``.
 
         Args:
           x: [1, b, d], the same on every tensor rank.
           cache: this layer's; positions before ``pos`` filled.
           pos: int32 scalar, this token's position.
-          then: the weights of the GEMMs after this attention's output
-            projection, fetched into L2 after its output projection's
-            weights (with ``config.decode_prefetch_mib``).
 
         Returns:
           ([1, b, d] identical on every tensor rank, the cache with ``pos``
           filled, in place when the caller donates it).
         """
-        qkv = self.qkv.decode(x, prefetch=(self.out.kernel[...], *then),
-                              prefetch_bytes=self.prefetch_bytes)
-        q, k, v = self._heads(qkv, pos[None])
+        q, k, v = self._heads(self.qkv.decode(x), pos[None])
         b = cache.k.shape[0]
         q = q.swapaxes(0, 1)                                # [b, 1, heads, h]
         k, v = (t.transpose(1, 2, 0, 3).astype(cache.k.dtype) for t in (k, v))  # [b, kv, 1, h]
@@ -319,22 +312,14 @@ class MLP(nnx.Module):
         d, f = config.embed_dim, config.mlp_dim
         self.gate_up = ColumnParallelLinear(d, 2 * f, **linear_options(config, rngs))
         self.down = RowParallelLinear(f, d, **linear_options(config, rngs))
-        self.prefetch_bytes = config.decode_prefetch_mib << 20
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [s/tp, b, d] (or [s, b, d] without SP) -> the same."""
         return self.down(_swiglu(self.gate_up(x)))
 
-    def decode(self, x: jax.Array, then: Sequence[jax.Array] = ()) -> jax.Array:
-        """x: [1, b, d], the same on every tensor rank -> the same.
-
-        ``then``: the weights of the GEMMs after this MLP, fetched into L2
-        once its down projection's product is ready (with
-        ``config.decode_prefetch_mib``).
-        """
-        h = self.gate_up.decode(x, prefetch=(self.down.kernel[...],),
-                                prefetch_bytes=self.prefetch_bytes)
-        return self.down.decode(_swiglu(h), prefetch=then, prefetch_bytes=self.prefetch_bytes)
+    def decode(self, x: jax.Array) -> jax.Array:
+        """x: [1, b, d], the same on every tensor rank -> the same."""
+        return self.down.decode(_swiglu(self.gate_up.decode(x)))
 
 
 def _swiglu(h: jax.Array) -> jax.Array:
@@ -364,14 +349,9 @@ class Block(nnx.Module):
         del length
         return self._residual(x, lambda y: self.attn.prefill(y, cache_len), self.mlp)
 
-    def decode(self, x: jax.Array, cache: KVCache, pos: jax.Array,
-               then: Sequence[jax.Array] = ()) -> tuple[jax.Array, KVCache]:
-        """One token, x: [1, b, d] (see :meth:`Attention.decode`); ``then``:
-        the weights of the GEMMs after this block, to fetch into L2 (see
-        ``TransformerConfig.decode_prefetch_mib``)."""
-        return self._residual(
-            x, lambda y: self.attn.decode(y, cache, pos, then=(self.mlp.gate_up.kernel[...],)),
-            lambda y: self.mlp.decode(y, then=then))
+    def decode(self, x: jax.Array, cache: KVCache, pos: jax.Array) -> tuple[jax.Array, KVCache]:
+        """One token, x: [1, b, d] (see :meth:`Attention.decode`)."""
+        return self._residual(x, lambda y: self.attn.decode(y, cache, pos), self.mlp.decode)
 
     def _residual(self, x, attend, mlp):
         h, cache = attend(self.attn_norm(x))
@@ -389,13 +369,6 @@ class Transformer(CausalLM):
     def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
         config = resolve_scan_layers(config, attention_implementation(config))
         super().__init__(config, lambda rngs: Block(config, rngs=rngs), rngs=rngs)
-
-    def decode_block(self, block: Block, following: Block | None, x: jax.Array,
-                     cache: KVCache, pos: jax.Array) -> tuple[jax.Array, KVCache]:
-        """``block``'s decode step, fetching ``following``'s QKV weights into
-        L2 at its end (with ``config.decode_prefetch_mib``)."""
-        then = () if following is None else (following.attn.qkv.kernel[...],)
-        return block.decode(x, cache, pos, then=then)
 
     def layer_cache_spec(self) -> KVCache:
         """The ``PartitionSpec`` of each of a layer's cache arrays (global view)."""

@@ -48,7 +48,6 @@ nb::dict Registrations() {
 #ifdef JFO_WITH_CUDA
   d["jfo_scale"] = Capsule(jfo::JfoScale);
   d["jfo_decode_matmul"] = Capsule(jfo::JfoDecodeMatmul);
-  d["jfo_prefetch_to_l2"] = Capsule(jfo::JfoPrefetchToL2);
 #endif
 #ifdef JFO_WITH_CUBLASLT
   d["jfo_all_gather_matmul"] =
