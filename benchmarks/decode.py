@@ -209,7 +209,13 @@ def check(model, exact, generator_args: dict, prompt: np.ndarray) -> tuple[float
 
 def measure(model, exact, case: Case, args: argparse.Namespace,
             rng: np.random.Generator) -> dict:
-    """One row: ``model`` checked against ``exact`` (see :func:`check`), then timed."""
+    """One row: ``model`` checked against ``exact`` (see :func:`check`), then timed.
+
+    Traced afresh: jit keeps one trace per model config and shape, which
+    would carry the first case's settings read while tracing (the forced
+    all-reduce algorithm, the split positions) into every later case.
+    """
+    jax.clear_caches()
     k1, k2 = args.steps
     prompt = rng.integers(0, model.config.vocab_size, (case.batch, case.context), np.int32)
     common = dict(batch=case.batch, compiler_options=args.xla_options)

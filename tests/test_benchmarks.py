@@ -1,5 +1,6 @@
 """The benchmark scripts' plumbing on CPUs (their numbers come from the GPU machine)."""
 
+import argparse
 import importlib.util
 import json
 import math
@@ -7,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import numpy as np
 import pytest
 
 import jax_flashoverlap
@@ -354,6 +357,32 @@ def test_decode_benchmark_sets_and_restores_the_split_positions():
     assert bench._attention_label({"decode_attention": "pallas", "split_positions": 64}) == \
         "pallas, splits of 64+"
     assert bench._attention_label({"decode_attention": "model"}) == "model"
+
+
+def test_decode_benchmark_traces_each_case_afresh(monkeypatch):
+    """Two cases of one model and shape: the second traces the decode step
+    again, so that what a case sets while tracing (the all-reduce algorithm
+    forced, the split positions) is not the first case's."""
+    bench = _load("decode")
+    traced = []
+    decode_step = bench.models.Transformer.decode_step
+
+    def counting(self, *args):
+        traced.append(1)
+        return decode_step(self, *args)
+    monkeypatch.setattr(bench.models.Transformer, "decode_step", counting)
+    mesh = bench.train.make_mesh((1, 1), bench.models.ShardingConfig())
+    model = bench.build_model("transformer", "tiny", "xla", mesh, None, "auto")
+    args = argparse.Namespace(steps=(1, 2), xla_options={}, reps=1, profile=None, size="tiny",
+                              hbm_tb_s=bench.HBM_TB_S)
+    case = bench.Case("transformer", "xla", "xla", "model", None, None, 1, 16)
+    counts = []
+    for _ in range(2):
+        traced.clear()
+        with jax.set_mesh(mesh):
+            bench.measure(model, None, case, args, np.random.default_rng(0))
+        counts.append(len(traced))
+    assert counts[0] > 0 and counts[1] == counts[0], counts
 
 
 def test_decode_benchmark_rejects_a_wrong_decode(monkeypatch):
