@@ -69,6 +69,11 @@ def _kernel_applies(rows: int, w: jax.Array) -> bool:
     return 1 <= rows <= MAX_KERNEL_ROWS and w.dtype == jnp.bfloat16 and w.shape[1] % 8 == 0
 
 
+# One-row products with a weight of fewer elements than this are padded to
+# two rows (see _xla_dot). Read where a dot is traced.
+ONE_ROW_PAD_BELOW = 12_000_000
+
+
 def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     """``jnp.dot(x, w)``, kept a GEMM when x has a single row.
 
@@ -78,9 +83,13 @@ def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     materialised the product of the row with the whole weight matrix,
     several times slower than the GEMM. A zero row added below keeps it a
     GEMM (the weight is read once either way), and the barrier keeps XLA
-    from slicing the row back off before the dot.
+    from slicing the row back off before the dot. Larger weights stay GEMMs
+    unpadded, and then XLA fuses the row's producer (a norm, the SwiGLU)
+    into the GEMM instead of a kernel of its own: with jax 0.11.2 on an
+    H200, [2048, 4096] and smaller weights were reduced unpadded, [8192,
+    2048] and [2048, 16384] were GEMMs (docs/measurements.md, session 35).
     """
-    if math.prod(x.shape[:-1]) != 1:
+    if math.prod(x.shape[:-1]) != 1 or w.size >= ONE_ROW_PAD_BELOW:
         return jnp.dot(x, w)
     y = lax.optimization_barrier(jnp.dot(jnp.pad(x.reshape(1, -1), ((0, 1), (0, 0))), w))
     return y[:1].reshape(*x.shape[:-1], w.shape[-1])
