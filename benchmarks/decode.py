@@ -54,6 +54,9 @@ from jax_flashoverlap.cli import train
 from jax_flashoverlap.cli.devices import ensure_cpu_devices
 from jax_flashoverlap.cli.flags import parse_mesh_shape
 
+# The module, not the function the package exports under its name.
+_decode_matmul_module = importlib.import_module("jax_flashoverlap.decode_matmul")
+
 # H200 HBM3e, datasheet.
 HBM_TB_S = 4.8
 # The decode loop's logits, against a float32 forward pass over the same
@@ -71,6 +74,7 @@ class Case(NamedTuple):
     decode_attention: str
     decode_mixer: str | None
     split_positions: int | None
+    one_row_pad_below: int | None
     batch: int
     context: int
 
@@ -107,6 +111,18 @@ def forced_algorithm(algorithm: str | None):
         yield
     finally:
         cuda_policy.all_reduce_algorithm = chosen
+
+
+@contextlib.contextmanager
+def one_row_pad_set(below: int | None):
+    """Within it, one-row weight dots traced are padded to two rows below
+    ``below`` weight elements (None: the library's default; see
+    ``jax_flashoverlap.decode_matmul.ONE_ROW_PAD_BELOW``)."""
+    if below is None:
+        yield
+        return
+    with mock.patch.object(_decode_matmul_module, "ONE_ROW_PAD_BELOW", below):
+        yield
 
 
 @contextlib.contextmanager
@@ -250,6 +266,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         attention = "" if case.decode_attention == "model" else f"_{case.decode_attention}"
         if case.split_positions is not None:
             attention += f"{case.split_positions}"
+        if case.one_row_pad_below is not None:
+            attention += f"_pad_below{case.one_row_pad_below}"
         if case.decode_mixer not in (None, "xla"):
             attention += f"_mixer_{case.decode_mixer}"
         trace_dir = (f"{args.profile}/{case.model}_{case.impl}{attention}_b{case.batch}"
@@ -265,6 +283,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         "model": case.model, "size": args.size, "impl": case.impl,
         "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
         "decode_mixer": case.decode_mixer, "split_positions": case.split_positions,
+        "one_row_pad_below": case.one_row_pad_below,
         "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
@@ -282,6 +301,12 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     }
 
 
+def _matmul_label(row: dict) -> str:
+    """A row's decode matmul, with the one-row padding's bound where set."""
+    below = row.get("one_row_pad_below")
+    return row["decode_matmul"] + ("" if below is None else f", padded below {below:,}")
+
+
 def _attention_label(row: dict) -> str:
     """A row's decode attention, with the kernel's split positions where set."""
     positions = row.get("split_positions")
@@ -296,7 +321,8 @@ def table(rows: list[dict]) -> str:
         return r["model"], r["batch"], r["context"], r.get("decode_mixer")
     xla = {key(r): r["per_token_ms"]
            for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"
-           and r.get("decode_attention", "model") == "model"}
+           and r.get("decode_attention", "model") == "model"
+           and r.get("one_row_pad_below") is None}
     lines = ["| model | impl | decode matmul | decode attention | decode mixer | batch | context "
              "| prefill (ms) | per token (ms), median [min, max] | tokens/s | HBM floor (ms) "
              "| × floor | vs xla |",
@@ -304,7 +330,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         base = xla.get(key(r))
         lines.append(
-            f"| {r['model']} | {r['impl']} | {r['decode_matmul']} "
+            f"| {r['model']} | {r['impl']} | {_matmul_label(r)} "
             f"| {_attention_label(r)} | {r.get('decode_mixer') or '–'} | {r['batch']} "
             f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
@@ -326,11 +352,11 @@ def plot(rows: list[dict], path: str) -> None:
     for ax, name in zip(axes[0], model_names):
         for impl in dict.fromkeys(r["impl"] for r in rows):
             for matmul, attention, context in itertools.product(
-                    dict.fromkeys(r["decode_matmul"] for r in rows),
+                    dict.fromkeys(_matmul_label(r) for r in rows),
                     dict.fromkeys(_attention_label(r) for r in rows),
                     sorted({r["context"] for r in rows})):
                 sel = sorted((r["batch"], r["per_token_ms"]) for r in rows
-                             if (r["model"], r["impl"], r["decode_matmul"],
+                             if (r["model"], r["impl"], _matmul_label(r),
                                  _attention_label(r), r["context"])
                              == (name, impl, matmul, attention, context))
                 if sel:
@@ -373,6 +399,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with the attention kernel, each of these fewest cache positions "
                              "per split (models.decode_attention_pallas.MIN_SPLIT_POSITIONS; "
                              "default: its value)")
+    parser.add_argument("--one-row-pad-below", nargs="+", type=int, default=[None],
+                        help="each of these weight sizes (elements) below which XLA's one-row "
+                             "dots are padded to two rows (jax_flashoverlap.decode_matmul."
+                             "ONE_ROW_PAD_BELOW; default: its value)")
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128])
     parser.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     parser.add_argument("--steps", nargs=2, type=int, default=(16, 48), metavar=("K1", "K2"),
@@ -435,13 +465,15 @@ def main(argv: list[str] | None = None) -> int:
                     batch // args.mesh[0]) if transformer else "model")
                 for split_positions in (args.split_positions if attention_ran == "pallas"
                                         else [None]):
-                    for context in args.contexts:
+                    for context, pad_below in itertools.product(args.contexts,
+                                                                args.one_row_pad_below):
                         case = Case(model_name, label, decode_matmul, attention_ran,
-                                    mixer_ran, split_positions, batch, context)
+                                    mixer_ran, split_positions, pad_below, batch, context)
                         if lead:
                             print(f"--- {case}", flush=True)
                         with (jax.set_mesh(mesh), forced_algorithm(algorithm),
-                              split_positions_set(split_positions)):
+                              split_positions_set(split_positions),
+                              one_row_pad_set(pad_below)):
                             row = measure(model, exact, case, args, rng)
                         rows.append(row)
                         gc.collect()

@@ -25,7 +25,7 @@ from jax import lax
 
 from . import _extension, _jax_shim
 
-__all__ = ["decode_matmul", "DECODE_MATMUL_IMPLS", "MAX_KERNEL_ROWS"]
+__all__ = ["decode_matmul", "DECODE_MATMUL_IMPLS", "MAX_KERNEL_ROWS", "ONE_ROW_PAD_BELOW"]
 
 DECODE_MATMUL_IMPLS = ("xla", "cuda")
 MAX_KERNEL_ROWS = 8

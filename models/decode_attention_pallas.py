@@ -37,8 +37,10 @@ _BLOCK = 64
 # The fewest cache positions a split covers by default: below that, another
 # split costs more (a program, the combine) than it saves. Read where the
 # kernel is traced. The 1B Transformer's decode step on one H200 at batch 1,
-# context 512: 64 positions 0.895 ms, 128 0.891, 256 0.908, cuDNN 0.959
-# (benchmarks/decode.py --split-positions, docs/measurements.md session 28).
+# context 512, one process: 64 positions 0.883 ms [0.878, 0.890], 128 0.896
+# [0.876, 0.899], 256 0.918 [0.914, 0.925] (benchmarks/decode.py
+# --split-positions, docs/measurements.md session 35; session 28's rows had
+# all run one trace). 64 and 128 overlap: 128 stays.
 MIN_SPLIT_POSITIONS = 128
 # The largest batch per device at which decode_attention="auto" runs this
 # kernel: at batch 1 it measured 1.077x cuDNN's step, at 8 0.994x and at 32

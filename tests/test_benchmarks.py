@@ -345,6 +345,20 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
     assert "| mamba | decomposed | xla | model | xla | 2 | 32 |" in out
 
 
+def test_decode_benchmark_sets_and_restores_the_one_row_padding():
+    bench = _load("decode")
+    module = bench._decode_matmul_module
+    default = module.ONE_ROW_PAD_BELOW
+    with bench.one_row_pad_set(1 << 40):
+        assert module.ONE_ROW_PAD_BELOW == 1 << 40
+    with bench.one_row_pad_set(None):
+        assert module.ONE_ROW_PAD_BELOW == default
+    assert module.ONE_ROW_PAD_BELOW == default
+    assert bench._matmul_label({"decode_matmul": "xla", "one_row_pad_below": 1000}) == \
+        "xla, padded below 1,000"
+    assert bench._matmul_label({"decode_matmul": "cuda"}) == "cuda"
+
+
 def test_decode_benchmark_sets_and_restores_the_split_positions():
     bench = _load("decode")
     kernel = bench.models.decode_attention_pallas
@@ -375,7 +389,7 @@ def test_decode_benchmark_traces_each_case_afresh(monkeypatch):
     model = bench.build_model("transformer", "tiny", "xla", mesh, None, "auto")
     args = argparse.Namespace(steps=(1, 2), xla_options={}, reps=1, profile=None, size="tiny",
                               hbm_tb_s=bench.HBM_TB_S)
-    case = bench.Case("transformer", "xla", "xla", "model", None, None, 1, 16)
+    case = bench.Case("transformer", "xla", "xla", "model", None, None, None, 1, 16)
     counts = []
     for _ in range(2):
         traced.clear()

@@ -27,6 +27,24 @@ def test_xla_impl_is_the_dot(rows, rng):
     assert_close(jfo.decode_matmul(x, w), _reference(x, w), jnp.float32)
 
 
+@pytest.mark.parametrize("rows, k, n, padded", [
+    (1, 2048, 4096, True),     # the 1B Transformer's QKV: XLA would reduce it unpadded
+    (1, 2048, 2048, True),
+    (1, 8192, 2048, False),    # its down and gate/up projections stay GEMMs unpadded
+    (1, 2048, 16384, False),
+    (2, 2048, 2048, False),    # two rows are a GEMM already
+])
+def test_one_row_dots_are_padded_below_the_bound(rows, k, n, padded):
+    """A one-row product is padded to two rows (behind a barrier) only when
+    its weight has fewer than ONE_ROW_PAD_BELOW elements."""
+    from jax_flashoverlap.decode_matmul import ONE_ROW_PAD_BELOW
+    assert (k * n < ONE_ROW_PAD_BELOW) == (padded or rows > 1)
+    jaxpr = str(jax.make_jaxpr(jfo.decode_matmul)(
+        jax.ShapeDtypeStruct((1, rows, k), jnp.bfloat16), jax.ShapeDtypeStruct((k, n),
+                                                                              jnp.bfloat16)))
+    assert ("pad[" in jaxpr) == padded and ("optimization_barrier" in jaxpr) == padded, jaxpr
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(impl="triton"), "impl='triton' is not one of"),
     (dict(w_shape=(24,)), "needs x [..., k] and w [k, n] of one dtype"),
