@@ -25,7 +25,10 @@ holds them, in the compute dtype; the embedding table aside, of which a
 step reads b rows) plus its cache (the keys and values up to the average
 position of the timed steps; Mamba-2's convolution and SSM states), over
 ``--hbm-tb-s`` (4.8 TB/s, the H200's datasheet bandwidth). Results go to
-``--json`` after each row; a table is printed last.
+``--json`` after each row; a table is printed last. Settings read while
+tracing (``--split-positions``, ``--one-row-pad-below``, a forced
+all-reduce algorithm) and XLA's options (``--xla-option-sets``) are swept
+in one process, each case traced and compiled afresh.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class Case(NamedTuple):
     decode_mixer: str | None
     split_positions: int | None
     one_row_pad_below: int | None
+    xla_option_set: str
     batch: int
     context: int
 
@@ -87,6 +91,13 @@ def _impl_and_algorithm(name: str) -> tuple[str, str | None]:
             f"--impls {name!r}: expected one of {models.IMPLS}, or cuda:ALGORITHM with "
             f"ALGORITHM in {cuda_policy.ALL_REDUCE_ALGORITHMS}")
     return impl, algorithm or None
+
+
+def _xla_option_set(text: str) -> dict:
+    """"NAME=VALUE,NAME=VALUE" (or "" / "default": none) as a dict."""
+    if text in ("", "default"):
+        return {}
+    return dict(_xla_option(pair) for pair in text.split(","))
 
 
 def _xla_option(text: str) -> tuple[str, bool | int | str]:
@@ -234,7 +245,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     jax.clear_caches()
     k1, k2 = args.steps
     prompt = rng.integers(0, model.config.vocab_size, (case.batch, case.context), np.int32)
-    common = dict(batch=case.batch, compiler_options=args.xla_options)
+    options = {**args.xla_options, **_xla_option_set(case.xla_option_set)}
+    common = dict(batch=case.batch, compiler_options=options)
     error, forward_error = check(model, exact, common, prompt)
     tolerance = max(2 * forward_error, CHECK_TOLERANCE[model.config.dtype])
     if not error <= tolerance:
@@ -268,6 +280,9 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
             attention += f"{case.split_positions}"
         if case.one_row_pad_below is not None:
             attention += f"_pad_below{case.one_row_pad_below}"
+        if case.xla_option_set not in ("", "default"):
+            attention += "_" + "_".join(f"{k}-{v}" for k, v in
+                                        _xla_option_set(case.xla_option_set).items())
         if case.decode_mixer not in (None, "xla"):
             attention += f"_mixer_{case.decode_mixer}"
         trace_dir = (f"{args.profile}/{case.model}_{case.impl}{attention}_b{case.batch}"
@@ -284,6 +299,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
         "decode_mixer": case.decode_mixer, "split_positions": case.split_positions,
         "one_row_pad_below": case.one_row_pad_below,
+        "xla_option_set": _xla_option_set(case.xla_option_set), "xla_options": options,
         "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
@@ -299,6 +315,12 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         "check_error": error, "check_forward_error": forward_error,
         "compile_s": generator.compile_s,
     }
+
+
+def _impl_label(row: dict) -> str:
+    """A row's impl, with its case's XLA options (of --xla-option-sets) where any."""
+    options = row.get("xla_option_set") or {}
+    return row["impl"] + "".join(f", {k}={v}" for k, v in options.items())
 
 
 def _matmul_label(row: dict) -> str:
@@ -322,7 +344,7 @@ def table(rows: list[dict]) -> str:
     xla = {key(r): r["per_token_ms"]
            for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"
            and r.get("decode_attention", "model") == "model"
-           and r.get("one_row_pad_below") is None}
+           and r.get("one_row_pad_below") is None and not r.get("xla_option_set")}
     lines = ["| model | impl | decode matmul | decode attention | decode mixer | batch | context "
              "| prefill (ms) | per token (ms), median [min, max] | tokens/s | HBM floor (ms) "
              "| × floor | vs xla |",
@@ -330,7 +352,7 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         base = xla.get(key(r))
         lines.append(
-            f"| {r['model']} | {r['impl']} | {_matmul_label(r)} "
+            f"| {r['model']} | {_impl_label(r)} | {_matmul_label(r)} "
             f"| {_attention_label(r)} | {r.get('decode_mixer') or '–'} | {r['batch']} "
             f"| {r['context']} | "
             f"{r['prefill_ms']:.2f} | {r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
@@ -350,13 +372,13 @@ def plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(model_names), figsize=(6 * len(model_names), 4),
                              squeeze=False)
     for ax, name in zip(axes[0], model_names):
-        for impl in dict.fromkeys(r["impl"] for r in rows):
+        for impl in dict.fromkeys(_impl_label(r) for r in rows):
             for matmul, attention, context in itertools.product(
                     dict.fromkeys(_matmul_label(r) for r in rows),
                     dict.fromkeys(_attention_label(r) for r in rows),
                     sorted({r["context"] for r in rows})):
                 sel = sorted((r["batch"], r["per_token_ms"]) for r in rows
-                             if (r["model"], r["impl"], _matmul_label(r),
+                             if (r["model"], _impl_label(r), _matmul_label(r),
                                  _attention_label(r), r["context"])
                              == (name, impl, matmul, attention, context))
                 if sel:
@@ -417,13 +439,22 @@ def main(argv: list[str] | None = None) -> int:
                         help="NVSHMEM heap per GPU, when started by the launcher")
     parser.add_argument("--xla-option", dest="xla_options", action="append", default=[],
                         type=_xla_option, metavar="NAME=VALUE",
-                        help="an XLA option for the decode loops; repeatable")
+                        help="an XLA option for every decode loop; repeatable")
+    parser.add_argument("--xla-option-sets", nargs="+", default=[""], metavar="SET",
+                        help="a sweep of XLA options for the decode loops, timed in one "
+                             "process: each SET is NAME=VALUE pairs joined by commas, or "
+                             "'default' for none (added to --xla-option's)")
     parser.add_argument("--profile", metavar="DIR", default=None,
                         help="also trace one decode loop of K2 steps per case, into "
                              "DIR/MODEL_IMPL_bBATCH_cCONTEXT (benchmarks/kernel_times.py "
                              "trace summarises one)")
     args = parser.parse_args(argv)
     args.xla_options = dict(args.xla_options)
+    for text in args.xla_option_sets:
+        try:
+            _xla_option_set(text)
+        except argparse.ArgumentTypeError as e:
+            parser.error(f"--xla-option-sets: {e}")
     impls = [(name, *_impl_and_algorithm(name)) for name in args.impls]
     if not 0 < args.steps[0] < args.steps[1]:
         parser.error(f"--steps: need 0 < K1 < K2, got {args.steps}")
@@ -465,10 +496,10 @@ def main(argv: list[str] | None = None) -> int:
                     batch // args.mesh[0]) if transformer else "model")
                 for split_positions in (args.split_positions if attention_ran == "pallas"
                                         else [None]):
-                    for context, pad_below in itertools.product(args.contexts,
-                                                                args.one_row_pad_below):
-                        case = Case(model_name, label, decode_matmul, attention_ran,
-                                    mixer_ran, split_positions, pad_below, batch, context)
+                    for context, pad_below, option_set in itertools.product(
+                            args.contexts, args.one_row_pad_below, args.xla_option_sets):
+                        case = Case(model_name, label, decode_matmul, attention_ran, mixer_ran,
+                                    split_positions, pad_below, option_set, batch, context)
                         if lead:
                             print(f"--- {case}", flush=True)
                         with (jax.set_mesh(mesh), forced_algorithm(algorithm),

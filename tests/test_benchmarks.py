@@ -359,6 +359,22 @@ def test_decode_benchmark_sets_and_restores_the_one_row_padding():
     assert bench._matmul_label({"decode_matmul": "cuda"}) == "cuda"
 
 
+def test_decode_benchmark_sweeps_xla_options_in_one_process(tmp_path, capsys):
+    """--xla-option-sets: one row per set, each compiled with its options
+    (on the CPUs, an option of the CPU compiler), labelled in the table."""
+    bench = _load("decode")
+    out = tmp_path / "d.json"
+    assert bench.main(["--json", str(out), "--size", "tiny", "--mesh", "1x1", "--models",
+                       "transformer", "--impls", "xla", "--batches", "1", "--contexts", "16",
+                       "--steps", "1", "2", "--reps", "1", "--xla-option-sets", "default",
+                       "xla_cpu_enable_fast_math=true"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["xla_option_set"] for r in rows] == [{}, {"xla_cpu_enable_fast_math": True}]
+    assert "| transformer | xla, xla_cpu_enable_fast_math=True | xla |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.main(["--xla-option-sets", "no_value"])
+
+
 def test_decode_benchmark_sets_and_restores_the_split_positions():
     bench = _load("decode")
     kernel = bench.models.decode_attention_pallas
@@ -389,7 +405,7 @@ def test_decode_benchmark_traces_each_case_afresh(monkeypatch):
     model = bench.build_model("transformer", "tiny", "xla", mesh, None, "auto")
     args = argparse.Namespace(steps=(1, 2), xla_options={}, reps=1, profile=None, size="tiny",
                               hbm_tb_s=bench.HBM_TB_S)
-    case = bench.Case("transformer", "xla", "xla", "model", None, None, None, 1, 16)
+    case = bench.Case("transformer", "xla", "xla", "model", None, None, None, "", 1, 16)
     counts = []
     for _ in range(2):
         traced.clear()
