@@ -77,6 +77,7 @@ class Case(NamedTuple):
     decode_attention: str
     decode_mixer: str | None
     split_positions: int | None
+    packed_inputs: bool | None
     one_row_pad_below: int | None
     xla_option_set: str
     batch: int
@@ -133,6 +134,18 @@ def one_row_pad_set(below: int | None):
         yield
         return
     with mock.patch.object(_decode_matmul_module, "ONE_ROW_PAD_BELOW", below):
+        yield
+
+
+@contextlib.contextmanager
+def packed_inputs_set(packed: bool | None):
+    """Within it, the decode-attention kernel traced takes q, k and v packed
+    in one array or apart (None: the module's default,
+    ``PACKED_INPUTS``)."""
+    if packed is None:
+        yield
+        return
+    with mock.patch.object(models.decode_attention_pallas, "PACKED_INPUTS", packed):
         yield
 
 
@@ -278,6 +291,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         attention = "" if case.decode_attention == "model" else f"_{case.decode_attention}"
         if case.split_positions is not None:
             attention += f"{case.split_positions}"
+        if case.packed_inputs is not None:
+            attention += "_packed" if case.packed_inputs else "_separate"
         if case.one_row_pad_below is not None:
             attention += f"_pad_below{case.one_row_pad_below}"
         if case.xla_option_set not in ("", "default"):
@@ -298,6 +313,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         "model": case.model, "size": args.size, "impl": case.impl,
         "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
         "decode_mixer": case.decode_mixer, "split_positions": case.split_positions,
+        "packed_inputs": case.packed_inputs,
         "one_row_pad_below": case.one_row_pad_below,
         "xla_option_set": _xla_option_set(case.xla_option_set), "xla_options": options,
         "batch": case.batch,
@@ -330,10 +346,13 @@ def _matmul_label(row: dict) -> str:
 
 
 def _attention_label(row: dict) -> str:
-    """A row's decode attention, with the kernel's split positions where set."""
-    positions = row.get("split_positions")
+    """A row's decode attention, with the kernel's split positions and
+    inputs where set."""
+    positions, packed = row.get("split_positions"), row.get("packed_inputs")
     label = row.get("decode_attention", "model")
-    return label if positions is None else f"{label}, splits of {positions}+"
+    if positions is not None:
+        label += f", splits of {positions}+"
+    return label if packed is None else label + (", packed" if packed else ", separate")
 
 
 def table(rows: list[dict]) -> str:
@@ -421,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with the attention kernel, each of these fewest cache positions "
                              "per split (models.decode_attention_pallas.MIN_SPLIT_POSITIONS; "
                              "default: its value)")
+    parser.add_argument("--attention-inputs", nargs="+", choices=("separate", "packed"),
+                        default=[None], help="with the attention kernel, its q, k and v "
+                        "apart or packed in one array (models.decode_attention_pallas."
+                        "PACKED_INPUTS; default: its value)")
     parser.add_argument("--one-row-pad-below", nargs="+", type=int, default=[None],
                         help="each of these weight sizes (elements) below which XLA's one-row "
                              "dots are padded to two rows (jax_flashoverlap.decode_matmul."
@@ -494,16 +517,21 @@ def main(argv: list[str] | None = None) -> int:
                 # record it.
                 attention_ran = (model.blocks[0].attn.decode_implementation(
                     batch // args.mesh[0]) if transformer else "model")
-                for split_positions in (args.split_positions if attention_ran == "pallas"
-                                        else [None]):
+                kernel_settings = (itertools.product(
+                    args.split_positions,
+                    [None if v is None else v == "packed" for v in args.attention_inputs])
+                    if attention_ran == "pallas" else [(None, None)])
+                for split_positions, packed in kernel_settings:
                     for context, pad_below, option_set in itertools.product(
                             args.contexts, args.one_row_pad_below, args.xla_option_sets):
                         case = Case(model_name, label, decode_matmul, attention_ran, mixer_ran,
-                                    split_positions, pad_below, option_set, batch, context)
+                                    split_positions, packed, pad_below, option_set, batch,
+                                    context)
                         if lead:
                             print(f"--- {case}", flush=True)
                         with (jax.set_mesh(mesh), forced_algorithm(algorithm),
                               split_positions_set(split_positions),
+                              packed_inputs_set(packed),
                               one_row_pad_set(pad_below)):
                             row = measure(model, exact, case, args, rng)
                         rows.append(row)

@@ -29,8 +29,8 @@ from jax_flashoverlap.nn import same_variance
 
 from .pallas_gpu import plgpu, require_runnable
 
-__all__ = ["AUTO_MAX_BATCH", "MIN_SPLIT_POSITIONS", "Tiling", "decode_attention",
-           "unsupported_reason"]
+__all__ = ["AUTO_MAX_BATCH", "MIN_SPLIT_POSITIONS", "PACKED_INPUTS", "Tiling",
+           "decode_attention", "unsupported_reason"]
 
 # Cache positions a program reads per loop iteration.
 _BLOCK = 64
@@ -53,6 +53,14 @@ _NUM_STAGES = 2
 # Query rows a program multiplies: the tensor cores' smallest tile side. The
 # q_per_kv query heads of a KV head are padded with zero rows up to it.
 _ROWS = 16
+# Whether the kernel takes q, k and v as one array [b, kv, rows, h] (the
+# query rows, then the key, the value and zero rows; rows a power of two
+# from _ROWS) instead of q padded to _ROWS rows, k and v apart. XLA writes
+# each input in a kernel of its own (with the rotary embeddings): one array
+# is one such kernel instead of three. Its rows past the queries are
+# attended too and dropped. Read where the kernel is traced. Off: not yet
+# run on a GPU (docs/measurements.md, session 35).
+PACKED_INPUTS = False
 # A finite "minus infinity": exp(_NEG - _NEG) is 1, not NaN, for a split
 # that reads nothing, and masked scores are dropped by a select, not by it.
 _NEG = -1e30
@@ -94,12 +102,18 @@ def _tiling(batch: int, kv_heads: int, length: int, splits: int | None,
     return Tiling(_BLOCK, splits, split_len, _NUM_WARPS, interpret)
 
 
+def _packed_kernel(pos_ref, heads_ref, k_ref, v_ref, *out_refs, q_per_kv: int, **kwargs):
+    """:func:`_kernel` with its inputs in one block (see :data:`PACKED_INPUTS`)."""
+    _kernel(pos_ref, heads_ref, heads_ref.at[pl.ds(q_per_kv, 1), :],
+            heads_ref.at[pl.ds(q_per_kv + 1, 1), :], k_ref, v_ref, *out_refs, **kwargs)
+
+
 def _kernel(pos_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, *out_refs, tiling: Tiling,
             scale: float, precision):
     *result_refs, k_out_ref, v_out_ref = out_refs
     split = pl.program_id(2)
     pos = pos_ref[()]
-    q = q_ref[...]                                         # [_ROWS, h], zero rows past q_per_kv
+    q = q_ref[...]                                         # [rows, h], the query rows first
     # The online softmax's running max score, sum of weights and weighted sum
     # of values per query row. The new position opens split 0's: its score,
     # weight 1, its value. (Triton selects need the condition in the
@@ -122,7 +136,7 @@ def _kernel(pos_ref, q_ref, k_new_ref, v_new_ref, k_ref, v_ref, *out_refs, tilin
         rows = pl.ds(first_row, tiling.block)
         k = plgpu.load(k_ref.at[rows, :], mask=valid[:, None], other=0.0)
         v = plgpu.load(v_ref.at[rows, :], mask=valid[:, None], other=0.0)
-        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [_ROWS, block]
+        scores = plgpu.dot(q, k, trans_b=True, precision=precision) * scale  # [rows, block]
         scores = jnp.where(valid[None, :], scores, _NEG)
         new_peak = jnp.maximum(peak, jnp.max(scores, axis=1))
         correction = jnp.exp(peak - new_peak)
@@ -191,11 +205,18 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Arra
                      "use decode_attention='model'")
     length = cache_k.shape[2]
     tiling = _tiling(b, kv, length, splits, interpret)
-    # Zero query rows up to the tensor cores' tile: XLA fuses the pad into
-    # q's producer and the slice below into the output's consumer.
-    q_rows = jnp.pad(q, ((0, 0), (0, 0), (0, _ROWS - q_per_kv), (0, 0)))
-    (q_rows, k, v, cache_k, cache_v, pos), varying = same_variance(
-        q_rows, k, v, cache_k, cache_v, jnp.asarray(pos, jnp.int32))
+    packed = PACKED_INPUTS
+    if packed:
+        rows = max(_ROWS, 1 << (q_per_kv + 1).bit_length())     # a power of two > q_per_kv + 1
+        fill = jnp.zeros((b, kv, rows - q_per_kv - 2, h), q.dtype)
+        inputs = (jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype), fill], axis=2),)
+    else:
+        # Zero query rows up to the tensor cores' tile: XLA fuses the pad into
+        # q's producer and the slice below into the output's consumer.
+        rows = _ROWS
+        inputs = (jnp.pad(q, ((0, 0), (0, 0), (0, rows - q_per_kv), (0, 0))), k, v)
+    (*inputs, cache_k, cache_v, pos), varying = same_variance(
+        *inputs, cache_k, cache_v, jnp.asarray(pos, jnp.int32))
 
     def per_head(*shape):  # (b, kv) picked by the grid, the rest whole
         return pl.BlockSpec((None, None, *shape), lambda i, g, s: (i, g) + (0,) * len(shape))
@@ -208,28 +229,32 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Arra
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=varying)
 
     if tiling.splits == 1:
-        result_specs, result_shapes = [per_head(_ROWS, h)], [out(q_rows.shape, q.dtype)]
+        result_specs, result_shapes = [per_head(rows, h)], [out((b, kv, rows, h), q.dtype)]
     else:
-        partial = (b, kv, tiling.splits, _ROWS)
-        result_specs = [per_split(_ROWS, h), per_split(_ROWS), per_split(_ROWS)]
+        partial = (b, kv, tiling.splits, rows)
+        result_specs = [per_split(rows, h), per_split(rows), per_split(rows)]
         result_shapes = [out((*partial, h), jnp.float32), out(partial, jnp.float32),
                          out(partial, jnp.float32)]
     cache_spec = per_head(length, h)
     precision = lax.Precision.HIGHEST if jnp.dtype(q.dtype) == jnp.float32 else None
+    kernel = (functools.partial(_packed_kernel, q_per_kv=q_per_kv) if packed else _kernel)
+    input_specs = [per_head(rows, h)] if packed else [per_head(rows, h), per_head(1, h),
+                                                      per_head(1, h)]
+    first_cache = 1 + len(inputs)                          # after pos and the inputs
     *results, cache_k, cache_v = pl.pallas_call(
-        functools.partial(_kernel, tiling=tiling, scale=1.0 / math.sqrt(h),
+        functools.partial(kernel, tiling=tiling, scale=1.0 / math.sqrt(h),
                           precision=precision),
         grid=(b, kv, tiling.splits),
-        in_specs=[pl.BlockSpec((), lambda i, g, s: ()), per_head(_ROWS, h),
-                  per_head(1, h), per_head(1, h), cache_spec, cache_spec],
+        in_specs=[pl.BlockSpec((), lambda i, g, s: ()), *input_specs, cache_spec, cache_spec],
         out_specs=[*result_specs, cache_spec, cache_spec],
         out_shape=[*result_shapes, out(cache_k.shape, cache_k.dtype),
                    out(cache_v.shape, cache_v.dtype)],
-        input_output_aliases={4: len(result_shapes), 5: len(result_shapes) + 1},
+        input_output_aliases={first_cache: len(result_shapes),
+                              first_cache + 1: len(result_shapes) + 1},
         interpret=tiling.interpret,
         compiler_params=plgpu.CompilerParams(num_warps=tiling.num_warps,
                                              num_stages=_NUM_STAGES),
         name="decode_attention",
-    )(pos, q_rows, k, v, cache_k, cache_v)
+    )(pos, *inputs, cache_k, cache_v)
     attended = results[0] if tiling.splits == 1 else _combine(*results, q.dtype)
     return attended[:, :, :q_per_kv], cache_k, cache_v

@@ -375,7 +375,7 @@ def test_decode_benchmark_sweeps_xla_options_in_one_process(tmp_path, capsys):
         bench.main(["--xla-option-sets", "no_value"])
 
 
-def test_decode_benchmark_sets_and_restores_the_split_positions():
+def test_decode_benchmark_sets_and_restores_the_attention_kernel_settings():
     bench = _load("decode")
     kernel = bench.models.decode_attention_pallas
     default = kernel.MIN_SPLIT_POSITIONS
@@ -387,6 +387,11 @@ def test_decode_benchmark_sets_and_restores_the_split_positions():
     assert bench._attention_label({"decode_attention": "pallas", "split_positions": 64}) == \
         "pallas, splits of 64+"
     assert bench._attention_label({"decode_attention": "model"}) == "model"
+    with bench.packed_inputs_set(True):
+        assert kernel.PACKED_INPUTS is True
+    assert kernel.PACKED_INPUTS is False
+    assert bench._attention_label({"decode_attention": "pallas", "split_positions": 64,
+                                   "packed_inputs": True}) == "pallas, splits of 64+, packed"
 
 
 def test_decode_benchmark_traces_each_case_afresh(monkeypatch):
@@ -405,7 +410,7 @@ def test_decode_benchmark_traces_each_case_afresh(monkeypatch):
     model = bench.build_model("transformer", "tiny", "xla", mesh, None, "auto")
     args = argparse.Namespace(steps=(1, 2), xla_options={}, reps=1, profile=None, size="tiny",
                               hbm_tb_s=bench.HBM_TB_S)
-    case = bench.Case("transformer", "xla", "xla", "model", None, None, None, "", 1, 16)
+    case = bench.Case("transformer", "xla", "xla", "model", None, None, None, None, "", 1, 16)
     counts = []
     for _ in range(2):
         traced.clear()

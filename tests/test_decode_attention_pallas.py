@@ -12,6 +12,14 @@ from jax_flashoverlap import models
 kernel = models.decode_attention_pallas
 
 
+@pytest.fixture(params=[False, True], ids=["separate", "packed"])
+def inputs_packed(request, monkeypatch):
+    """Each test with q, k and v as separate inputs and packed in one
+    (``PACKED_INPUTS``)."""
+    monkeypatch.setattr(kernel, "PACKED_INPUTS", request.param)
+    return request.param
+
+
 def _case(rng, dtype, b=2, kv=2, q_per_kv=2, h=32, length=200):
     """Random q [b, kv, q_per_kv, h], k and v [b, kv, 1, h], and the two
     caches [b, kv, length, h] as writable numpy arrays."""
@@ -55,15 +63,16 @@ def _check(rng, dtype, pos, splits, interpret, **shape):
 
 @pytest.mark.parametrize("pos", [0, 1, 63, 64, 150, 199])
 @pytest.mark.parametrize("splits", [1, 3, None])
-def test_attention_and_cache_update_match_float64(pos, splits, rng):
+def test_attention_and_cache_update_match_float64(pos, splits, rng, inputs_packed):
     """Cache length 200 (no multiple of the 64-position block), one to three
     splits; positions from ``pos`` on are NaN and never read."""
     _check(rng, "float32", pos, splits, interpret=True)
 
 
-@pytest.mark.parametrize("q_per_kv", [1, 3, 16])
-def test_query_groups(q_per_kv, rng):
-    """bf16, 1 to 16 query heads per KV head (the padded rows' full tile)."""
+@pytest.mark.parametrize("q_per_kv", [1, 3, 14, 15, 16])
+def test_query_groups(q_per_kv, rng, inputs_packed):
+    """bf16, 1 to 16 query heads per KV head (the padded rows' full tile;
+    packed, from 15 on, two tiles)."""
     _check(rng, "bfloat16", 130, None, interpret=True, q_per_kv=q_per_kv, b=1, kv=3)
 
 
@@ -108,7 +117,7 @@ def test_compiled_kernel_needs_a_gpu():
 
 
 @pytest.mark.parametrize("splits", [1, 4])
-def test_kernel_lowers_to_triton_without_a_gpu(splits, monkeypatch):
+def test_kernel_lowers_to_triton_without_a_gpu(splits, monkeypatch, inputs_packed):
     """The 1B Transformer's layer (8 KV heads, 2 query heads each, 128 wide)
     at a cache of 560 positions lowers for an H200, the caches aliased."""
     from jax._src.pallas.triton import gpu_info
@@ -134,7 +143,7 @@ def test_kernel_lowers_to_triton_without_a_gpu(splits, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("splits", [1, None])
-def test_kernel_matches_float64_on_gpu(dtype, splits, rng):
+def test_kernel_matches_float64_on_gpu(dtype, splits, rng, inputs_packed):
     """The 1B Transformer's heads, a cache of 560 positions, at several positions."""
     for pos in (0, 100, 511, 559):
         _check(rng, dtype, pos, splits, interpret=False, b=2, kv=8, q_per_kv=2, h=128,
