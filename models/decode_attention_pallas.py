@@ -55,11 +55,11 @@ _NUM_STAGES = 2
 _ROWS = 16
 # Whether the kernel takes q, k and v as one array [b, kv, rows, h] (the
 # query rows, then the key, the value and zero rows; rows a power of two
-# from _ROWS) instead of q padded to _ROWS rows, k and v apart. XLA writes
-# each input in a kernel of its own (with the rotary embeddings): one array
-# is one such kernel instead of three. Its rows past the queries are
-# attended too and dropped. Read where the kernel is traced. Off: not yet
-# run on a GPU (docs/measurements.md, session 35).
+# from _ROWS) instead of q padded to _ROWS rows, k and v apart. XLA wrote
+# each of the three in a kernel of its own (with the rotary embeddings;
+# docs/measurements.md, session 35): one array can be one such kernel. Its
+# rows past the queries are attended too and dropped. Read where the kernel
+# is traced. Off: not yet run on a GPU.
 PACKED_INPUTS = False
 # A finite "minus infinity": exp(_NEG - _NEG) is 1, not NaN, for a split
 # that reads nothing, and masked scores are dropped by a select, not by it.
