@@ -79,7 +79,7 @@ class Case(NamedTuple):
     split_positions: int | None
     packed_inputs: bool | None
     one_row_pad_below: int | None
-    xla_option_set: str
+    xla_option_set: tuple[tuple[str, bool | int | str], ...]  # (name, value) pairs
     batch: int
     context: int
 
@@ -126,38 +126,33 @@ def forced_algorithm(algorithm: str | None):
 
 
 @contextlib.contextmanager
+def _module_setting(module, name: str, value):
+    """Within it, ``module.name`` is ``value`` (None: left as it is)."""
+    if value is None:
+        yield
+        return
+    with mock.patch.object(module, name, value):
+        yield
+
+
 def one_row_pad_set(below: int | None):
     """Within it, one-row weight dots traced are padded to two rows below
     ``below`` weight elements (None: the library's default; see
     ``jax_flashoverlap.decode_matmul.ONE_ROW_PAD_BELOW``)."""
-    if below is None:
-        yield
-        return
-    with mock.patch.object(_decode_matmul_module, "ONE_ROW_PAD_BELOW", below):
-        yield
+    return _module_setting(_decode_matmul_module, "ONE_ROW_PAD_BELOW", below)
 
 
-@contextlib.contextmanager
 def packed_inputs_set(packed: bool | None):
     """Within it, the decode-attention kernel traced takes q, k and v packed
     in one array or apart (None: the module's default,
     ``PACKED_INPUTS``)."""
-    if packed is None:
-        yield
-        return
-    with mock.patch.object(models.decode_attention_pallas, "PACKED_INPUTS", packed):
-        yield
+    return _module_setting(models.decode_attention_pallas, "PACKED_INPUTS", packed)
 
 
-@contextlib.contextmanager
 def split_positions_set(positions: int | None):
     """Within it, the decode-attention kernel traced splits the cache into
     pieces of at least ``positions`` (None: the module's default)."""
-    if positions is None:
-        yield
-        return
-    with mock.patch.object(models.decode_attention_pallas, "MIN_SPLIT_POSITIONS", positions):
-        yield
+    return _module_setting(models.decode_attention_pallas, "MIN_SPLIT_POSITIONS", positions)
 
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
@@ -258,7 +253,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     jax.clear_caches()
     k1, k2 = args.steps
     prompt = rng.integers(0, model.config.vocab_size, (case.batch, case.context), np.int32)
-    options = {**args.xla_options, **_xla_option_set(case.xla_option_set)}
+    options = {**args.xla_options, **dict(case.xla_option_set)}
     common = dict(batch=case.batch, compiler_options=options)
     error, forward_error = check(model, exact, common, prompt)
     tolerance = max(2 * forward_error, CHECK_TOLERANCE[model.config.dtype])
@@ -295,9 +290,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
             attention += "_packed" if case.packed_inputs else "_separate"
         if case.one_row_pad_below is not None:
             attention += f"_pad_below{case.one_row_pad_below}"
-        if case.xla_option_set not in ("", "default"):
-            attention += "_" + "_".join(f"{k}-{v}" for k, v in
-                                        _xla_option_set(case.xla_option_set).items())
+        if case.xla_option_set:
+            attention += "_" + "_".join(f"{k}-{v}" for k, v in case.xla_option_set)
         if case.decode_mixer not in (None, "xla"):
             attention += f"_mixer_{case.decode_mixer}"
         trace_dir = (f"{args.profile}/{case.model}_{case.impl}{attention}_b{case.batch}"
@@ -315,7 +309,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         "decode_mixer": case.decode_mixer, "split_positions": case.split_positions,
         "packed_inputs": case.packed_inputs,
         "one_row_pad_below": case.one_row_pad_below,
-        "xla_option_set": _xla_option_set(case.xla_option_set), "xla_options": options,
+        "xla_option_set": dict(case.xla_option_set), "xla_options": options,
         "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
@@ -473,11 +467,10 @@ def main(argv: list[str] | None = None) -> int:
                              "trace summarises one)")
     args = parser.parse_args(argv)
     args.xla_options = dict(args.xla_options)
-    for text in args.xla_option_sets:
-        try:
-            _xla_option_set(text)
-        except argparse.ArgumentTypeError as e:
-            parser.error(f"--xla-option-sets: {e}")
+    try:
+        option_sets = [tuple(_xla_option_set(text).items()) for text in args.xla_option_sets]
+    except argparse.ArgumentTypeError as e:
+        parser.error(f"--xla-option-sets: {e}")
     impls = [(name, *_impl_and_algorithm(name)) for name in args.impls]
     if not 0 < args.steps[0] < args.steps[1]:
         parser.error(f"--steps: need 0 < K1 < K2, got {args.steps}")
@@ -523,7 +516,7 @@ def main(argv: list[str] | None = None) -> int:
                     if attention_ran == "pallas" else [(None, None)])
                 for split_positions, packed in kernel_settings:
                     for context, pad_below, option_set in itertools.product(
-                            args.contexts, args.one_row_pad_below, args.xla_option_sets):
+                            args.contexts, args.one_row_pad_below, option_sets):
                         case = Case(model_name, label, decode_matmul, attention_ran, mixer_ran,
                                     split_positions, packed, pad_below, option_set, batch,
                                     context)
