@@ -75,6 +75,7 @@ class Case(NamedTuple):
     impl: str
     decode_matmul: str
     decode_attention: str
+    decode_blocks: str
     decode_mixer: str | None
     split_positions: int | None
     packed_inputs: bool | None
@@ -157,9 +158,10 @@ def split_positions_set(positions: int | None):
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
                 decode_matmul: str = "xla", decode_attention: str = "model",
-                decode_mixer: str = "xla"):
+                decode_mixer: str = "xla", decode_blocks: str = "layers"):
     config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
-                                **({"attention": attention, "decode_attention": decode_attention}
+                                **({"attention": attention, "decode_attention": decode_attention,
+                                    "decode_blocks": decode_blocks}
                                    if name == "transformer" else {"decode_mixer": decode_mixer}))
     _, model_cls = models.MODELS[name]
     with jax.set_mesh(mesh):
@@ -284,6 +286,8 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     if args.profile:
         prefilled = jax.block_until_ready(generator.prefill(prompt))
         attention = "" if case.decode_attention == "model" else f"_{case.decode_attention}"
+        if case.decode_blocks != "layers":
+            attention = f"_blocks_{case.decode_blocks}"
         if case.split_positions is not None:
             attention += f"{case.split_positions}"
         if case.packed_inputs is not None:
@@ -306,6 +310,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
     return {
         "model": case.model, "size": args.size, "impl": case.impl,
         "decode_matmul": case.decode_matmul, "decode_attention": case.decode_attention,
+        "decode_blocks": case.decode_blocks,
         "decode_mixer": case.decode_mixer, "split_positions": case.split_positions,
         "packed_inputs": case.packed_inputs,
         "one_row_pad_below": case.one_row_pad_below,
@@ -341,7 +346,9 @@ def _matmul_label(row: dict) -> str:
 
 def _attention_label(row: dict) -> str:
     """A row's decode attention, with the kernel's split positions and
-    inputs where set."""
+    inputs where set (or the kernel that ran the whole blocks)."""
+    if row.get("decode_blocks", "layers") != "layers":
+        return f"in the blocks' {row['decode_blocks']} kernel"
     positions, packed = row.get("split_positions"), row.get("packed_inputs")
     label = row.get("decode_attention", "model")
     if positions is not None:
@@ -357,6 +364,7 @@ def table(rows: list[dict]) -> str:
     xla = {key(r): r["per_token_ms"]
            for r in rows if r["impl"] == "xla" and r["decode_matmul"] == "xla"
            and r.get("decode_attention", "model") == "model"
+           and r.get("decode_blocks", "layers") == "layers"
            and r.get("one_row_pad_below") is None and not r.get("xla_option_set")}
     lines = ["| model | impl | decode matmul | decode attention | decode mixer | batch | context "
              "| prefill (ms) | per token (ms), median [min, max] | tokens/s | HBM floor (ms) "
@@ -426,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Transformer's decode attentions to compare (each with every "
                              "impl and matmul; default: the model's default, 'auto', each row "
                              "naming what it ran; Mamba-2 runs only 'model')")
+    parser.add_argument("--decode-blocks", nargs="+", default=["layers"],
+                        choices=models.DECODE_BLOCKS,
+                        help="the Transformer's decode blocks to compare: each layer's own "
+                             "decode, or all in one CUDA kernel (TransformerConfig."
+                             "decode_blocks; 'cuda' runs each decode attention once)")
     parser.add_argument("--decode-mixers", nargs="+", default=["xla"],
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "
@@ -496,11 +509,16 @@ def main(argv: list[str] | None = None) -> int:
         transformer = model_name == "transformer"
         attentions = args.decode_attentions if transformer else ["model"]
         mixers = ["xla"] if transformer else args.decode_mixers
-        for (label, impl, algorithm), decode_matmul, decode_attention, decode_mixer in (
-                itertools.product(impls, args.decode_matmuls, dict.fromkeys(attentions),
-                                  dict.fromkeys(mixers))):
+        blocks = args.decode_blocks if transformer else ["layers"]
+        variants = [(attention, mixer, block) for block in dict.fromkeys(blocks)
+                    for attention in (dict.fromkeys(attentions) if block == "layers"
+                                      else attentions[:1])
+                    for mixer in dict.fromkeys(mixers)]
+        for (label, impl, algorithm), decode_matmul, (decode_attention, decode_mixer,
+                                                      decode_blocks) in (
+                itertools.product(impls, args.decode_matmuls, variants)):
             model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
-                                decode_matmul, decode_attention, decode_mixer)
+                                decode_matmul, decode_attention, decode_mixer, decode_blocks)
             mixer_ran = None if transformer else decode_mixer
             if exact is None:
                 with jax.set_mesh(mesh):
@@ -509,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                 # What "auto" resolved to for this batch on this platform, as the rows
                 # record it.
                 attention_ran = (model.blocks[0].attn.decode_implementation(
-                    batch // args.mesh[0]) if transformer else "model")
+                    batch // args.mesh[0]) if transformer and decode_blocks == "layers"
+                    else "model")
                 kernel_settings = (itertools.product(
                     args.split_positions,
                     [None if v is None else v == "packed" for v in args.attention_inputs])
@@ -517,9 +536,9 @@ def main(argv: list[str] | None = None) -> int:
                 for split_positions, packed in kernel_settings:
                     for context, pad_below, option_set in itertools.product(
                             args.contexts, args.one_row_pad_below, option_sets):
-                        case = Case(model_name, label, decode_matmul, attention_ran, mixer_ran,
-                                    split_positions, packed, pad_below, option_set, batch,
-                                    context)
+                        case = Case(model_name, label, decode_matmul, attention_ran,
+                                    decode_blocks, mixer_ran, split_positions, packed, pad_below,
+                                    option_set, batch, context)
                         if lead:
                             print(f"--- {case}", flush=True)
                         with (jax.set_mesh(mesh), forced_algorithm(algorithm),

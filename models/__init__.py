@@ -15,11 +15,17 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
 """
 
 # As models.norm_pallas etc., like conv_pallas and ssd_pallas:
-from . import decode_attention_pallas, mamba_decode_pallas, norm_pallas  # noqa: F401
+from . import (  # noqa: F401
+    decode_attention_pallas,
+    mamba_decode_pallas,
+    norm_pallas,
+    transformer_decode_cuda,
+)
 from .config import (
     ATTENTION_IMPLS,
     CONV_IMPLS,
     DECODE_ATTENTION_IMPLS,
+    DECODE_BLOCKS,
     DECODE_MATMUL_IMPLS,
     DECODE_MIXER_IMPLS,
     IMPLS,
@@ -42,7 +48,7 @@ __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "Shardin
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",
-           "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS",
+           "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS", "DECODE_BLOCKS",
            "attention_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

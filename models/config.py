@@ -15,7 +15,8 @@ from jax_flashoverlap.dispatch import AUTO_OPS
 
 __all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "SSDTiling", "IMPLS", "SIZES",
            "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
-           "DECODE_MATMUL_IMPLS", "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS"]
+           "DECODE_MATMUL_IMPLS", "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS",
+           "DECODE_BLOCKS"]
 
 # Preset name -> the config classmethod that makes it.
 SIZES = {"tiny": "tiny", "small": "small", "1b": "b1"}
@@ -29,6 +30,11 @@ ATTENTION_IMPLS = ("auto", "xla", "cudnn")
 # (models.decode_attention_pallas); "auto" the kernel on CUDA GPUs where it
 # takes the heads and the batch is small, else "model".
 DECODE_ATTENTION_IMPLS = ("model", "pallas", "auto")
+# TransformerConfig.decode_blocks, how a decode step runs the blocks:
+# "layers" each block's own decode (the choices above apply); "cuda" every
+# block in one CUDA kernel (models.transformer_decode_cuda; tensor-parallel
+# size 1, bfloat16, a few rows per device).
+DECODE_BLOCKS = ("layers", "cuda")
 # MambaConfig.decode_mixer, a decode step's work between in_proj and the
 # gated norm (convolution, SSM state update, skip): "xla" is XLA's ops,
 # "pallas" one kernel a layer (models.mamba_decode_pallas; opt-in: slower
@@ -235,6 +241,12 @@ class TransformerConfig(_Presets):
         On one H200 the kernel was 1.077x cuDNN's step at batch 1, 0.994x at
         8 and 0.967x at 32, and "auto" 1.051x "model" at batch 1 in another
         process (docs/models.md).
+      decode_blocks: how a decode step runs the blocks, one of
+        :data:`DECODE_BLOCKS`: "layers" (default), each block's decode as
+        above; or "cuda", all blocks as one CUDA kernel a step
+        (:mod:`models.transformer_decode_cuda`: tensor-parallel size 1,
+        bfloat16, at most 4 rows per device, head_dim 64 or 128; an error
+        names what else rules it out), an experiment.
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled
@@ -261,6 +273,7 @@ class TransformerConfig(_Presets):
     attention_impl: str = "auto"
     decode_matmul: str = "xla"
     decode_attention: str = "auto"
+    decode_blocks: str = "layers"
     remat: bool = False
     scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()
@@ -270,7 +283,8 @@ class TransformerConfig(_Presets):
         _check_impl("TransformerConfig", self.impl, self.auto_xla_ops)
         _check_choices(self, {"attention_impl": ATTENTION_IMPLS,
                               "decode_matmul": DECODE_MATMUL_IMPLS,
-                              "decode_attention": DECODE_ATTENTION_IMPLS})
+                              "decode_attention": DECODE_ATTENTION_IMPLS,
+                              "decode_blocks": DECODE_BLOCKS})
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"TransformerConfig: num_heads={self.num_heads} must be a "
                              f"multiple of num_kv_heads={self.num_kv_heads}")

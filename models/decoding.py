@@ -187,6 +187,10 @@ class Generator:
                             float(temperature), top_k, return_logits)
         self.params = decoding_params(model)
         graphdef = nnx.graphdef(model)
+        local_batch = batch // mesh.shape[config.sharding.data]
+        tensor_size = mesh.shape[config.sharding.tensor]
+        self.decode_weights = jax.jit(lambda params: nnx.merge(graphdef, params).decode_weights(
+            batch=local_batch, tensor_size=tensor_size))(self.params)
         data = config.sharding.data
         prompt = jax.ShapeDtypeStruct((batch, padded_len), jnp.int32,
                                       sharding=NamedSharding(mesh, P(data, None)))
@@ -235,19 +239,21 @@ class Generator:
           [batch, max_new_tokens, vocab] or None).
         """
         steps = self.shape.max_new_tokens - 1 if steps is None else steps
-        done = self.decode_steps(steps)(self.params, prefilled, self._key(rng))
+        done = self.decode_steps(steps)(self.params, prefilled, self._key(rng),
+                                        self.decode_weights)
         return done.tokens, done.logits
 
     def decode_steps(self, steps: int):
         """The compiled loop of ``steps`` decode steps:
-        ``(params, prefilled, rng) -> prefilled`` advanced by ``steps`` tokens."""
+        ``(params, prefilled, rng, decode_weights) -> prefilled`` advanced by
+        ``steps`` tokens."""
         if not 0 <= steps <= self.shape.max_new_tokens - 1:
             raise ValueError(f"Generator: steps={steps} outside 0..{self.shape.max_new_tokens - 1}")
         if steps not in self._decode:
             prefilled, key = self._decode_args
             self._decode[steps] = _DECODE_LOOP.lower(
-                self._graphdef, self.shape, self.params, prefilled, key, steps).compile(
-                    self._compiler_options or None)
+                self._graphdef, self.shape, self.params, prefilled, key, steps,
+                self.decode_weights).compile(self._compiler_options or None)
         return self._decode[steps]
 
     def __call__(self, prompt: jax.Array, rng: jax.Array | None = None):
@@ -326,16 +332,20 @@ def _prefill(graphdef, shape: _Shape, params, prompt, rng) -> Prefilled:
 
 
 def _decode_loop(graphdef, shape: _Shape, params, prefilled: Prefilled, rng,
-                 steps: int) -> Prefilled:
-    """``steps`` decode steps from ``prefilled``."""
+                 steps: int, decode_weights=None) -> Prefilled:
+    """``steps`` decode steps from ``prefilled``; ``decode_weights`` as the
+    model's ``decode_weights`` returns them (replicated)."""
     model = nnx.merge(graphdef, params)
     data = model.config.sharding.data
+    extra, extra_specs = (), ()
+    if decode_weights is not None:
+        extra, extra_specs = (decode_weights,), (P(),)
 
     def step(i, carry: Prefilled) -> Prefilled:
         pos = shape.prompt_len + i                          # of carry.token
         logits, caches = shard_map_apply(
-            type(model).decode_step, model, carry.token, carry.caches, pos,
-            in_specs=(P(data), model.cache_specs(), P()),
+            type(model).decode_step, model, carry.token, carry.caches, pos, *extra,
+            in_specs=(P(data), model.cache_specs(), P(), *extra_specs),
             out_specs=(P(data, None), model.cache_specs()))
         token = sample(logits, rng, i + 1, temperature=shape.temperature, top_k=shape.top_k)
         tokens = jax.lax.dynamic_update_slice(carry.tokens, token[:, None], (0, pos + 1))

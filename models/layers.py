@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -260,7 +261,19 @@ class CausalLM(nnx.Module):
             lambda block, x: block.prefill(x, length=length, cache_len=cache_len))
         return tuple(caches), self._logits(self._position(x, length - 1))
 
-    def decode_step(self, token: jax.Array, caches: tuple, pos: jax.Array):
+    def decode_weights(self, *, batch: int, tensor_size: int) -> Any:
+        """What :meth:`decode_step` reads besides the module, prepared once
+        per generation (jit it), or None: each layer decodes on its own.
+
+        Args:
+          batch: rows per device.
+          tensor_size: the mesh's tensor axis size.
+        """
+        del batch, tensor_size
+        return None
+
+    def decode_step(self, token: jax.Array, caches: tuple, pos: jax.Array,
+                    weights: Any = None):
         """Per device: one token through every layer, tensor-parallel without
         sequence parallelism (each layer ends in an all-reduce).
 
@@ -268,12 +281,16 @@ class CausalLM(nnx.Module):
           token: [b_local] int, the token at position ``pos``.
           caches: one per layer, as :meth:`prefill` returns them.
           pos: int32 scalar.
+          weights: :meth:`decode_weights`' result.
 
         Returns:
           (float32 logits [b_local, v] of the next token, the same on every
           tensor rank; the caches with ``pos`` added).
         """
         x = self._embed(token[None])                        # [1, b, d]
+        if weights is not None:
+            x, updated = self._decode_layers_with(weights, x, caches, pos)
+            return self._logits(x[0]), tuple(updated)
         updated = []
         # Unrolled even where training scans the layers: a scan would read
         # each layer's cache out of a stacked one and write it back, a copy
@@ -282,6 +299,11 @@ class CausalLM(nnx.Module):
             x, cache = block.decode(x, cache, pos)
             updated.append(cache)
         return self._logits(x[0]), tuple(updated)
+
+    def _decode_layers_with(self, weights: Any, x: jax.Array, caches: tuple,
+                            pos: jax.Array) -> tuple[jax.Array, tuple]:
+        """Every layer's decode from :meth:`decode_weights`' result: x [1, b, d]."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode_weights")
 
     def cache_specs(self) -> tuple:
         """The caches' ``PartitionSpec``s (global view), one entry per layer."""

@@ -370,6 +370,31 @@ class Transformer(CausalLM):
         config = resolve_scan_layers(config, attention_implementation(config))
         super().__init__(config, lambda rngs: Block(config, rngs=rngs), rngs=rngs)
 
+    def decode_weights(self, *, batch: int, tensor_size: int):
+        """With ``config.decode_blocks="cuda"``, the blocks' weights in the
+        decode kernel's layout (:func:`models.transformer_decode_cuda.prepare_weights`);
+        else None.
+
+        Raises:
+          ValueError: "cuda" where the kernel cannot run, naming why.
+        """
+        if self.config.decode_blocks == "layers":
+            return None
+        from . import transformer_decode_cuda  # it imports this module
+        why_not = transformer_decode_cuda.unsupported_reason(
+            self.config, tensor_size=tensor_size, batch=batch)
+        if why_not:
+            raise ValueError(f"TransformerConfig(decode_blocks='cuda'): the decode kernel cannot "
+                             f"run this step: {why_not}. Use decode_blocks='layers'.")
+        return transformer_decode_cuda.prepare_weights(self.blocks, self.config)
+
+    def _decode_layers_with(self, weights, x, caches, pos):
+        from . import transformer_decode_cuda
+        y, caches = transformer_decode_cuda.decode_blocks(x[0], pos, weights, caches, self.config)
+        # The output depends on the caches, which vary over the tensor axis in
+        # the types; at its size 1 this sum is the value itself (XLA drops it).
+        return jax.lax.psum(y, self.config.sharding.tensor)[None], caches
+
     def layer_cache_spec(self) -> KVCache:
         """The ``PartitionSpec`` of each of a layer's cache arrays (global view)."""
         sharding = self.config.sharding

@@ -410,7 +410,8 @@ def test_decode_benchmark_traces_each_case_afresh(monkeypatch):
     model = bench.build_model("transformer", "tiny", "xla", mesh, None, "auto")
     args = argparse.Namespace(steps=(1, 2), xla_options={}, reps=1, profile=None, size="tiny",
                               hbm_tb_s=bench.HBM_TB_S)
-    case = bench.Case("transformer", "xla", "xla", "model", None, None, None, None, (), 1, 16)
+    case = bench.Case("transformer", "xla", "xla", "model", "layers", None, None, None, None, (),
+                      1, 16)
     counts = []
     for _ in range(2):
         traced.clear()

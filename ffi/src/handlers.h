@@ -7,6 +7,7 @@ namespace jfo {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoScale);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoDecodeMatmul);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoTransformerDecode);
 
 #ifdef JFO_WITH_CUBLASLT
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllGatherMatmulInitialize);

@@ -48,6 +48,7 @@ nb::dict Registrations() {
 #ifdef JFO_WITH_CUDA
   d["jfo_scale"] = Capsule(jfo::JfoScale);
   d["jfo_decode_matmul"] = Capsule(jfo::JfoDecodeMatmul);
+  d["jfo_transformer_decode"] = Capsule(jfo::JfoTransformerDecode);
 #endif
 #ifdef JFO_WITH_CUBLASLT
   d["jfo_all_gather_matmul"] =

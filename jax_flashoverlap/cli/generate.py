@@ -40,6 +40,7 @@ from .. import _extension, distributed
 from ..decode_matmul import DECODE_MATMUL_IMPLS
 from ..models import (
     DECODE_ATTENTION_IMPLS,
+    DECODE_BLOCKS,
     DECODE_MIXER_IMPLS,
     IMPLS,
     MODELS,
@@ -88,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "XLA updating the cache), one Pallas kernel that also writes the "
                              "cache (pallas), or the kernel on CUDA GPUs at batch 1 per device "
                              "(auto)")
+    parser.add_argument("--decode-blocks", choices=DECODE_BLOCKS, default="layers",
+                        help="the Transformer's decode step: each layer's own ops (layers), "
+                             "or all blocks in one CUDA kernel (cuda: tensor-parallel size "
+                             "1, bfloat16, at most 4 rows per device)")
     parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="xla",
                         help="Mamba-2's decode step between its projections (convolution, "
                              "state update, skip): XLA's ops, or one Pallas GPU kernel a "
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, decode_matmul=args.decode_matmul,
                           decode_attention=args.decode_attention,
-                          decode_mixer=args.decode_mixer)
+                          decode_mixer=args.decode_mixer, decode_blocks=args.decode_blocks)
     _, model_cls = MODELS[args.model]
     prompts = np.tile(prompt, (args.batch, 1))
     lead = jax.process_index() == 0

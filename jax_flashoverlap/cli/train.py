@@ -225,14 +225,16 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  residuals: str = "named", fuse_skip: bool = True,
                  decode_matmul: str = "xla", chunk_size: int | None = None,
                  ssd_keeps_chunk_states: bool = False, decode_attention: str = "auto",
-                 decode_mixer: str = "xla", ssd_tiling: SSDTiling | None = None):
+                 decode_mixer: str = "xla", ssd_tiling: SSDTiling | None = None,
+                 decode_blocks: str = "layers"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
     the default ``ShardingConfig()``. ``scan_layers`` None is resolved for
     this platform and, for the Transformer, the attention that runs here.
     ``chunk_size`` None: the size's (Mamba-2 only); ``decode_attention``:
-    the Transformer's (``TransformerConfig.decode_attention``);
+    the Transformer's (``TransformerConfig.decode_attention``), likewise
+    ``decode_blocks``;
     ``decode_mixer``: Mamba-2's (``MambaConfig.decode_mixer``); ``ssd_tiling``
     None: the SSD kernels' defaults (``MambaConfig.ssd_tiling``).
     """
@@ -243,7 +245,8 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
         size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
         sharding=sharding or ShardingConfig(), decode_matmul=decode_matmul,
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
-        **({"attention_impl": attention, "decode_attention": decode_attention} if has_attention
+        **({"attention_impl": attention, "decode_attention": decode_attention,
+            "decode_blocks": decode_blocks} if has_attention
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
                  "residuals": residuals, "fuse_skip": fuse_skip,
                  "ssd_keeps_chunk_states": ssd_keeps_chunk_states, "decode_mixer": decode_mixer,

@@ -1,0 +1,274 @@
+"""Every block of a Transformer decode step as one CUDA kernel.
+
+XLA runs a decode step's block as 15-17 kernels (norms, four weight GEMMs,
+the rotary embeddings, attention, residual adds), and at one token per step
+each kernel boundary leaves HBM idle while the next starts: on one H200 the
+1B model's step took about twice the time its weights take to read
+(docs/measurements.md, session 35). ``jfo_transformer_decode``
+(``ffi/src/transformer_decode.cu``) runs all blocks of a step as one
+persistent kernel, one CTA per SM, stages separated by grid barriers, its
+weights streamed by TMA bulk copies that run ahead across stages and layers.
+
+The kernel reads the weights in its own layout, each work item's columns
+contiguous (:class:`DecodeWeights`), prepared once per generation by
+:func:`prepare_weights`, next to the model's bf16 weights (the same bytes
+again). It runs at tensor-parallel size 1, in bfloat16, for at most
+:data:`MAX_BATCH` rows per device and head dims of :data:`HEAD_DIMS`
+(:func:`unsupported_reason`); ``TransformerConfig.decode_blocks="cuda"``
+selects it. Programs compiled for other platforms run :func:`reference`,
+the kernel's arithmetic in JAX on the same layout.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from jax_flashoverlap import _extension, _jax_shim
+from jax_flashoverlap._primitives import timeout_ms
+
+from .config import TransformerConfig
+from .pallas_gpu import on_cuda
+from .transformer import KVCache, rope
+
+__all__ = ["DecodeWeights", "HEAD_DIMS", "MAX_BATCH", "decode_blocks", "prepare_weights",
+           "reference", "unsupported_reason"]
+
+TARGET = "jfo_transformer_decode"
+MAX_BATCH = 4
+HEAD_DIMS = (64, 128)
+MAX_LAYERS = 64
+MAX_QUERIES_PER_KV = 8
+# Attention splits per head group the workspace holds (the kernel takes at
+# most one split per CTA).
+MAX_SPLITS = 64
+# Columns of a work item per weight (ffi/src/transformer_decode.cu).
+_QKV_COLUMNS = 32      # 16 rotary pairs: 16 columns of a head's first half, then its second
+_OUT_COLUMNS = 16
+_GATE_UP_COLUMNS = 64  # 32 hidden units, gate and up interleaved as in the model
+_DOWN_COLUMNS = 16
+_CONTROL_BYTES = 4096
+
+
+class DecodeWeights(NamedTuple):
+    """The blocks' weights in the kernel's layout, stacked over the L layers.
+
+    Each matrix is [L, items, k, columns]: work item i holds ``columns``
+    columns of the model's [k, n] weight, contiguous. d is the model width,
+    f the MLP width, h the head dim, H and KV the heads.
+
+    Attributes:
+      attn_norm, mlp_norm: float32 [L, d], the norms' weights.
+      qkv: bf16 [L, KV * (H/KV + 2) * h / 32, d, 32]. Items run over (KV head,
+        role: its query heads then k then v, pair block); an item's columns
+        are channels j0..j0+15 of the head's first half, then j0 + h/2 ...
+      out: bf16 [L, d / 16, H * h, 16].
+      gate_up: bf16 [L, 2 f / 64, d, 64].
+      down: bf16 [L, d / 16, f, 16].
+    """
+
+    attn_norm: jax.Array
+    mlp_norm: jax.Array
+    qkv: jax.Array
+    out: jax.Array
+    gate_up: jax.Array
+    down: jax.Array
+
+
+def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
+                       batch: int) -> str | None:
+    """Why the kernel cannot run this model's decode step, or None if it can.
+
+    Args:
+      config: the model's.
+      tensor_size: the mesh's tensor axis size.
+      batch: rows per device.
+    """
+    d, h, f = config.embed_dim, config.head_dim, config.mlp_dim
+    if tensor_size != 1:
+        return f"it runs at tensor-parallel size 1 (the mesh's is {tensor_size})"
+    if jnp.dtype(config.dtype) != jnp.dtype(jnp.bfloat16):
+        return f"it computes in bfloat16 (the config's dtype is {config.dtype})"
+    if not 1 <= batch <= MAX_BATCH:
+        return f"it takes 1 to {MAX_BATCH} rows per device (got {batch})"
+    if h not in HEAD_DIMS:
+        return f"it takes head_dim in {HEAD_DIMS} (got {h})"
+    if config.num_heads // config.num_kv_heads > MAX_QUERIES_PER_KV:
+        return f"it takes at most {MAX_QUERIES_PER_KV} query heads per KV head"
+    if config.num_layers > MAX_LAYERS:
+        return f"it takes at most {MAX_LAYERS} layers (got {config.num_layers})"
+    if d % _OUT_COLUMNS or f % (_GATE_UP_COLUMNS // 2):
+        return (f"it needs embed_dim a multiple of {_OUT_COLUMNS} and mlp_dim of "
+                f"{_GATE_UP_COLUMNS // 2} (got {d} and {f})")
+    return None
+
+
+def _whole(a: jax.Array) -> jax.Array:
+    """``a`` typed as whole on every device (at tensor size 1 it already is,
+    but an explicit mesh axis still names it in the type)."""
+    if any(entry is not None for entry in jax.typeof(a).sharding.spec):
+        return jax.sharding.reshard(a, P())
+    return a
+
+
+def _qkv_items(w: jax.Array, kv: int, h: int) -> jax.Array:
+    """[d, kv * r * h] (per KV head: its query heads, k, v) -> [items, d, 32]."""
+    d = w.shape[0]
+    pairs = _QKV_COLUMNS // 2
+    w = w.reshape(d, kv, -1, 2, h // 2 // pairs, pairs)     # [d, kv, r, half, block, 16]
+    return w.transpose(1, 2, 4, 0, 3, 5).reshape(-1, d, _QKV_COLUMNS)
+
+
+def _column_items(w: jax.Array, columns: int) -> jax.Array:
+    """[k, n] -> [n / columns, k, columns]."""
+    return w.reshape(w.shape[0], -1, columns).transpose(1, 0, 2)
+
+
+def prepare_weights(blocks, config: TransformerConfig) -> DecodeWeights:
+    """The blocks' weights in the kernel's layout (jit it: a copy of each).
+
+    Args:
+      blocks: the model's :class:`~models.transformer.Block` s, their
+        matrices in the compute dtype (as ``decoding_params`` casts them).
+      config: the model's.
+    """
+    dtype = jnp.dtype(config.dtype)
+
+    def stack(fn):
+        return jnp.stack([fn(block) for block in blocks])
+
+    def matrix(param):
+        return _whole(param[...]).astype(dtype)
+
+    kv, h = config.num_kv_heads, config.head_dim
+    return DecodeWeights(
+        attn_norm=stack(lambda b: _whole(b.attn_norm.weight[...]).astype(jnp.float32)),
+        mlp_norm=stack(lambda b: _whole(b.mlp_norm.weight[...]).astype(jnp.float32)),
+        qkv=stack(lambda b: _qkv_items(matrix(b.attn.qkv.kernel), kv, h)),
+        out=stack(lambda b: _column_items(matrix(b.attn.out.kernel), _OUT_COLUMNS)),
+        gate_up=stack(lambda b: _column_items(matrix(b.mlp.gate_up.kernel), _GATE_UP_COLUMNS)),
+        down=stack(lambda b: _column_items(matrix(b.mlp.down.kernel), _DOWN_COLUMNS)))
+
+
+def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
+                  caches: tuple[KVCache, ...], config: TransformerConfig
+                  ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """One token through every block, per device.
+
+    Args:
+      x: [b, d] in bfloat16, the blocks' input (the embedded token).
+      pos: int32 scalar, the token's position; the caches hold 0..pos-1.
+      weights: :func:`prepare_weights`' result.
+      caches: a :class:`~models.transformer.KVCache` per layer, [b, KV, L, h]
+        each; donate them and they are updated in place.
+      config: the model's.
+
+    Returns:
+      (the blocks' output [b, d], the caches with position ``pos`` written).
+    """
+    pos = jnp.asarray(pos, jnp.int32)
+    run_reference = functools.partial(reference, config=config)
+    if not _extension.cuda_ops_available(TARGET):
+        if on_cuda():
+            raise RuntimeError(
+                f"TransformerConfig(decode_blocks='cuda'): the installed jax_flashoverlap has "
+                f"no {TARGET!r} kernel (build_info()={_extension.build_info()}); build it with "
+                f"CUDA or use decode_blocks='layers'.")
+        return run_reference(x, pos, weights, caches)
+    return lax.platform_dependent(x, pos, weights, caches,
+                                  cuda=functools.partial(_ffi_decode, config=config),
+                                  default=run_reference)
+
+
+def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
+    """As TransformerDecodeWorkspaceBytes in ffi/src/transformer_decode.cu."""
+    h, heads, kv = config.head_dim, config.num_heads, config.num_kv_heads
+
+    def aligned(n):
+        return -(-n // 256) * 256
+
+    return (_CONTROL_BYTES + aligned(batch * heads * h * 4)
+            + aligned(batch * kv * MAX_SPLITS * (heads // kv) * (h + 2) * 4)
+            + aligned(batch * heads * h * 2) + aligned(batch * config.mlp_dim * 2))
+
+
+def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig):
+    flat = [t for cache in caches for t in cache]
+    operands, varying = _jax_shim.same_variance(x, pos, *weights, *flat)
+    sharding = jax.typeof(x).sharding
+
+    def like(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=varying)
+
+    results = (like(x.shape, x.dtype),
+               like((_workspace_bytes(x.shape[0], config),), jnp.uint8),
+               *(like(t.shape, t.dtype) for t in flat))
+    first_cache = 2 + len(weights)
+    call = jax.ffi.ffi_call(TARGET, results,
+                            input_output_aliases={first_cache + i: 2 + i
+                                                  for i in range(len(flat))})
+    out, _, *updated = call(*operands, heads=np.int32(config.num_heads),
+                            kv_heads=np.int32(config.num_kv_heads),
+                            max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
+                            rope_theta=np.float32(config.rope_theta),
+                            timeout_ms=np.int32(timeout_ms()))
+    return out, tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
+
+
+def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    y = x.astype(jnp.float32)
+    inv_rms = lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + eps)
+    return (y * inv_rms * weight).astype(x.dtype)
+
+
+def _items_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """[b, k] times each item [items, k, c] -> [b, items * c] in x's dtype."""
+    y = jnp.einsum("bk,ikc->bic", x, w, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype).reshape(x.shape[0], -1)
+
+
+def reference(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
+              caches: tuple[KVCache, ...], *, config: TransformerConfig
+              ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """:func:`decode_blocks` in JAX: the kernel's stages on the same layout,
+    rounding to the compute dtype where the kernel does."""
+    b = x.shape[0]
+    kv, h = config.num_kv_heads, config.head_dim
+    qpk = config.num_heads // kv
+    pairs = _QKV_COLUMNS // 2
+    updated = []
+    for layer, cache in enumerate(caches):
+        # A: items -> [b, kv, role, half, block, 16] -> the model's [b, kv, role, h].
+        qkv = _items_product(_norm(x, weights.attn_norm[layer], config.norm_eps),
+                             weights.qkv[layer])
+        qkv = qkv.reshape(b, kv, qpk + 2, h // 2 // pairs, 2, pairs)
+        qkv = qkv.transpose(0, 1, 2, 4, 3, 5).reshape(b, kv, qpk + 2, h)
+        q = rope(qkv[:, :, :qpk].reshape(1, b * kv * qpk, 1, h), config.rope_theta, pos[None])
+        k = rope(qkv[:, :, qpk].reshape(1, b * kv, 1, h), config.rope_theta, pos[None])
+        k = k.reshape(b, kv, 1, h)
+        v = qkv[:, :, qpk + 1].reshape(b, kv, 1, h)
+        cache = KVCache(*(lax.dynamic_update_slice(c, t, (0, 0, pos, 0))
+                          for c, t in ((cache.k, k), (cache.v, v))))
+        updated.append(cache)
+        # B: attention over positions 0..pos, in float32; what lies past pos
+        # is never read (it may be anything, NaN too).
+        q = q.reshape(b, kv, qpk, h).astype(jnp.float32)
+        valid = jnp.arange(cache.k.shape[2]) <= pos
+        keys, values = (jnp.where(valid[:, None], c, 0).astype(jnp.float32) for c in cache)
+        scores = jnp.einsum("bgqh,bglh->bgql", q, keys) / np.sqrt(h)
+        scores = jnp.where(valid, scores, -jnp.inf)
+        attended = jnp.einsum("bgql,bglh->bgqh", jax.nn.softmax(scores, axis=-1), values)
+        attended = attended.reshape(b, -1).astype(x.dtype)
+        # C, D, E.
+        x = x + _items_product(attended, weights.out[layer])
+        gate_up = _items_product(_norm(x, weights.mlp_norm[layer], config.norm_eps),
+                                 weights.gate_up[layer]).reshape(b, -1, 2)
+        gate, up = (gate_up[..., i].astype(jnp.float32) for i in (0, 1))
+        x = x + _items_product((jax.nn.silu(gate) * up).astype(x.dtype), weights.down[layer])
+    return x, tuple(updated)

@@ -1,0 +1,171 @@
+"""All blocks of a Transformer decode step as one CUDA kernel
+(models.transformer_decode_cuda): its JAX reference against the model's own
+decode on CPU, the kernel against both on a GPU."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from support import TOLERANCE, cpu_mesh, random
+
+from jax_flashoverlap import models
+from jax_flashoverlap.nn import shard_map_apply
+
+fused = models.transformer_decode_cuda
+
+
+def _config(dtype, head_dim=64, heads=4, kv_heads=2, layers=2, **overrides):
+    return models.TransformerConfig(num_layers=layers, embed_dim=128, num_heads=heads,
+                                    num_kv_heads=kv_heads, head_dim=head_dim, mlp_dim=256,
+                                    dtype=dtype, max_seq_len=256, decode_attention="model",
+                                    **overrides)
+
+
+def _model(config, mesh):
+    with jax.set_mesh(mesh):
+        return nnx.jit(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))()
+
+
+def _caches(rng, config, batch, length, pos, dtype, poison=np.nan):
+    """Random caches [b, kv, length, h] per layer, ``poison`` from ``pos`` on
+    (never read: the step writes ``pos``)."""
+    shape = (batch, config.num_kv_heads, length, config.head_dim)
+    caches = []
+    for _ in range(config.num_layers):
+        pair = []
+        for _ in range(2):
+            c = np.array(random(rng, shape, jnp.float32))
+            c[:, :, pos:] = poison
+            pair.append(jnp.asarray(c, dtype))
+        caches.append(models.transformer.KVCache(*pair))
+    return tuple(caches)
+
+
+def _step(model, mesh, token, caches, pos, weights=None):
+    """decode_step under shard_map: (float32 logits [b, v], caches)."""
+    spec = model.cache_specs()
+    extra, extra_specs = ((weights,), (jax.sharding.PartitionSpec(),)) if weights else ((), ())
+    with jax.set_mesh(mesh):
+        return jax.jit(lambda m, t, c, p, *w: shard_map_apply(
+            type(m).decode_step, m, t, c, p, *w,
+            in_specs=(jax.sharding.PartitionSpec("data"), spec, jax.sharding.PartitionSpec(),
+                      *extra_specs),
+            out_specs=(jax.sharding.PartitionSpec("data", None), spec)))(
+                model, token, caches, jnp.int32(pos), *extra)
+
+
+def _relative(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 4, 2), (128, 4, 1), (64, 2, 2)])
+def test_reference_matches_the_models_decode_in_float32(rng, head_dim, heads, kv_heads):
+    """The kernel's layout and stages, in JAX, against each block's own decode."""
+    config = _config("float32", head_dim, heads, kv_heads)
+    mesh = cpu_mesh(1)
+    model = _model(config, mesh)
+    batch, length, pos = 3, 24, 17
+    token = jnp.asarray(rng.integers(0, config.vocab_size, batch), jnp.int32)
+    # Finite poison: the model's XLA attention multiplies what lies past pos
+    # by a zero weight (NaN would stay NaN).
+    caches = _caches(rng, config, batch, length, pos, jnp.float32, poison=1e4)
+    with jax.set_mesh(mesh):
+        weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
+    want, want_caches = _step(model, mesh, token, caches, pos)
+    got, got_caches = _step(model, mesh, token, caches, pos, weights)
+    assert _relative(got, want) < 1e-5
+    for got_cache, want_cache in zip(got_caches, want_caches):
+        for g, w in zip(got_cache, want_cache):
+            g, w = np.asarray(g), np.asarray(w)
+            np.testing.assert_array_equal(g[:, :, pos + 1:], w[:, :, pos + 1:])
+            np.testing.assert_allclose(g[:, :, :pos + 1], w[:, :, :pos + 1], rtol=1e-5,
+                                       atol=1e-5)
+
+
+def test_prepared_layout_inverts_to_the_models_weights(rng):
+    """Item i of the QKV layout holds channels j0..j0+15 of its head's two halves."""
+    config = _config("float32", head_dim=64, heads=4, kv_heads=2, layers=1)
+    w = jnp.asarray(rng.standard_normal((128, 2 * (2 + 2) * 64)), jnp.float32)
+    items = np.asarray(fused._qkv_items(w, 2, 64))        # [2 * 4 * 2, 128, 32]
+    w = np.asarray(w).reshape(128, 2, 4, 64)                # [d, kv, role, h]
+    for item in range(items.shape[0]):
+        g, role, block = item // 8, item % 8 // 2, item % 2
+        j0 = 16 * block
+        np.testing.assert_array_equal(items[item, :, :16], w[:, g, role, j0:j0 + 16])
+        np.testing.assert_array_equal(items[item, :, 16:], w[:, g, role, 32 + j0:32 + j0 + 16])
+    del config
+
+
+@pytest.mark.parametrize("overrides, batch, tp, message", [
+    ({}, 2, 2, r"tensor-parallel size 1 \(the mesh's is 2\)"),
+    ({"dtype": "float32"}, 2, 1, "computes in bfloat16"),
+    ({}, 8, 1, r"1 to 4 rows per device \(got 8\)"),
+    ({"head_dim": 32}, 2, 1, r"head_dim in \(64, 128\) \(got 32\)"),
+], ids=["tensor-2", "float32", "batch-8", "head-dim-32"])
+def test_unsupported_steps_get_a_clear_error(overrides, batch, tp, message):
+    config = _config(overrides.pop("dtype", "bfloat16"), decode_blocks="cuda", **overrides)
+    mesh = cpu_mesh(tp)
+    model = _model(config, mesh)
+    prompt = np.zeros((batch, 4), np.int32)
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="decode_blocks='cuda'.*" + message):
+        models.generate(model, prompt, 2)
+
+
+def test_generate_with_the_kernels_blocks_follows_the_layers(rng):
+    """bf16 generation with decode_blocks="cuda" (the reference off GPUs, the
+    kernel on them): logits within bf16 rounding of the layers' decode."""
+    config = _config("bfloat16", head_dim=128 if jax.default_backend() == "gpu" else 64)
+    mesh = cpu_mesh(1) if jax.default_backend() == "cpu" else jax.make_mesh(
+        (1, 1), ("data", "tensor"), devices=jax.devices()[:1])
+    layers = _model(config, mesh)
+    blocks = _model(dataclasses.replace(config, decode_blocks="cuda"), mesh)
+    prompt = rng.integers(0, config.vocab_size, (2, 6)).astype(np.int32)
+    with jax.set_mesh(mesh):
+        _, want = models.generate(layers, prompt, 1, return_logits=True)
+        tokens, got = models.generate(blocks, prompt, 8, return_logits=True)
+        # Teacher-forced: the model's forward over the tokens the kernel chose.
+        forward = nnx.jit(lambda m, t: m(t))(layers, tokens[:, :-1])
+    forward = np.asarray(forward, np.float64)[:, -8:]
+    np.testing.assert_array_equal(np.asarray(got)[:, 0], np.asarray(want)[:, 0])  # prefill
+    assert _relative(got, forward) < 4 * TOLERANCE["bfloat16"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 2, 4])
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 4, 2), (64, 8, 2), (128, 2, 2)])
+def test_kernel_matches_the_reference(rng, batch, head_dim, heads, kv_heads):
+    """One step of the kernel against the reference in float32 and in bf16, at
+    positions 0, mid-cache and the cache's last; the cache past the position
+    is NaN (never read) and stays so, the new position is written."""
+    config = _config("bfloat16", head_dim, heads, kv_heads, layers=3)
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
+    model = _model(config, mesh)
+    with jax.set_mesh(mesh):
+        weights = jax.jit(lambda m: fused.prepare_weights(
+            nnx.merge(*nnx.split(m)).blocks, config))(model)
+    length = 300
+    for pos in (0, 137, length - 1):
+        x = random(rng, (batch, config.embed_dim), jnp.bfloat16)
+        caches = _caches(rng, config, batch, length, pos, jnp.bfloat16)
+        run = jax.jit(lambda x, p, w, c: fused.decode_blocks(x, p, w, c, config))
+        got, got_caches = run(x, jnp.int32(pos), weights, caches)
+        want, want_caches = jax.jit(lambda x, p, w, c: fused.reference(x, p, w, c, config=config))(
+            x, jnp.int32(pos), weights, caches)
+        as_f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a,
+                              (x, weights, caches))
+        exact, _ = jax.jit(lambda x, p, w, c: fused.reference(
+            x, p, w, c, config=dataclasses.replace(config, dtype="float32")))(
+                as_f32[0], jnp.int32(pos), as_f32[1], as_f32[2])
+        assert np.all(np.isfinite(np.asarray(got, np.float32)))
+        bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+        assert _relative(got, exact) <= bound, (pos, _relative(got, exact), bound)
+        for got_cache, want_cache in zip(got_caches, want_caches):
+            for g, w in zip(got_cache, want_cache):
+                g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+                np.testing.assert_array_equal(np.isnan(g[:, :, pos + 1:]), True)
+                np.testing.assert_array_equal(g[:, :, :pos], w[:, :, :pos])
+                np.testing.assert_allclose(g[:, :, pos], w[:, :, pos], rtol=2e-2, atol=2e-2)
