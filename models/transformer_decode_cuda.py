@@ -30,8 +30,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_flashoverlap import _extension, _jax_shim
-from jax_flashoverlap._primitives import timeout_ms
+from jax_flashoverlap import build_info, settings
+from jax_flashoverlap.nn import same_variance
 
 from .config import TransformerConfig
 from .pallas_gpu import on_cuda
@@ -174,12 +174,13 @@ def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     """
     pos = jnp.asarray(pos, jnp.int32)
     run_reference = functools.partial(reference, config=config)
-    if not _extension.cuda_ops_available(TARGET):
+    info = build_info()  # registers the kernel with XLA where it is built
+    if TARGET not in info["ffi_targets"]:
         if on_cuda():
             raise RuntimeError(
                 f"TransformerConfig(decode_blocks='cuda'): the installed jax_flashoverlap has "
-                f"no {TARGET!r} kernel (build_info()={_extension.build_info()}); build it with "
-                f"CUDA or use decode_blocks='layers'.")
+                f"no {TARGET!r} kernel (build_info()={info}); build it with CUDA or use "
+                f"decode_blocks='layers'.")
         return run_reference(x, pos, weights, caches)
     return lax.platform_dependent(x, pos, weights, caches,
                                   cuda=functools.partial(_ffi_decode, config=config),
@@ -200,8 +201,9 @@ def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
 
 def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig):
     flat = [t for cache in caches for t in cache]
-    operands, varying = _jax_shim.same_variance(x, pos, *weights, *flat)
-    sharding = jax.typeof(x).sharding
+    operands, varying = same_variance(x, pos, *weights, *flat)
+    # Per device (inside shard_map, or on one device): whole on x's mesh.
+    sharding = jax.typeof(x).sharding.update(spec=P())
 
     def like(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=varying)
@@ -217,7 +219,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig):
                             kv_heads=np.int32(config.num_kv_heads),
                             max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
                             rope_theta=np.float32(config.rope_theta),
-                            timeout_ms=np.int32(timeout_ms()))
+                            timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")))
     return out, tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
 
 

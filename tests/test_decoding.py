@@ -361,6 +361,15 @@ def test_generate_command_without_cuda_kernels_refuses_decode_matmul_cuda(monkey
             "use --decode-matmul xla") in err
 
 
+def test_generate_command_names_why_the_decode_kernel_cannot_run(capsys):
+    """--decode-blocks cuda on a float32 model: one line naming the fix."""
+    assert generate_cli.main(["--prompt", "xyz", "--max-new-tokens", "2", "--mesh", "1x1",
+                              "--dtype", "float32", "--decode-blocks", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert "the decode kernel cannot run this step: it computes in bfloat16" in err
+    assert "Use decode_blocks='layers'" in err and "Traceback" not in err
+
+
 def test_generate_command_refuses_an_empty_prompt():
     with pytest.raises(SystemExit, match="jax-flashoverlap-generate: the prompt is empty"):
         generate_cli.run(generate_cli.parse_args(["--prompt", "", "--max-new-tokens", "2"]))

@@ -25,8 +25,12 @@ def _config(dtype, head_dim=64, heads=4, kv_heads=2, layers=2, **overrides):
 
 
 def _model(config, mesh):
+    return _model_of(models.Transformer, config, mesh)
+
+
+def _model_of(cls, config, mesh):
     with jax.set_mesh(mesh):
-        return nnx.jit(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))()
+        return nnx.jit(lambda: cls(config, rngs=nnx.Rngs(0)))()
 
 
 def _caches(rng, config, batch, length, pos, dtype, poison=np.nan):
@@ -101,18 +105,40 @@ def test_prepared_layout_inverts_to_the_models_weights(rng):
 
 
 @pytest.mark.parametrize("overrides, batch, tp, message", [
-    ({}, 2, 2, r"tensor-parallel size 1 \(the mesh's is 2\)"),
-    ({"dtype": "float32"}, 2, 1, "computes in bfloat16"),
-    ({}, 8, 1, r"1 to 4 rows per device \(got 8\)"),
-    ({"head_dim": 32}, 2, 1, r"head_dim in \(64, 128\) \(got 32\)"),
+    ({}, 2, 2, r"it runs at tensor-parallel size 1 \(the mesh's is 2\)"),
+    ({"dtype": "float32"}, 2, 1, "it computes in bfloat16"),
+    ({}, 8, 1, r"it takes 1 to 4 rows per device \(got 8\)"),
+    ({"head_dim": 32}, 2, 1, r"it takes head_dim in \(64, 128\) \(got 32\)"),
 ], ids=["tensor-2", "float32", "batch-8", "head-dim-32"])
 def test_unsupported_steps_get_a_clear_error(overrides, batch, tp, message):
     config = _config(overrides.pop("dtype", "bfloat16"), decode_blocks="cuda", **overrides)
     mesh = cpu_mesh(tp)
     model = _model(config, mesh)
     prompt = np.zeros((batch, 4), np.int32)
-    with jax.set_mesh(mesh), pytest.raises(ValueError, match="decode_blocks='cuda'.*" + message):
+    with jax.set_mesh(mesh), pytest.raises(
+            ValueError, match=r"decode_blocks='cuda'\): the decode kernel cannot run this step: "
+                              + message):
         models.generate(model, prompt, 2)
+
+
+def test_a_build_without_the_kernel_is_an_error_on_cuda_gpus(monkeypatch):
+    """On a CUDA GPU, a build without the kernel fails naming the fix (off
+    GPUs the reference runs)."""
+    monkeypatch.setattr(fused, "build_info", lambda: {"ffi_targets": []})
+    monkeypatch.setattr(fused, "on_cuda", lambda: True)
+    config = _config("bfloat16", layers=1)
+    x = jnp.zeros((1, config.embed_dim), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match=r"the installed jax_flashoverlap has no "
+                                           r"'jfo_transformer_decode' kernel"):
+        fused.decode_blocks(x, 0, None, (), config)
+
+
+def test_only_a_model_with_decode_weights_takes_them(rng):
+    """Mamba-2 decodes layer by layer: weights given to its step are an error."""
+    config = models.MambaConfig.preset("tiny")
+    model = _model_of(models.Mamba2, config, cpu_mesh(1))
+    with pytest.raises(NotImplementedError, match="Mamba2 has no decode_weights"):
+        model.decode_step(jnp.zeros((1,), jnp.int32), (), jnp.int32(0), weights=object())
 
 
 def test_generate_with_the_kernels_blocks_follows_the_layers(rng):

@@ -1,0 +1,68 @@
+// The decode kernel's launch parameters and layout constants
+// (ffi/src/transformer_decode.cu).
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace jfo {
+namespace transformer_decode {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxBatch = 4;
+constexpr int kMaxLayers = 64;
+constexpr int kMaxQueriesPerKv = 8;
+constexpr int kChunkBytes = 32768;
+constexpr int kControlBytes = 4096;  // the barrier counter and the head groups' arrivals
+// Columns of one work item in each weight stage. QKV items hold 16 rotary
+// pairs of one head: columns j0..j0+15 of its first half, then the same of
+// its second half, so that the rotation happens in the item's epilogue.
+constexpr int kQkvColumns = 32;
+constexpr int kOutColumns = 16;
+constexpr int kGateUpColumns = 64;  // 32 hidden units, gate and up interleaved
+constexpr int kDownColumns = 16;
+constexpr int kMaxColumns = 64;
+constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
+
+struct LayerCache {
+  __nv_bfloat16* k;  // [batch, kv, cache_len, head_dim]
+  __nv_bfloat16* v;
+};
+
+struct WeightStage {
+  const __nv_bfloat16* w;  // [layers, items, k, columns]
+  int items;
+  int k;
+  int columns;
+  int rows_per_chunk;
+  int chunks_per_item;
+};
+
+struct Params {
+  int layers, batch, d, heads, kv_heads, head_dim, mlp, cache_len;
+  int q_per_kv, max_splits, ring_slots;
+  float eps, rope_theta;
+  uint64_t timeout_ns;
+  const __nv_bfloat16* x_in;  // [batch, d]
+  const int32_t* pos;         // scalar
+  const float* attn_norm;     // [layers, d]
+  const float* mlp_norm;      // [layers, d]
+  WeightStage stages[kStages];
+  __nv_bfloat16* x_out;  // [batch, d]: the residual stream from stage C of layer 0 on
+  // The workspace's parts.
+  unsigned* barrier;       // grid barrier arrivals, zeroed before each launch
+  unsigned* arrivals;      // [batch * kv]: splits done per head group
+  float* q;                // [batch, heads, head_dim], rotated, bf16-rounded
+  float* partials;         // [batch * kv, max_splits, q_per_kv, head_dim + 2]
+  __nv_bfloat16* attended; // [batch, heads * head_dim]
+  __nv_bfloat16* act;      // [batch, mlp]
+  // Shared-memory layout (byte offsets), decided on the host.
+  int operand_offset, reduce_offset, result_offset, scalar_offset, mbar_offset;
+  LayerCache caches[kMaxLayers];
+};
+
+}  // namespace transformer_decode
+}  // namespace jfo

@@ -1,0 +1,350 @@
+// The decode kernel's stages: the weight GEMVs with their prologues (norms)
+// and epilogues (rotary embeddings, residual adds, SwiGLU), and the attention.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "params.cuh"
+#include "sync.cuh"
+
+namespace jfo {
+namespace transformer_decode {
+
+__device__ __forceinline__ float Bf16Round(float v) {
+  return __bfloat162float(__float2bfloat16(v));
+}
+
+// Loads bypassing L1: what other CTAs wrote during this launch.
+__device__ __forceinline__ float LoadBf16(const __nv_bfloat16* p) {
+  return __bfloat162float(__ldcg(p));
+}
+
+// GEMV stages: out[b][c] = sum_k operand[k][b] * w_item[k][c], operand the
+// bf16 [k][batch] in shared memory, the sums left in `result` [batch][C].
+
+template <int B>
+__device__ __forceinline__ void AddProducts(float (&acc)[B][8], uint4 packed,
+                                            const __nv_bfloat16* operand_row) {
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+  float w[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    w[2 * i] = f.x;
+    w[2 * i + 1] = f.y;
+  }
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    const float xb = __bfloat162float(operand_row[b]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xb, w[j], acc[b][j]);
+  }
+}
+
+template <int C, int B>
+__device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, int layer,
+                            const __nv_bfloat16* operand, float* reduce, float* result) {
+  constexpr int kGroups = C / 8;  // 16-byte vectors a row
+  float acc[B][8] = {};
+  for (int chunk = 0; chunk < st.chunks_per_item; ++chunk) {
+    const int row0 = chunk * st.rows_per_chunk;
+    const int rows = min(st.rows_per_chunk, st.k - row0);
+    const uint4* w = ring.Wait(p, layer);
+    const __nv_bfloat16* rows_operand = operand + static_cast<size_t>(row0) * B;
+    for (int v = threadIdx.x; v < rows * kGroups; v += kThreads) {
+      AddProducts<B>(acc, w[v], rows_operand + (v / kGroups) * B);
+    }
+    ring.Release(p);
+  }
+  // Lanes kGroups apart hold the same columns: sum them, then the warps.
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      float v = acc[b][j];
+#pragma unroll
+      for (int offset = kGroups; offset < 32; offset *= 2) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+      }
+      if (lane < kGroups) reduce[(warp * B + b) * C + lane * 8 + j] = v;
+    }
+  }
+  __syncthreads();
+  for (int t = threadIdx.x; t < B * C; t += kThreads) {
+    float sum = 0.f;
+#pragma unroll 4
+    for (int w = 0; w < kWarps; ++w) sum += reduce[w * B * C + t];
+    result[t] = sum;
+  }
+  __syncthreads();
+}
+
+// operand[k][b] = bf16(x[b][k] / rms(x[b]) * weight[k]), as models.layers.rms_norm.
+template <int B>
+__device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* weight,
+                         __nv_bfloat16* operand, float* scalars) {
+  float sums[B] = {};
+  for (int k = threadIdx.x; k < p.d; k += kThreads) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const __nv_bfloat16 v = __ldcg(x + static_cast<size_t>(b) * p.d + k);
+      operand[k * B + b] = v;
+      const float f = __bfloat162float(v);
+      sums[b] = fmaf(f, f, sums[b]);
+    }
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    float v = sums[b];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    if (lane == 0) scalars[warp * B + b] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x < B) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += scalars[w * B + threadIdx.x];
+    scalars[kWarps * B + threadIdx.x] = rsqrtf(total / p.d + p.eps);
+  }
+  __syncthreads();
+  for (int k = threadIdx.x; k < p.d; k += kThreads) {
+    const float wk = weight[k];
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      const float f = __bfloat162float(operand[k * B + b]);
+      operand[k * B + b] = __float2bfloat16(f * scalars[kWarps * B + b] * wk);
+    }
+  }
+  __syncthreads();
+}
+
+// operand[k][b] = src[b][k] (bf16 [batch, n] written by other CTAs).
+template <int B>
+__device__ void GatherInto(const __nv_bfloat16* src, int n, __nv_bfloat16* operand) {
+  for (int k = threadIdx.x; k < n; k += kThreads) {
+#pragma unroll
+    for (int b = 0; b < B; ++b) operand[k * B + b] = __ldcg(src + static_cast<size_t>(b) * n + k);
+  }
+  __syncthreads();
+}
+
+// Stage A's epilogue: one QKV item's 32 columns, rotated (q, k) and stored.
+
+template <int B>
+__device__ void QkvEpilogue(const Params& p, int layer, int item, int pos, const float* result) {
+  const int h = p.head_dim, blocks = h / kQkvColumns;  // items a head
+  const int group_items = (p.q_per_kv + 2) * blocks;
+  const int g = item / group_items, role = (item % group_items) / blocks;
+  const int j0 = (item % blocks) * (kQkvColumns / 2);
+  for (int t = threadIdx.x; t < B * (kQkvColumns / 2); t += kThreads) {
+    const int b = t / (kQkvColumns / 2), i = t % (kQkvColumns / 2);
+    const float x1 = Bf16Round(result[b * kQkvColumns + i]);
+    const float x2 = Bf16Round(result[b * kQkvColumns + kQkvColumns / 2 + i]);
+    const int dim1 = j0 + i, dim2 = h / 2 + j0 + i;
+    if (role == p.q_per_kv + 1) {  // v: no rotation
+      __nv_bfloat16* v = p.caches[layer].v +
+                         ((static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len + pos) * h;
+      v[dim1] = __float2bfloat16(x1);
+      v[dim2] = __float2bfloat16(x2);
+      continue;
+    }
+    // models.transformer.rope: theta ** (-2i / h), angle = pos * frequency.
+    const float frequency = powf(p.rope_theta, -static_cast<float>(2 * dim1) / h);
+    float sine, cosine;
+    sincosf(static_cast<float>(pos) * frequency, &sine, &cosine);
+    const float r1 = Bf16Round(x1 * cosine - x2 * sine);
+    const float r2 = Bf16Round(x2 * cosine + x1 * sine);
+    if (role == p.q_per_kv) {  // k
+      __nv_bfloat16* k = p.caches[layer].k +
+                         ((static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len + pos) * h;
+      k[dim1] = __float2bfloat16(r1);
+      k[dim2] = __float2bfloat16(r2);
+    } else {
+      float* q = p.q + (static_cast<size_t>(b) * p.heads + g * p.q_per_kv + role) * h;
+      q[dim1] = r1;
+      q[dim2] = r2;
+    }
+  }
+  __syncthreads();
+}
+
+// x[b][n0 + c] += bf16(result[b][c]), in bf16 as the model's residual adds.
+template <int B, int C>
+__device__ void ResidualEpilogue(const __nv_bfloat16* residual, __nv_bfloat16* x_out, int d,
+                                 int n0, const float* result) {
+  for (int t = threadIdx.x; t < B * C; t += kThreads) {
+    const int b = t / C, c = t % C;
+    const size_t at = static_cast<size_t>(b) * d + n0 + c;
+    x_out[at] = __float2bfloat16(LoadBf16(residual + at) + Bf16Round(result[t]));
+  }
+  __syncthreads();
+}
+
+// act[b][u0 + u] = bf16(silu(gate) * up) of the item's 32 units.
+template <int B>
+__device__ void SwigluEpilogue(const Params& p, int u0, const float* result) {
+  constexpr int kUnits = kGateUpColumns / 2;
+  for (int t = threadIdx.x; t < B * kUnits; t += kThreads) {
+    const int b = t / kUnits, u = t % kUnits;
+    const float gate = Bf16Round(result[b * kGateUpColumns + 2 * u]);
+    const float up = Bf16Round(result[b * kGateUpColumns + 2 * u + 1]);
+    p.act[static_cast<size_t>(b) * p.mlp + u0 + u] =
+        __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+  }
+  __syncthreads();
+}
+
+// Stage B: attention of each head group over positions 0..pos.
+
+// A lane's N (2 or 4) consecutive bf16 of a cache row, in one load.
+template <int N>
+__device__ __forceinline__ void LoadLane(const __nv_bfloat16* p, float (&out)[N]) {
+  static_assert(N == 2 || N == 4, "a lane holds 2 or 4 channels");
+  if constexpr (N == 4) {
+    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
+    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
+    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
+  } else {
+    const unsigned raw = __ldcg(reinterpret_cast<const unsigned*>(p));
+    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
+    out[0] = a.x, out[1] = a.y;
+  }
+}
+
+struct Splits {
+  int count, length;
+};
+
+__device__ inline Splits SplitsFor(const Params& p, int positions) {
+  const int groups = p.batch * p.kv_heads;
+  // At most one item per CTA.
+  int count = min(p.max_splits, max(1, static_cast<int>(gridDim.x) / groups));
+  count = min(count, (positions + 15) / 16);
+  const int length = (positions + count - 1) / count;
+  return {(positions + length - 1) / length, length};
+}
+
+template <int HD>
+__device__ void Attend(const Params& p, int layer, int pos, float* shared_scratch,
+                       int* shared_flag) {
+  constexpr int kPerLane = HD / 32;
+  const int qpk = p.q_per_kv;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const Splits splits = SplitsFor(p, pos + 1);
+  const int items = p.batch * p.kv_heads * splits.count;
+  const float scale = rsqrtf(static_cast<float>(HD));
+  // Per warp: m [qpk], l [qpk], o [qpk][HD].
+  const int warp_floats = qpk * (HD + 2);
+  for (int item = blockIdx.x; item < items; item += gridDim.x) {
+    const int bg = item / splits.count, split = item % splits.count;
+    const int b = bg / p.kv_heads, g = bg % p.kv_heads;
+    const int p0 = split * splits.length, p1 = min(pos + 1, p0 + splits.length);
+    float q[kMaxQueriesPerKv][kPerLane], m[kMaxQueriesPerKv], l[kMaxQueriesPerKv];
+    float o[kMaxQueriesPerKv][kPerLane];
+#pragma unroll
+    for (int j = 0; j < kMaxQueriesPerKv; ++j) {
+      m[j] = -INFINITY;
+      l[j] = 0.f;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) {
+        o[j][e] = 0.f;
+        q[j][e] = j < qpk ? __ldcg(p.q + (static_cast<size_t>(b) * p.heads + g * qpk + j) * HD +
+                                   lane * kPerLane + e)
+                          : 0.f;
+      }
+    }
+    const size_t head = (static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len;
+    const __nv_bfloat16* kc = p.caches[layer].k + head * HD + lane * kPerLane;
+    const __nv_bfloat16* vc = p.caches[layer].v + head * HD + lane * kPerLane;
+    for (int position = p0 + warp; position < p1; position += kWarps) {
+      float kv[kPerLane], vv[kPerLane];
+      LoadLane<kPerLane>(kc + static_cast<size_t>(position) * HD, kv);
+      LoadLane<kPerLane>(vc + static_cast<size_t>(position) * HD, vv);
+#pragma unroll
+      for (int j = 0; j < kMaxQueriesPerKv; ++j) {
+        if (j >= qpk) break;
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) s = fmaf(q[j][e], kv[e], s);
+#pragma unroll
+        for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
+        s *= scale;
+        const float m_new = fmaxf(m[j], s);
+        const float alpha = __expf(m[j] - m_new), weight = __expf(s - m_new);
+        l[j] = l[j] * alpha + weight;
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) o[j][e] = fmaf(o[j][e], alpha, weight * vv[e]);
+        m[j] = m_new;
+      }
+    }
+    float* mine = shared_scratch + warp * warp_floats;
+#pragma unroll
+    for (int j = 0; j < kMaxQueriesPerKv; ++j) {
+      if (j >= qpk) break;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) mine[j * (HD + 2) + lane * kPerLane + e] = o[j][e];
+      if (lane == 0) {
+        mine[j * (HD + 2) + HD] = m[j];
+        mine[j * (HD + 2) + HD + 1] = l[j];
+      }
+    }
+    __syncthreads();
+    // The split's partial: the warps combined.
+    float* partial = p.partials + (static_cast<size_t>(bg) * p.max_splits + split) * warp_floats;
+    for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
+      const int j = t / HD, e = t % HD;
+      float big = -INFINITY;
+      for (int w = 0; w < kWarps; ++w) big = fmaxf(big, shared_scratch[w * warp_floats + j * (HD + 2) + HD]);
+      float sum = 0.f, out = 0.f;
+      for (int w = 0; w < kWarps; ++w) {
+        const float* theirs = shared_scratch + w * warp_floats + j * (HD + 2);
+        if (theirs[HD] == -INFINITY) continue;
+        const float factor = __expf(theirs[HD] - big);
+        sum = fmaf(theirs[HD + 1], factor, sum);
+        out = fmaf(theirs[e], factor, out);
+      }
+      partial[j * (HD + 2) + e] = out;
+      if (e == 0) {
+        partial[j * (HD + 2) + HD] = big;
+        partial[j * (HD + 2) + HD + 1] = sum;
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      *shared_flag = atomicAdd(p.arrivals + bg, 1u) == static_cast<unsigned>(splits.count - 1);
+    }
+    __syncthreads();
+    if (*shared_flag) {  // the group's last split: combine them all
+      __threadfence();
+      const float* group = p.partials + static_cast<size_t>(bg) * p.max_splits * warp_floats;
+      for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
+        const int j = t / HD, e = t % HD;
+        float big = -INFINITY;
+        for (int s = 0; s < splits.count; ++s) {
+          big = fmaxf(big, __ldcg(group + s * warp_floats + j * (HD + 2) + HD));
+        }
+        float sum = 0.f, out = 0.f;
+        for (int s = 0; s < splits.count; ++s) {
+          const float* theirs = group + s * warp_floats + j * (HD + 2);
+          const float factor = __expf(__ldcg(theirs + HD) - big);
+          sum = fmaf(__ldcg(theirs + HD + 1), factor, sum);
+          out = fmaf(__ldcg(theirs + e), factor, out);
+        }
+        p.attended[static_cast<size_t>(b) * p.heads * HD + (g * qpk + j) * HD + e] =
+            __float2bfloat16(out / sum);
+      }
+      if (threadIdx.x == 0) p.arrivals[bg] = 0;  // for the next layer
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace transformer_decode
+}  // namespace jfo

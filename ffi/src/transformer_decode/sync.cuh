@@ -1,0 +1,184 @@
+// The decode kernel's waits and copies: the grid barrier, and the ring of
+// shared-memory slots its weights stream through (TMA bulk copies, one
+// mbarrier a slot). Every wait is bounded by %globaltimer.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cstdio>
+
+#include "params.cuh"
+
+namespace jfo {
+namespace transformer_decode {
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ unsigned LoadAcquireGpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __noinline__ inline void TimedOut(const char* what, int layer, unsigned seen,
+                                      unsigned expected) {
+  printf("jax_flashoverlap transformer_decode: CTA %d timed out waiting for %s in layer %d "
+         "(at %u of %u); trapping so that the step fails instead of returning wrong data\n",
+         static_cast<int>(blockIdx.x), what, layer, seen, expected);
+  __trap();
+}
+
+// The count-th barrier of this launch: every CTA's writes before it are
+// visible to every CTA after it.
+__device__ inline void GridBarrier(const Params& p, unsigned count, const char* what, int layer) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(p.barrier, 1u);
+    const unsigned expected = count * gridDim.x;
+    const uint64_t start = GlobalTimerNs();
+    unsigned seen;
+    while ((seen = LoadAcquireGpu(p.barrier)) < expected) {
+      if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, expected);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ unsigned SharedAddress(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+}
+
+__device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) {
+  unsigned done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(SharedAddress(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// One bulk copy of `bytes` (a multiple of 16) from global into a slot,
+// completing the slot's mbarrier phase.
+__device__ __forceinline__ void BulkLoad(void* slot, const void* src, unsigned bytes,
+                                         uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
+      : "memory");
+}
+#endif
+
+// The weights' stream. Each CTA's chunks, in the order it consumes them:
+// layer by layer, stage by stage, its items (blockIdx.x, + gridDim.x, ...)
+// and each item's chunks in order.
+
+__device__ __forceinline__ int ItemsOfCta(int items) {
+  const int cta = blockIdx.x;
+  return cta < items ? (items - cta + gridDim.x - 1) / gridDim.x : 0;
+}
+
+// Where thread 0's next copy comes from. It only moves forward, one chunk
+// at a time, as the copies are issued.
+struct ChunkCursor {
+  int layer = 0, stage = 0, item = 0, chunk = 0;  // item: the CTA's own count in the stage
+
+  __device__ void Start(const Params& p) { SkipEmpty(p); }
+
+  __device__ bool Done(const Params& p) const { return layer >= p.layers; }
+
+  __device__ void Advance(const Params& p) {
+    if (++chunk == p.stages[stage].chunks_per_item) {
+      chunk = 0;
+      ++item;
+      SkipEmpty(p);
+    }
+  }
+
+  __device__ void Locate(const Params& p, const void** src, unsigned* bytes) const {
+    const WeightStage& st = p.stages[stage];
+    const int row0 = chunk * st.rows_per_chunk;
+    const int rows = min(st.rows_per_chunk, st.k - row0);
+    const size_t item_elements = static_cast<size_t>(st.k) * st.columns;
+    const int index = blockIdx.x + item * gridDim.x;
+    *src = st.w + (static_cast<size_t>(layer) * st.items + index) * item_elements +
+           static_cast<size_t>(row0) * st.columns;
+    *bytes = static_cast<unsigned>(rows) * st.columns * sizeof(__nv_bfloat16);
+  }
+
+ private:
+  // Past the stages (and layers) where this CTA has no item left.
+  __device__ void SkipEmpty(const Params& p) {
+    while (layer < p.layers && blockIdx.x + item * gridDim.x >= p.stages[stage].items) {
+      item = 0;
+      if (++stage == kStages) {
+        stage = 0;
+        ++layer;
+      }
+    }
+  }
+};
+
+struct Ring {
+  unsigned char* slots;
+  uint64_t* bars;
+  int count;
+  int next = 0;    // the chunk the CTA consumes next
+  int issued = 0;  // chunks issued (thread 0)
+  ChunkCursor cursor;
+
+  // Thread 0: the next chunk into its slot (chunk c goes to slot c % count).
+  __device__ void IssueNext(const Params& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (cursor.Done(p)) return;
+    const void* src;
+    unsigned bytes;
+    cursor.Locate(p, &src, &bytes);
+    const int slot = issued % count;
+    BulkLoad(slots + static_cast<size_t>(slot) * kChunkBytes, src, bytes, bars + slot);
+    cursor.Advance(p);
+    ++issued;
+#endif
+  }
+
+  // Waits for the next chunk; returns its slot.
+  __device__ const uint4* Wait(const Params& p, int layer) {
+    const int slot = next % count;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned parity = (next / count) & 1;
+    if (!MbarrierTryWait(bars + slot, parity)) {
+      const uint64_t start = GlobalTimerNs();
+      while (!MbarrierTryWait(bars + slot, parity)) {
+        if (GlobalTimerNs() - start > p.timeout_ns) TimedOut("a weight copy", layer, next, issued);
+      }
+    }
+#endif
+    return reinterpret_cast<const uint4*>(slots + static_cast<size_t>(slot) * kChunkBytes);
+  }
+
+  // Every thread is done with the chunk it waited for: its slot takes the
+  // chunk `count` ahead.
+  __device__ void Release(const Params& p) {
+    __syncthreads();
+    if (threadIdx.x == 0) IssueNext(p);
+    ++next;
+  }
+};
+
+}  // namespace transformer_decode
+}  // namespace jfo
