@@ -54,6 +54,7 @@ _OUT_COLUMNS = 16
 _GATE_UP_COLUMNS = 64  # 32 hidden units, gate and up interleaved as in the model
 _DOWN_COLUMNS = 16
 _CONTROL_BYTES = 4096
+_TIMES_BYTES = 8192
 
 
 class DecodeWeights(NamedTuple):
@@ -194,12 +195,13 @@ def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
     def aligned(n):
         return -(-n // 256) * 256
 
-    return (_CONTROL_BYTES + aligned(batch * heads * h * 4)
+    return (_CONTROL_BYTES + _TIMES_BYTES + aligned(batch * heads * h * 4)
             + aligned(batch * kv * MAX_SPLITS * (heads // kv) * (h + 2) * 4)
             + aligned(batch * heads * h * 2) + aligned(batch * config.mlp_dim * 2))
 
 
-def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig):
+def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
+                stage_times: bool = False):
     flat = [t for cache in caches for t in cache]
     operands, varying = same_variance(x, pos, *weights, *flat)
     # Per device (inside shard_map, or on one device): whole on x's mesh.
@@ -215,12 +217,33 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig):
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases={first_cache + i: 2 + i
                                                   for i in range(len(flat))})
-    out, _, *updated = call(*operands, heads=np.int32(config.num_heads),
+    out, workspace, *updated = call(*operands, heads=np.int32(config.num_heads),
                             kv_heads=np.int32(config.num_kv_heads),
                             max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
                             rope_theta=np.float32(config.rope_theta),
-                            timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")))
-    return out, tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
+                            timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
+                            stage_times=np.int32(stage_times))
+    caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
+    if not stage_times:
+        return out, caches
+    words = 2 + 2 * (5 * config.num_layers - 1)
+    times = workspace[_CONTROL_BYTES:_CONTROL_BYTES + 8 * words].reshape(words, 8)
+    return out, caches, lax.bitcast_convert_type(times, jnp.uint64)
+
+
+def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
+                caches: tuple[KVCache, ...], config: TransformerConfig):
+    """:func:`decode_blocks` on a CUDA GPU, with the kernel's clock readings.
+
+    For probing the kernel (``scripts/transformer_decode_probe.py``).
+
+    Returns:
+      (x, caches, uint64 [2 + 2 * (5 L - 1)]): %globaltimer in ns at the
+      launch's start and its last CTA's end, then for each of the 5 L - 1
+      grid barriers the last CTA's arrival and CTA 0's release.
+    """
+    return _ffi_decode(x, jnp.asarray(pos, jnp.int32), weights, caches, config=config,
+                       stage_times=True)
 
 
 def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   int* flag = reinterpret_cast<int*>(scalars + (kWarps + 1) * kMaxBatch);
 
   if (threadIdx.x == 0) {
+    if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
     for (int s = 0; s < ring.count; ++s) MbarrierInit(ring.bars + s);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -114,6 +115,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     }
     if (layer + 1 < p.layers) GridBarrier(p, ++barriers, "the down stage", layer);
   }
+  if (p.stage_times && threadIdx.x == 0) atomicMax(p.stage_times + 1, GlobalTimerNs());
 #endif
 }
 
@@ -145,7 +147,7 @@ size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 size_t TransformerDecodeWorkspaceBytes(int64_t batch, int64_t heads, int64_t kv_heads,
                                        int64_t head_dim, int64_t mlp, int64_t max_splits) {
   const int64_t qpk = heads / kv_heads;
-  return kControlBytes + AlignUp(batch * heads * head_dim * 4, 256) +
+  return kControlBytes + kTimesBytes + AlignUp(batch * heads * head_dim * 4, 256) +
          AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256) +
          AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256);
 }
@@ -210,7 +212,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::Result<ffi::AnyBuffer> workspace,
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
                                  int32_t max_splits, float eps, float rope_theta,
-                                 int32_t timeout_ms) {
+                                 int32_t timeout_ms, int32_t stage_times) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
@@ -319,7 +321,9 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   if (static_cast<size_t>(32 + batch * kv_heads) * sizeof(unsigned) > kControlBytes) {
     return ffi::Error::InvalidArgument(op + "too many head groups for the control block");
   }
-  size_t offset = kControlBytes;
+  p.stage_times = stage_times ? reinterpret_cast<unsigned long long*>(base + kControlBytes)
+                              : nullptr;
+  size_t offset = kControlBytes + kTimesBytes;
   p.q = reinterpret_cast<float*>(base + offset);
   offset += AlignUp(batch * heads * head_dim * 4, 256);
   p.partials = reinterpret_cast<float*>(base + offset);
@@ -364,7 +368,8 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.mbar_offset = static_cast<int>(at);
   at += static_cast<size_t>(slots) * 8;
 
-  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base, 0, kControlBytes, stream));
+  JFO_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(base, 0, kControlBytes + (stage_times ? kTimesBytes : 0), stream));
   const int grid = info.sms;
 #define JFO_LAUNCH_BATCH(B)                                            \
   case B:                                                              \
@@ -403,6 +408,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("max_splits")
         .Attr<float>("eps")
         .Attr<float>("rope_theta")
-        .Attr<int32_t>("timeout_ms"));
+        .Attr<int32_t>("timeout_ms")
+        .Attr<int32_t>("stage_times"));  // 1: record the barriers' times in the workspace
 
 }  // namespace jfo

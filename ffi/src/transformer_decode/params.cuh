@@ -17,6 +17,9 @@ constexpr int kMaxLayers = 64;
 constexpr int kMaxQueriesPerKv = 8;
 constexpr int kChunkBytes = 32768;
 constexpr int kControlBytes = 4096;  // the barrier counter and the head groups' arrivals
+// With stage_times, after the control block: the launch's start and end,
+// then per grid barrier the last CTA's arrival and CTA 0's release (%globaltimer, ns).
+constexpr int kTimesBytes = 8192;
 // Columns of one work item in each weight stage. QKV items hold 16 rotary
 // pairs of one head: columns j0..j0+15 of its first half, then the same of
 // its second half, so that the rotation happens in the item's epilogue.
@@ -54,6 +57,7 @@ struct Params {
   __nv_bfloat16* x_out;  // [batch, d]: the residual stream from stage C of layer 0 on
   // The workspace's parts.
   unsigned* barrier;       // grid barrier arrivals, zeroed before each launch
+  unsigned long long* stage_times;  // nullptr, or kTimesBytes zeroed before the launch
   unsigned* arrivals;      // [batch * kv]: splits done per head group
   float* q;                // [batch, heads, head_dim], rotated, bf16-rounded
   float* partials;         // [batch * kv, max_splits, q_per_kv, head_dim + 2]

@@ -39,6 +39,7 @@ __device__ inline void GridBarrier(const Params& p, unsigned count, const char* 
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
+    if (p.stage_times) atomicMax(p.stage_times + 2 * count, GlobalTimerNs());
     atomicAdd(p.barrier, 1u);
     const unsigned expected = count * gridDim.x;
     const uint64_t start = GlobalTimerNs();
@@ -47,6 +48,7 @@ __device__ inline void GridBarrier(const Params& p, unsigned count, const char* 
       if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, expected);
     }
     __threadfence();
+    if (p.stage_times && blockIdx.x == 0) p.stage_times[2 * count + 1] = GlobalTimerNs();
   }
   __syncthreads();
 }

@@ -1,0 +1,175 @@
+"""Probe: where the one-kernel Transformer decode step spends its time.
+
+    python3 scripts/transformer_decode_probe.py [--batch B] [--context C]
+                                                [--json FILE]
+
+The 1B Transformer's blocks (16 layers, width 2048, 16 heads of 128 over 8
+KV heads, MLP 8192) with random bf16 weights in the kernel's layout
+(``models.transformer_decode_cuda``), the caches filled to ``context``.
+First the kernel's step is checked against its JAX reference in float32
+(CHECK_TOLERANCE); then the step is timed as a decode loop, (T(K2) -
+T(K1)) / (K2 - K1) with the caches carried and donated, median of REPS;
+then one step's grid-barrier clock readings (%globaltimer) are summed per
+stage: the stage's work up to its last CTA's arrival at the barrier, and
+the barrier (last arrival to CTA 0's release).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_flashoverlap import benchmarking, models
+
+fused = models.transformer_decode_cuda
+STAGES = ("qkv", "attention", "out", "gate_up", "down")
+HBM = 4.8e12
+# The kernel's step against the reference in float32 (relative): within
+# twice the reference's own bf16 error, or this.
+CHECK_TOLERANCE = 2e-2
+STEPS, REPS = (8, 24), 5
+
+
+def random_inputs(config, batch: int, context: int, steps: int, seed: int = 0):
+    """(x [b, d], weights, caches with positions 0..context-1 filled)."""
+    rng = np.random.default_rng(seed)
+    d, f, h = config.embed_dim, config.mlp_dim, config.head_dim
+    kv, heads, layers = config.num_kv_heads, config.num_heads, config.num_layers
+
+    def normal(shape, scale):
+        return jnp.asarray(rng.standard_normal(shape, np.float32) * scale, jnp.bfloat16)
+
+    weights = fused.DecodeWeights(
+        attn_norm=jnp.asarray(1 + 0.1 * rng.standard_normal((layers, d)), jnp.float32),
+        mlp_norm=jnp.asarray(1 + 0.1 * rng.standard_normal((layers, d)), jnp.float32),
+        qkv=normal((layers, kv * (heads // kv + 2) * h // 32, d, 32), d ** -0.5),
+        out=normal((layers, d // 16, heads * h, 16), (heads * h) ** -0.5),
+        gate_up=normal((layers, 2 * f // 64, d, 64), d ** -0.5),
+        down=normal((layers, d // 16, f, 16), f ** -0.5))
+    length = context + steps + 1
+    caches = []
+    for _ in range(layers):
+        pair = []
+        for _ in range(2):
+            c = np.zeros((batch, kv, length, h), np.float32)
+            c[:, :, :context] = rng.standard_normal((batch, kv, context, h))
+            pair.append(jnp.asarray(c, jnp.bfloat16))
+        caches.append(models.transformer.KVCache(*pair))
+    return normal((batch, d), 1.0), weights, tuple(caches)
+
+
+def check(config, x, weights, caches, context: int) -> tuple[float, float]:
+    """(the kernel's relative error, the bf16 reference's), against the
+    reference in float32."""
+    got, _ = jax.jit(lambda *a: fused.decode_blocks(*a, config))(x, context, weights, caches)
+    bf16, _ = jax.jit(lambda *a: fused.reference(*a, config=config))(
+        x, jnp.int32(context), weights, caches)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32), (x, weights, caches))
+    exact_config = dataclasses.replace(config, dtype="float32")
+    want, _ = jax.jit(lambda *a: fused.reference(*a, config=exact_config))(
+        f32[0], jnp.int32(context), f32[1], f32[2])
+    want = np.asarray(want, np.float64)
+
+    def error(a):
+        return float(np.linalg.norm(np.asarray(a, np.float64) - want) / np.linalg.norm(want))
+
+    return error(got), error(bf16)
+
+
+def decode_loop(config, steps: int, context: int):
+    def run(x, weights, caches):
+        def body(i, carry):
+            x, caches = carry
+            y, caches = fused.decode_blocks(x, context + i, weights, caches, config)
+            return y, caches
+        return jax.lax.fori_loop(0, steps, body, (x, caches))
+    return jax.jit(run, donate_argnums=2)
+
+
+def per_step_us(config, x, weights, caches, context: int) -> list[float]:
+    loops = {k: decode_loop(config, k, context) for k in STEPS}
+
+    def run(k):
+        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, caches))
+        start = time.perf_counter()
+        jax.block_until_ready(loops[k](x, weights, fresh))
+        return time.perf_counter() - start
+
+    for k in STEPS:
+        run(k)
+    k1, k2 = STEPS
+    return sorted((run(k2) - run(k1)) / (k2 - k1) * 1e6 for _ in range(REPS))
+
+
+def stage_breakdown(config, x, weights, caches, context: int) -> dict:
+    call = jax.jit(lambda *a: fused.stage_times(*a, config))
+    call(x, context, weights, jax.tree.map(jnp.copy, caches))  # compile, warm up
+    times = np.asarray(call(x, context, weights, jax.tree.map(jnp.copy, caches))[2], np.int64)
+    start, end = times[0], times[1]
+    arrivals, releases = times[2::2], times[3::2]   # barrier k at index k - 1
+    work = {s: 0.0 for s in STAGES}
+    waits = {s: 0.0 for s in STAGES}
+    previous = start
+    for k in range(len(arrivals)):
+        stage = STAGES[k % 5]
+        work[stage] += (arrivals[k] - previous) / 1e3
+        waits[stage] += (releases[k] - arrivals[k]) / 1e3
+        previous = releases[k]
+    work["down"] += (end - previous) / 1e3
+    return {"kernel_us": (end - start) / 1e3, "work_us": work, "barrier_us": waits}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1b", choices=("small", "1b"))
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
+                                                       "transformer_decode_probe.json"))
+    args = parser.parse_args()
+    config = models.TransformerConfig.preset(args.size, dtype="bfloat16")
+    x, weights, caches = random_inputs(config, args.batch, args.context, STEPS[1])
+    error, bf16_error = check(config, x, weights, caches, args.context)
+    print(f"relative error against the float32 reference: {error:.3g} (the bf16 "
+          f"reference's: {bf16_error:.3g})", flush=True)
+    if not error <= max(2 * bf16_error, CHECK_TOLERANCE):
+        raise SystemExit(f"the kernel's step is off by {error:.3g}")
+    steps = per_step_us(config, x, weights, caches, args.context)
+    weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights)
+    cache_bytes = 2 * config.num_layers * args.batch * config.num_kv_heads * config.head_dim \
+        * 2 * (args.context + 1)
+    floor_us = (weight_bytes + cache_bytes) / HBM * 1e6
+    breakdown = (stage_breakdown(config, x, weights, caches, args.context)
+                 if jax.default_backend() == "gpu" else {})
+    row = {"batch": args.batch, "context": args.context, "check_error": error,
+           "check_bf16_reference_error": bf16_error,
+           "per_step_us": statistics.median(steps), "per_step_us_min": steps[0],
+           "per_step_us_max": steps[-1], "floor_us": floor_us,
+           "x_floor": statistics.median(steps) / floor_us, **breakdown}
+    meta = benchmarking.provenance({"probe": "transformer decode kernel", "steps": list(STEPS),
+                                    "reps": REPS, **vars(args)})
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "rows": [row]}, f, indent=1)
+    print(json.dumps(row), flush=True)
+    print(f"\nstep {row['per_step_us']:.1f} us [{steps[0]:.1f}, {steps[-1]:.1f}], floor "
+          f"{floor_us:.1f} us ({row['x_floor']:.2f}x)")
+    if not breakdown:
+        return
+    print(f"one step's kernel, start to end: {breakdown['kernel_us']:.1f} us")
+    print("| stage | work to the last arrival (us, 16 layers) | barrier (us, 16 layers) |")
+    print("|---|---|---|")
+    for stage in STAGES:
+        print(f"| {stage} | {breakdown['work_us'][stage]:.1f} | "
+              f"{breakdown['barrier_us'][stage]:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
