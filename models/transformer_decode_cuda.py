@@ -227,8 +227,8 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     if not stage_times:
         return out, caches
     words = 2 + 2 * (5 * config.num_layers - 1)
-    times = workspace[_CONTROL_BYTES:_CONTROL_BYTES + 8 * words].reshape(words, 8)
-    return out, caches, lax.bitcast_convert_type(times, jnp.uint64)
+    times = workspace[_CONTROL_BYTES:_CONTROL_BYTES + 8 * words].reshape(words, 2, 4)
+    return out, caches, lax.bitcast_convert_type(times, jnp.uint32)  # [words, (low, high)]
 
 
 def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
@@ -238,9 +238,10 @@ def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     For probing the kernel (``scripts/transformer_decode_probe.py``).
 
     Returns:
-      (x, caches, uint64 [2 + 2 * (5 L - 1)]): %globaltimer in ns at the
-      launch's start and its last CTA's end, then for each of the 5 L - 1
-      grid barriers the last CTA's arrival and CTA 0's release.
+      (x, caches, uint32 [2 + 2 * (5 L - 1), 2]): %globaltimer in ns (its
+      low and high words) at the launch's start and its last CTA's end, then
+      for each of the 5 L - 1 grid barriers the last CTA's arrival and CTA
+      0's release.
     """
     return _ffi_decode(x, jnp.asarray(pos, jnp.int32), weights, caches, config=config,
                        stage_times=True)

@@ -112,7 +112,8 @@ def per_step_us(config, x, weights, caches, context: int) -> list[float]:
 def stage_breakdown(config, x, weights, caches, context: int) -> dict:
     call = jax.jit(lambda *a: fused.stage_times(*a, config))
     call(x, context, weights, jax.tree.map(jnp.copy, caches))  # compile, warm up
-    times = np.asarray(call(x, context, weights, jax.tree.map(jnp.copy, caches))[2], np.int64)
+    words = np.asarray(call(x, context, weights, jax.tree.map(jnp.copy, caches))[2], np.int64)
+    times = words[:, 0] + (words[:, 1] << 32)
     start, end = times[0], times[1]
     arrivals, releases = times[2::2], times[3::2]   # barrier k at index k - 1
     work = {s: 0.0 for s in STAGES}

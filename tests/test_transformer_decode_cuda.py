@@ -172,20 +172,12 @@ def test_kernel_matches_the_reference(rng, batch, head_dim, heads, kv_heads):
     model = _model(config, mesh)
     with jax.set_mesh(mesh):
         weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
-    weights = jax.device_put(weights, jax.devices()[0])  # off the mesh, as the test's arrays
     length = 300
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     for pos in (0, 137, length - 1):
-        x = random(rng, (batch, config.embed_dim), jnp.bfloat16)
-        caches = _caches(rng, config, batch, length, pos, jnp.bfloat16)
-        run = jax.jit(lambda x, p, w, c: fused.decode_blocks(x, p, w, c, config))
-        got, got_caches = run(x, jnp.int32(pos), weights, caches)
-        want, want_caches = jax.jit(lambda x, p, w, c: fused.reference(x, p, w, c, config=config))(
-            x, jnp.int32(pos), weights, caches)
-        as_f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a,
-                              (x, weights, caches))
-        exact, _ = jax.jit(lambda x, p, w, c: fused.reference(
-            x, p, w, c, config=dataclasses.replace(config, dtype="float32")))(
-                as_f32[0], jnp.int32(pos), as_f32[1], as_f32[2])
+        with jax.set_mesh(mesh):
+            got, got_caches, want, want_caches, exact = _kernel_and_references(
+                rng, config, batch, length, pos, weights, whole)
         assert np.all(np.isfinite(np.asarray(got, np.float32)))
         bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
         assert _relative(got, exact) <= bound, (pos, _relative(got, exact), bound)
@@ -195,3 +187,21 @@ def test_kernel_matches_the_reference(rng, batch, head_dim, heads, kv_heads):
                 np.testing.assert_array_equal(np.isnan(g[:, :, pos + 1:]), True)
                 np.testing.assert_array_equal(g[:, :, :pos], w[:, :, :pos])
                 np.testing.assert_allclose(g[:, :, pos], w[:, :, pos], rtol=2e-2, atol=2e-2)
+
+
+def _kernel_and_references(rng, config, batch, length, pos, weights, whole):
+    """One step of decode_blocks, of the reference, and of the reference in
+    float32, on fresh x and caches (every array whole on the weights' mesh)."""
+    x = jax.device_put(random(rng, (batch, config.embed_dim), jnp.bfloat16), whole)
+    caches = jax.device_put(_caches(rng, config, batch, length, pos, jnp.bfloat16), whole)
+    pos = jnp.int32(pos)
+    got, got_caches = jax.jit(lambda *a: fused.decode_blocks(*a, config))(
+        x, pos, weights, caches)
+    want, want_caches = jax.jit(lambda *a: fused.reference(*a, config=config))(
+        x, pos, weights, caches)
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a,
+                       (x, weights, caches))
+    exact_config = dataclasses.replace(config, dtype="float32")
+    exact, _ = jax.jit(lambda *a: fused.reference(*a, config=exact_config))(
+        f32[0], pos, f32[1], f32[2])
+    return got, got_caches, want, want_caches, exact
