@@ -53,6 +53,10 @@ _QKV_COLUMNS = 32      # 16 rotary pairs: 16 columns of a head's first half, the
 _OUT_COLUMNS = 16
 _GATE_UP_COLUMNS = 64  # 32 hidden units, gate and up interleaved as in the model
 _DOWN_COLUMNS = 16
+# Weight chunks (32 KiB) each CTA asks into L2 beyond the ones its shared
+# memory holds, so that HBM streams on while a CTA waits at a barrier or
+# attends. Read where the kernel is traced.
+L2_PREFETCH_CHUNKS = 8
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 
@@ -100,8 +104,8 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
         return f"it takes 1 to {MAX_BATCH} rows per device (got {batch})"
     if h not in HEAD_DIMS:
         return f"it takes head_dim in {HEAD_DIMS} (got {h})"
-    if config.num_heads // config.num_kv_heads > MAX_QUERIES_PER_KV:
-        return f"it takes at most {MAX_QUERIES_PER_KV} query heads per KV head"
+    if config.num_heads // config.num_kv_heads not in (1, 2, 4, MAX_QUERIES_PER_KV):
+        return f"it takes 1, 2, 4 or {MAX_QUERIES_PER_KV} query heads per KV head"
     if config.num_layers > MAX_LAYERS:
         return f"it takes at most {MAX_LAYERS} layers (got {config.num_layers})"
     if d % _OUT_COLUMNS or f % (_GATE_UP_COLUMNS // 2):
@@ -197,7 +201,7 @@ def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
 
     return (_CONTROL_BYTES + _TIMES_BYTES + aligned(batch * heads * h * 4)
             + aligned(batch * kv * MAX_SPLITS * (heads // kv) * (h + 2) * 4)
-            + aligned(batch * heads * h * 2) + aligned(batch * config.mlp_dim * 2))
+            + aligned(batch * config.mlp_dim * 2))
 
 
 def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
@@ -222,7 +226,8 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
                             max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
                             rope_theta=np.float32(config.rope_theta),
                             timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
-                            stage_times=np.int32(stage_times))
+                            stage_times=np.int32(stage_times),
+                            l2_prefetch_chunks=np.int32(L2_PREFETCH_CHUNKS))
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches

@@ -133,43 +133,59 @@ def main() -> None:
     parser.add_argument("--size", default="1b", choices=("small", "1b"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--l2-prefetch-chunks", nargs="+", type=int,
+                        default=[fused.L2_PREFETCH_CHUNKS],
+                        help="each of these chunks a CTA asks into L2 ahead (a row each)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "transformer_decode_probe.json"))
     args = parser.parse_args()
     config = models.TransformerConfig.preset(args.size, dtype="bfloat16")
     x, weights, caches = random_inputs(config, args.batch, args.context, STEPS[1])
-    error, bf16_error = check(config, x, weights, caches, args.context)
+    meta = benchmarking.provenance({"probe": "transformer decode kernel", "steps": list(STEPS),
+                                    "reps": REPS, **vars(args)})
+    rows = []
+    for chunks in args.l2_prefetch_chunks:
+        fused.L2_PREFETCH_CHUNKS = chunks  # read while tracing: each variant traced afresh
+        jax.clear_caches()
+        rows.append({"l2_prefetch_chunks": chunks,
+                     **measure(config, x, weights, caches, args.context)})
+        print(json.dumps(rows[-1]), flush=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for row in rows:
+        print(f"\nL2 prefetch {row['l2_prefetch_chunks']} chunks: step "
+              f"{row['per_step_us']:.1f} us [{row['per_step_us_min']:.1f}, "
+              f"{row['per_step_us_max']:.1f}], floor {row['floor_us']:.1f} us "
+              f"({row['x_floor']:.2f}x)")
+        if "kernel_us" not in row:
+            continue
+        print(f"one step's kernel, start to end: {row['kernel_us']:.1f} us")
+        print("| stage | work to the last arrival (us, all layers) | barrier (us, all layers) |")
+        print("|---|---|---|")
+        for stage in STAGES:
+            print(f"| {stage} | {row['work_us'][stage]:.1f} | {row['barrier_us'][stage]:.1f} |")
+
+
+def measure(config, x, weights, caches, context: int) -> dict:
+    """One row: checked, timed, and one step's stages."""
+    error, bf16_error = check(config, x, weights, caches, context)
     print(f"relative error against the float32 reference: {error:.3g} (the bf16 "
           f"reference's: {bf16_error:.3g})", flush=True)
     if not error <= max(2 * bf16_error, CHECK_TOLERANCE):
         raise SystemExit(f"the kernel's step is off by {error:.3g}")
-    steps = per_step_us(config, x, weights, caches, args.context)
+    steps = per_step_us(config, x, weights, caches, context)
+    batch = x.shape[0]
     weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights)
-    cache_bytes = 2 * config.num_layers * args.batch * config.num_kv_heads * config.head_dim \
-        * 2 * (args.context + 1)
+    cache_bytes = 2 * config.num_layers * batch * config.num_kv_heads * config.head_dim \
+        * 2 * (context + 1)
     floor_us = (weight_bytes + cache_bytes) / HBM * 1e6
-    breakdown = (stage_breakdown(config, x, weights, caches, args.context)
+    breakdown = (stage_breakdown(config, x, weights, caches, context)
                  if jax.default_backend() == "gpu" else {})
-    row = {"batch": args.batch, "context": args.context, "check_error": error,
-           "check_bf16_reference_error": bf16_error,
-           "per_step_us": statistics.median(steps), "per_step_us_min": steps[0],
-           "per_step_us_max": steps[-1], "floor_us": floor_us,
-           "x_floor": statistics.median(steps) / floor_us, **breakdown}
-    meta = benchmarking.provenance({"probe": "transformer decode kernel", "steps": list(STEPS),
-                                    "reps": REPS, **vars(args)})
-    with open(args.json, "w") as f:
-        json.dump({"meta": meta, "rows": [row]}, f, indent=1)
-    print(json.dumps(row), flush=True)
-    print(f"\nstep {row['per_step_us']:.1f} us [{steps[0]:.1f}, {steps[-1]:.1f}], floor "
-          f"{floor_us:.1f} us ({row['x_floor']:.2f}x)")
-    if not breakdown:
-        return
-    print(f"one step's kernel, start to end: {breakdown['kernel_us']:.1f} us")
-    print("| stage | work to the last arrival (us, 16 layers) | barrier (us, 16 layers) |")
-    print("|---|---|---|")
-    for stage in STAGES:
-        print(f"| {stage} | {breakdown['work_us'][stage]:.1f} | "
-              f"{breakdown['barrier_us'][stage]:.1f} |")
+    return {"batch": batch, "context": context, "check_error": error,
+            "check_bf16_reference_error": bf16_error,
+            "per_step_us": statistics.median(steps), "per_step_us_min": steps[0],
+            "per_step_us_max": steps[-1], "floor_us": floor_us,
+            "x_floor": statistics.median(steps) / floor_us, **breakdown}
 
 
 if __name__ == "__main__":

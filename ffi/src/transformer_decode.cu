@@ -53,18 +53,18 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   ring.bars = reinterpret_cast<uint64_t*>(shared + p.mbar_offset);
   ring.count = p.ring_slots;
   ring.cursor.Start(p);
+  ring.ahead.Start(p);
   auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + p.operand_offset);
   auto* reduce = reinterpret_cast<float*>(shared + p.reduce_offset);
   auto* result = reinterpret_cast<float*>(shared + p.result_offset);
   auto* scalars = reinterpret_cast<float*>(shared + p.scalar_offset);
-  int* flag = reinterpret_cast<int*>(scalars + (kWarps + 1) * kMaxBatch);
 
   if (threadIdx.x == 0) {
     if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
     for (int s = 0; s < ring.count; ++s) MbarrierInit(ring.bars + s);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    for (int c = 0; c < ring.count; ++c) ring.IssueNext(p);
+    ring.Fill(p);
   }
   __syncthreads();
 
@@ -91,10 +91,10 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     }
     GridBarrier(p, ++barriers, "the QKV stage", layer);
     // B: attention.
-    Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand), flag);
+    Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand));
     GridBarrier(p, ++barriers, "the attention stage", layer);
     // C: x = residual + attention @ W_out.
-    if (ItemsOfCta(out.items)) GatherInto<B>(p.attended, p.heads * HD, operand);
+    if (ItemsOfCta(out.items)) CombineInto<B, HD>(p, pos, operand, reduce);
     for (int item = blockIdx.x; item < out.items; item += gridDim.x) {
       ItemProduct<kOutColumns, B>(p, ring, out, layer, operand, reduce, result);
       ResidualEpilogue<B, kOutColumns>(residual, p.x_out, p.d, item * kOutColumns, result);
@@ -149,7 +149,7 @@ size_t TransformerDecodeWorkspaceBytes(int64_t batch, int64_t heads, int64_t kv_
   const int64_t qpk = heads / kv_heads;
   return kControlBytes + kTimesBytes + AlignUp(batch * heads * head_dim * 4, 256) +
          AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256) +
-         AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256);
+         AlignUp(batch * mlp * 2, 256);
 }
 
 WeightStage StageOf(const ffi::AnyBuffer& w, int columns) {
@@ -212,7 +212,8 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::Result<ffi::AnyBuffer> workspace,
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
                                  int32_t max_splits, float eps, float rope_theta,
-                                 int32_t timeout_ms, int32_t stage_times) {
+                                 int32_t timeout_ms, int32_t stage_times,
+                                 int32_t l2_prefetch_chunks) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
@@ -228,12 +229,13 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   }
   const int64_t layers = nd[0];
   if (batch < 1 || batch > kMaxBatch || layers < 1 || layers > kMaxLayers || heads < 1 ||
-      kv_heads < 1 || heads % kv_heads || heads / kv_heads > kMaxQueriesPerKv ||
+      kv_heads < 1 || heads % kv_heads || (heads / kv_heads) & (heads / kv_heads - 1) ||
+      heads / kv_heads > kMaxQueriesPerKv ||
       pos.element_type() != ffi::DataType::S32 || pos.element_count() != 1 ||
       max_splits < 1 || timeout_ms < 1) {
     return ffi::Error::InvalidArgument(
         op + "needs 1 <= batch <= " + std::to_string(kMaxBatch) + ", 1 <= layers <= " +
-        std::to_string(kMaxLayers) + ", heads a multiple of kv_heads by at most " +
+        std::to_string(kMaxLayers) + ", heads a multiple of kv_heads by 1, 2, 4 or " +
         std::to_string(kMaxQueriesPerKv) + ", an int32 position and max_splits, timeout_ms >= 1");
   }
   if (caches_in.size() != static_cast<size_t>(2 * layers) || caches_out.size() != caches_in.size()) {
@@ -275,6 +277,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.cache_len = static_cast<int>(cache_len);
   p.q_per_kv = static_cast<int>(qpk);
   p.max_splits = max_splits;
+  p.l2_prefetch_chunks = std::max(0, l2_prefetch_chunks);
   p.eps = eps;
   p.rope_theta = rope_theta;
   p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
@@ -317,10 +320,6 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   }
   auto* base = static_cast<unsigned char*>(workspace->untyped_data());
   p.barrier = reinterpret_cast<unsigned*>(base);
-  p.arrivals = p.barrier + 32;
-  if (static_cast<size_t>(32 + batch * kv_heads) * sizeof(unsigned) > kControlBytes) {
-    return ffi::Error::InvalidArgument(op + "too many head groups for the control block");
-  }
   p.stage_times = stage_times ? reinterpret_cast<unsigned long long*>(base + kControlBytes)
                               : nullptr;
   size_t offset = kControlBytes + kTimesBytes;
@@ -328,8 +327,6 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   offset += AlignUp(batch * heads * head_dim * 4, 256);
   p.partials = reinterpret_cast<float*>(base + offset);
   offset += AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256);
-  p.attended = reinterpret_cast<__nv_bfloat16*>(base + offset);
-  offset += AlignUp(batch * heads * head_dim * 2, 256);
   p.act = reinterpret_cast<__nv_bfloat16*>(base + offset);
 
   int device = 0;
@@ -343,7 +340,10 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   const size_t operand = AlignUp(std::max<size_t>(
       static_cast<size_t>(std::max<int64_t>({d, heads * head_dim, mlp})) * batch * 2,
       static_cast<size_t>(kWarps) * qpk * (head_dim + 2) * 4), 128);
-  const size_t reduce = static_cast<size_t>(kWarps) * batch * kMaxColumns * 4;
+  // The GEMVs' per-warp sums, or the attention splits' shares (CombineInto:
+  // batch * heads * splits, at most q_per_kv per CTA).
+  const size_t reduce = std::max<size_t>(static_cast<size_t>(kWarps) * batch * kMaxColumns,
+                                         static_cast<size_t>(qpk) * info.sms) * 4;
   const size_t result = static_cast<size_t>(batch) * kMaxColumns * 4;
   const size_t scalars = ((kWarps + 1) * kMaxBatch + 4) * 4;
   const size_t fixed = operand + reduce + result + AlignUp(scalars, 16);
@@ -409,6 +409,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("eps")
         .Attr<float>("rope_theta")
         .Attr<int32_t>("timeout_ms")
-        .Attr<int32_t>("stage_times"));  // 1: record the barriers' times in the workspace
+        .Attr<int32_t>("stage_times")  // 1: record the barriers' times in the workspace
+        .Attr<int32_t>("l2_prefetch_chunks"));  // chunks a CTA asks into L2 ahead of its slots
 
 }  // namespace jfo

@@ -16,7 +16,7 @@ constexpr int kMaxBatch = 4;
 constexpr int kMaxLayers = 64;
 constexpr int kMaxQueriesPerKv = 8;
 constexpr int kChunkBytes = 32768;
-constexpr int kControlBytes = 4096;  // the barrier counter and the head groups' arrivals
+constexpr int kControlBytes = 4096;  // the grid barrier's counter
 // With stage_times, after the control block: the launch's start and end,
 // then per grid barrier the last CTA's arrival and CTA 0's release (%globaltimer, ns).
 constexpr int kTimesBytes = 8192;
@@ -47,6 +47,7 @@ struct WeightStage {
 struct Params {
   int layers, batch, d, heads, kv_heads, head_dim, mlp, cache_len;
   int q_per_kv, max_splits, ring_slots;
+  int l2_prefetch_chunks;  // chunks asked into L2 beyond the slots' (0: none)
   float eps, rope_theta;
   uint64_t timeout_ns;
   const __nv_bfloat16* x_in;  // [batch, d]
@@ -58,10 +59,8 @@ struct Params {
   // The workspace's parts.
   unsigned* barrier;       // grid barrier arrivals, zeroed before each launch
   unsigned long long* stage_times;  // nullptr, or kTimesBytes zeroed before the launch
-  unsigned* arrivals;      // [batch * kv]: splits done per head group
   float* q;                // [batch, heads, head_dim], rotated, bf16-rounded
   float* partials;         // [batch * kv, max_splits, q_per_kv, head_dim + 2]
-  __nv_bfloat16* attended; // [batch, heads * head_dim]
   __nv_bfloat16* act;      // [batch, mlp]
   // Shared-memory layout (byte offsets), decided on the host.
   int operand_offset, reduce_offset, result_offset, scalar_offset, mbar_offset;

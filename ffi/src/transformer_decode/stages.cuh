@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "params.cuh"
 #include "sync.cuh"
@@ -199,94 +200,120 @@ __device__ void SwigluEpilogue(const Params& p, int u0, const float* result) {
   __syncthreads();
 }
 
-// Stage B: attention of each head group over positions 0..pos.
+// Stage B: attention of each head group over positions 0..pos, in splits
+// of positions; stage C's prologue combines the splits (CombineInto).
 
-// A lane's N (2 or 4) consecutive bf16 of a cache row, in one load.
+// A lane's N (2 or 4) consecutive bf16 of a cache row, raw, in one load.
 template <int N>
-__device__ __forceinline__ void LoadLane(const __nv_bfloat16* p, float (&out)[N]) {
+struct LaneRow {
   static_assert(N == 2 || N == 4, "a lane holds 2 or 4 channels");
-  if constexpr (N == 4) {
-    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(p));
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.x));
-    const float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw.y));
-    out[0] = a.x, out[1] = a.y, out[2] = b.x, out[3] = b.y;
-  } else {
-    const unsigned raw = __ldcg(reinterpret_cast<const unsigned*>(p));
-    const float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw));
-    out[0] = a.x, out[1] = a.y;
+  using Raw = std::conditional_t<N == 4, uint2, unsigned>;
+  Raw raw;
+
+  __device__ __forceinline__ void Load(const __nv_bfloat16* p) {
+    raw = __ldcg(reinterpret_cast<const Raw*>(p));
   }
-}
+
+  __device__ __forceinline__ void Unpack(float (&out)[N]) const {
+    const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const float2 f = __bfloat1622float2(pairs[i]);
+      out[2 * i] = f.x;
+      out[2 * i + 1] = f.y;
+    }
+  }
+};
 
 struct Splits {
   int count, length;
 };
 
+// The fewest positions a split takes: below that another split's partial
+// costs its combine more than its positions cost a CTA.
+constexpr int kMinSplitPositions = 64;
+
 __device__ inline Splits SplitsFor(const Params& p, int positions) {
   const int groups = p.batch * p.kv_heads;
-  // At most one item per CTA.
   int count = min(p.max_splits, max(1, static_cast<int>(gridDim.x) / groups));
-  count = min(count, (positions + 15) / 16);
+  count = min(count, (positions + kMinSplitPositions - 1) / kMinSplitPositions);
   const int length = (positions + count - 1) / count;
   return {(positions + length - 1) / length, length};
 }
 
-template <int HD>
-__device__ void Attend(const Params& p, int layer, int pos, float* shared_scratch,
-                       int* shared_flag) {
+// Each item (batch row, KV head, split) leaves its partial in p.partials:
+// per query head of the group, o [HD] (not normalized), then m and l (the
+// running max and sum of the softmax).
+template <int HD, int QPK>
+__device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch) {
   constexpr int kPerLane = HD / 32;
-  const int qpk = p.q_per_kv;
+  // Positions a warp loads before it computes (fewer where the query heads
+  // take the registers).
+  constexpr int kInFlight = QPK >= 8 ? 4 : 8;
+  constexpr int qpk = QPK;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const Splits splits = SplitsFor(p, pos + 1);
   const int items = p.batch * p.kv_heads * splits.count;
   const float scale = rsqrtf(static_cast<float>(HD));
-  // Per warp: m [qpk], l [qpk], o [qpk][HD].
   const int warp_floats = qpk * (HD + 2);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int bg = item / splits.count, split = item % splits.count;
     const int b = bg / p.kv_heads, g = bg % p.kv_heads;
     const int p0 = split * splits.length, p1 = min(pos + 1, p0 + splits.length);
-    float q[kMaxQueriesPerKv][kPerLane], m[kMaxQueriesPerKv], l[kMaxQueriesPerKv];
-    float o[kMaxQueriesPerKv][kPerLane];
+    const size_t head = (static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len;
+    const __nv_bfloat16* kc = p.caches[layer].k + head * HD + lane * kPerLane;
+    const __nv_bfloat16* vc = p.caches[layer].v + head * HD + lane * kPerLane;
+    float q[QPK][kPerLane], m[QPK], l[QPK];
+    float o[QPK][kPerLane];
 #pragma unroll
-    for (int j = 0; j < kMaxQueriesPerKv; ++j) {
+    for (int j = 0; j < QPK; ++j) {
       m[j] = -INFINITY;
       l[j] = 0.f;
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) {
         o[j][e] = 0.f;
-        q[j][e] = j < qpk ? __ldcg(p.q + (static_cast<size_t>(b) * p.heads + g * qpk + j) * HD +
-                                   lane * kPerLane + e)
-                          : 0.f;
+        q[j][e] = __ldcg(p.q + (static_cast<size_t>(b) * p.heads + g * qpk + j) * HD +
+                         lane * kPerLane + e);
       }
     }
-    const size_t head = (static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len;
-    const __nv_bfloat16* kc = p.caches[layer].k + head * HD + lane * kPerLane;
-    const __nv_bfloat16* vc = p.caches[layer].v + head * HD + lane * kPerLane;
-    for (int position = p0 + warp; position < p1; position += kWarps) {
-      float kv[kPerLane], vv[kPerLane];
-      LoadLane<kPerLane>(kc + static_cast<size_t>(position) * HD, kv);
-      LoadLane<kPerLane>(vc + static_cast<size_t>(position) * HD, vv);
+    for (int base = p0 + warp; base < p1; base += kWarps * kInFlight) {
+      LaneRow<kPerLane> keys[kInFlight], values[kInFlight];
 #pragma unroll
-      for (int j = 0; j < kMaxQueriesPerKv; ++j) {
-        if (j >= qpk) break;
-        float s = 0.f;
+      for (int i = 0; i < kInFlight; ++i) {  // every load first: one round trip
+        const int position = base + i * kWarps;
+        if (position < p1) {
+          keys[i].Load(kc + static_cast<size_t>(position) * HD);
+          values[i].Load(vc + static_cast<size_t>(position) * HD);
+        }
+      }
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) s = fmaf(q[j][e], kv[e], s);
+      for (int i = 0; i < kInFlight; ++i) {
+        if (base + i * kWarps >= p1) break;
+        float kv[kPerLane], vv[kPerLane];
+        keys[i].Unpack(kv);
+        values[i].Unpack(vv);
 #pragma unroll
-        for (int offset = 16; offset > 0; offset /= 2) s += __shfl_xor_sync(0xffffffffu, s, offset);
-        s *= scale;
-        const float m_new = fmaxf(m[j], s);
-        const float alpha = __expf(m[j] - m_new), weight = __expf(s - m_new);
-        l[j] = l[j] * alpha + weight;
+        for (int j = 0; j < QPK; ++j) {
+          float s = 0.f;
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) o[j][e] = fmaf(o[j][e], alpha, weight * vv[e]);
-        m[j] = m_new;
+          for (int e = 0; e < kPerLane; ++e) s = fmaf(q[j][e], kv[e], s);
+#pragma unroll
+          for (int offset = 16; offset > 0; offset /= 2) {
+            s += __shfl_xor_sync(0xffffffffu, s, offset);
+          }
+          s *= scale;
+          const float m_new = fmaxf(m[j], s);
+          const float alpha = __expf(m[j] - m_new), weight = __expf(s - m_new);
+          l[j] = l[j] * alpha + weight;
+#pragma unroll
+          for (int e = 0; e < kPerLane; ++e) o[j][e] = fmaf(o[j][e], alpha, weight * vv[e]);
+          m[j] = m_new;
+        }
       }
     }
-    float* mine = shared_scratch + warp * warp_floats;
+    float* mine = scratch + warp * warp_floats;
 #pragma unroll
-    for (int j = 0; j < kMaxQueriesPerKv; ++j) {
-      if (j >= qpk) break;
+    for (int j = 0; j < QPK; ++j) {
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) mine[j * (HD + 2) + lane * kPerLane + e] = o[j][e];
       if (lane == 0) {
@@ -295,15 +322,15 @@ __device__ void Attend(const Params& p, int layer, int pos, float* shared_scratc
       }
     }
     __syncthreads();
-    // The split's partial: the warps combined.
+    // The split's partial: the warps combined (a warp without positions has m = -inf).
     float* partial = p.partials + (static_cast<size_t>(bg) * p.max_splits + split) * warp_floats;
     for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
       const int j = t / HD, e = t % HD;
       float big = -INFINITY;
-      for (int w = 0; w < kWarps; ++w) big = fmaxf(big, shared_scratch[w * warp_floats + j * (HD + 2) + HD]);
+      for (int w = 0; w < kWarps; ++w) big = fmaxf(big, scratch[w * warp_floats + j * (HD + 2) + HD]);
       float sum = 0.f, out = 0.f;
       for (int w = 0; w < kWarps; ++w) {
-        const float* theirs = shared_scratch + w * warp_floats + j * (HD + 2);
+        const float* theirs = scratch + w * warp_floats + j * (HD + 2);
         if (theirs[HD] == -INFINITY) continue;
         const float factor = __expf(theirs[HD] - big);
         sum = fmaf(theirs[HD + 1], factor, sum);
@@ -315,35 +342,59 @@ __device__ void Attend(const Params& p, int layer, int pos, float* shared_scratc
         partial[j * (HD + 2) + HD + 1] = sum;
       }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      *shared_flag = atomicAdd(p.arrivals + bg, 1u) == static_cast<unsigned>(splits.count - 1);
-    }
-    __syncthreads();
-    if (*shared_flag) {  // the group's last split: combine them all
-      __threadfence();
-      const float* group = p.partials + static_cast<size_t>(bg) * p.max_splits * warp_floats;
-      for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
-        const int j = t / HD, e = t % HD;
-        float big = -INFINITY;
-        for (int s = 0; s < splits.count; ++s) {
-          big = fmaxf(big, __ldcg(group + s * warp_floats + j * (HD + 2) + HD));
-        }
-        float sum = 0.f, out = 0.f;
-        for (int s = 0; s < splits.count; ++s) {
-          const float* theirs = group + s * warp_floats + j * (HD + 2);
-          const float factor = __expf(__ldcg(theirs + HD) - big);
-          sum = fmaf(__ldcg(theirs + HD + 1), factor, sum);
-          out = fmaf(__ldcg(theirs + e), factor, out);
-        }
-        p.attended[static_cast<size_t>(b) * p.heads * HD + (g * qpk + j) * HD + e] =
-            __float2bfloat16(out / sum);
-      }
-      if (threadIdx.x == 0) p.arrivals[bg] = 0;  // for the next layer
-    }
     __syncthreads();
   }
+}
+
+// Attention with the group's query heads known at compile time (the
+// registers a lane holds grow with them).
+template <int HD>
+__device__ void Attend(const Params& p, int layer, int pos, float* scratch) {
+  switch (p.q_per_kv) {
+    case 1: return AttendGroups<HD, 1>(p, layer, pos, scratch);
+    case 2: return AttendGroups<HD, 2>(p, layer, pos, scratch);
+    case 4: return AttendGroups<HD, 4>(p, layer, pos, scratch);
+    default: return AttendGroups<HD, 8>(p, layer, pos, scratch);
+  }
+}
+
+// Stage C's operand: operand[head * HD + e][b], the attention output in
+// bf16, combined from the splits' partials (Attend). `weights` holds, per
+// (b, head, split), the split's share exp(m_s - M) / L.
+template <int B, int HD>
+__device__ void CombineInto(const Params& p, int pos, __nv_bfloat16* operand, float* weights) {
+  const Splits splits = SplitsFor(p, pos + 1);
+  const int qpk = p.q_per_kv, warp_floats = qpk * (HD + 2);
+  const int rows = B * p.heads;  // (b, head)
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    const int b = r / p.heads, head = r % p.heads, g = head / qpk, j = head % qpk;
+    const float* first = p.partials +
+                         (static_cast<size_t>(b) * p.kv_heads + g) * p.max_splits * warp_floats +
+                         j * (HD + 2);
+    float big = -INFINITY;
+    for (int s = 0; s < splits.count; ++s) big = fmaxf(big, __ldcg(first + s * warp_floats + HD));
+    float sum = 0.f;
+    for (int s = 0; s < splits.count; ++s) {
+      const float share = __expf(__ldcg(first + s * warp_floats + HD) - big);
+      weights[r * splits.count + s] = share;
+      sum = fmaf(__ldcg(first + s * warp_floats + HD + 1), share, sum);
+    }
+    for (int s = 0; s < splits.count; ++s) weights[r * splits.count + s] /= sum;
+  }
+  __syncthreads();
+  const int n = p.heads * HD;
+  for (int t = threadIdx.x; t < B * n; t += kThreads) {
+    const int b = t / n, k = t % n, head = k / HD, e = k % HD;
+    const int g = head / qpk, j = head % qpk;
+    const float* first = p.partials +
+                         (static_cast<size_t>(b) * p.kv_heads + g) * p.max_splits * warp_floats +
+                         j * (HD + 2) + e;
+    const float* share = weights + (b * p.heads + head) * splits.count;
+    float out = 0.f;
+    for (int s = 0; s < splits.count; ++s) out = fmaf(__ldcg(first + s * warp_floats), share[s], out);
+    operand[k * B + b] = __float2bfloat16(out);
+  }
+  __syncthreads();
 }
 
 }  // namespace transformer_decode

@@ -84,6 +84,11 @@ __device__ __forceinline__ void BulkLoad(void* slot, const void* src, unsigned b
       ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
       : "memory");
 }
+
+// A hint: the chunk into L2, where a later bulk load finds it.
+__device__ __forceinline__ void PrefetchL2(const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+}
 #endif
 
 // The weights' stream. Each CTA's chunks, in the order it consumes them:
@@ -136,6 +141,9 @@ struct ChunkCursor {
   }
 };
 
+// The slots hold the next `count` chunks; beyond them, the next
+// p.l2_prefetch_chunks are asked into L2 (thread 0), so that HBM keeps
+// streaming while the slots are full and the CTA waits or attends.
 struct Ring {
   unsigned char* slots;
   uint64_t* bars;
@@ -143,6 +151,25 @@ struct Ring {
   int next = 0;    // the chunk the CTA consumes next
   int issued = 0;  // chunks issued (thread 0)
   ChunkCursor cursor;
+  ChunkCursor ahead;  // the next chunk to prefetch into L2 (thread 0)
+
+  // Thread 0, once: the first slots' chunks, and the first prefetches.
+  __device__ void Fill(const Params& p) {
+    for (int c = 0; c < count && !ahead.Done(p); ++c) ahead.Advance(p);
+    for (int c = 0; c < p.l2_prefetch_chunks; ++c) PrefetchNext(p);
+    for (int c = 0; c < count; ++c) IssueNext(p);
+  }
+
+  __device__ void PrefetchNext(const Params& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (ahead.Done(p)) return;
+    const void* src;
+    unsigned bytes;
+    ahead.Locate(p, &src, &bytes);
+    PrefetchL2(src, bytes);
+    ahead.Advance(p);
+#endif
+  }
 
   // Thread 0: the next chunk into its slot (chunk c goes to slot c % count).
   __device__ void IssueNext(const Params& p) {
@@ -155,6 +182,7 @@ struct Ring {
     BulkLoad(slots + static_cast<size_t>(slot) * kChunkBytes, src, bytes, bars + slot);
     cursor.Advance(p);
     ++issued;
+    if (issued > count) PrefetchNext(p);  // one in, one more asked for
 #endif
   }
 
