@@ -53,10 +53,11 @@ _QKV_COLUMNS = 32      # 16 rotary pairs: 16 columns of a head's first half, the
 _OUT_COLUMNS = 16
 _GATE_UP_COLUMNS = 64  # 32 hidden units, gate and up interleaved as in the model
 _DOWN_COLUMNS = 16
-# Weight chunks (32 KiB) each CTA asks into L2 beyond the ones its shared
-# memory holds, so that HBM streams on while a CTA waits at a barrier or
-# attends. Read where the kernel is traced.
-L2_PREFETCH_CHUNKS = 8
+# A CTA streams its weights through shared-memory slots of CHUNK_BYTES
+# (a multiple of 16 KiB), each filled by COPIES_PER_CHUNK bulk copies.
+# Read where the kernel is traced.
+CHUNK_BYTES = 32768
+COPIES_PER_CHUNK = 1
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 
@@ -227,7 +228,8 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
                             rope_theta=np.float32(config.rope_theta),
                             timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
                             stage_times=np.int32(stage_times),
-                            l2_prefetch_chunks=np.int32(L2_PREFETCH_CHUNKS))
+                            chunk_bytes=np.int32(CHUNK_BYTES),
+                            copies_per_chunk=np.int32(COPIES_PER_CHUNK))
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches

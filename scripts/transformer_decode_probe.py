@@ -133,9 +133,10 @@ def main() -> None:
     parser.add_argument("--size", default="1b", choices=("small", "1b"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--l2-prefetch-chunks", nargs="+", type=int,
-                        default=[fused.L2_PREFETCH_CHUNKS],
-                        help="each of these chunks a CTA asks into L2 ahead (a row each)")
+    parser.add_argument("--slots", nargs="+", default=[None], metavar="BYTESxCOPIES",
+                        help="each of these weight slots (models.transformer_decode_cuda."
+                             "CHUNK_BYTES x COPIES_PER_CHUNK, e.g. 32768x1; a row each; "
+                             "default: the module's)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "transformer_decode_probe.json"))
     args = parser.parse_args()
@@ -144,16 +145,17 @@ def main() -> None:
     meta = benchmarking.provenance({"probe": "transformer decode kernel", "steps": list(STEPS),
                                     "reps": REPS, **vars(args)})
     rows = []
-    for chunks in args.l2_prefetch_chunks:
-        fused.L2_PREFETCH_CHUNKS = chunks  # read while tracing: each variant traced afresh
+    for slots in args.slots:
+        if slots is not None:  # read while tracing: each variant traced afresh
+            fused.CHUNK_BYTES, fused.COPIES_PER_CHUNK = (int(v) for v in slots.split("x"))
         jax.clear_caches()
-        rows.append({"l2_prefetch_chunks": chunks,
+        rows.append({"chunk_bytes": fused.CHUNK_BYTES, "copies_per_chunk": fused.COPIES_PER_CHUNK,
                      **measure(config, x, weights, caches, args.context)})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for row in rows:
-        print(f"\nL2 prefetch {row['l2_prefetch_chunks']} chunks: step "
+        print(f"\nslots of {row['chunk_bytes']} bytes, {row['copies_per_chunk']} copies: step "
               f"{row['per_step_us']:.1f} us [{row['per_step_us_min']:.1f}, "
               f"{row['per_step_us_max']:.1f}], floor {row['floor_us']:.1f} us "
               f"({row['x_floor']:.2f}x)")

@@ -53,7 +53,6 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   ring.bars = reinterpret_cast<uint64_t*>(shared + p.mbar_offset);
   ring.count = p.ring_slots;
   ring.cursor.Start(p);
-  ring.ahead.Start(p);
   auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + p.operand_offset);
   auto* reduce = reinterpret_cast<float*>(shared + p.reduce_offset);
   auto* result = reinterpret_cast<float*>(shared + p.result_offset);
@@ -152,14 +151,14 @@ size_t TransformerDecodeWorkspaceBytes(int64_t batch, int64_t heads, int64_t kv_
          AlignUp(batch * mlp * 2, 256);
 }
 
-WeightStage StageOf(const ffi::AnyBuffer& w, int columns) {
+WeightStage StageOf(const ffi::AnyBuffer& w, int columns, int chunk_bytes) {
   const auto dims = w.dimensions();  // [layers, items, k, columns]
   WeightStage st;
   st.w = static_cast<const __nv_bfloat16*>(w.untyped_data());
   st.items = static_cast<int>(dims[1]);
   st.k = static_cast<int>(dims[2]);
   st.columns = columns;
-  st.rows_per_chunk = kChunkBytes / (columns * static_cast<int>(sizeof(__nv_bfloat16)));
+  st.rows_per_chunk = chunk_bytes / (columns * static_cast<int>(sizeof(__nv_bfloat16)));
   st.chunks_per_item = (st.k + st.rows_per_chunk - 1) / st.rows_per_chunk;
   return st;
 }
@@ -213,7 +212,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
                                  int32_t max_splits, float eps, float rope_theta,
                                  int32_t timeout_ms, int32_t stage_times,
-                                 int32_t l2_prefetch_chunks) {
+                                 int32_t chunk_bytes, int32_t copies_per_chunk) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
@@ -277,7 +276,14 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.cache_len = static_cast<int>(cache_len);
   p.q_per_kv = static_cast<int>(qpk);
   p.max_splits = max_splits;
-  p.l2_prefetch_chunks = std::max(0, l2_prefetch_chunks);
+  if (chunk_bytes < kMinChunkBytes || chunk_bytes % kMinChunkBytes || chunk_bytes > (1 << 20) ||
+      copies_per_chunk < 1 || copies_per_chunk > 64) {
+    return ffi::Error::InvalidArgument(op + "chunk_bytes must be a multiple of " +
+                                       std::to_string(kMinChunkBytes) + " up to 1 MiB and "
+                                       "copies_per_chunk 1 to 64");
+  }
+  p.chunk_bytes = chunk_bytes;
+  p.copies_per_chunk = copies_per_chunk;
   p.eps = eps;
   p.rope_theta = rope_theta;
   p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
@@ -285,10 +291,10 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.pos = static_cast<const int32_t*>(pos.untyped_data());
   p.attn_norm = static_cast<const float*>(attn_norm.untyped_data());
   p.mlp_norm = static_cast<const float*>(mlp_norm.untyped_data());
-  p.stages[0] = StageOf(w_qkv, kQkvColumns);
-  p.stages[1] = StageOf(w_out, kOutColumns);
-  p.stages[2] = StageOf(w_gate_up, kGateUpColumns);
-  p.stages[3] = StageOf(w_down, kDownColumns);
+  p.stages[0] = StageOf(w_qkv, kQkvColumns, chunk_bytes);
+  p.stages[1] = StageOf(w_out, kOutColumns, chunk_bytes);
+  p.stages[2] = StageOf(w_gate_up, kGateUpColumns, chunk_bytes);
+  p.stages[3] = StageOf(w_down, kDownColumns, chunk_bytes);
   p.x_out = static_cast<__nv_bfloat16*>(x_out->untyped_data());
   for (int64_t i = 0; i < 2 * layers; ++i) {
     auto in = caches_in.get<ffi::AnyBuffer>(i);
@@ -340,23 +346,24 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   const size_t operand = AlignUp(std::max<size_t>(
       static_cast<size_t>(std::max<int64_t>({d, heads * head_dim, mlp})) * batch * 2,
       static_cast<size_t>(kWarps) * qpk * (head_dim + 2) * 4), 128);
-  // The GEMVs' per-warp sums, or the attention splits' shares (CombineInto:
-  // batch * heads * splits, at most q_per_kv per CTA).
+  // The GEMVs' per-warp sums, or the attention splits' statistics and
+  // shares (CombineInto: 3 floats per (b, head, split), the splits at most
+  // one per CTA of a head group, so at most q_per_kv per CTA).
   const size_t reduce = std::max<size_t>(static_cast<size_t>(kWarps) * batch * kMaxColumns,
-                                         static_cast<size_t>(qpk) * info.sms) * 4;
+                                         3 * static_cast<size_t>(qpk) * info.sms) * 4;
   const size_t result = static_cast<size_t>(batch) * kMaxColumns * 4;
   const size_t scalars = ((kWarps + 1) * kMaxBatch + 4) * 4;
   const size_t fixed = operand + reduce + result + AlignUp(scalars, 16);
   const size_t budget = static_cast<size_t>(info.max_shared);
   // Each slot: a chunk and its mbarrier.
   const int slots = static_cast<int>(std::min<size_t>(
-      16, budget > fixed ? (budget - fixed) / (kChunkBytes + 8) : 0));
+      16, budget > fixed ? (budget - fixed) / (chunk_bytes + 8) : 0));
   if (slots < 2) {
     return ffi::Error::InvalidArgument(op + "these shapes leave no shared memory for the weights' "
                                        "ring; use a smaller batch");
   }
   p.ring_slots = slots;
-  size_t at = static_cast<size_t>(slots) * kChunkBytes;
+  size_t at = static_cast<size_t>(slots) * chunk_bytes;
   p.operand_offset = static_cast<int>(at);
   at += operand;
   p.reduce_offset = static_cast<int>(at);
@@ -410,6 +417,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("rope_theta")
         .Attr<int32_t>("timeout_ms")
         .Attr<int32_t>("stage_times")  // 1: record the barriers' times in the workspace
-        .Attr<int32_t>("l2_prefetch_chunks"));  // chunks a CTA asks into L2 ahead of its slots
+        .Attr<int32_t>("chunk_bytes")        // a shared-memory slot of the weights' stream
+        .Attr<int32_t>("copies_per_chunk"));  // bulk copies filling a slot
 
 }  // namespace jfo

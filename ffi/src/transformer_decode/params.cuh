@@ -15,7 +15,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kMaxBatch = 4;
 constexpr int kMaxLayers = 64;
 constexpr int kMaxQueriesPerKv = 8;
-constexpr int kChunkBytes = 32768;
+constexpr int kMinChunkBytes = 16384;
 constexpr int kControlBytes = 4096;  // the grid barrier's counter
 // With stage_times, after the control block: the launch's start and end,
 // then per grid barrier the last CTA's arrival and CTA 0's release (%globaltimer, ns).
@@ -47,7 +47,8 @@ struct WeightStage {
 struct Params {
   int layers, batch, d, heads, kv_heads, head_dim, mlp, cache_len;
   int q_per_kv, max_splits, ring_slots;
-  int l2_prefetch_chunks;  // chunks asked into L2 beyond the slots' (0: none)
+  int chunk_bytes;       // a slot's bytes: a multiple of kMinChunkBytes
+  int copies_per_chunk;  // bulk copies that fill a slot
   float eps, rope_theta;
   uint64_t timeout_ns;
   const __nv_bfloat16* x_in;  // [batch, d]

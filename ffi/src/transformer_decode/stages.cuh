@@ -231,7 +231,7 @@ struct Splits {
 
 // The fewest positions a split takes: below that another split's partial
 // costs its combine more than its positions cost a CTA.
-constexpr int kMinSplitPositions = 64;
+constexpr int kMinSplitPositions = 128;
 
 __device__ inline Splits SplitsFor(const Params& p, int positions) {
   const int groups = p.batch * p.kv_heads;
@@ -359,40 +359,67 @@ __device__ void Attend(const Params& p, int layer, int pos, float* scratch) {
 }
 
 // Stage C's operand: operand[head * HD + e][b], the attention output in
-// bf16, combined from the splits' partials (Attend). `weights` holds, per
-// (b, head, split), the split's share exp(m_s - M) / L.
+// bf16, combined from the splits' partials (Attend). `scratch` takes, per
+// (b, head) and split, m and l, then the split's share exp(m_s - M) / L.
+// Every load of a round is issued before any is used: L2 round trips, not
+// loads, are what this prologue costs.
 template <int B, int HD>
-__device__ void CombineInto(const Params& p, int pos, __nv_bfloat16* operand, float* weights) {
+__device__ void CombineInto(const Params& p, int pos, __nv_bfloat16* operand, float* scratch) {
+  constexpr int kElements = 4, kSplits = 8;  // loads in flight a thread: 32
   const Splits splits = SplitsFor(p, pos + 1);
-  const int qpk = p.q_per_kv, warp_floats = qpk * (HD + 2);
+  const int count = splits.count, qpk = p.q_per_kv, warp_floats = qpk * (HD + 2);
   const int rows = B * p.heads;  // (b, head)
-  for (int r = threadIdx.x; r < rows; r += kThreads) {
-    const int b = r / p.heads, head = r % p.heads, g = head / qpk, j = head % qpk;
-    const float* first = p.partials +
-                         (static_cast<size_t>(b) * p.kv_heads + g) * p.max_splits * warp_floats +
-                         j * (HD + 2);
-    float big = -INFINITY;
-    for (int s = 0; s < splits.count; ++s) big = fmaxf(big, __ldcg(first + s * warp_floats + HD));
-    float sum = 0.f;
-    for (int s = 0; s < splits.count; ++s) {
-      const float share = __expf(__ldcg(first + s * warp_floats + HD) - big);
-      weights[r * splits.count + s] = share;
-      sum = fmaf(__ldcg(first + s * warp_floats + HD + 1), share, sum);
-    }
-    for (int s = 0; s < splits.count; ++s) weights[r * splits.count + s] /= sum;
+  float* stats = scratch;                    // [rows][count][m, l]
+  float* shares = scratch + 2 * rows * count;  // [rows][count]
+  auto partial = [&](int b, int head) {
+    return p.partials +
+           (static_cast<size_t>(b) * p.kv_heads + head / qpk) * p.max_splits * warp_floats +
+           (head % qpk) * (HD + 2);
+  };
+  for (int t = threadIdx.x; t < rows * count; t += kThreads) {
+    const int r = t / count, s = t % count;
+    const float* first = partial(r / p.heads, r % p.heads) + s * warp_floats;
+    stats[2 * t] = __ldcg(first + HD);
+    stats[2 * t + 1] = __ldcg(first + HD + 1);
   }
   __syncthreads();
-  const int n = p.heads * HD;
-  for (int t = threadIdx.x; t < B * n; t += kThreads) {
-    const int b = t / n, k = t % n, head = k / HD, e = k % HD;
-    const int g = head / qpk, j = head % qpk;
-    const float* first = p.partials +
-                         (static_cast<size_t>(b) * p.kv_heads + g) * p.max_splits * warp_floats +
-                         j * (HD + 2) + e;
-    const float* share = weights + (b * p.heads + head) * splits.count;
-    float out = 0.f;
-    for (int s = 0; s < splits.count; ++s) out = fmaf(__ldcg(first + s * warp_floats), share[s], out);
-    operand[k * B + b] = __float2bfloat16(out);
+  for (int r = threadIdx.x; r < rows; r += kThreads) {
+    const float* mine = stats + 2 * r * count;
+    float big = -INFINITY, sum = 0.f;
+    for (int s = 0; s < count; ++s) big = fmaxf(big, mine[2 * s]);
+    for (int s = 0; s < count; ++s) sum = fmaf(mine[2 * s + 1], __expf(mine[2 * s] - big), sum);
+    for (int s = 0; s < count; ++s) shares[r * count + s] = __expf(mine[2 * s] - big) / sum;
+  }
+  __syncthreads();
+  const int n = p.heads * HD, total = B * n;
+  for (int t0 = threadIdx.x; t0 < total; t0 += kElements * kThreads) {
+    float out[kElements] = {};
+    for (int s0 = 0; s0 < count; s0 += kSplits) {
+      float part[kElements][kSplits];
+#pragma unroll
+      for (int u = 0; u < kElements; ++u) {
+        const int t = t0 + u * kThreads, b = t / n, k = t % n;
+        const float* first = partial(b, k / HD) + k % HD;
+#pragma unroll
+        for (int i = 0; i < kSplits; ++i) {
+          part[u][i] = t < total && s0 + i < count ? __ldcg(first + (s0 + i) * warp_floats) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kElements; ++u) {
+        const int t = t0 + u * kThreads, b = t / n, k = t % n;
+        const float* share = shares + (b * p.heads + k / HD) * count;
+#pragma unroll
+        for (int i = 0; i < kSplits; ++i) {
+          if (t < total && s0 + i < count) out[u] = fmaf(part[u][i], share[s0 + i], out[u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kElements; ++u) {
+      const int t = t0 + u * kThreads;
+      if (t < total) operand[(t % n) * B + t / n] = __float2bfloat16(out[u]);
+    }
   }
   __syncthreads();
 }

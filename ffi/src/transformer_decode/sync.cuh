@@ -73,21 +73,21 @@ __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) 
   return done != 0;
 }
 
-// One bulk copy of `bytes` (a multiple of 16) from global into a slot,
-// completing the slot's mbarrier phase.
+// `bytes` (a multiple of 16) from global into a slot in `copies` bulk
+// copies, completing the slot's mbarrier phase.
 __device__ __forceinline__ void BulkLoad(void* slot, const void* src, unsigned bytes,
-                                         uint64_t* bar) {
+                                         int copies, uint64_t* bar) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
-      : "memory");
-}
-
-// A hint: the chunk into L2, where a later bulk load finds it.
-__device__ __forceinline__ void PrefetchL2(const void* src, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+  const unsigned piece = (bytes / copies + 15) / 16 * 16;
+  for (unsigned at = 0; at < bytes; at += piece) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(SharedAddress(static_cast<char*>(slot) + at)),
+          "l"(static_cast<const char*>(src) + at), "r"(min(piece, bytes - at)),
+          "r"(SharedAddress(bar))
+        : "memory");
+  }
 }
 #endif
 
@@ -141,9 +141,8 @@ struct ChunkCursor {
   }
 };
 
-// The slots hold the next `count` chunks; beyond them, the next
-// p.l2_prefetch_chunks are asked into L2 (thread 0), so that HBM keeps
-// streaming while the slots are full and the CTA waits or attends.
+// The slots hold the next `count` chunks, each slot refilled as soon as
+// the CTA is done with it: HBM streams on while the CTA waits or attends.
 struct Ring {
   unsigned char* slots;
   uint64_t* bars;
@@ -151,24 +150,10 @@ struct Ring {
   int next = 0;    // the chunk the CTA consumes next
   int issued = 0;  // chunks issued (thread 0)
   ChunkCursor cursor;
-  ChunkCursor ahead;  // the next chunk to prefetch into L2 (thread 0)
 
-  // Thread 0, once: the first slots' chunks, and the first prefetches.
+  // Thread 0, once: the first chunks into every slot.
   __device__ void Fill(const Params& p) {
-    for (int c = 0; c < count && !ahead.Done(p); ++c) ahead.Advance(p);
-    for (int c = 0; c < p.l2_prefetch_chunks; ++c) PrefetchNext(p);
     for (int c = 0; c < count; ++c) IssueNext(p);
-  }
-
-  __device__ void PrefetchNext(const Params& p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (ahead.Done(p)) return;
-    const void* src;
-    unsigned bytes;
-    ahead.Locate(p, &src, &bytes);
-    PrefetchL2(src, bytes);
-    ahead.Advance(p);
-#endif
   }
 
   // Thread 0: the next chunk into its slot (chunk c goes to slot c % count).
@@ -179,10 +164,10 @@ struct Ring {
     unsigned bytes;
     cursor.Locate(p, &src, &bytes);
     const int slot = issued % count;
-    BulkLoad(slots + static_cast<size_t>(slot) * kChunkBytes, src, bytes, bars + slot);
+    BulkLoad(slots + static_cast<size_t>(slot) * p.chunk_bytes, src, bytes,
+             p.copies_per_chunk, bars + slot);
     cursor.Advance(p);
     ++issued;
-    if (issued > count) PrefetchNext(p);  // one in, one more asked for
 #endif
   }
 
@@ -198,7 +183,7 @@ struct Ring {
       }
     }
 #endif
-    return reinterpret_cast<const uint4*>(slots + static_cast<size_t>(slot) * kChunkBytes);
+    return reinterpret_cast<const uint4*>(slots + static_cast<size_t>(slot) * p.chunk_bytes);
   }
 
   // Every thread is done with the chunk it waited for: its slot takes the
