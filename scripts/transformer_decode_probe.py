@@ -135,8 +135,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--slots", nargs="+", default=[None], metavar="BYTESxCOPIES",
                         help="each of these weight slots (models.transformer_decode_cuda."
-                             "CHUNK_BYTES x COPIES_PER_CHUNK, e.g. 32768x1; a row each; "
-                             "default: the module's)")
+                             "CHUNK_BYTES x COPIES_PER_CHUNK, e.g. 32768x1, or BYTESxthreads "
+                             "for COPY_MODE 1; a row each; default: the module's)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "transformer_decode_probe.json"))
     args = parser.parse_args()
@@ -147,15 +147,20 @@ def main() -> None:
     rows = []
     for slots in args.slots:
         if slots is not None:  # read while tracing: each variant traced afresh
-            fused.CHUNK_BYTES, fused.COPIES_PER_CHUNK = (int(v) for v in slots.split("x"))
+            size, copies = slots.split("x")
+            fused.CHUNK_BYTES = int(size)
+            fused.COPY_MODE = int(copies == "threads")
+            fused.COPIES_PER_CHUNK = 1 if copies == "threads" else int(copies)
         jax.clear_caches()
         rows.append({"chunk_bytes": fused.CHUNK_BYTES, "copies_per_chunk": fused.COPIES_PER_CHUNK,
+                     "copy_mode": fused.COPY_MODE,
                      **measure(config, x, weights, caches, args.context)})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for row in rows:
-        print(f"\nslots of {row['chunk_bytes']} bytes, {row['copies_per_chunk']} copies: step "
+        how = "thread copies" if row["copy_mode"] else f"{row['copies_per_chunk']} bulk copies"
+        print(f"\nslots of {row['chunk_bytes']} bytes, {how}: step "
               f"{row['per_step_us']:.1f} us [{row['per_step_us_min']:.1f}, "
               f"{row['per_step_us_max']:.1f}], floor {row['floor_us']:.1f} us "
               f"({row['x_floor']:.2f}x)")

@@ -60,12 +60,10 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
 
   if (threadIdx.x == 0) {
     if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
-    for (int s = 0; s < ring.count; ++s) MbarrierInit(ring.bars + s);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    ring.Fill(p);
+    ring.InitBarriers(p);
   }
   __syncthreads();
+  ring.Fill(p);
 
   const int pos = *p.pos;
   if (pos < 0 || pos >= p.cache_len) {
@@ -212,7 +210,8 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
                                  int32_t max_splits, float eps, float rope_theta,
                                  int32_t timeout_ms, int32_t stage_times,
-                                 int32_t chunk_bytes, int32_t copies_per_chunk) {
+                                 int32_t chunk_bytes, int32_t copies_per_chunk,
+                                 int32_t copy_mode) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
@@ -282,6 +281,10 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                        std::to_string(kMinChunkBytes) + " up to 1 MiB and "
                                        "copies_per_chunk 1 to 64");
   }
+  if (copy_mode != kBulkCopies && copy_mode != kThreadCopies) {
+    return ffi::Error::InvalidArgument(op + "copy_mode must be 0 (bulk) or 1 (threads)");
+  }
+  p.copy_mode = copy_mode;
   p.chunk_bytes = chunk_bytes;
   p.copies_per_chunk = copies_per_chunk;
   p.eps = eps;
@@ -418,6 +421,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("timeout_ms")
         .Attr<int32_t>("stage_times")  // 1: record the barriers' times in the workspace
         .Attr<int32_t>("chunk_bytes")        // a shared-memory slot of the weights' stream
-        .Attr<int32_t>("copies_per_chunk"));  // bulk copies filling a slot
+        .Attr<int32_t>("copies_per_chunk")  // bulk copies filling a slot
+        .Attr<int32_t>("copy_mode"));        // 0: TMA bulk copies, 1: every thread's cp.async
 
 }  // namespace jfo

@@ -58,8 +58,9 @@ __device__ __forceinline__ unsigned SharedAddress(const void* p) {
 }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-__device__ __forceinline__ void MbarrierInit(uint64_t* bar) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(SharedAddress(bar)) : "memory");
+__device__ __forceinline__ void MbarrierInit(uint64_t* bar, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(arrivals)
+               : "memory");
 }
 
 __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) {
@@ -71,6 +72,21 @@ __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) 
       : "r"(SharedAddress(bar)), "r"(parity)
       : "memory");
   return done != 0;
+}
+
+// This thread's 16-byte pieces of `bytes` from global into a slot (every
+// thread of the CTA takes a share), arriving on the slot's mbarrier once
+// they have landed: the copies of Ampere's cp.async, issued by all threads.
+__device__ __forceinline__ void ThreadsLoad(void* slot, const void* src, unsigned bytes,
+                                            uint64_t* bar) {
+  for (unsigned at = threadIdx.x * 16; at < bytes; at += kThreads * 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
+                 ::"r"(SharedAddress(static_cast<char*>(slot) + at)),
+                   "l"(static_cast<const char*>(src) + at)
+                 : "memory");
+  }
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
+               ::"r"(SharedAddress(bar)) : "memory");
 }
 
 // `bytes` (a multiple of 16) from global into a slot in `copies` bulk
@@ -143,29 +159,48 @@ struct ChunkCursor {
 
 // The slots hold the next `count` chunks, each slot refilled as soon as
 // the CTA is done with it: HBM streams on while the CTA waits or attends.
+// How the slots are filled (Params::copy_mode).
+enum CopyMode : int { kBulkCopies = 0, kThreadCopies = 1 };
+
 struct Ring {
   unsigned char* slots;
   uint64_t* bars;
   int count;
   int next = 0;    // the chunk the CTA consumes next
-  int issued = 0;  // chunks issued (thread 0)
+  int issued = 0;  // chunks issued (by the threads that issue)
   ChunkCursor cursor;
 
-  // Thread 0, once: the first chunks into every slot.
+  // Thread 0, before any copy: the slots' mbarriers.
+  __device__ void InitBarriers(const Params& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    const unsigned arrivals = p.copy_mode == kThreadCopies ? kThreads : 1;
+    for (int s = 0; s < count; ++s) MbarrierInit(bars + s, arrivals);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+  }
+
+  // Every thread, once the barriers are initialized: the first chunks into every slot.
   __device__ void Fill(const Params& p) {
     for (int c = 0; c < count; ++c) IssueNext(p);
   }
 
-  // Thread 0: the next chunk into its slot (chunk c goes to slot c % count).
+  // The next chunk into its slot (chunk c goes to slot c % count): by thread
+  // 0 with bulk copies, by every thread with thread copies.
   __device__ void IssueNext(const Params& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (cursor.Done(p)) return;
+    const bool bulk = p.copy_mode == kBulkCopies;
+    if ((bulk && threadIdx.x != 0) || cursor.Done(p)) return;
     const void* src;
     unsigned bytes;
     cursor.Locate(p, &src, &bytes);
     const int slot = issued % count;
-    BulkLoad(slots + static_cast<size_t>(slot) * p.chunk_bytes, src, bytes,
-             p.copies_per_chunk, bars + slot);
+    void* dst = slots + static_cast<size_t>(slot) * p.chunk_bytes;
+    if (bulk) {
+      BulkLoad(dst, src, bytes, p.copies_per_chunk, bars + slot);
+    } else {
+      ThreadsLoad(dst, src, bytes, bars + slot);
+    }
     cursor.Advance(p);
     ++issued;
 #endif
@@ -190,7 +225,7 @@ struct Ring {
   // chunk `count` ahead.
   __device__ void Release(const Params& p) {
     __syncthreads();
-    if (threadIdx.x == 0) IssueNext(p);
+    IssueNext(p);
     ++next;
   }
 };
