@@ -186,8 +186,9 @@ ffi::Error Launch(cudaStream_t stream, int device, const Params& p, int grid, si
   static std::set<std::tuple<int, size_t>> ready;
   std::lock_guard<std::mutex> lock(mu);
   if (!ready.count({device, shared})) {
+    // The most any launch may take, so that no later size is refused.
     JFO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(shared)));
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, InfoOf(device).max_shared));
     int per_sm = 0;
     JFO_CUDA_RETURN_IF_ERROR(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
