@@ -204,7 +204,7 @@ def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
 
     return (_CONTROL_BYTES + _TIMES_BYTES + aligned(batch * heads * h * 4)
             + aligned(batch * kv * MAX_SPLITS * (heads // kv) * (h + 2) * 4)
-            + aligned(batch * config.mlp_dim * 2))
+            + aligned(batch * heads * h * 2) + aligned(batch * config.mlp_dim * 2))
 
 
 def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,

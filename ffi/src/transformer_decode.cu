@@ -59,6 +59,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   auto* reduce = reinterpret_cast<float*>(shared + p.reduce_offset);
   auto* result = reinterpret_cast<float*>(shared + p.result_offset);
   auto* scalars = reinterpret_cast<float*>(shared + p.scalar_offset);
+  int* last = reinterpret_cast<int*>(scalars + (kWarps + 1) * kMaxBatch);
 
   if (threadIdx.x == 0) {
     if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
@@ -90,10 +91,10 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     }
     GridBarrier(p, ++barriers, "the QKV stage", layer);
     // B: attention.
-    Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand));
+    Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand), last);
     GridBarrier(p, ++barriers, "the attention stage", layer);
     // C: x = residual + attention @ W_out.
-    if (ItemsOfCta(out.items)) CombineInto<B, HD>(p, pos, operand, reduce);
+    if (ItemsOfCta(out.items)) GatherInto<B>(p.attended, p.heads * HD, operand);
     for (int item = blockIdx.x; item < out.items; item += gridDim.x) {
       ItemProduct<kOutColumns, B>(p, ring, out, layer, operand, reduce, result);
       ResidualEpilogue<B, kOutColumns>(residual, p.x_out, p.d, item * kOutColumns, result);
@@ -148,7 +149,7 @@ size_t TransformerDecodeWorkspaceBytes(int64_t batch, int64_t heads, int64_t kv_
   const int64_t qpk = heads / kv_heads;
   return kControlBytes + kTimesBytes + AlignUp(batch * heads * head_dim * 4, 256) +
          AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256) +
-         AlignUp(batch * mlp * 2, 256);
+         AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256);
 }
 
 WeightStage StageOf(const ffi::AnyBuffer& w, int columns, int chunk_bytes) {
@@ -344,10 +345,16 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.stage_times = stage_times ? reinterpret_cast<unsigned long long*>(base + kControlBytes)
                               : nullptr;
   size_t offset = kControlBytes + kTimesBytes;
+  p.arrivals = p.barrier + 32;
+  if (static_cast<size_t>(32 + batch * kv_heads) * sizeof(unsigned) > kControlBytes) {
+    return ffi::Error::InvalidArgument(op + "too many head groups for the control block");
+  }
   p.q = reinterpret_cast<float*>(base + offset);
   offset += AlignUp(batch * heads * head_dim * 4, 256);
   p.partials = reinterpret_cast<float*>(base + offset);
   offset += AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256);
+  p.attended = reinterpret_cast<__nv_bfloat16*>(base + offset);
+  offset += AlignUp(batch * heads * head_dim * 2, 256);
   p.act = reinterpret_cast<__nv_bfloat16*>(base + offset);
 
   int device = 0;
@@ -361,11 +368,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   const size_t operand = AlignUp(std::max<size_t>(
       static_cast<size_t>(std::max<int64_t>({d, heads * head_dim, mlp})) * batch * 2,
       static_cast<size_t>(kWarps) * qpk * (head_dim + 2) * 4), 128);
-  // The GEMVs' per-warp sums, or the attention splits' statistics and
-  // shares (CombineInto: 3 floats per (b, head, split), the splits at most
-  // one per CTA of a head group, so at most q_per_kv per CTA).
-  const size_t reduce = std::max<size_t>(static_cast<size_t>(kWarps) * batch * kMaxColumns,
-                                         3 * static_cast<size_t>(qpk) * info.sms) * 4;
+  const size_t reduce = static_cast<size_t>(kWarps) * batch * kMaxColumns * 4;
   const size_t result = static_cast<size_t>(batch) * kMaxColumns * 4;
   const size_t scalars = ((kWarps + 1) * kMaxBatch + 4) * 4;
   const size_t fixed = operand + reduce + result + AlignUp(scalars, 16);

@@ -18,7 +18,7 @@ constexpr int kMaxBatch = 4;
 constexpr int kMaxLayers = 64;
 constexpr int kMaxQueriesPerKv = 8;
 constexpr int kMinChunkBytes = 16384;
-constexpr int kControlBytes = 4096;  // the grid barrier's counter
+constexpr int kControlBytes = 4096;  // the grid barrier's counter, the head groups' arrivals
 // With stage_times, after the control block: the launch's start and end,
 // then per grid barrier the last CTA's arrival and CTA 0's release (%globaltimer, ns).
 constexpr int kTimesBytes = 8192;
@@ -63,8 +63,10 @@ struct Params {
   // The workspace's parts.
   unsigned* barrier;       // grid barrier arrivals, zeroed before each launch
   unsigned long long* stage_times;  // nullptr, or kTimesBytes zeroed before the launch
+  unsigned* arrivals;      // [batch * kv]: splits done per head group
   float* q;                // [batch, heads, head_dim], rotated, bf16-rounded
   float* partials;         // [batch * kv, max_splits, q_per_kv, head_dim + 2]
+  __nv_bfloat16* attended; // [batch, heads * head_dim]
   __nv_bfloat16* act;      // [batch, mlp]
   // Shared-memory layout (byte offsets), decided on the host.
   int operand_offset, reduce_offset, result_offset, scalar_offset, mbar_offset;

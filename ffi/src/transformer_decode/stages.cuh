@@ -201,7 +201,7 @@ __device__ void SwigluEpilogue(const Params& p, int u0, const float* result) {
 }
 
 // Stage B: attention of each head group over positions 0..pos, in splits
-// of positions; stage C's prologue combines the splits (CombineInto).
+// of positions; the last split of a group to finish combines them.
 
 // A lane's N (2 or 4) consecutive bf16 of a cache row, raw, in one load.
 template <int N>
@@ -229,9 +229,8 @@ struct Splits {
   int count, length;
 };
 
-// The fewest positions a split takes: below that another split's partial
-// costs its combine more than its positions cost a CTA.
-constexpr int kMinSplitPositions = 128;
+// The fewest positions a split takes.
+constexpr int kMinSplitPositions = 32;
 
 __device__ inline Splits SplitsFor(const Params& p, int positions) {
   const int groups = p.batch * p.kv_heads;
@@ -241,11 +240,54 @@ __device__ inline Splits SplitsFor(const Params& p, int positions) {
   return {(positions + length - 1) / length, length};
 }
 
+// The group's splits combined: p.attended[b][(g * qpk + j) * HD + e] in
+// bf16. Every split's loads of a round are issued before any is used.
+template <int HD>
+__device__ void CombineGroup(const Params& p, int count, int b, int g) {
+  constexpr int kSplits = 8;
+  const int qpk = p.q_per_kv, warp_floats = qpk * (HD + 2);
+  const float* group = p.partials + (static_cast<size_t>(b) * p.kv_heads + g) * p.max_splits *
+                                        warp_floats;
+  for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
+    const int j = t / HD, e = t % HD;
+    const float* mine = group + j * (HD + 2);
+    float big = -INFINITY;
+    for (int s0 = 0; s0 < count; s0 += kSplits) {
+#pragma unroll
+      for (int i = 0; i < kSplits; ++i) {
+        if (s0 + i < count) big = fmaxf(big, __ldcg(mine + (s0 + i) * warp_floats + HD));
+      }
+    }
+    float sum = 0.f, out = 0.f;
+    for (int s0 = 0; s0 < count; s0 += kSplits) {
+      float m[kSplits], l[kSplits], o[kSplits];
+#pragma unroll
+      for (int i = 0; i < kSplits; ++i) {
+        const float* theirs = mine + (s0 + i) * warp_floats;
+        const bool in = s0 + i < count;
+        m[i] = in ? __ldcg(theirs + HD) : -INFINITY;
+        l[i] = in ? __ldcg(theirs + HD + 1) : 0.f;
+        o[i] = in ? __ldcg(theirs + e) : 0.f;
+      }
+#pragma unroll
+      for (int i = 0; i < kSplits; ++i) {
+        const float factor = s0 + i < count ? __expf(m[i] - big) : 0.f;
+        sum = fmaf(l[i], factor, sum);
+        out = fmaf(o[i], factor, out);
+      }
+    }
+    p.attended[static_cast<size_t>(b) * p.heads * HD + (g * qpk + j) * HD + e] =
+        __float2bfloat16(out / sum);
+  }
+}
+
 // Each item (batch row, KV head, split) leaves its partial in p.partials:
 // per query head of the group, o [HD] (not normalized), then m and l (the
-// running max and sum of the softmax).
+// running max and sum of the softmax). The group's last item to arrive
+// (p.arrivals) combines them into p.attended.
 template <int HD, int QPK>
-__device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch) {
+__device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch,
+                             int* last) {
   constexpr int kPerLane = HD / 32;
   // Positions a warp loads before it computes (fewer where the query heads
   // take the registers).
@@ -342,6 +384,17 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
         partial[j * (HD + 2) + HD + 1] = sum;
       }
     }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      *last = atomicAdd(p.arrivals + bg, 1u) == static_cast<unsigned>(splits.count - 1);
+    }
+    __syncthreads();
+    if (*last) {
+      __threadfence();
+      CombineGroup<HD>(p, splits.count, b, g);
+      if (threadIdx.x == 0) p.arrivals[bg] = 0;  // for the next layer
+    }
     __syncthreads();
   }
 }
@@ -349,79 +402,13 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
 // Attention with the group's query heads known at compile time (the
 // registers a lane holds grow with them).
 template <int HD>
-__device__ void Attend(const Params& p, int layer, int pos, float* scratch) {
+__device__ void Attend(const Params& p, int layer, int pos, float* scratch, int* last) {
   switch (p.q_per_kv) {
-    case 1: return AttendGroups<HD, 1>(p, layer, pos, scratch);
-    case 2: return AttendGroups<HD, 2>(p, layer, pos, scratch);
-    case 4: return AttendGroups<HD, 4>(p, layer, pos, scratch);
-    default: return AttendGroups<HD, 8>(p, layer, pos, scratch);
+    case 1: return AttendGroups<HD, 1>(p, layer, pos, scratch, last);
+    case 2: return AttendGroups<HD, 2>(p, layer, pos, scratch, last);
+    case 4: return AttendGroups<HD, 4>(p, layer, pos, scratch, last);
+    default: return AttendGroups<HD, 8>(p, layer, pos, scratch, last);
   }
-}
-
-// Stage C's operand: operand[head * HD + e][b], the attention output in
-// bf16, combined from the splits' partials (Attend). `scratch` takes, per
-// (b, head) and split, m and l, then the split's share exp(m_s - M) / L.
-// Every load of a round is issued before any is used: L2 round trips, not
-// loads, are what this prologue costs.
-template <int B, int HD>
-__device__ void CombineInto(const Params& p, int pos, __nv_bfloat16* operand, float* scratch) {
-  constexpr int kElements = 4, kSplits = 8;  // loads in flight a thread: 32
-  const Splits splits = SplitsFor(p, pos + 1);
-  const int count = splits.count, qpk = p.q_per_kv, warp_floats = qpk * (HD + 2);
-  const int rows = B * p.heads;  // (b, head)
-  float* stats = scratch;                    // [rows][count][m, l]
-  float* shares = scratch + 2 * rows * count;  // [rows][count]
-  auto partial = [&](int b, int head) {
-    return p.partials +
-           (static_cast<size_t>(b) * p.kv_heads + head / qpk) * p.max_splits * warp_floats +
-           (head % qpk) * (HD + 2);
-  };
-  for (int t = threadIdx.x; t < rows * count; t += kThreads) {
-    const int r = t / count, s = t % count;
-    const float* first = partial(r / p.heads, r % p.heads) + s * warp_floats;
-    stats[2 * t] = __ldcg(first + HD);
-    stats[2 * t + 1] = __ldcg(first + HD + 1);
-  }
-  __syncthreads();
-  for (int r = threadIdx.x; r < rows; r += kThreads) {
-    const float* mine = stats + 2 * r * count;
-    float big = -INFINITY, sum = 0.f;
-    for (int s = 0; s < count; ++s) big = fmaxf(big, mine[2 * s]);
-    for (int s = 0; s < count; ++s) sum = fmaf(mine[2 * s + 1], __expf(mine[2 * s] - big), sum);
-    for (int s = 0; s < count; ++s) shares[r * count + s] = __expf(mine[2 * s] - big) / sum;
-  }
-  __syncthreads();
-  const int n = p.heads * HD, total = B * n;
-  for (int t0 = threadIdx.x; t0 < total; t0 += kElements * kThreads) {
-    float out[kElements] = {};
-    for (int s0 = 0; s0 < count; s0 += kSplits) {
-      float part[kElements][kSplits];
-#pragma unroll
-      for (int u = 0; u < kElements; ++u) {
-        const int t = t0 + u * kThreads, b = t / n, k = t % n;
-        const float* first = partial(b, k / HD) + k % HD;
-#pragma unroll
-        for (int i = 0; i < kSplits; ++i) {
-          part[u][i] = t < total && s0 + i < count ? __ldcg(first + (s0 + i) * warp_floats) : 0.f;
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kElements; ++u) {
-        const int t = t0 + u * kThreads, b = t / n, k = t % n;
-        const float* share = shares + (b * p.heads + k / HD) * count;
-#pragma unroll
-        for (int i = 0; i < kSplits; ++i) {
-          if (t < total && s0 + i < count) out[u] = fmaf(part[u][i], share[s0 + i], out[u]);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kElements; ++u) {
-      const int t = t0 + u * kThreads;
-      if (t < total) operand[(t % n) * B + t / n] = __float2bfloat16(out[u]);
-    }
-  }
-  __syncthreads();
 }
 
 }  // namespace transformer_decode
