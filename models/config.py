@@ -246,7 +246,8 @@ class TransformerConfig(_Presets):
         above; or "cuda", all blocks as one CUDA kernel a step
         (:mod:`models.transformer_decode_cuda`: tensor-parallel size 1,
         bfloat16, at most 4 rows per device, head_dim 64 or 128; an error
-        names what else rules it out), an experiment.
+        names what else rules it out), an experiment: on one H200 the 1B
+        model's token took 0.906 ms with it against 0.901 (docs/models.md).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled

@@ -17,6 +17,13 @@ again). It runs at tensor-parallel size 1, in bfloat16, for at most
 (:func:`unsupported_reason`); ``TransformerConfig.decode_blocks="cuda"``
 selects it. Programs compiled for other platforms run :func:`reference`,
 the kernel's arithmetic in JAX on the same layout.
+
+It is opt-in: on one H200 (the 1B model, batch 1, context 512) it took
+0.906 ms a token against 0.901 through XLA's kernels, in one process. Its
+weight stages stream at about 3.3 TB/s, as XLA's GEMMs do, and its
+attention and grid barriers are not hidden behind them
+(docs/measurements.md, session 36; ``scripts/transformer_decode_probe.py``
+times its stages).
 """
 
 from __future__ import annotations

@@ -8,16 +8,11 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "../device_clock.cuh"
 #include "params.cuh"
 
 namespace jfo {
 namespace transformer_decode {
-
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ unsigned LoadAcquireGpu(const unsigned* p) {
   unsigned v;

@@ -7,17 +7,14 @@
 
 #include <cstdint>
 
+#include "../device_clock.cuh"
 #include "peer_region.h"
 #include "transport.h"
 
 namespace jfo {
 namespace signal {
 
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+using ::jfo::GlobalTimerNs;
 
 // System scope: the flag may live in a peer GPU's memory and be written by
 // that GPU (or written by us into a peer's memory).
