@@ -438,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                         choices=models.DECODE_BLOCKS,
                         help="the Transformer's decode blocks to compare: each layer's own "
                              "decode, or all in one CUDA kernel (TransformerConfig."
-                             "decode_blocks; 'cuda' runs each decode attention once)")
+                             "decode_blocks; with 'cuda' the attention is the kernel's, so "
+                             "--decode-attentions does not add rows to it)")
     parser.add_argument("--decode-mixers", nargs="+", default=["xla"],
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "

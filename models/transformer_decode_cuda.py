@@ -45,7 +45,7 @@ from .pallas_gpu import on_cuda
 from .transformer import KVCache, rope
 
 __all__ = ["DecodeWeights", "HEAD_DIMS", "MAX_BATCH", "decode_blocks", "prepare_weights",
-           "reference", "unsupported_reason"]
+           "reference", "stage_times", "unsupported_reason"]
 
 TARGET = "jfo_transformer_decode"
 MAX_BATCH = 4
@@ -231,15 +231,13 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases={first_cache + i: 2 + i
                                                   for i in range(len(flat))})
-    out, workspace, *updated = call(*operands, heads=np.int32(config.num_heads),
-                            kv_heads=np.int32(config.num_kv_heads),
-                            max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
-                            rope_theta=np.float32(config.rope_theta),
-                            timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
-                            stage_times=np.int32(stage_times),
-                            chunk_bytes=np.int32(CHUNK_BYTES),
-                            copies_per_chunk=np.int32(COPIES_PER_CHUNK),
-                            copy_mode=np.int32(COPY_MODE))
+    out, workspace, *updated = call(
+        *operands, heads=np.int32(config.num_heads), kv_heads=np.int32(config.num_kv_heads),
+        max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
+        rope_theta=np.float32(config.rope_theta),
+        timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
+        stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
+        copies_per_chunk=np.int32(COPIES_PER_CHUNK), copy_mode=np.int32(COPY_MODE))
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches
