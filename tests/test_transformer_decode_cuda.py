@@ -92,7 +92,6 @@ def test_reference_matches_the_models_decode_in_float32(rng, head_dim, heads, kv
 
 def test_prepared_layout_inverts_to_the_models_weights(rng):
     """Item i of the QKV layout holds channels j0..j0+15 of its head's two halves."""
-    config = _config("float32", head_dim=64, heads=4, kv_heads=2, layers=1)
     w = jnp.asarray(rng.standard_normal((128, 2 * (2 + 2) * 64)), jnp.float32)
     items = np.asarray(fused._qkv_items(w, 2, 64))        # [2 * 4 * 2, 128, 32]
     w = np.asarray(w).reshape(128, 2, 4, 64)                # [d, kv, role, h]
@@ -101,7 +100,6 @@ def test_prepared_layout_inverts_to_the_models_weights(rng):
         j0 = 16 * block
         np.testing.assert_array_equal(items[item, :, :16], w[:, g, role, j0:j0 + 16])
         np.testing.assert_array_equal(items[item, :, 16:], w[:, g, role, 32 + j0:32 + j0 + 16])
-    del config
 
 
 @pytest.mark.parametrize("overrides, batch, tp, message", [

@@ -111,8 +111,8 @@ __device__ __forceinline__ int ItemsOfCta(int items) {
   return cta < items ? (items - cta + gridDim.x - 1) / gridDim.x : 0;
 }
 
-// Where thread 0's next copy comes from. It only moves forward, one chunk
-// at a time, as the copies are issued.
+// Where the CTA's next copy comes from (kept by the threads that issue
+// copies). It only moves forward, one chunk at a time, as they are issued.
 struct ChunkCursor {
   int layer = 0, stage = 0, item = 0, chunk = 0;  // item: the CTA's own count in the stage
 
