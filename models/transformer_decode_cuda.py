@@ -75,8 +75,10 @@ class DecodeWeights(NamedTuple):
     """The blocks' weights in the kernel's layout, stacked over the L layers.
 
     Each matrix is [L, items, k, columns]: work item i holds ``columns``
-    columns of the model's [k, n] weight, contiguous. d is the model width,
-    f the MLP width, h the head dim, H and KV the heads.
+    columns of the model's [k, n] weight, contiguous, as 16x16 tiles in the
+    order of the tensor cores' operand fragments (the kernel's
+    ``ItemProduct``). d is the model width, f the MLP width, h the head
+    dim, H and KV the heads.
 
     Attributes:
       attn_norm, mlp_norm: float32 [L, d], the norms' weights.
@@ -145,6 +147,29 @@ def _column_items(w: jax.Array, columns: int) -> jax.Array:
     return w.reshape(w.shape[0], -1, columns).transpose(1, 0, 2)
 
 
+# An item's [k, c] as 16x16 tiles (k-tile major), each in the order of
+# mma.m16n8k16's A fragment for the tile transposed: lane (g, t) holds
+# columns g, g + 8 at k 2t, 2t + 1, 2t + 8, 2t + 9. The tile's k splits as
+# (half, t, pair), its columns as (half, g); the lane's 8 values run over
+# (k half, column half, pair).
+_TO_FRAGMENTS = (0, 4, 6, 2, 1, 5, 3)      # [kt, kh, t, p, ct, mh, g] -> [kt, ct, g, t, kh, mh, p]
+_FROM_FRAGMENTS = (0, 4, 3, 6, 1, 5, 2)    # its inverse
+
+
+def _fragment_order(items: jax.Array) -> jax.Array:
+    """[items, k, c] -> the same shape, each item in 16x16 MMA tiles."""
+    n, k, c = items.shape
+    tiles = items.reshape(n, k // 16, 2, 4, 2, c // 16, 2, 8)
+    return tiles.transpose(0, *(1 + a for a in _TO_FRAGMENTS)).reshape(n, k, c)
+
+
+def _item_order(items: jax.Array) -> jax.Array:
+    """The inverse of :func:`_fragment_order`."""
+    n, k, c = items.shape
+    tiles = items.reshape(n, k // 16, c // 16, 8, 4, 2, 2, 2)
+    return tiles.transpose(0, *(1 + a for a in _FROM_FRAGMENTS)).reshape(n, k, c)
+
+
 def prepare_weights(blocks, config: TransformerConfig) -> DecodeWeights:
     """The blocks' weights in the kernel's layout (jit it: a copy of each).
 
@@ -165,10 +190,13 @@ def prepare_weights(blocks, config: TransformerConfig) -> DecodeWeights:
     return DecodeWeights(
         attn_norm=stack(lambda b: _whole(b.attn_norm.weight[...]).astype(jnp.float32)),
         mlp_norm=stack(lambda b: _whole(b.mlp_norm.weight[...]).astype(jnp.float32)),
-        qkv=stack(lambda b: _qkv_items(matrix(b.attn.qkv.kernel), kv, h)),
-        out=stack(lambda b: _column_items(matrix(b.attn.out.kernel), _OUT_COLUMNS)),
-        gate_up=stack(lambda b: _column_items(matrix(b.mlp.gate_up.kernel), _GATE_UP_COLUMNS)),
-        down=stack(lambda b: _column_items(matrix(b.mlp.down.kernel), _DOWN_COLUMNS)))
+        qkv=stack(lambda b: _fragment_order(_qkv_items(matrix(b.attn.qkv.kernel), kv, h))),
+        out=stack(lambda b: _fragment_order(
+            _column_items(matrix(b.attn.out.kernel), _OUT_COLUMNS))),
+        gate_up=stack(lambda b: _fragment_order(
+            _column_items(matrix(b.mlp.gate_up.kernel), _GATE_UP_COLUMNS))),
+        down=stack(lambda b: _fragment_order(
+            _column_items(matrix(b.mlp.down.kernel), _DOWN_COLUMNS))))
 
 
 def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
@@ -269,8 +297,9 @@ def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def _items_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """[b, k] times each item [items, k, c] -> [b, items * c] in x's dtype."""
-    y = jnp.einsum("bk,ikc->bic", x, w, preferred_element_type=jnp.float32)
+    """[b, k] times each item [items, k, c] (in MMA tiles) -> [b, items * c]
+    in x's dtype."""
+    y = jnp.einsum("bk,ikc->bic", x, _item_order(w), preferred_element_type=jnp.float32)
     return y.astype(x.dtype).reshape(x.shape[0], -1)
 
 

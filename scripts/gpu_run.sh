@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
 #                                               train decode all
 #                                               profile, stall, nvshmem, nvlink, cutlass, mixer,
-#                                               ssd_tiling, tune
+#                                               ssd_tiling, tune, stream
 #                                               (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
@@ -220,6 +220,13 @@ PYEOF
 }
 if [[ " ${stages[*]} " == *" nvlink "* ]]; then
   step nvlink$tag nvlink_probe
+fi
+# Opt-in: how fast one GPU streams 2 GiB into its SMs, by plain loads and
+# by TMA rings with and without a GEMV's work (scripts/hbm_stream_probe.cu;
+# it prints its table on stderr).
+if [[ " ${stages[*]} " == *" stream "* ]]; then
+  step stream$tag bash -c "nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/jfo_hbm_stream_probe \
+    scripts/hbm_stream_probe.cu && /tmp/jfo_hbm_stream_probe > '$OUT/hbm_stream_probe$tag.json'"
 fi
 # Opt-in: CUTLASS GEMMs against cuBLAS at the fused ops' whole problems
 # (scripts/cutlass_gemm_probe.cu). CUTLASS is not on the GPU machine: build

@@ -367,10 +367,11 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   if (info.major < 9) {
     return ffi::Error::InvalidArgument(op + "needs a Hopper or later GPU (TMA bulk copies)");
   }
-  // Shared memory: the operand (bf16 [k][batch], or the attention's per-warp
-  // partials), the reductions, then the ring with what is left.
+  // Shared memory: the operand (bf16 [batch][k + pad], or the attention's
+  // per-warp partials), the reductions, then the ring with what is left.
   const size_t operand = AlignUp(std::max<size_t>(
-      static_cast<size_t>(std::max<int64_t>({d, heads * head_dim, mlp})) * batch * 2,
+      static_cast<size_t>(std::max<int64_t>({d, heads * head_dim, mlp}) + kOperandPad) *
+          batch * 2,
       static_cast<size_t>(kWarps) * qpk * (head_dim + 2) * 4), 128);
   const size_t reduce = static_cast<size_t>(kWarps) * batch * kMaxColumns * 4;
   const size_t result = static_cast<size_t>(batch) * kMaxColumns * 4;

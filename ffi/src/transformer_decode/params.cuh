@@ -30,6 +30,9 @@ constexpr int kOutColumns = 16;
 constexpr int kGateUpColumns = 64;  // 32 hidden units, gate and up interleaved
 constexpr int kDownColumns = 16;
 constexpr int kMaxColumns = 64;
+// The GEMV operand's rows in shared memory are k + kOperandPad long, so
+// that the batch rows' loads of one k fall in different banks.
+constexpr int kOperandPad = 8;
 constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 
 struct LayerCache {
@@ -38,7 +41,7 @@ struct LayerCache {
 };
 
 struct WeightStage {
-  const __nv_bfloat16* w;  // [layers, items, k, columns]
+  const __nv_bfloat16* w;  // [layers, items, k, columns], each item in 16x16 MMA tiles
   int items;
   int k;
   int columns;

@@ -23,68 +23,82 @@ __device__ __forceinline__ float LoadBf16(const __nv_bfloat16* p) {
   return __bfloat162float(__ldcg(p));
 }
 
-// GEMV stages: out[b][c] = sum_k operand[k][b] * w_item[k][c], operand the
-// bf16 [k][batch] in shared memory, the sums left in `result` [batch][C].
+// GEMV stages: out[b][c] = sum_k operand[b][k] * w_item[k][c] on the tensor
+// cores, operand the bf16 [batch][k + kOperandPad] in shared memory, the
+// sums left in `result` [batch][C].
+//
+// An item's [k, C] weights come as 16x16 tiles (k-tile major, then column
+// tile), each in the order of mma.m16n8k16's A fragment for the tile
+// transposed (16 columns by 16 k): lane l's 8 values are contiguous, one
+// 16-byte shared load a lane and tile, no bank conflicts (prepared by
+// models/transformer_decode_cuda.py). The batch rows are the MMA's n (8:
+// rows past the batch are zeros), so a chunk costs a few instructions a warp
+// where CUDA-core FMAs cost ~25 a 16-byte word and held the stream below
+// what the memory gives (scripts/hbm_stream_probe.cu).
 
-template <int B>
-__device__ __forceinline__ void AddProducts(float (&acc)[B][8], uint4 packed,
-                                            const __nv_bfloat16* operand_row) {
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-  float w[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    w[2 * i] = f.x;
-    w[2 * i + 1] = f.y;
-  }
-#pragma unroll
-  for (int b = 0; b < B; ++b) {
-    const float xb = __bfloat162float(operand_row[b]);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[b][j] = fmaf(xb, w[j], acc[b][j]);
-  }
+constexpr int kTile = 16;
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], const uint4& a, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
 template <int C, int B>
 __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, int layer,
                             const __nv_bfloat16* operand, float* reduce, float* result) {
-  constexpr int kGroups = C / 8;  // 16-byte vectors a row
-  float acc[B][8] = {};
+  constexpr int kColumnTiles = C / kTile;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int g = lane / 4, t = lane % 4;  // the fragments' row group, and thread in it
+  // Lane (g, t) brings batch row g's k pairs 2t and 2t + 8 of each k-tile
+  // (the B fragment); rows past the batch bring zeros.
+  const __nv_bfloat16* row = operand + min(g, B - 1) * (st.k + kOperandPad) + 2 * t;
+  float acc[kColumnTiles][4] = {};
   for (int chunk = 0; chunk < st.chunks_per_item; ++chunk) {
     const int row0 = chunk * st.rows_per_chunk;
-    const int rows = min(st.rows_per_chunk, st.k - row0);
+    const int k_tiles = min(st.rows_per_chunk, st.k - row0) / kTile;
     const uint4* w = ring.Wait(p, layer);
-    const __nv_bfloat16* rows_operand = operand + static_cast<size_t>(row0) * B;
-    for (int v = threadIdx.x; v < rows * kGroups; v += kThreads) {
-      AddProducts<B>(acc, w[v], rows_operand + (v / kGroups) * B);
+    for (int kt = warp; kt < k_tiles; kt += kWarps) {
+      const int k0 = row0 + kt * kTile;
+      unsigned b0 = 0, b1 = 0;
+      if (g < B) {
+        b0 = *reinterpret_cast<const unsigned*>(row + k0);
+        b1 = *reinterpret_cast<const unsigned*>(row + k0 + 8);
+      }
+#pragma unroll
+      for (int ct = 0; ct < kColumnTiles; ++ct) {
+        MmaBf16(acc[ct], w[(kt * kColumnTiles + ct) * 32 + lane], b0, b1);
+      }
     }
     ring.Release(p);
   }
-  // Lanes kGroups apart hold the same columns: sum them, then the warps.
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  // Lane (g, t) holds columns g and g + 8 of each tile for batch rows 2t
+  // and 2t + 1: each warp's sums, then the warps'.
 #pragma unroll
-  for (int b = 0; b < B; ++b) {
+  for (int ct = 0; ct < kColumnTiles; ++ct) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      float v = acc[b][j];
-#pragma unroll
-      for (int offset = kGroups; offset < 32; offset *= 2) {
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    for (int i = 0; i < 2; ++i) {
+      const int b = 2 * t + i;
+      if (b < B) {
+        float* sums = reduce + (warp * B + b) * C + ct * kTile;
+        sums[g] = acc[ct][i];
+        sums[g + 8] = acc[ct][2 + i];
       }
-      if (lane < kGroups) reduce[(warp * B + b) * C + lane * 8 + j] = v;
     }
   }
   __syncthreads();
-  for (int t = threadIdx.x; t < B * C; t += kThreads) {
+  for (int at = threadIdx.x; at < B * C; at += kThreads) {
     float sum = 0.f;
 #pragma unroll 4
-    for (int w = 0; w < kWarps; ++w) sum += reduce[w * B * C + t];
-    result[t] = sum;
+    for (int w = 0; w < kWarps; ++w) sum += reduce[w * B * C + at];
+    result[at] = sum;
   }
   __syncthreads();
 }
 
-// operand[k][b] = bf16(x[b][k] / rms(x[b]) * weight[k]), as models.layers.rms_norm.
+// operand[b][k] = bf16(x[b][k] / rms(x[b]) * weight[k]), as models.layers.rms_norm.
 template <int B>
 __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* weight,
                          __nv_bfloat16* operand, float* scalars) {
@@ -93,7 +107,7 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       const __nv_bfloat16 v = __ldcg(x + static_cast<size_t>(b) * p.d + k);
-      operand[k * B + b] = v;
+      operand[b * (p.d + kOperandPad) + k] = v;
       const float f = __bfloat162float(v);
       sums[b] = fmaf(f, f, sums[b]);
     }
@@ -117,19 +131,21 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
     const float wk = weight[k];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      const float f = __bfloat162float(operand[k * B + b]);
-      operand[k * B + b] = __float2bfloat16(f * scalars[kWarps * B + b] * wk);
+      __nv_bfloat16& v = operand[b * (p.d + kOperandPad) + k];
+      v = __float2bfloat16(__bfloat162float(v) * scalars[kWarps * B + b] * wk);
     }
   }
   __syncthreads();
 }
 
-// operand[k][b] = src[b][k] (bf16 [batch, n] written by other CTAs).
+// operand[b][k] = src[b][k] (bf16 [batch, n] written by other CTAs).
 template <int B>
 __device__ void GatherInto(const __nv_bfloat16* src, int n, __nv_bfloat16* operand) {
   for (int k = threadIdx.x; k < n; k += kThreads) {
 #pragma unroll
-    for (int b = 0; b < B; ++b) operand[k * B + b] = __ldcg(src + static_cast<size_t>(b) * n + k);
+    for (int b = 0; b < B; ++b) {
+      operand[b * (n + kOperandPad) + k] = __ldcg(src + static_cast<size_t>(b) * n + k);
+    }
   }
   __syncthreads();
 }
