@@ -193,8 +193,14 @@ class Generator:
         graphdef = nnx.graphdef(model)
         local_batch = batch // mesh.shape[config.sharding.data]
         tensor_size = mesh.shape[config.sharding.tensor]
-        self.decode_weights = jax.jit(lambda params: nnx.merge(graphdef, params).decode_weights(
-            batch=local_batch, tensor_size=tensor_size))(self.params)
+        def prepare(params):
+            return nnx.merge(graphdef, params).decode_weights(batch=local_batch,
+                                                              tensor_size=tensor_size)
+
+        # Traced once to see whether there is anything to prepare: a model
+        # whose layers decode on their own compiles nothing here.
+        self.decode_weights = (None if jax.eval_shape(prepare, self.params) is None
+                               else jax.jit(prepare)(self.params))
         data = config.sharding.data
         prompt = jax.ShapeDtypeStruct((batch, padded_len), jnp.int32,
                                       sharding=NamedSharding(mesh, P(data, None)))

@@ -60,13 +60,10 @@ _QKV_COLUMNS = 32      # 16 rotary pairs: 16 columns of a head's first half, the
 _OUT_COLUMNS = 16
 _GATE_UP_COLUMNS = 64  # 32 hidden units, gate and up interleaved as in the model
 _DOWN_COLUMNS = 16
-# A CTA streams its weights through shared-memory slots of CHUNK_BYTES
-# (a multiple of 16 KiB), each filled by COPIES_PER_CHUNK TMA bulk copies
-# (COPY_MODE 0) or by every thread's 16-byte cp.async (COPY_MODE 1). Read
-# where the kernel is traced.
+# A CTA streams its weights through shared-memory slots of CHUNK_BYTES (a
+# multiple of 16 KiB), each filled by a TMA bulk copy. Read where the
+# kernel is traced.
 CHUNK_BYTES = 32768
-COPIES_PER_CHUNK = 1
-COPY_MODE = 0
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 
@@ -264,8 +261,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
         max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
         rope_theta=np.float32(config.rope_theta),
         timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
-        stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
-        copies_per_chunk=np.int32(COPIES_PER_CHUNK), copy_mode=np.int32(COPY_MODE))
+        stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES))
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches

@@ -1,6 +1,7 @@
 """Probe: where the one-kernel Transformer decode step spends its time.
 
     python3 scripts/transformer_decode_probe.py [--batch B] [--context C]
+                                                [--chunk-bytes BYTES ...]
                                                 [--json FILE]
 
 The 1B Transformer's blocks (16 layers, width 2048, 16 heads of 128 over 8
@@ -133,10 +134,10 @@ def main() -> None:
     parser.add_argument("--size", default="1b", choices=("small", "1b"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--slots", nargs="+", default=[None], metavar="BYTESxCOPIES",
+    parser.add_argument("--chunk-bytes", nargs="+", type=int, default=[None],
+                        metavar="BYTES",
                         help="each of these weight slots (models.transformer_decode_cuda."
-                             "CHUNK_BYTES x COPIES_PER_CHUNK, e.g. 32768x1, or BYTESxthreads "
-                             "for COPY_MODE 1; a row each; default: the module's)")
+                             "CHUNK_BYTES), a row each (default: the module's)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "transformer_decode_probe.json"))
     args = parser.parse_args()
@@ -145,22 +146,17 @@ def main() -> None:
     meta = benchmarking.provenance({"probe": "transformer decode kernel", "steps": list(STEPS),
                                     "reps": REPS, **vars(args)})
     rows = []
-    for slots in args.slots:
-        if slots is not None:  # read while tracing: each variant traced afresh
-            size, copies = slots.split("x")
-            fused.CHUNK_BYTES = int(size)
-            fused.COPY_MODE = int(copies == "threads")
-            fused.COPIES_PER_CHUNK = 1 if copies == "threads" else int(copies)
+    for chunk_bytes in args.chunk_bytes:
+        if chunk_bytes is not None:  # read while tracing: each variant traced afresh
+            fused.CHUNK_BYTES = chunk_bytes
         jax.clear_caches()
-        rows.append({"chunk_bytes": fused.CHUNK_BYTES, "copies_per_chunk": fused.COPIES_PER_CHUNK,
-                     "copy_mode": fused.COPY_MODE,
+        rows.append({"chunk_bytes": fused.CHUNK_BYTES,
                      **measure(config, x, weights, caches, args.context)})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for row in rows:
-        how = "thread copies" if row["copy_mode"] else f"{row['copies_per_chunk']} bulk copies"
-        print(f"\nslots of {row['chunk_bytes']} bytes, {how}: step "
+        print(f"\nslots of {row['chunk_bytes']} bytes: step "
               f"{row['per_step_us']:.1f} us [{row['per_step_us_min']:.1f}, "
               f"{row['per_step_us_max']:.1f}], floor {row['floor_us']:.1f} us "
               f"({row['x_floor']:.2f}x)")

@@ -6,7 +6,9 @@
 #include <library_types.h>
 
 #include <cstdint>
+#include <mutex>
 #include <string>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -52,6 +54,26 @@ class DeviceGuard {
  private:
   int saved_ = 0;
 };
+
+// What the kernels' launches ask of a device, read once per device (a
+// decode step's host time is time its GPU may wait for).
+struct DeviceInfo {
+  int sms = 0, major = 0, max_shared = 0;  // max_shared: a block's opt-in bytes
+};
+
+inline DeviceInfo DeviceInfoOf(int device) {
+  static std::mutex mu;
+  static std::vector<DeviceInfo> infos;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device >= static_cast<int>(infos.size())) infos.resize(device + 1);
+  DeviceInfo& info = infos[device];
+  if (info.sms == 0) {
+    cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device);
+    cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaDeviceGetAttribute(&info.max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  return info;
+}
 
 inline bool IsSupportedFloat(ffi::DataType t) {
   return t == ffi::DataType::BF16 || t == ffi::DataType::F16 ||

@@ -11,8 +11,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <mutex>
-#include <vector>
 
 #include "handlers.h"
 
@@ -178,19 +176,10 @@ __global__ void __launch_bounds__(kThreads)
 #endif
 }
 
+// The SMs of a device, or -1 before Hopper: there are no clusters, one split.
 int SmCount(int device) {
-  static std::mutex mu;
-  static std::vector<int> counts;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(counts.size())) counts.resize(device + 1, 0);
-  if (counts[device] == 0) {
-    int sms = 0, major = 0;
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    // Before Hopper there are no clusters: one split, and -1 records that.
-    counts[device] = major >= 9 ? std::max(sms, 1) : -1;
-  }
-  return counts[device];
+  const DeviceInfo info = DeviceInfoOf(device);
+  return info.major >= 9 ? std::max(info.sms, 1) : -1;
 }
 
 // Splits of k per column tile: enough CTAs for two per SM, a power of two

@@ -18,16 +18,14 @@
 //
 // The weights come in a layout prepared once for this kernel
 // (models/transformer_decode_cuda.py): each work item's columns contiguous,
-// [items, k, columns], so an item is one stream of chunks (chunk_bytes, 32
-// KiB by default). Each CTA copies its chunks with TMA bulk copies (or every
-// thread's cp.async: copy_mode) into a ring of shared-memory slots that runs
-// ahead of the arithmetic across stage and layer boundaries: while a CTA
-// waits at a grid barrier or attends, its next weights are in flight.
-// Nothing in the weights' stream depends on the step's data. On one H200 the
-// 1B model's step took about as long as through XLA's kernels
-// (docs/measurements.md, session 36): the stream reaches ~3.3 TB/s, and the
-// attention and barriers are not hidden behind it.
-//
+// [items, k, columns], as 16x16 tiles in the tensor cores' fragment order, so
+// an item is one stream of chunks (chunk_bytes, 32 KiB by default) and a
+// chunk's GEMV is a few mma.sync a warp. Each CTA copies its chunks with TMA
+// bulk copies into a ring of shared-memory slots that runs ahead of the
+// arithmetic across stage and layer boundaries: while a CTA waits at a grid
+// barrier or attends, its next weights are in flight. Measurements:
+// docs/measurements.md (sessions 36 and 37).
+
 // Every wait is bounded: a grid barrier or a copy that does not complete
 // within timeout_ms prints which CTA and stage waited and traps, so the step
 // ends in a CUDA error, never in wrong numbers.
@@ -67,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
 
   if (threadIdx.x == 0) {
     if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
-    ring.InitBarriers(p);
+    ring.InitBarriers();
   }
   __syncthreads();
   ring.Fill(p);
@@ -126,24 +124,6 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
 // ---------------------------------------------------------------------------
 // Host side.
 
-struct DeviceInfo {
-  int sms = 0, major = 0, max_shared = 0;
-};
-
-DeviceInfo InfoOf(int device) {
-  static std::mutex mu;
-  static std::vector<DeviceInfo> infos;
-  std::lock_guard<std::mutex> lock(mu);
-  if (device >= static_cast<int>(infos.size())) infos.resize(device + 1);
-  DeviceInfo& info = infos[device];
-  if (info.sms == 0) {
-    cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device);
-    cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device);
-    cudaDeviceGetAttribute(&info.max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
-  return info;
-}
-
 size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // The workspace's bytes (models/transformer_decode_cuda.py computes the same
@@ -193,7 +173,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const Params& p, int grid, si
   if (!ready.count({device, shared})) {
     // The most any launch may take, so that no later size is refused.
     JFO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, InfoOf(device).max_shared));
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DeviceInfoOf(device).max_shared));
     int per_sm = 0;
     JFO_CUDA_RETURN_IF_ERROR(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
@@ -227,8 +207,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
                                  int32_t max_splits, float eps, float rope_theta,
                                  int32_t timeout_ms, int32_t stage_times,
-                                 int32_t chunk_bytes, int32_t copies_per_chunk,
-                                 int32_t copy_mode) {
+                                 int32_t chunk_bytes) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
@@ -292,18 +271,11 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.cache_len = static_cast<int>(cache_len);
   p.q_per_kv = static_cast<int>(qpk);
   p.max_splits = max_splits;
-  if (chunk_bytes < kMinChunkBytes || chunk_bytes % kMinChunkBytes || chunk_bytes > (1 << 20) ||
-      copies_per_chunk < 1 || copies_per_chunk > 64) {
+  if (chunk_bytes < kMinChunkBytes || chunk_bytes % kMinChunkBytes || chunk_bytes > (1 << 20)) {
     return ffi::Error::InvalidArgument(op + "chunk_bytes must be a multiple of " +
-                                       std::to_string(kMinChunkBytes) + " up to 1 MiB and "
-                                       "copies_per_chunk 1 to 64");
+                                       std::to_string(kMinChunkBytes) + " up to 1 MiB");
   }
-  if (copy_mode != kBulkCopies && copy_mode != kThreadCopies) {
-    return ffi::Error::InvalidArgument(op + "copy_mode must be 0 (bulk) or 1 (threads)");
-  }
-  p.copy_mode = copy_mode;
   p.chunk_bytes = chunk_bytes;
-  p.copies_per_chunk = copies_per_chunk;
   p.eps = eps;
   p.rope_theta = rope_theta;
   p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
@@ -363,7 +335,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
 
   int device = 0;
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  const DeviceInfo info = InfoOf(device);
+  const DeviceInfo info = DeviceInfoOf(device);
   if (info.major < 9) {
     return ffi::Error::InvalidArgument(op + "needs a Hopper or later GPU (TMA bulk copies)");
   }
@@ -441,8 +413,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("rope_theta")
         .Attr<int32_t>("timeout_ms")
         .Attr<int32_t>("stage_times")  // 1: record the barriers' times in the workspace
-        .Attr<int32_t>("chunk_bytes")        // a shared-memory slot of the weights' stream
-        .Attr<int32_t>("copies_per_chunk")  // bulk copies filling a slot
-        .Attr<int32_t>("copy_mode"));        // 0: TMA bulk copies, 1: every thread's cp.async
+        .Attr<int32_t>("chunk_bytes"));  // a shared-memory slot of the weights' stream
 
 }  // namespace jfo

@@ -52,9 +52,7 @@ struct WeightStage {
 struct Params {
   int layers, batch, d, heads, kv_heads, head_dim, mlp, cache_len;
   int q_per_kv, max_splits, ring_slots;
-  int chunk_bytes;       // a slot's bytes: a multiple of kMinChunkBytes
-  int copies_per_chunk;  // bulk copies that fill a slot
-  int copy_mode;         // CopyMode (sync.cuh)
+  int chunk_bytes;  // a slot's bytes: a multiple of kMinChunkBytes
   float eps, rope_theta;
   uint64_t timeout_ns;
   const __nv_bfloat16* x_in;  // [batch, d]

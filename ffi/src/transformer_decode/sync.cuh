@@ -69,36 +69,16 @@ __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) 
   return done != 0;
 }
 
-// This thread's 16-byte pieces of `bytes` from global into a slot (every
-// thread of the CTA takes a share), arriving on the slot's mbarrier once
-// they have landed: the copies of Ampere's cp.async, issued by all threads.
-__device__ __forceinline__ void ThreadsLoad(void* slot, const void* src, unsigned bytes,
-                                            uint64_t* bar) {
-  for (unsigned at = threadIdx.x * 16; at < bytes; at += kThreads * 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                 ::"r"(SharedAddress(static_cast<char*>(slot) + at)),
-                   "l"(static_cast<const char*>(src) + at)
-                 : "memory");
-  }
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];"
-               ::"r"(SharedAddress(bar)) : "memory");
-}
-
-// `bytes` (a multiple of 16) from global into a slot in `copies` bulk
-// copies, completing the slot's mbarrier phase.
+// `bytes` (a multiple of 16) from global into a slot in one bulk copy,
+// completing the slot's mbarrier phase.
 __device__ __forceinline__ void BulkLoad(void* slot, const void* src, unsigned bytes,
-                                         int copies, uint64_t* bar) {
+                                         uint64_t* bar) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
-  const unsigned piece = (bytes / copies + 15) / 16 * 16;
-  for (unsigned at = 0; at < bytes; at += piece) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-        ::"r"(SharedAddress(static_cast<char*>(slot) + at)),
-          "l"(static_cast<const char*>(src) + at), "r"(min(piece, bytes - at)),
-          "r"(SharedAddress(bar))
-        : "memory");
-  }
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
+      : "memory");
 }
 #endif
 
@@ -111,8 +91,8 @@ __device__ __forceinline__ int ItemsOfCta(int items) {
   return cta < items ? (items - cta + gridDim.x - 1) / gridDim.x : 0;
 }
 
-// Where the CTA's next copy comes from (kept by the threads that issue
-// copies). It only moves forward, one chunk at a time, as they are issued.
+// Where the CTA's next copy comes from (thread 0's). It only moves
+// forward, one chunk at a time, as they are issued.
 struct ChunkCursor {
   int layer = 0, stage = 0, item = 0, chunk = 0;  // item: the CTA's own count in the stage
 
@@ -154,48 +134,38 @@ struct ChunkCursor {
 
 // The slots hold the next `count` chunks, each slot refilled as soon as
 // the CTA is done with it: HBM streams on while the CTA waits or attends.
-// How the slots are filled (Params::copy_mode).
-enum CopyMode : int { kBulkCopies = 0, kThreadCopies = 1 };
-
+// The ring's state that says where copies come from is thread 0's.
 struct Ring {
   unsigned char* slots;
   uint64_t* bars;
   int count;
   int next = 0;    // the chunk the CTA consumes next
-  int issued = 0;  // chunks issued (by the threads that issue)
+  int issued = 0;  // chunks issued (thread 0's count)
   ChunkCursor cursor;
 
   // Thread 0, before any copy: the slots' mbarriers.
-  __device__ void InitBarriers(const Params& p) {
+  __device__ void InitBarriers() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned arrivals = p.copy_mode == kThreadCopies ? kThreads : 1;
-    for (int s = 0; s < count; ++s) MbarrierInit(bars + s, arrivals);
+    for (int s = 0; s < count; ++s) MbarrierInit(bars + s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
   }
 
-  // Every thread, once the barriers are initialized: the first chunks into every slot.
+  // Thread 0, once the barriers are initialized: the first chunks into every slot.
   __device__ void Fill(const Params& p) {
     for (int c = 0; c < count; ++c) IssueNext(p);
   }
 
-  // The next chunk into its slot (chunk c goes to slot c % count): by thread
-  // 0 with bulk copies, by every thread with thread copies.
+  // Thread 0: the next chunk into its slot (chunk c goes to slot c % count).
   __device__ void IssueNext(const Params& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const bool bulk = p.copy_mode == kBulkCopies;
-    if ((bulk && threadIdx.x != 0) || cursor.Done(p)) return;
+    if (threadIdx.x != 0 || cursor.Done(p)) return;
     const void* src;
     unsigned bytes;
     cursor.Locate(p, &src, &bytes);
     const int slot = issued % count;
-    void* dst = slots + static_cast<size_t>(slot) * p.chunk_bytes;
-    if (bulk) {
-      BulkLoad(dst, src, bytes, p.copies_per_chunk, bars + slot);
-    } else {
-      ThreadsLoad(dst, src, bytes, bars + slot);
-    }
+    BulkLoad(slots + static_cast<size_t>(slot) * p.chunk_bytes, src, bytes, bars + slot);
     cursor.Advance(p);
     ++issued;
 #endif
