@@ -261,6 +261,7 @@ def test_a_checkpoint_of_the_training_command_restores(tmp_path):
     assert result["prompt_tokens"] == 6 and result["new_tokens"] == 5
     assert result["warmup_runs"] == 1 and len(result["texts"]) == 1
     assert result["time_to_first_token_ms"] > 0 and result["per_token_ms"] > 0
+    assert (result["decode_blocks"], result["decode_matmul"]) == ("layers", "xla")
 
 
 def test_restore_without_a_checkpoint(tmp_path):

@@ -187,7 +187,9 @@ def run(args: argparse.Namespace) -> dict:
     steps = args.max_new_tokens - 1
     result = {
         "model": args.model, "size": args.size, "mesh": f"{data}x{tensor}", "impl": args.impl,
-        "dtype": config.dtype, "batch": args.batch, "prompt_tokens": int(prompt.size),
+        "dtype": config.dtype, "decode_matmul": args.decode_matmul,
+        "decode_attention": args.decode_attention, "decode_blocks": args.decode_blocks,
+        "decode_mixer": args.decode_mixer, "batch": args.batch, "prompt_tokens": int(prompt.size),
         "new_tokens": args.max_new_tokens, "compile_s": generator.compile_s,
         "warmup_runs": args.warmup,
         "time_to_first_token_ms": prefill_s * 1e3,
