@@ -31,7 +31,9 @@ import numpy as np
 from jax_flashoverlap import benchmarking, models
 
 fused = models.transformer_decode_cuda
-STAGES = ("qkv", "attention", "out", "gate_up", "down")
+# What runs between the kernel's grid barriers (QKV and attention are
+# joined by per-KV-head counts).
+STAGES = ("qkv_attention", "out", "gate_up", "down")
 HBM = 4.8e12
 # The kernel's step against the reference in float32 (relative): within
 # twice the reference's own bf16 error, or this.
@@ -121,7 +123,7 @@ def stage_breakdown(config, x, weights, caches, context: int) -> dict:
     waits = {s: 0.0 for s in STAGES}
     previous = start
     for k in range(len(arrivals)):
-        stage = STAGES[k % 5]
+        stage = STAGES[k % len(STAGES)]
         work[stage] += (arrivals[k] - previous) / 1e3
         waits[stage] += (releases[k] - arrivals[k]) / 1e3
         previous = releases[k]

@@ -7,7 +7,8 @@
 // the next kernel starts and its first loads travel: the 1B model's step took
 // twice its floor. Here one persistent kernel (a CTA per SM, co-resident by a
 // cooperative launch) runs the blocks' five stages in turn, separated by grid
-// barriers:
+// barriers, except that an attention item waits only for its KV head's QKV
+// items (a count a head):
 //
 //   A  RMSNorm, x @ W_qkv, rotary embeddings; the new k and v into the cache
 //   B  attention over the cache (split along positions; the last CTA of a
@@ -90,9 +91,12 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     for (int item = blockIdx.x; item < qkv.items; item += gridDim.x) {
       ItemProduct<kQkvColumns, B>(p, ring, qkv, layer, operand, reduce, result);
       QkvEpilogue<B>(p, layer, item, pos, result);
+      if (threadIdx.x == 0) {  // the epilogue's writes (it ends in a sync), then the count
+        __threadfence();
+        atomicAdd(p.qkv_done + item / QkvItemsPerKvHead(p), 1u);
+      }
     }
-    GridBarrier(p, ++barriers, "the QKV stage", layer);
-    // B: attention.
+    // B: attention, each item once its KV head's QKV items are done.
     Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand), last);
     GridBarrier(p, ++barriers, "the attention stage", layer);
     // C: x = residual + attention @ W_out.
@@ -322,7 +326,8 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                               : nullptr;
   size_t offset = kControlBytes + kTimesBytes;
   p.arrivals = p.barrier + 32;
-  if (static_cast<size_t>(32 + batch * kv_heads) * sizeof(unsigned) > kControlBytes) {
+  p.qkv_done = p.arrivals + batch * kv_heads;
+  if (static_cast<size_t>(32 + (batch + 1) * kv_heads) * sizeof(unsigned) > kControlBytes) {
     return ffi::Error::InvalidArgument(op + "too many head groups for the control block");
   }
   p.q = reinterpret_cast<float*>(base + offset);

@@ -18,7 +18,8 @@ constexpr int kMaxBatch = 4;
 constexpr int kMaxLayers = 64;
 constexpr int kMaxQueriesPerKv = 8;
 constexpr int kMinChunkBytes = 16384;
-constexpr int kControlBytes = 4096;  // the grid barrier's counter, the head groups' arrivals
+// The grid barrier's counter, the head groups' arrivals and QKV items done.
+constexpr int kControlBytes = 4096;
 // With stage_times, after the control block: the launch's start and end,
 // then per grid barrier the last CTA's arrival and CTA 0's release (%globaltimer, ns).
 constexpr int kTimesBytes = 8192;
@@ -65,6 +66,7 @@ struct Params {
   unsigned* barrier;       // grid barrier arrivals, zeroed before each launch
   unsigned long long* stage_times;  // nullptr, or kTimesBytes zeroed before the launch
   unsigned* arrivals;      // [batch * kv]: splits done per head group
+  unsigned* qkv_done;      // [kv]: QKV items done per KV head, over the launch's layers
   float* q;                // [batch, heads, head_dim], rotated, bf16-rounded
   float* partials;         // [batch * kv, max_splits, q_per_kv, head_dim + 2]
   __nv_bfloat16* attended; // [batch, heads * head_dim]

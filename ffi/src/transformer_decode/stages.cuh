@@ -297,10 +297,16 @@ __device__ void CombineGroup(const Params& p, int count, int b, int g) {
   }
 }
 
-// Each item (batch row, KV head, split) leaves its partial in p.partials:
-// per query head of the group, o [HD] (not normalized), then m and l (the
-// running max and sum of the softmax). The group's last item to arrive
-// (p.arrivals) combines them into p.attended.
+// The QKV items of one KV head (its query heads, k and v, HD / 32 items each).
+__device__ __forceinline__ int QkvItemsPerKvHead(const Params& p) {
+  return (p.q_per_kv + 2) * (p.head_dim / kQkvColumns);
+}
+
+// Each item (batch row, KV head, split) starts once its KV head's QKV items
+// are done (p.qkv_done: no grid barrier between the stages), and leaves its
+// partial in p.partials: per query head of the group, o [HD] (not
+// normalized), then m and l (the running max and sum of the softmax). The
+// group's last item to arrive (p.arrivals) combines them into p.attended.
 template <int HD, int QPK>
 __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch,
                              int* last) {
@@ -317,6 +323,8 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int bg = item / splits.count, split = item % splits.count;
     const int b = bg / p.kv_heads, g = bg % p.kv_heads;
+    WaitForCount(p, p.qkv_done + g, QkvItemsPerKvHead(p) * (layer + 1),
+                 "the QKV items of its KV head", layer);
     const int p0 = split * splits.length, p1 = min(pos + 1, p0 + splits.length);
     const size_t head = (static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len;
     const __nv_bfloat16* kc = p.caches[layer].k + head * HD + lane * kPerLane;

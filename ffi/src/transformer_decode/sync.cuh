@@ -48,6 +48,21 @@ __device__ inline void GridBarrier(const Params& p, unsigned count, const char* 
   __syncthreads();
 }
 
+// Thread 0, then the CTA: until *counter >= target (other CTAs' atomicAdds
+// after their writes), their writes visible to every thread after it.
+__device__ inline void WaitForCount(const Params& p, const unsigned* counter, unsigned target,
+                                    const char* what, int layer) {
+  if (threadIdx.x == 0) {
+    const uint64_t start = GlobalTimerNs();
+    unsigned seen;
+    while ((seen = LoadAcquireGpu(counter)) < target) {
+      if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, target);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ unsigned SharedAddress(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
