@@ -32,34 +32,18 @@
 #include <string>
 #include <vector>
 
+#include "../ffi/src/transformer_decode/sync.cuh"
 #include "cuda_check.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kWarmup = 3, kPasses = 15;
 
-__device__ __forceinline__ unsigned Smem(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void MbarInit(uint64_t* bar, unsigned n) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(Smem(bar)), "r"(n) : "memory");
-}
-__device__ __forceinline__ bool MbarTryWait(uint64_t* bar, unsigned parity) {
-  unsigned done;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(done)
-      : "r"(Smem(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-__device__ __forceinline__ void Bulk(void* dst, const void* src, unsigned bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(Smem(bar)),
-               "r"(bytes) : "memory");
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(Smem(dst)), "l"(src), "r"(bytes), "r"(Smem(bar)) : "memory");
-}
+// The decode kernel's own mbarrier and bulk-copy helpers: the rings below
+// issue and wait exactly as it does.
+using jfo::transformer_decode::BulkLoad;
+using jfo::transformer_decode::MbarrierInit;
+using jfo::transformer_decode::MbarrierTryWait;
+using jfo::transformer_decode::SharedAddress;
 
 __device__ __forceinline__ unsigned long long GlobalNs() {
   unsigned long long t;
@@ -171,20 +155,20 @@ __global__ void __launch_bounds__(1024)
     operand[r] = __float2bfloat16(1.f);
   }
   if (threadIdx.x == 0) {
-    for (int s = 0; s < slots; ++s) MbarInit(full + s, 1), MbarInit(empty + s, consumer_warps);
+    for (int s = 0; s < slots; ++s) MbarrierInit(full + s, 1), MbarrierInit(empty + s, consumer_warps);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
   auto issue = [&](size_t c) {
     const size_t w0 = begin + c * slot_words;
     const unsigned bytes = static_cast<unsigned>(min(slot_words, end - w0) * 16);
-    Bulk(shared + (c % slots) * slot_bytes, src + w0, bytes, full + c % slots);
+    BulkLoad(shared + (c % slots) * slot_bytes, src + w0, bytes, full + c % slots);
   };
   if (kProducerWarp && threadIdx.x >= consumers) {
     if (!producer) return;
     for (size_t c = 0; c < chunks; ++c) {
       if (c >= size_t(slots)) {
-        while (!MbarTryWait(empty + c % slots, (c / slots - 1) & 1)) {
+        while (!MbarrierTryWait(empty + c % slots, (c / slots - 1) & 1)) {
         }
       }
       issue(c);
@@ -198,7 +182,7 @@ __global__ void __launch_bounds__(1024)
   for (size_t c = 0; c < chunks; ++c) {
     const int slot = c % slots;
     const long long w0 = clock64();
-    while (kCopies && !MbarTryWait(full + slot, (c / slots) & 1)) {
+    while (kCopies && !MbarrierTryWait(full + slot, (c / slots) & 1)) {
     }
     waited += clock64() - w0;
     const uint4* w = reinterpret_cast<const uint4*>(shared + size_t(slot) * slot_bytes);
@@ -207,7 +191,7 @@ __global__ void __launch_bounds__(1024)
     if (kProducerWarp) {
       __syncwarp();
       if (threadIdx.x % 32 == 0) {
-        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(Smem(empty + slot))
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(empty + slot))
                      : "memory");
       }
     } else {
@@ -264,7 +248,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const size_t slot_words = slot_bytes / 16;
   const size_t chunks = (end - begin + slot_words - 1) / slot_words;
   if (lane == 0) {
-    for (int s = 0; s < slots; ++s) MbarInit(bars + s, 1);
+    for (int s = 0; s < slots; ++s) MbarrierInit(bars + s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncwarp();
@@ -272,13 +256,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane != 0 || c >= chunks) return;
     const size_t w0 = begin + c * slot_words;
     const unsigned bytes = static_cast<unsigned>(min(slot_words, end - w0) * 16);
-    Bulk(mine + (c % slots) * slot_bytes, src + w0, bytes, bars + c % slots);
+    BulkLoad(mine + (c % slots) * slot_bytes, src + w0, bytes, bars + c % slots);
   };
   for (int s = 0; s < slots; ++s) issue(s);
   uint4 acc = make_uint4(0, 0, 0, 0);
   for (size_t c = 0; c < chunks; ++c) {
     const int slot = c % slots;
-    while (!MbarTryWait(bars + slot, (c / slots) & 1)) {
+    while (!MbarrierTryWait(bars + slot, (c / slots) & 1)) {
     }
     const uint4* w = reinterpret_cast<const uint4*>(mine + size_t(slot) * slot_bytes);
     const size_t n = min(slot_words, end - (begin + c * slot_words));

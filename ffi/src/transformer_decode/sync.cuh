@@ -67,15 +67,22 @@ __device__ __forceinline__ unsigned SharedAddress(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
+// The mbarrier and bulk-copy instructions exist from sm_90 on; below, these
+// compile to nothing (the kernels that call them trap there first).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define JFO_SM90_ASM(...) asm volatile(__VA_ARGS__)
+#else
+#define JFO_SM90_ASM(...) (void)0
+#endif
+
 __device__ __forceinline__ void MbarrierInit(uint64_t* bar, unsigned arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)), "r"(arrivals)
-               : "memory");
+  JFO_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)),
+               "r"(arrivals) : "memory");
 }
 
 __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) {
-  unsigned done;
-  asm volatile(
+  unsigned done = 1;
+  JFO_SM90_ASM(
       "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
       " selp.u32 %0, 1, 0, p;\n}"
       : "=r"(done)
@@ -88,14 +95,13 @@ __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) 
 // completing the slot's mbarrier phase.
 __device__ __forceinline__ void BulkLoad(void* slot, const void* src, unsigned bytes,
                                          uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+  JFO_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
-  asm volatile(
+  JFO_SM90_ASM(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
       ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
       : "memory");
 }
-#endif
 
 // The weights' stream. Each CTA's chunks, in the order it consumes them:
 // layer by layer, stage by stage, its items (blockIdx.x, + gridDim.x, ...)
