@@ -66,6 +66,9 @@ _DOWN_COLUMNS = 16
 CHUNK_BYTES = 32768
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
+# Grid barriers a layer (after attention, out and gate/up, and between
+# layers; attention waits on counts, not a barrier).
+BARRIERS_PER_LAYER = 4
 
 
 class DecodeWeights(NamedTuple):
@@ -265,7 +268,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches
-    words = 2 + 2 * (5 * config.num_layers - 1)
+    words = 2 + 2 * (BARRIERS_PER_LAYER * config.num_layers - 1)
     times = workspace[_CONTROL_BYTES:_CONTROL_BYTES + 8 * words].reshape(words, 2, 4)
     return out, caches, lax.bitcast_convert_type(times, jnp.uint32)  # [words, (low, high)]
 
@@ -277,10 +280,10 @@ def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     For probing the kernel (``scripts/transformer_decode_probe.py``).
 
     Returns:
-      (x, caches, uint32 [2 + 2 * (5 L - 1), 2]): %globaltimer in ns (its
-      low and high words) at the launch's start and its last CTA's end, then
-      for each of the 5 L - 1 grid barriers the last CTA's arrival and CTA
-      0's release.
+      (x, caches, uint32 [2 + 2 * (n L - 1), 2]), n = BARRIERS_PER_LAYER:
+      %globaltimer in ns (its low and high words) at the launch's start and
+      its last CTA's end, then for each of the n L - 1 grid barriers the
+      last CTA's arrival and CTA 0's release.
     """
     return _ffi_decode(x, jnp.asarray(pos, jnp.int32), weights, caches, config=config,
                        stage_times=True)

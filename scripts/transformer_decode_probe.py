@@ -34,6 +34,7 @@ fused = models.transformer_decode_cuda
 # What runs between the kernel's grid barriers (QKV and attention are
 # joined by per-KV-head counts).
 STAGES = ("qkv_attention", "out", "gate_up", "down")
+assert len(STAGES) == fused.BARRIERS_PER_LAYER
 HBM = 4.8e12
 # The kernel's step against the reference in float32 (relative): within
 # twice the reference's own bf16 error, or this.

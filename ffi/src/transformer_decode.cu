@@ -26,7 +26,7 @@
 // arithmetic across stage and layer boundaries: while a CTA waits at a grid
 // barrier or attends, its next weights are in flight. Measurements:
 // docs/measurements.md (sessions 36 and 37).
-
+//
 // Every wait is bounded: a grid barrier or a copy that does not complete
 // within timeout_ms prints which CTA and stage waited and traps, so the step
 // ends in a CUDA error, never in wrong numbers.

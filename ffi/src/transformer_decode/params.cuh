@@ -21,7 +21,8 @@ constexpr int kMinChunkBytes = 16384;
 // The grid barrier's counter, the head groups' arrivals and QKV items done.
 constexpr int kControlBytes = 4096;
 // With stage_times, after the control block: the launch's start and end,
-// then per grid barrier the last CTA's arrival and CTA 0's release (%globaltimer, ns).
+// then per grid barrier (4 a layer: models.transformer_decode_cuda.
+// BARRIERS_PER_LAYER) the last CTA's arrival and CTA 0's release (%globaltimer, ns).
 constexpr int kTimesBytes = 8192;
 // Columns of one work item in each weight stage. QKV items hold 16 rotary
 // pairs of one head: columns j0..j0+15 of its first half, then the same of
