@@ -31,6 +31,9 @@ NVSHMEM = "hierarchical_all_reduce_2xh200.json"
 TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
+# decode_blocks "layers" against "cuda" (opt-in), each file one process;
+# the first is the kernel as it is now.
+DECODE_BLOCKS = ["decode_blocks_cuda_counts_1xh200.json", "decode_blocks_cuda_mma_1xh200.json"]
 SSD = "ssd_decay_outer_1xh200.json"
 # The processes whose row of that variant ran today's defaults: the headline
 # gives their range.
@@ -173,6 +176,31 @@ def decode_table() -> tuple[str, list]:
             + "\n".join(lines) + f"\n\nFrom {_source(DECODE, doc)}"), rows
 
 
+def decode_blocks_table() -> tuple[str, list]:
+    """The one-kernel decode step against the layers, each file one process."""
+    lines = ["| file | batch | context | layers ms | one kernel ms | one kernel × floor | "
+             "speed-up |", "|---|---|---|---|---|---|---|"]
+    sources, gains = [], []
+    for name in DECODE_BLOCKS:
+        doc = _load(name)
+        sources.append(_source(name, doc, 'decode_blocks="cuda" in the rows that say so'))
+        by = {(r["decode_blocks"], r["batch"], r["context"]): r for r in doc["rows"]}
+        for (blocks, batch, context), r in sorted(by.items()):
+            layers = by.get(("layers", batch, context))
+            if blocks != "cuda" or layers is None:
+                continue
+            gain = layers["per_token_ms"] / r["per_token_ms"]
+            gains.append({"file": name, "batch": batch, "gain": gain, "row": r})
+            lines.append(f"| `{name}` | {batch} | {context} | {layers['per_token_ms']:.3f} | "
+                         f"{r['per_token_ms']:.3f} | {r['per_token_ms'] / r['hbm_floor_ms']:.2f}"
+                         f" | {gain:.3f}× |")
+    return ("One H200, the 1B Transformer, bf16: `decode_blocks=\"cuda\"` (every block of a "
+            "step as one CUDA kernel, opt-in) against the default \"layers\" in the same "
+            "process. The first file is the kernel as it is now; the second an earlier "
+            "version.\n\n" + "\n".join(lines) + "\n\n"
+            + "\n".join(f"From {s_}" for s_ in sources)), gains
+
+
 def mamba_tables() -> tuple[str, dict]:
     """The SSD per layer (XLA, Pallas, cuDNN attention for scale) and the
     one-GPU training steps of Mamba-2 next to the Transformer's."""
@@ -311,6 +339,10 @@ values.
 
 ![decoding](../benchmarks/results/decode_1xh200.png)
 
+### The one-kernel decode step (opt-in)
+
+{decode_blocks_table()[0]}
+
 Plots of earlier runs (the first of each benchmark, before the tuning of
 [measurements.md](measurements.md)): collective matmuls
 (`collective_matmul_2xh200.png`) and all-reduce (`all_reduce_2xh200.png`),
@@ -339,6 +371,8 @@ def headline() -> str:
                    for op, v in sorted(speedups.items()))
     shapes = len(next(iter(speedups.values())))
     tf = next(r for r in decode if r["model"] == "transformer" and r["batch"] == 1)
+    _, blocks = decode_blocks_table()
+    one_kernel = next(g for g in blocks if g["file"] == DECODE_BLOCKS[0] and g["batch"] == 1)
     lines = [
         "| what (bf16) | measured | |",
         "|---|---|---|",
@@ -358,6 +392,12 @@ def headline() -> str:
         f"{mamba['peak_gb']:.1f} GB |",
         f"| Transformer 1B decode, one H200, batch 1 | {tf['per_token_ms']:.3f} ms per token, "
         f"{tf['per_token_ms'] / tf['hbm_floor_ms']:.2f}× the HBM floor | |",
+        f"| Transformer 1B decode, one H200, batch 1, `decode_blocks=\"cuda\"` (opt-in: every "
+        f"block in one kernel) | "
+        f"{one_kernel['row']['per_token_ms']:.3f} ms per token, "
+        f"{one_kernel['row']['per_token_ms'] / one_kernel['row']['hbm_floor_ms']:.2f}× the HBM "
+        f"floor, {one_kernel['gain']:.3f}× the default's speed in the same process | "
+        f"not the default |",
     ]
     return "\n".join(lines)
 
