@@ -102,6 +102,25 @@ def test_prepared_layout_inverts_to_the_models_weights(rng):
         np.testing.assert_array_equal(items[item, :, 16:], w[:, g, role, 32 + j0:32 + j0 + 16])
 
 
+def test_items_are_stored_as_the_tensor_cores_fragments(rng):
+    """Lane l = 4 g + t of 16x16 tile (kt, ct) holds, in order, the item's
+    [k, column] at (2t, g), (2t+1, g), (2t, g+8), (2t+1, g+8), then the same
+    at k + 8: mma.m16n8k16's A fragment for the tile transposed (PTX ISA).
+    Tiles run k-tile major, so a chunk of rows is a run of whole tiles."""
+    items = rng.standard_normal((3, 48, 32)).astype(np.float32)   # 3 k-tiles x 2 column tiles
+    stored = np.asarray(fused._fragment_order(jnp.asarray(items))).reshape(3, 3, 2, 32, 8)
+    for kt in range(3):
+        for ct in range(2):
+            for lane in range(32):
+                g, t = divmod(lane, 4)
+                k, c = 16 * kt + 2 * t, 16 * ct + g
+                want = [items[1, k + 8 * half + pair, c + 8 * col]
+                        for half in (0, 1) for col in (0, 1) for pair in (0, 1)]
+                np.testing.assert_array_equal(stored[1, kt, ct, lane], want)
+    np.testing.assert_array_equal(np.asarray(fused._item_order(jnp.asarray(stored.reshape(
+        3, 48, 32)))), items)
+
+
 @pytest.mark.parametrize("overrides, batch, tp, message", [
     ({}, 2, 2, r"it runs at tensor-parallel size 1 \(the mesh's is 2\)"),
     ({"dtype": "float32"}, 2, 1, "it computes in bfloat16"),
