@@ -153,20 +153,26 @@ def _column_items(w: jax.Array, columns: int) -> jax.Array:
 # (half, t, pair), its columns as (half, g); the lane's 8 values run over
 # (k half, column half, pair).
 _TO_FRAGMENTS = (0, 4, 6, 2, 1, 5, 3)      # [kt, kh, t, p, ct, mh, g] -> [kt, ct, g, t, kh, mh, p]
-_FROM_FRAGMENTS = (0, 4, 3, 6, 1, 5, 2)    # its inverse
+_FROM_FRAGMENTS = tuple(int(a) for a in np.argsort(_TO_FRAGMENTS))   # its inverse
+
+
+def _tile_split(k: int, c: int) -> tuple[int, ...]:
+    """An item's [k, c] as [kt, kh, t, p, ct, mh, g]."""
+    return (k // 16, 2, 4, 2, c // 16, 2, 8)
 
 
 def _fragment_order(items: jax.Array) -> jax.Array:
     """[items, k, c] -> the same shape, each item in 16x16 MMA tiles."""
     n, k, c = items.shape
-    tiles = items.reshape(n, k // 16, 2, 4, 2, c // 16, 2, 8)
+    tiles = items.reshape(n, *_tile_split(k, c))
     return tiles.transpose(0, *(1 + a for a in _TO_FRAGMENTS)).reshape(n, k, c)
 
 
 def _item_order(items: jax.Array) -> jax.Array:
     """The inverse of :func:`_fragment_order`."""
     n, k, c = items.shape
-    tiles = items.reshape(n, k // 16, c // 16, 8, 4, 2, 2, 2)
+    split = _tile_split(k, c)
+    tiles = items.reshape(n, *(split[a] for a in _TO_FRAGMENTS))
     return tiles.transpose(0, *(1 + a for a in _FROM_FRAGMENTS)).reshape(n, k, c)
 
 

@@ -40,16 +40,11 @@ constexpr int kWarmup = 3, kPasses = 15;
 
 // The decode kernel's own mbarrier and bulk-copy helpers: the rings below
 // issue and wait exactly as it does.
+using jfo::GlobalTimerNs;
 using jfo::transformer_decode::BulkLoad;
 using jfo::transformer_decode::MbarrierInit;
 using jfo::transformer_decode::MbarrierTryWait;
 using jfo::transformer_decode::SharedAddress;
-
-__device__ __forceinline__ unsigned long long GlobalNs() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ uint4 Xor(uint4 a, uint4 b) {
   return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
@@ -139,7 +134,7 @@ __global__ void __launch_bounds__(1024)
                float* sum, unsigned long long* stats) {
   extern __shared__ __align__(128) unsigned char shared[];
   const long long t0 = clock64();
-  const unsigned long long ns0 = GlobalNs();
+  const uint64_t ns0 = GlobalTimerNs();
   long long waited = 0;
   uint64_t* full = reinterpret_cast<uint64_t*>(shared + size_t(slots) * slot_bytes);
   uint64_t* empty = full + slots;
@@ -203,7 +198,7 @@ __global__ void __launch_bounds__(1024)
   if (threadIdx.x == 0) {
     atomicAdd(stats + 0, static_cast<unsigned long long>(clock64() - t0));
     atomicAdd(stats + 1, static_cast<unsigned long long>(waited));
-    atomicAdd(stats + 2, GlobalNs() - ns0);
+    atomicAdd(stats + 2, static_cast<unsigned long long>(GlobalTimerNs() - ns0));
   }
 }
 
@@ -388,7 +383,7 @@ int main() {
     rows.push_back({name, ctas, threads, slots, slot_bytes, us, bytes / us / 1e6, ok,
                     double(st[1]) / double(st[0]), double(st[0]) / double(st[2]) * 1e3, checked});
   };
-  auto plain_work = [&](auto kernel, const char* name, Work work, int per_sm, int threads) {
+  auto plain_work = [&](auto kernel, const char* name, int per_sm, int threads) {
     const int ctas = sms * per_sm;
     const double us = time([&] {
       CHECK_CUDA(cudaMemsetAsync(sum, 0, sizeof(float)));
@@ -396,14 +391,13 @@ int main() {
     });
     float got = 0.f;
     CHECK_CUDA(cudaMemcpy(&got, sum, 4, cudaMemcpyDeviceToHost));
-    (void)work;
     rows.push_back({name, ctas, threads, 0, 0, us, bytes / us / 1e6,
                     static_cast<double>(got) == static_cast<double>(expected_sum)});
   };
-  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", Work::kGemv, 1, 256);
-  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", Work::kGemv, 1, 512);
-  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", Work::kGemv, 2, 512);
-  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", Work::kGemv, 4, 256);
+  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", 1, 256);
+  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", 1, 512);
+  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", 2, 512);
+  plain_work(PlainStream<Work::kGemv, 8>, "plain_gemv_u8", 4, 256);
   auto cta_xor = RingStream<Work::kXor, false>;
   auto cta_gemv = RingStream<Work::kGemv, false>;
   auto producer_gemv = RingStream<Work::kGemv, true>;

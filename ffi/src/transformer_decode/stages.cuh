@@ -38,6 +38,11 @@ __device__ __forceinline__ float LoadBf16(const __nv_bfloat16* p) {
 
 constexpr int kTile = 16;
 
+// Where operand[b][k] of a stage with k = n lies in shared memory.
+__device__ __forceinline__ int OperandAt(int n, int b, int k) {
+  return b * (n + kOperandPad) + k;
+}
+
 __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint4& a, unsigned b0, unsigned b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
@@ -54,7 +59,7 @@ __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, 
   const int g = lane / 4, t = lane % 4;  // the fragments' row group, and thread in it
   // Lane (g, t) brings batch row g's k pairs 2t and 2t + 8 of each k-tile
   // (the B fragment); rows past the batch bring zeros.
-  const __nv_bfloat16* row = operand + min(g, B - 1) * (st.k + kOperandPad) + 2 * t;
+  const __nv_bfloat16* row = operand + OperandAt(st.k, min(g, B - 1), 2 * t);
   float acc[kColumnTiles][4] = {};
   for (int chunk = 0; chunk < st.chunks_per_item; ++chunk) {
     const int row0 = chunk * st.rows_per_chunk;
@@ -107,7 +112,7 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
 #pragma unroll
     for (int b = 0; b < B; ++b) {
       const __nv_bfloat16 v = __ldcg(x + static_cast<size_t>(b) * p.d + k);
-      operand[b * (p.d + kOperandPad) + k] = v;
+      operand[OperandAt(p.d, b, k)] = v;
       const float f = __bfloat162float(v);
       sums[b] = fmaf(f, f, sums[b]);
     }
@@ -131,7 +136,7 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
     const float wk = weight[k];
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      __nv_bfloat16& v = operand[b * (p.d + kOperandPad) + k];
+      __nv_bfloat16& v = operand[OperandAt(p.d, b, k)];
       v = __float2bfloat16(__bfloat162float(v) * scalars[kWarps * B + b] * wk);
     }
   }
@@ -144,10 +149,15 @@ __device__ void GatherInto(const __nv_bfloat16* src, int n, __nv_bfloat16* opera
   for (int k = threadIdx.x; k < n; k += kThreads) {
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      operand[b * (n + kOperandPad) + k] = __ldcg(src + static_cast<size_t>(b) * n + k);
+      operand[OperandAt(n, b, k)] = __ldcg(src + static_cast<size_t>(b) * n + k);
     }
   }
   __syncthreads();
+}
+
+// The QKV items of one KV head (its query heads, k and v, HD / 32 items each).
+__device__ __forceinline__ int QkvItemsPerKvHead(const Params& p) {
+  return (p.q_per_kv + 2) * (p.head_dim / kQkvColumns);
 }
 
 // Stage A's epilogue: one QKV item's 32 columns, rotated (q, k) and stored.
@@ -155,7 +165,7 @@ __device__ void GatherInto(const __nv_bfloat16* src, int n, __nv_bfloat16* opera
 template <int B>
 __device__ void QkvEpilogue(const Params& p, int layer, int item, int pos, const float* result) {
   const int h = p.head_dim, blocks = h / kQkvColumns;  // items a head
-  const int group_items = (p.q_per_kv + 2) * blocks;
+  const int group_items = QkvItemsPerKvHead(p);
   const int g = item / group_items, role = (item % group_items) / blocks;
   const int j0 = (item % blocks) * (kQkvColumns / 2);
   for (int t = threadIdx.x; t < B * (kQkvColumns / 2); t += kThreads) {
@@ -295,11 +305,6 @@ __device__ void CombineGroup(const Params& p, int count, int b, int g) {
     p.attended[static_cast<size_t>(b) * p.heads * HD + (g * qpk + j) * HD + e] =
         __float2bfloat16(out / sum);
   }
-}
-
-// The QKV items of one KV head (its query heads, k and v, HD / 32 items each).
-__device__ __forceinline__ int QkvItemsPerKvHead(const Params& p) {
-  return (p.q_per_kv + 2) * (p.head_dim / kQkvColumns);
 }
 
 // Each item (batch row, KV head, split) starts once its KV head's QKV items

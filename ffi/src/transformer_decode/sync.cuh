@@ -28,6 +28,18 @@ __device__ __noinline__ inline void TimedOut(const char* what, int layer, unsign
   __trap();
 }
 
+// One thread: until *counter >= target (other CTAs' atomicAdds after their
+// writes), bounded by the timeout; their writes visible to it after.
+__device__ inline void SpinUntilAtLeast(const Params& p, const unsigned* counter,
+                                        unsigned target, const char* what, int layer) {
+  const uint64_t start = GlobalTimerNs();
+  unsigned seen;
+  while ((seen = LoadAcquireGpu(counter)) < target) {
+    if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, target);
+  }
+  __threadfence();
+}
+
 // The count-th barrier of this launch: every CTA's writes before it are
 // visible to every CTA after it.
 __device__ inline void GridBarrier(const Params& p, unsigned count, const char* what, int layer) {
@@ -36,30 +48,17 @@ __device__ inline void GridBarrier(const Params& p, unsigned count, const char* 
     __threadfence();
     if (p.stage_times) atomicMax(p.stage_times + 2 * count, GlobalTimerNs());
     atomicAdd(p.barrier, 1u);
-    const unsigned expected = count * gridDim.x;
-    const uint64_t start = GlobalTimerNs();
-    unsigned seen;
-    while ((seen = LoadAcquireGpu(p.barrier)) < expected) {
-      if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, expected);
-    }
-    __threadfence();
+    SpinUntilAtLeast(p, p.barrier, count * gridDim.x, what, layer);
     if (p.stage_times && blockIdx.x == 0) p.stage_times[2 * count + 1] = GlobalTimerNs();
   }
   __syncthreads();
 }
 
-// Thread 0, then the CTA: until *counter >= target (other CTAs' atomicAdds
-// after their writes), their writes visible to every thread after it.
+// Thread 0, then the CTA: until *counter >= target, the other CTAs' writes
+// before their counts visible to every thread after it.
 __device__ inline void WaitForCount(const Params& p, const unsigned* counter, unsigned target,
                                     const char* what, int layer) {
-  if (threadIdx.x == 0) {
-    const uint64_t start = GlobalTimerNs();
-    unsigned seen;
-    while ((seen = LoadAcquireGpu(counter)) < target) {
-      if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, target);
-    }
-    __threadfence();
-  }
+  if (threadIdx.x == 0) SpinUntilAtLeast(p, counter, target, what, layer);
   __syncthreads();
 }
 
