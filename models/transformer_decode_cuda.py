@@ -64,8 +64,32 @@ _DOWN_COLUMNS = 16
 # multiple of 16 KiB), each filled by a TMA bulk copy. Read where the
 # kernel is traced.
 CHUNK_BYTES = 32768
+# The kernel's optional paths, bit flags (read where the kernel is traced;
+# ffi/src/transformer_decode/params.cuh), all on by default: together they
+# took the 1B model's step from 814 to 730 us on one H200 (batch 1,
+# context 512; docs/measurements.md, session 38). 0 is the kernel with grid
+# barriers between its stages and fences before its counts, for comparison.
+# EVICT_FIRST_WEIGHTS marks the weights' copies evict-first in L2,
+# RESIDUAL_AHEAD reads the residual adds' inputs before their GEMVs,
+# KV_BEFORE_COUNT issues an attention item's cache loads before it waits for
+# its KV head, ORDERED_ATOMICS counts arrivals with release/acquire atomics
+# in place of fences, POLLED_HANDOFFS gives each layer's stage outputs their
+# own buffers that the next stage polls, in place of grid barriers.
+EVICT_FIRST_WEIGHTS, RESIDUAL_AHEAD, KV_BEFORE_COUNT = 1, 4, 8
+ORDERED_ATOMICS, POLLED_HANDOFFS = 16, 64
+ALL_OPTIONS = (EVICT_FIRST_WEIGHTS | RESIDUAL_AHEAD | KV_BEFORE_COUNT | ORDERED_ATOMICS
+               | POLLED_HANDOFFS)
+OPTIONS = ALL_OPTIONS
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
+# A trace's rows: per layer, kMaxTraceCtas CTAs of TRACE_EVENTS clocks.
+_TRACE_CTAS = 256
+TRACE_EVENTS = ("layer_start", "qkv_normed", "qkv_done", "attention_ready", "split_done",
+                "attention_done", "attention_arrived", "out_start", "out_gathered", "out_done",
+                "out_arrived", "gate_up_start", "gate_up_normed", "gate_up_done",
+                "gate_up_arrived", "down_start", "down_gathered", "down_done", "down_arrived",
+                "qkv_copy_wait_ns", "out_copy_wait_ns", "gate_up_copy_wait_ns",
+                "down_copy_wait_ns", "issue_ns", "warp1_copy_wait_ns")
 # Grid barriers a layer (after attention, out and gate/up, and between
 # layers; attention waits on counts, not a barrier).
 BARRIERS_PER_LAYER = 4
@@ -243,13 +267,15 @@ def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
     def aligned(n):
         return -(-n // 256) * 256
 
+    d, f, layers = config.embed_dim, config.mlp_dim, config.num_layers
     return (_CONTROL_BYTES + _TIMES_BYTES + aligned(batch * heads * h * 4)
             + aligned(batch * kv * MAX_SPLITS * (heads // kv) * (h + 2) * 4)
-            + aligned(batch * heads * h * 2) + aligned(batch * config.mlp_dim * 2))
+            + aligned(batch * heads * h * 2) + aligned(batch * f * 2)
+            + aligned(layers * batch * (2 * d + f + heads * h) * 2))  # the handoffs
 
 
 def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
-                stage_times: bool = False):
+                stage_times: int = 0):
     flat = [t for cache in caches for t in cache]
     operands, varying = same_variance(x, pos, *weights, *flat)
     # Per device (inside shard_map, or on one device): whole on x's mesh.
@@ -258,8 +284,11 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     def like(shape, dtype):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=varying)
 
+    workspace_bytes = _workspace_bytes(x.shape[0], config)
+    trace_bytes = config.num_layers * _TRACE_CTAS * len(TRACE_EVENTS) * 8 \
+        if stage_times == 2 else 0
     results = (like(x.shape, x.dtype),
-               like((_workspace_bytes(x.shape[0], config),), jnp.uint8),
+               like((workspace_bytes + trace_bytes,), jnp.uint8),
                *(like(t.shape, t.dtype) for t in flat))
     first_cache = 2 + len(weights)
     call = jax.ffi.ffi_call(TARGET, results,
@@ -270,17 +299,27 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
         max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
         rope_theta=np.float32(config.rope_theta),
         timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
-        stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES))
+        stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
+        options=np.int32(OPTIONS))
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches
-    words = 2 + 2 * (BARRIERS_PER_LAYER * config.num_layers - 1)
-    times = workspace[_CONTROL_BYTES:_CONTROL_BYTES + 8 * words].reshape(words, 2, 4)
-    return out, caches, lax.bitcast_convert_type(times, jnp.uint32)  # [words, (low, high)]
+
+    def words(start, count):  # uint32 [count, (low, high)]
+        return lax.bitcast_convert_type(workspace[start:start + 8 * count].reshape(count, 2, 4),
+                                        jnp.uint32)
+
+    times = words(_CONTROL_BYTES, 2 + 2 * (BARRIERS_PER_LAYER * config.num_layers - 1))
+    if stage_times == 1:
+        return out, caches, times
+    trace = words(workspace_bytes, trace_bytes // 8)
+    return out, caches, times, trace.reshape(config.num_layers, _TRACE_CTAS,
+                                             len(TRACE_EVENTS), 2)
 
 
 def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
-                caches: tuple[KVCache, ...], config: TransformerConfig):
+                caches: tuple[KVCache, ...], config: TransformerConfig, *,
+                trace: bool = False):
     """:func:`decode_blocks` on a CUDA GPU, with the kernel's clock readings.
 
     For probing the kernel (``scripts/transformer_decode_probe.py``).
@@ -289,10 +328,15 @@ def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
       (x, caches, uint32 [2 + 2 * (n L - 1), 2]), n = BARRIERS_PER_LAYER:
       %globaltimer in ns (its low and high words) at the launch's start and
       its last CTA's end, then for each of the n L - 1 grid barriers the
-      last CTA's arrival and CTA 0's release.
+      last CTA's arrival and CTA 0's release. With ``trace``, also uint32
+      [L, 256, len(TRACE_EVENTS), 2]: each CTA's clock at each of
+      TRACE_EVENTS in each layer (0 where it did not pass there; rows past
+      the grid are 0); the entries named *_ns are not clocks but durations:
+      thread 0's waits for weight copies in each weight stage, its time
+      issuing them, and thread 32's waits, in the layer.
     """
     return _ffi_decode(x, jnp.asarray(pos, jnp.int32), weights, caches, config=config,
-                       stage_times=True)
+                       stage_times=2 if trace else 1)
 
 
 def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

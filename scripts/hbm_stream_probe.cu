@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(1024)
   auto issue = [&](size_t c) {
     const size_t w0 = begin + c * slot_words;
     const unsigned bytes = static_cast<unsigned>(min(slot_words, end - w0) * 16);
-    BulkLoad(shared + (c % slots) * slot_bytes, src + w0, bytes, full + c % slots);
+    BulkLoad(shared + (c % slots) * slot_bytes, src + w0, bytes, full + c % slots, 0);
   };
   if (kProducerWarp && threadIdx.x >= consumers) {
     if (!producer) return;
@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane != 0 || c >= chunks) return;
     const size_t w0 = begin + c * slot_words;
     const unsigned bytes = static_cast<unsigned>(min(slot_words, end - w0) * 16);
-    BulkLoad(mine + (c % slots) * slot_bytes, src + w0, bytes, bars + c % slots);
+    BulkLoad(mine + (c % slots) * slot_bytes, src + w0, bytes, bars + c % slots, 0);
   };
   for (int s = 0; s < slots; ++s) issue(s);
   uint4 acc = make_uint4(0, 0, 0, 0);

@@ -12,7 +12,13 @@ First the kernel's step is checked against its JAX reference in float32
 T(K1)) / (K2 - K1) with the caches carried and donated, median of REPS;
 then one step's grid-barrier clock readings (%globaltimer) are summed per
 stage: the stage's work up to its last CTA's arrival at the barrier, and
-the barrier (last arrival to CTA 0's release).
+the barrier (last arrival to CTA 0's release); and one step's trace gives,
+per point of a layer (``models.transformer_decode_cuda.TRACE_EVENTS``), when
+the last CTA and the median CTA passed it, from the layer's first CTA's
+start, the median over layers.
+
+``--options`` runs the kernel with these optional paths
+(``models.transformer_decode_cuda.OPTIONS``, bit flags), a row each.
 """
 
 from __future__ import annotations
@@ -120,6 +126,8 @@ def stage_breakdown(config, x, weights, caches, context: int) -> dict:
     times = words[:, 0] + (words[:, 1] << 32)
     start, end = times[0], times[1]
     arrivals, releases = times[2::2], times[3::2]   # barrier k at index k - 1
+    if not arrivals.all():  # POLLED_HANDOFFS: no grid barriers
+        return {"kernel_us": (end - start) / 1e3}
     work = {s: 0.0 for s in STAGES}
     waits = {s: 0.0 for s in STAGES}
     previous = start
@@ -132,6 +140,34 @@ def stage_breakdown(config, x, weights, caches, context: int) -> dict:
     return {"kernel_us": (end - start) / 1e3, "work_us": work, "barrier_us": waits}
 
 
+def layer_timeline(config, x, weights, caches, context: int) -> dict:
+    """{event: (last CTA, median CTA) in us from the layer's first start},
+    medians over layers; "<stage>_copy_wait_us": the median CTA's waits for
+    weight copies in the stage; "layer_us": a layer's length."""
+    call = jax.jit(lambda *a: fused.stage_times(*a, config, trace=True))
+    call(x, context, weights, jax.tree.map(jnp.copy, caches))
+    words = np.asarray(call(x, context, weights, jax.tree.map(jnp.copy, caches))[3], np.int64)
+    clocks = words[..., 0] + (words[..., 1] << 32)  # [layers, ctas, events]
+    clocks = clocks[:, clocks[0, :, 0] > 0]          # the grid's CTAs
+    starts = clocks[:, :, 0].min(axis=1)
+    timeline = {}
+    for e, name in enumerate(fused.TRACE_EVENTS):
+        if name.endswith("_ns"):
+            timeline[name.replace("_ns", "_us")] = float(
+                np.median(np.median(clocks[:, :, e], 1))) / 1e3
+            continue
+        last, median = [], []
+        for layer in range(clocks.shape[0]):
+            passed = clocks[layer, clocks[layer, :, e] > 0, e] - starts[layer]
+            if passed.size:
+                last.append(passed.max())
+                median.append(np.median(passed))
+        if last:
+            timeline[name] = (float(np.median(last)) / 1e3, float(np.median(median)) / 1e3)
+    timeline["layer_us"] = float(np.median(np.diff(starts))) / 1e3
+    return timeline
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1b", choices=("small", "1b"))
@@ -141,6 +177,11 @@ def main() -> None:
                         metavar="BYTES",
                         help="each of these weight slots (models.transformer_decode_cuda."
                              "CHUNK_BYTES), a row each (default: the module's)")
+    parser.add_argument("--options", nargs="+", type=int, default=[fused.OPTIONS],
+                        metavar="MASK",
+                        help="each of these bit masks of the kernel's optional paths "
+                             "(models.transformer_decode_cuda.OPTIONS), a row each (with every "
+                             "--chunk-bytes; default: the module's)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "transformer_decode_probe.json"))
     args = parser.parse_args()
@@ -150,26 +191,41 @@ def main() -> None:
                                     "reps": REPS, **vars(args)})
     rows = []
     for chunk_bytes in args.chunk_bytes:
-        if chunk_bytes is not None:  # read while tracing: each variant traced afresh
-            fused.CHUNK_BYTES = chunk_bytes
-        jax.clear_caches()
-        rows.append({"chunk_bytes": fused.CHUNK_BYTES,
-                     **measure(config, x, weights, caches, args.context)})
-        print(json.dumps(rows[-1]), flush=True)
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        for options in args.options:
+            if chunk_bytes is not None:  # read while tracing: each variant traced afresh
+                fused.CHUNK_BYTES = chunk_bytes
+            fused.OPTIONS = options
+            jax.clear_caches()
+            rows.append({"chunk_bytes": fused.CHUNK_BYTES, "options": options,
+                         **measure(config, x, weights, caches, args.context)})
+            print(json.dumps(rows[-1]), flush=True)
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for row in rows:
-        print(f"\nslots of {row['chunk_bytes']} bytes: step "
+        print(f"\nslots of {row['chunk_bytes']} bytes, options {row['options']}: step "
               f"{row['per_step_us']:.1f} us [{row['per_step_us_min']:.1f}, "
               f"{row['per_step_us_max']:.1f}], floor {row['floor_us']:.1f} us "
               f"({row['x_floor']:.2f}x)")
         if "kernel_us" not in row:
             continue
         print(f"one step's kernel, start to end: {row['kernel_us']:.1f} us")
-        print("| stage | work to the last arrival (us, all layers) | barrier (us, all layers) |")
+        if "work_us" in row:
+            print("| stage | work to the last arrival (us, all layers) "
+                  "| barrier (us, all layers) |")
+            print("|---|---|---|")
+            for stage in STAGES:
+                print(f"| {stage} | {row['work_us'][stage]:.1f} | "
+                      f"{row['barrier_us'][stage]:.1f} |")
+        timeline = row["layer_timeline"]
+        waits = ", ".join(f"{k[:-len('_us')]} {v:.2f}" for k, v in timeline.items()
+                          if k.endswith("_wait_us") or k == "issue_us")
+        print(f"a layer: {timeline['layer_us']:.2f} us; the median CTA's thread 0 waiting "
+              f"for copies in each stage, issuing them, and thread 32 waiting (us): {waits}")
+        print("| point of the layer | last CTA (us) | median CTA (us) |")
         print("|---|---|---|")
-        for stage in STAGES:
-            print(f"| {stage} | {row['work_us'][stage]:.1f} | {row['barrier_us'][stage]:.1f} |")
+        for name in fused.TRACE_EVENTS:
+            if name in timeline:
+                print(f"| {name} | {timeline[name][0]:.2f} | {timeline[name][1]:.2f} |")
 
 
 def measure(config, x, weights, caches, context: int) -> dict:
@@ -185,7 +241,8 @@ def measure(config, x, weights, caches, context: int) -> dict:
     cache_bytes = 2 * config.num_layers * batch * config.num_kv_heads * config.head_dim \
         * 2 * (context + 1)
     floor_us = (weight_bytes + cache_bytes) / HBM * 1e6
-    breakdown = (stage_breakdown(config, x, weights, caches, context)
+    breakdown = ({**stage_breakdown(config, x, weights, caches, context),
+                  "layer_timeline": layer_timeline(config, x, weights, caches, context)}
                  if jax.default_backend() == "gpu" else {})
     return {"batch": batch, "context": context, "check_error": error,
             "check_bf16_reference_error": bf16_error,

@@ -67,9 +67,13 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   if (threadIdx.x == 0) {
     if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
     ring.InitBarriers();
+    if (p.options & kEvictFirstWeights) ring.policy = EvictFirstPolicy();
   }
   __syncthreads();
   ring.Fill(p);
+  const bool residual_ahead = p.options & (kResidualAhead | kPolledHandoffs);
+  const bool barriers_between = !Polled(p);
+  if (Polled(p)) ClearHandoffs(p);
 
   const int pos = *p.pos;
   if (pos < 0 || pos >= p.cache_len) {
@@ -85,41 +89,77 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   const WeightStage& gate_up = p.stages[2];
   const WeightStage& down = p.stages[3];
   for (int layer = 0; layer < p.layers; ++layer) {
-    const __nv_bfloat16* residual = layer == 0 ? p.x_in : p.x_out;
+    const __nv_bfloat16* x = LayerInputOf(p, layer);
+    __nv_bfloat16* x_attention = XAfterAttentionOf(p, layer);
+    Mark(p, layer, kLayerStart);
     // A: the attention's norm, QKV, rotation; k and v into the cache.
-    if (ItemsOfCta(qkv.items)) NormInto<B>(p, residual, p.attn_norm + layer * p.d, operand, scalars);
+    if (ItemsOfCta(qkv.items)) {
+      NormInto<B>(p, x, p.attn_norm + layer * p.d, operand, scalars, layer);
+    }
+    Mark(p, layer, kQkvNormed);
     for (int item = blockIdx.x; item < qkv.items; item += gridDim.x) {
       ItemProduct<kQkvColumns, B>(p, ring, qkv, layer, operand, reduce, result);
       QkvEpilogue<B>(p, layer, item, pos, result);
-      if (threadIdx.x == 0) {  // the epilogue's writes (it ends in a sync), then the count
-        __threadfence();
-        atomicAdd(p.qkv_done + item / QkvItemsPerKvHead(p), 1u);
-      }
+      // The epilogue's writes (it ends in a sync), then the count.
+      if (threadIdx.x == 0) Arrive(p, p.qkv_done + item / QkvItemsPerKvHead(p));
+    }
+    Mark(p, layer, kQkvDone);
+    ring.RecordWaits(p, layer, kQkvCopyWaitNs);
+    if (Polled(p) && layer == 0) {  // every handoff empty before the first is written
+      WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
     }
     // B: attention, each item once its KV head's QKV items are done.
     Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand), last);
-    GridBarrier(p, ++barriers, "the attention stage", layer);
-    // C: x = residual + attention @ W_out.
-    if (ItemsOfCta(out.items)) GatherInto<B>(p.attended, p.heads * HD, operand);
+    Mark(p, layer, kAttentionDone);
+    if (barriers_between) GridBarrier(p, ++barriers, "the attention stage", layer, kAttentionArrived);
+    // C: x + attention @ W_out.
+    Mark(p, layer, kOutStart);
+    if (ItemsOfCta(out.items)) GatherInto<B>(p, AttendedOf(p, layer), p.heads * HD, operand, layer);
+    Mark(p, layer, kOutGathered);
     for (int item = blockIdx.x; item < out.items; item += gridDim.x) {
+      const int n0 = item * kOutColumns;
+      const float input =
+          residual_ahead ? ResidualInput<B, kOutColumns>(p, x, n0, layer) : 0.f;
       ItemProduct<kOutColumns, B>(p, ring, out, layer, operand, reduce, result);
-      ResidualEpilogue<B, kOutColumns>(residual, p.x_out, p.d, item * kOutColumns, result);
+      ResidualEpilogue<B, kOutColumns>(p, x, x_attention, n0, result, residual_ahead, input,
+                                       layer);
     }
-    GridBarrier(p, ++barriers, "the attention output stage", layer);
+    Mark(p, layer, kOutDone);
+    ring.RecordWaits(p, layer, kOutCopyWaitNs);
+    if (barriers_between) {
+      GridBarrier(p, ++barriers, "the attention output stage", layer, kOutArrived);
+    }
     // D: the MLP's norm, gate/up, SwiGLU.
-    if (ItemsOfCta(gate_up.items)) NormInto<B>(p, p.x_out, p.mlp_norm + layer * p.d, operand, scalars);
+    Mark(p, layer, kGateUpStart);
+    if (ItemsOfCta(gate_up.items)) {
+      NormInto<B>(p, x_attention, p.mlp_norm + layer * p.d, operand, scalars, layer);
+    }
+    Mark(p, layer, kGateUpNormed);
     for (int item = blockIdx.x; item < gate_up.items; item += gridDim.x) {
       ItemProduct<kGateUpColumns, B>(p, ring, gate_up, layer, operand, reduce, result);
-      SwigluEpilogue<B>(p, item * (kGateUpColumns / 2), result);
+      SwigluEpilogue<B>(p, ActOf(p, layer), item * (kGateUpColumns / 2), result);
     }
-    GridBarrier(p, ++barriers, "the gate/up stage", layer);
-    // E: x += act @ W_down.
-    if (ItemsOfCta(down.items)) GatherInto<B>(p.act, p.mlp, operand);
+    Mark(p, layer, kGateUpDone);
+    ring.RecordWaits(p, layer, kGateUpCopyWaitNs);
+    if (barriers_between) GridBarrier(p, ++barriers, "the gate/up stage", layer, kGateUpArrived);
+    // E: x + act @ W_down.
+    Mark(p, layer, kDownStart);
+    if (ItemsOfCta(down.items)) GatherInto<B>(p, ActOf(p, layer), p.mlp, operand, layer);
+    Mark(p, layer, kDownGathered);
     for (int item = blockIdx.x; item < down.items; item += gridDim.x) {
+      const int n0 = item * kDownColumns;
+      const float input =
+          residual_ahead ? ResidualInput<B, kDownColumns>(p, x_attention, n0, layer) : 0.f;
       ItemProduct<kDownColumns, B>(p, ring, down, layer, operand, reduce, result);
-      ResidualEpilogue<B, kDownColumns>(p.x_out, p.x_out, p.d, item * kDownColumns, result);
+      ResidualEpilogue<B, kDownColumns>(p, x_attention, XAfterMlpOf(p, layer), n0, result,
+                                        residual_ahead, input, layer);
     }
-    if (layer + 1 < p.layers) GridBarrier(p, ++barriers, "the down stage", layer);
+    Mark(p, layer, kDownDone);
+    ring.RecordWaits(p, layer, kDownCopyWaitNs);
+    ring.RecordLayer(p, layer);
+    if (barriers_between && layer + 1 < p.layers) {
+      GridBarrier(p, ++barriers, "the down stage", layer, kDownArrived);
+    }
   }
   if (p.stage_times && threadIdx.x == 0) atomicMax(p.stage_times + 1, GlobalTimerNs());
 #endif
@@ -132,12 +172,20 @@ size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
 // The workspace's bytes (models/transformer_decode_cuda.py computes the same
 // from the same shapes; the handler checks the buffer it gets).
-size_t TransformerDecodeWorkspaceBytes(int64_t batch, int64_t heads, int64_t kv_heads,
-                                       int64_t head_dim, int64_t mlp, int64_t max_splits) {
+// The layers' handoff buffers (handoff.cuh), at the workspace's end.
+size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads, int64_t head_dim,
+                    int64_t mlp) {
+  return AlignUp(layers * batch * (2 * d + mlp + heads * head_dim) * 2, 256);
+}
+
+size_t TransformerDecodeWorkspaceBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads,
+                                       int64_t kv_heads, int64_t head_dim, int64_t mlp,
+                                       int64_t max_splits) {
   const int64_t qpk = heads / kv_heads;
   return kControlBytes + kTimesBytes + AlignUp(batch * heads * head_dim * 4, 256) +
          AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256) +
-         AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256);
+         AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256) +
+         HandoffBytes(layers, batch, d, heads, head_dim, mlp);
 }
 
 WeightStage StageOf(const ffi::AnyBuffer& w, int columns, int chunk_bytes) {
@@ -211,7 +259,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
                                  int32_t max_splits, float eps, float rope_theta,
                                  int32_t timeout_ms, int32_t stage_times,
-                                 int32_t chunk_bytes) {
+                                 int32_t chunk_bytes, int32_t options) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
@@ -280,6 +328,13 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                        std::to_string(kMinChunkBytes) + " up to 1 MiB");
   }
   p.chunk_bytes = chunk_bytes;
+  if (options & ~kAllOptions ||
+      stage_times < 0 || stage_times > 2) {
+    return ffi::Error::InvalidArgument(op + "unknown options or stage_times: " +
+                                       std::to_string(options) + ", " +
+                                       std::to_string(stage_times));
+  }
+  p.options = options;
   p.eps = eps;
   p.rope_theta = rope_theta;
   p.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
@@ -313,18 +368,22 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
     if (i % 2 == 0) p.caches[i / 2].k = data; else p.caches[i / 2].v = data;
   }
 
-  const size_t need = TransformerDecodeWorkspaceBytes(batch, heads, kv_heads, head_dim, mlp,
-                                                      max_splits);
-  if (workspace->size_bytes() < need) {
+  const size_t need = TransformerDecodeWorkspaceBytes(layers, batch, d, heads, kv_heads,
+                                                      head_dim, mlp, max_splits);
+  const size_t trace_bytes = stage_times == 2 ? static_cast<size_t>(layers) * kMaxTraceCtas *
+                                                    kTraceEvents * 8 : 0;
+  if (workspace->size_bytes() < need + trace_bytes) {
     return ffi::Error::InvalidArgument(op + "the workspace holds " +
                                        std::to_string(workspace->size_bytes()) + " bytes, " +
-                                       std::to_string(need) + " needed");
+                                       std::to_string(need + trace_bytes) + " needed");
   }
   auto* base = static_cast<unsigned char*>(workspace->untyped_data());
   p.barrier = reinterpret_cast<unsigned*>(base);
   p.stage_times = stage_times ? reinterpret_cast<unsigned long long*>(base + kControlBytes)
                               : nullptr;
+  p.trace = trace_bytes ? reinterpret_cast<unsigned long long*>(base + need) : nullptr;
   size_t offset = kControlBytes + kTimesBytes;
+  p.cleared = p.barrier + 16;
   p.arrivals = p.barrier + 32;
   p.qkv_done = p.arrivals + batch * kv_heads;
   if (static_cast<size_t>(32 + (batch + 1) * kv_heads) * sizeof(unsigned) > kControlBytes) {
@@ -337,6 +396,9 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.attended = reinterpret_cast<__nv_bfloat16*>(base + offset);
   offset += AlignUp(batch * heads * head_dim * 2, 256);
   p.act = reinterpret_cast<__nv_bfloat16*>(base + offset);
+  offset += AlignUp(batch * mlp * 2, 256);
+  p.handoffs = reinterpret_cast<__nv_bfloat16*>(base + offset);
+  p.handoff_bytes = HandoffBytes(layers, batch, d, heads, head_dim, mlp);
 
   int device = 0;
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
@@ -378,6 +440,13 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   JFO_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(base, 0, kControlBytes + (stage_times ? kTimesBytes : 0), stream));
   const int grid = info.sms;
+  if (trace_bytes) {
+    if (grid > kMaxTraceCtas) {
+      return ffi::Error::InvalidArgument(op + "a trace holds " + std::to_string(kMaxTraceCtas) +
+                                         " CTAs; this GPU has " + std::to_string(grid) + " SMs");
+    }
+    JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.trace, 0, trace_bytes, stream));
+  }
 #define JFO_LAUNCH_BATCH(B)                                            \
   case B:                                                              \
     return head_dim == 64 ? Launch<B, 64>(stream, device, p, grid, at)         \
@@ -417,7 +486,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<float>("eps")
         .Attr<float>("rope_theta")
         .Attr<int32_t>("timeout_ms")
-        .Attr<int32_t>("stage_times")  // 1: record the barriers' times in the workspace
-        .Attr<int32_t>("chunk_bytes"));  // a shared-memory slot of the weights' stream
+        .Attr<int32_t>("stage_times")  // 1: the barriers' times in the workspace; 2: and a trace
+        .Attr<int32_t>("chunk_bytes")  // a shared-memory slot of the weights' stream
+        .Attr<int32_t>("options"));  // kEvictFirstWeights | ... (params.cuh)
 
 }  // namespace jfo

@@ -37,6 +37,53 @@ constexpr int kMaxColumns = 64;
 constexpr int kOperandPad = 8;
 constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 
+// The kernel's optional paths (Params::options, bit flags;
+// models.transformer_decode_cuda.OPTIONS): all on by default, measured
+// faster together (docs/measurements.md, session 38); 0 is the kernel of
+// session 37, grid barriers and fences, kept for comparison.
+// (2 and 32 were the norms' weights prefetched into L1 and the counts
+// kept apart from the thread that issues copies: no gain, removed.)
+constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
+constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
+constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
+constexpr int kOrderedAtomics = 16;    // release/acquire atomics in place of fences
+constexpr int kPolledHandoffs = 64;    // per-layer outputs polled, no grid barriers (handoff.cuh)
+constexpr int kAllOptions = kEvictFirstWeights | kResidualAhead | kKvBeforeCount |
+                             kOrderedAtomics | kPolledHandoffs;
+
+// With stage_times 2, each CTA's clock at these points of each layer
+// (thread 0's %globaltimer, ns), and the time it waited for weight copies.
+enum TraceEvent {
+  kLayerStart,
+  kQkvNormed,
+  kQkvDone,
+  kAttentionReady,  // its first attention item's KV head counted
+  kSplitDone,       // its last split's partial stored and counted
+  kAttentionDone,   // and the group combined where it was the last
+  kAttentionArrived,  // at the grid barrier after it
+  kOutStart,
+  kOutGathered,
+  kOutDone,
+  kOutArrived,
+  kGateUpStart,
+  kGateUpNormed,
+  kGateUpDone,
+  kGateUpArrived,
+  kDownStart,
+  kDownGathered,
+  kDownDone,
+  kDownArrived,
+  // Not times: the ns thread 0 waited for weight copies in each stage.
+  kQkvCopyWaitNs,
+  kOutCopyWaitNs,
+  kGateUpCopyWaitNs,
+  kDownCopyWaitNs,
+  kIssueNs,           // thread 0 issuing copies, in the layer
+  kWarp1CopyWaitNs,   // thread 32's waits for copies, in the layer
+  kTraceEvents
+};
+constexpr int kMaxTraceCtas = 256;
+
 struct LayerCache {
   __nv_bfloat16* k;  // [batch, kv, cache_len, head_dim]
   __nv_bfloat16* v;
@@ -55,6 +102,7 @@ struct Params {
   int layers, batch, d, heads, kv_heads, head_dim, mlp, cache_len;
   int q_per_kv, max_splits, ring_slots;
   int chunk_bytes;  // a slot's bytes: a multiple of kMinChunkBytes
+  int options;  // kEvictFirstWeights | ...
   float eps, rope_theta;
   uint64_t timeout_ns;
   const __nv_bfloat16* x_in;  // [batch, d]
@@ -66,10 +114,16 @@ struct Params {
   // The workspace's parts.
   unsigned* barrier;       // grid barrier arrivals, zeroed before each launch
   unsigned long long* stage_times;  // nullptr, or kTimesBytes zeroed before the launch
+  unsigned long long* trace;  // nullptr, or [layers, kMaxTraceCtas, kTraceEvents] zeroed
   unsigned* arrivals;      // [batch * kv]: splits done per head group
   unsigned* qkv_done;      // [kv]: QKV items done per KV head, over the launch's layers
   float* q;                // [batch, heads, head_dim], rotated, bf16-rounded
   float* partials;         // [batch * kv, max_splits, q_per_kv, head_dim + 2]
+  // With kPolledHandoffs: each layer's stage outputs (handoff.cuh), and
+  // the CTAs that have filled their share with kHandoffEmpty.
+  __nv_bfloat16* handoffs;
+  size_t handoff_bytes;
+  unsigned* cleared;
   __nv_bfloat16* attended; // [batch, heads * head_dim]
   __nv_bfloat16* act;      // [batch, mlp]
   // Shared-memory layout (byte offsets), decided on the host.

@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "params.cuh"
+#include "handoff.cuh"
 #include "sync.cuh"
 
 namespace jfo {
@@ -103,18 +104,37 @@ __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, 
   __syncthreads();
 }
 
-// operand[b][k] = bf16(x[b][k] / rms(x[b]) * weight[k]), as models.layers.rms_norm.
+// bf16 a 16-byte load: the operands' rows are multiples of it.
+constexpr int kVector = 8;
+
+__device__ __forceinline__ uint4* VectorAt(__nv_bfloat16* p) { return reinterpret_cast<uint4*>(p); }
+
+__device__ __forceinline__ uint4 LoadVector(const __nv_bfloat16* p) {
+  return __ldcg(reinterpret_cast<const uint4*>(p));
+}
+
+// operand[b][k] = bf16(x[b][k] / rms(x[b]) * weight[k]), as models.layers.rms_norm;
+// x another stage's (handoff.cuh) unless it is the launch's input.
 template <int B>
 __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* weight,
-                         __nv_bfloat16* operand, float* scalars) {
+                         __nv_bfloat16* operand, float* scalars, int layer) {
   float sums[B] = {};
-  for (int k = threadIdx.x; k < p.d; k += kThreads) {
+  for (int k = threadIdx.x * kVector; k < p.d; k += kThreads * kVector) {
+    uint4 loaded[B];
+#pragma unroll
+    for (int b = 0; b < B; ++b) loaded[b] = LoadHandoff(p, x + static_cast<size_t>(b) * p.d + k);
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      const __nv_bfloat16 v = __ldcg(x + static_cast<size_t>(b) * p.d + k);
-      operand[OperandAt(p.d, b, k)] = v;
-      const float f = __bfloat162float(v);
-      sums[b] = fmaf(f, f, sums[b]);
+      const uint4 raw = x == p.x_in ? loaded[b]
+                                    : Ready(p, x + static_cast<size_t>(b) * p.d + k, loaded[b],
+                                            layer);
+      *VectorAt(operand + OperandAt(p.d, b, k)) = raw;
+      const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kVector / 2; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        sums[b] = fmaf(f.y, f.y, fmaf(f.x, f.x, sums[b]));
+      }
     }
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -132,24 +152,47 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
     scalars[kWarps * B + threadIdx.x] = rsqrtf(total / p.d + p.eps);
   }
   __syncthreads();
-  for (int k = threadIdx.x; k < p.d; k += kThreads) {
-    const float wk = weight[k];
+  for (int k = threadIdx.x * kVector; k < p.d; k += kThreads * kVector) {
+    float wk[kVector];
+#pragma unroll
+    for (int i = 0; i < kVector; ++i) wk[i] = __ldg(weight + k + i);
 #pragma unroll
     for (int b = 0; b < B; ++b) {
-      __nv_bfloat16& v = operand[OperandAt(p.d, b, k)];
-      v = __float2bfloat16(__bfloat162float(v) * scalars[kWarps * B + b] * wk);
+      auto* pairs = reinterpret_cast<__nv_bfloat162*>(operand + OperandAt(p.d, b, k));
+      const float scale = scalars[kWarps * B + b];
+#pragma unroll
+      for (int i = 0; i < kVector / 2; ++i) {
+        const float2 f = __bfloat1622float2(pairs[i]);
+        pairs[i] = __floats2bfloat162_rn(f.x * scale * wk[2 * i], f.y * scale * wk[2 * i + 1]);
+      }
     }
   }
   __syncthreads();
 }
 
-// operand[b][k] = src[b][k] (bf16 [batch, n] written by other CTAs).
+// operand[b][k] = src[b][k] (bf16 [batch, n], n a multiple of kVector,
+// handed over by other CTAs). A thread's loads of a round are all issued
+// before any is checked.
 template <int B>
-__device__ void GatherInto(const __nv_bfloat16* src, int n, __nv_bfloat16* operand) {
-  for (int k = threadIdx.x; k < n; k += kThreads) {
+__device__ void GatherInto(const Params& p, const __nv_bfloat16* src, int n,
+                           __nv_bfloat16* operand, int layer) {
+  constexpr int kRound = 4;
+  const int per_row = n / kVector, vectors = B * per_row;
+  for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kRound) {
+    uint4 loaded[kRound];
 #pragma unroll
-    for (int b = 0; b < B; ++b) {
-      operand[OperandAt(n, b, k)] = __ldcg(src + static_cast<size_t>(b) * n + k);
+    for (int i = 0; i < kRound; ++i) {
+      const int v = v0 + i * kThreads;
+      if (v < vectors) loaded[i] = LoadHandoff(p, src + static_cast<size_t>(v) * kVector);
+    }
+#pragma unroll
+    for (int i = 0; i < kRound; ++i) {
+      const int v = v0 + i * kThreads;
+      if (v < vectors) {
+        const int b = v / per_row, k = v % per_row * kVector;
+        *VectorAt(operand + OperandAt(n, b, k)) =
+            Ready(p, src + static_cast<size_t>(v) * kVector, loaded[i], layer);
+      }
     }
   }
   __syncthreads();
@@ -200,28 +243,46 @@ __device__ void QkvEpilogue(const Params& p, int layer, int item, int pos, const
   __syncthreads();
 }
 
-// x[b][n0 + c] += bf16(result[b][c]), in bf16 as the model's residual adds.
+// A residual add's element: thread t < B * C holds batch row t / C, column
+// n0 + t % C of the [batch, d] residual stream.
 template <int B, int C>
-__device__ void ResidualEpilogue(const __nv_bfloat16* residual, __nv_bfloat16* x_out, int d,
-                                 int n0, const float* result) {
-  for (int t = threadIdx.x; t < B * C; t += kThreads) {
-    const int b = t / C, c = t % C;
-    const size_t at = static_cast<size_t>(b) * d + n0 + c;
-    x_out[at] = __float2bfloat16(LoadBf16(residual + at) + Bf16Round(result[t]));
+__device__ __forceinline__ size_t ResidualAt(int d, int n0) {
+  static_assert(B * C <= kThreads, "a thread an element");
+  return static_cast<size_t>(threadIdx.x / C) * d + n0 + threadIdx.x % C;
+}
+
+// The residual's element of this thread (ResidualAt), read before the item's
+// GEMV (kResidualAhead) so that its load is not in the stage's tail.
+template <int B, int C>
+__device__ __forceinline__ float ResidualInput(const Params& p, const __nv_bfloat16* residual,
+                                               int n0, int layer) {
+  if (threadIdx.x >= B * C) return 0.f;
+  const __nv_bfloat16* at = residual + ResidualAt<B, C>(p.d, n0);
+  return Polled(p) && residual != p.x_in ? ReadyValue(p, at, layer) : LoadBf16(at);
+}
+
+// x_out[b][n0 + c] = residual + bf16(result[b][c]), in bf16 as the model's
+// residual adds; `ahead`: ResidualInput's value, else the residual is read here.
+template <int B, int C>
+__device__ void ResidualEpilogue(const Params& p, const __nv_bfloat16* residual,
+                                 __nv_bfloat16* x_out, int n0, const float* result, bool ahead,
+                                 float input, int layer) {
+  if (!ahead) input = ResidualInput<B, C>(p, residual, n0, layer);
+  if (threadIdx.x < B * C) {
+    x_out[ResidualAt<B, C>(p.d, n0)] = HandoffValue(input + Bf16Round(result[threadIdx.x]));
   }
   __syncthreads();
 }
 
 // act[b][u0 + u] = bf16(silu(gate) * up) of the item's 32 units.
 template <int B>
-__device__ void SwigluEpilogue(const Params& p, int u0, const float* result) {
+__device__ void SwigluEpilogue(const Params& p, __nv_bfloat16* act, int u0, const float* result) {
   constexpr int kUnits = kGateUpColumns / 2;
   for (int t = threadIdx.x; t < B * kUnits; t += kThreads) {
     const int b = t / kUnits, u = t % kUnits;
     const float gate = Bf16Round(result[b * kGateUpColumns + 2 * u]);
     const float up = Bf16Round(result[b * kGateUpColumns + 2 * u + 1]);
-    p.act[static_cast<size_t>(b) * p.mlp + u0 + u] =
-        __float2bfloat16(gate / (1.f + __expf(-gate)) * up);
+    act[static_cast<size_t>(b) * p.mlp + u0 + u] = HandoffValue(gate / (1.f + __expf(-gate)) * up);
   }
   __syncthreads();
 }
@@ -266,25 +327,20 @@ __device__ inline Splits SplitsFor(const Params& p, int positions) {
   return {(positions + length - 1) / length, length};
 }
 
-// The group's splits combined: p.attended[b][(g * qpk + j) * HD + e] in
-// bf16. Every split's loads of a round are issued before any is used.
+// The group's splits combined: attended[b][(g * qpk + j) * HD + e]
+// (AttendedOf the layer) in bf16. A round's loads (kSplits splits) are all issued before any is
+// used: one round trip for up to kSplits splits.
 template <int HD>
-__device__ void CombineGroup(const Params& p, int count, int b, int g) {
-  constexpr int kSplits = 8;
+__device__ void CombineGroup(const Params& p, int count, int b, int g,
+                             __nv_bfloat16* attended) {
+  constexpr int kSplits = 16;
   const int qpk = p.q_per_kv, warp_floats = qpk * (HD + 2);
   const float* group = p.partials + (static_cast<size_t>(b) * p.kv_heads + g) * p.max_splits *
                                         warp_floats;
   for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
     const int j = t / HD, e = t % HD;
     const float* mine = group + j * (HD + 2);
-    float big = -INFINITY;
-    for (int s0 = 0; s0 < count; s0 += kSplits) {
-#pragma unroll
-      for (int i = 0; i < kSplits; ++i) {
-        if (s0 + i < count) big = fmaxf(big, __ldcg(mine + (s0 + i) * warp_floats + HD));
-      }
-    }
-    float sum = 0.f, out = 0.f;
+    float big = -INFINITY, sum = 0.f, out = 0.f;
     for (int s0 = 0; s0 < count; s0 += kSplits) {
       float m[kSplits], l[kSplits], o[kSplits];
 #pragma unroll
@@ -295,15 +351,23 @@ __device__ void CombineGroup(const Params& p, int count, int b, int g) {
         l[i] = in ? __ldcg(theirs + HD + 1) : 0.f;
         o[i] = in ? __ldcg(theirs + e) : 0.f;
       }
+      // Every split has a position, so its max is finite.
+      float round_big = big;
+#pragma unroll
+      for (int i = 0; i < kSplits; ++i) round_big = fmaxf(round_big, m[i]);
+      const float rescale = __expf(big - round_big);  // 0 in the first round
+      sum *= rescale;
+      out *= rescale;
 #pragma unroll
       for (int i = 0; i < kSplits; ++i) {
-        const float factor = s0 + i < count ? __expf(m[i] - big) : 0.f;
+        const float factor = s0 + i < count ? __expf(m[i] - round_big) : 0.f;
         sum = fmaf(l[i], factor, sum);
         out = fmaf(o[i], factor, out);
       }
+      big = round_big;
     }
-    p.attended[static_cast<size_t>(b) * p.heads * HD + (g * qpk + j) * HD + e] =
-        __float2bfloat16(out / sum);
+    attended[static_cast<size_t>(b) * p.heads * HD + (g * qpk + j) * HD + e] =
+        HandoffValue(out / sum);
   }
 }
 
@@ -311,7 +375,7 @@ __device__ void CombineGroup(const Params& p, int count, int b, int g) {
 // are done (p.qkv_done: no grid barrier between the stages), and leaves its
 // partial in p.partials: per query head of the group, o [HD] (not
 // normalized), then m and l (the running max and sum of the softmax). The
-// group's last item to arrive (p.arrivals) combines them into p.attended.
+// group's last item to arrive (p.arrivals) combines them into AttendedOf.
 template <int HD, int QPK>
 __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch,
                              int* last) {
@@ -325,15 +389,34 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
   const int items = p.batch * p.kv_heads * splits.count;
   const float scale = rsqrtf(static_cast<float>(HD));
   const int warp_floats = qpk * (HD + 2);
+  const bool kv_early = p.options & kKvBeforeCount;
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
     const int bg = item / splits.count, split = item % splits.count;
     const int b = bg / p.kv_heads, g = bg % p.kv_heads;
-    WaitForCount(p, p.qkv_done + g, QkvItemsPerKvHead(p) * (layer + 1),
-                 "the QKV items of its KV head", layer);
     const int p0 = split * splits.length, p1 = min(pos + 1, p0 + splits.length);
     const size_t head = (static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len;
     const __nv_bfloat16* kc = p.caches[layer].k + head * HD + lane * kPerLane;
     const __nv_bfloat16* vc = p.caches[layer].v + head * HD + lane * kPerLane;
+    LaneRow<kPerLane> keys[kInFlight], values[kInFlight];
+    // A round's loads, all issued before any is used: one round trip.
+    auto load_round = [&](int base, bool only_new) {
+#pragma unroll
+      for (int i = 0; i < kInFlight; ++i) {
+        const int position = base + i * kWarps;
+        if (position < p1 && (!only_new || position == pos)) {
+          keys[i].Load(kc + static_cast<size_t>(position) * HD);
+          values[i].Load(vc + static_cast<size_t>(position) * HD);
+        }
+      }
+    };
+    // With kKvBeforeCount, the first round's rows before the wait (rows
+    // before pos are from earlier steps), the new row again after it.
+    const int first = p0 + warp;
+    if (kv_early) load_round(first, false);
+    WaitForCount(p, p.qkv_done + g, QkvItemsPerKvHead(p) * (layer + 1),
+                 "the QKV items of its KV head", layer);
+    if (item == blockIdx.x) Mark(p, layer, kAttentionReady);
+    if (kv_early) load_round(first, true);
     float q[QPK][kPerLane], m[QPK], l[QPK];
     float o[QPK][kPerLane];
 #pragma unroll
@@ -347,16 +430,8 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
                          lane * kPerLane + e);
       }
     }
-    for (int base = p0 + warp; base < p1; base += kWarps * kInFlight) {
-      LaneRow<kPerLane> keys[kInFlight], values[kInFlight];
-#pragma unroll
-      for (int i = 0; i < kInFlight; ++i) {  // every load first: one round trip
-        const int position = base + i * kWarps;
-        if (position < p1) {
-          keys[i].Load(kc + static_cast<size_t>(position) * HD);
-          values[i].Load(vc + static_cast<size_t>(position) * HD);
-        }
-      }
+    for (int base = first; base < p1; base += kWarps * kInFlight) {
+      if (!kv_early || base != first) load_round(base, false);
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
         if (base + i * kWarps >= p1) break;
@@ -413,15 +488,19 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
         partial[j * (HD + 2) + HD + 1] = sum;
       }
     }
-    __threadfence();
+    const bool fenced_atomics = !(p.options & kOrderedAtomics);
+    if (fenced_atomics) __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-      *last = atomicAdd(p.arrivals + bg, 1u) == static_cast<unsigned>(splits.count - 1);
+      const unsigned before = fenced_atomics ? atomicAdd(p.arrivals + bg, 1u)
+                                             : AddAcquireRelease(p.arrivals + bg, 1u);
+      *last = before == static_cast<unsigned>(splits.count - 1);
     }
     __syncthreads();
+    Mark(p, layer, kSplitDone);
     if (*last) {
-      __threadfence();
-      CombineGroup<HD>(p, splits.count, b, g);
+      if (fenced_atomics) __threadfence();
+      CombineGroup<HD>(p, splits.count, b, g, AttendedOf(p, layer));
       if (threadIdx.x == 0) p.arrivals[bg] = 0;  // for the next layer
     }
     __syncthreads();

@@ -37,17 +37,59 @@ __device__ inline void SpinUntilAtLeast(const Params& p, const unsigned* counter
   while ((seen = LoadAcquireGpu(counter)) < target) {
     if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, target);
   }
-  __threadfence();
+  // The acquiring load, then the CTA's __syncthreads, order the others'
+  // writes before the CTA's reads (as CUTLASS's grid barriers wait).
+  if (!(p.options & kOrderedAtomics)) __threadfence();
+}
+
+// One thread, after a __syncthreads: *counter += value, releasing the
+// CTA's writes before it (as CUTLASS's grid barriers do; no separate fence).
+__device__ __forceinline__ void AddRelease(unsigned* counter, unsigned value) {
+  asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
+}
+
+// The same, returning the old value and acquiring the writes it saw released.
+__device__ __forceinline__ unsigned AddAcquireRelease(unsigned* counter, unsigned value) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(old) : "l"(counter), "r"(value) : "memory");
+  return old;
+}
+
+// One thread, after a __syncthreads: counts the CTA's arrival, its writes
+// before it released.
+__device__ __forceinline__ void Arrive(const Params& p, unsigned* counter) {
+  if (p.options & kOrderedAtomics) {
+    AddRelease(counter, 1u);
+  } else {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+
+// With stage_times 2: this layer's `event` of this CTA is `value`.
+__device__ __forceinline__ void Record(const Params& p, int layer, TraceEvent event,
+                                       uint64_t value) {
+  if (p.trace) {
+    p.trace[(static_cast<size_t>(layer) * kMaxTraceCtas + blockIdx.x) * kTraceEvents + event] =
+        value;
+  }
+}
+
+// Thread 0, with stage_times 2: this layer's clock at `event`.
+__device__ __forceinline__ void Mark(const Params& p, int layer, TraceEvent event) {
+  if (p.trace && threadIdx.x == 0) Record(p, layer, event, GlobalTimerNs());
 }
 
 // The count-th barrier of this launch: every CTA's writes before it are
 // visible to every CTA after it.
-__device__ inline void GridBarrier(const Params& p, unsigned count, const char* what, int layer) {
+__device__ inline void GridBarrier(const Params& p, unsigned count, const char* what, int layer,
+                                   TraceEvent arrived) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     if (p.stage_times) atomicMax(p.stage_times + 2 * count, GlobalTimerNs());
-    atomicAdd(p.barrier, 1u);
+    Arrive(p, p.barrier);
+    if (p.trace) Record(p, layer, arrived, GlobalTimerNs());
     SpinUntilAtLeast(p, p.barrier, count * gridDim.x, what, layer);
     if (p.stage_times && blockIdx.x == 0) p.stage_times[2 * count + 1] = GlobalTimerNs();
   }
@@ -90,16 +132,33 @@ __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) 
   return done != 0;
 }
 
+// An L2 policy for data read once: its lines are the first evicted, so
+// that a stream of weights does not push out what is read again (the KV
+// caches, the norms' weights, the activations).
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy = 0;
+  JFO_SM90_ASM("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
 // `bytes` (a multiple of 16) from global into a slot in one bulk copy,
-// completing the slot's mbarrier phase.
+// completing the slot's mbarrier phase; with a policy (not 0), under it.
 __device__ __forceinline__ void BulkLoad(void* slot, const void* src, unsigned bytes,
-                                         uint64_t* bar) {
+                                         uint64_t* bar, uint64_t policy) {
   JFO_SM90_ASM("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
                ::"r"(SharedAddress(bar)), "r"(bytes) : "memory");
-  JFO_SM90_ASM(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
-      : "memory");
+  if (policy) {
+    JFO_SM90_ASM(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+        " [%0], [%1], %2, [%3], %4;"
+        ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar)), "l"(policy)
+        : "memory");
+  } else {
+    JFO_SM90_ASM(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+        ::"r"(SharedAddress(slot)), "l"(src), "r"(bytes), "r"(SharedAddress(bar))
+        : "memory");
+  }
 }
 
 // The weights' stream. Each CTA's chunks, in the order it consumes them:
@@ -112,34 +171,49 @@ __device__ __forceinline__ int ItemsOfCta(int items) {
 }
 
 // Where the CTA's next copy comes from (thread 0's). It only moves
-// forward, one chunk at a time, as they are issued.
+// forward, one chunk at a time, as they are issued; within an item a step
+// is an add (the issuing thread's time is on every chunk's path).
 struct ChunkCursor {
   int layer = 0, stage = 0, item = 0, chunk = 0;  // item: the CTA's own count in the stage
+  const unsigned char* src = nullptr;  // the next chunk's first byte
+  unsigned bytes = 0;                  // and its size
+  unsigned full_bytes = 0, last_bytes = 0;  // the item's chunks, and its last
+  int chunks = 0;                           // the item's
 
-  __device__ void Start(const Params& p) { SkipEmpty(p); }
+  __device__ void Start(const Params& p) {
+    SkipEmpty(p);
+    if (!Done(p)) LocateItem(p);
+  }
 
   __device__ bool Done(const Params& p) const { return layer >= p.layers; }
 
   __device__ void Advance(const Params& p) {
-    if (++chunk == p.stages[stage].chunks_per_item) {
-      chunk = 0;
-      ++item;
-      SkipEmpty(p);
+    if (++chunk < chunks) {
+      src += full_bytes;
+      if (chunk == chunks - 1) bytes = last_bytes;
+      return;
     }
-  }
-
-  __device__ void Locate(const Params& p, const void** src, unsigned* bytes) const {
-    const WeightStage& st = p.stages[stage];
-    const int row0 = chunk * st.rows_per_chunk;
-    const int rows = min(st.rows_per_chunk, st.k - row0);
-    const size_t item_elements = static_cast<size_t>(st.k) * st.columns;
-    const int index = blockIdx.x + item * gridDim.x;
-    *src = st.w + (static_cast<size_t>(layer) * st.items + index) * item_elements +
-           static_cast<size_t>(row0) * st.columns;
-    *bytes = static_cast<unsigned>(rows) * st.columns * sizeof(__nv_bfloat16);
+    chunk = 0;
+    ++item;
+    SkipEmpty(p);
+    if (!Done(p)) LocateItem(p);
   }
 
  private:
+  // Chunk 0 of the CTA's item `item` of `stage` in `layer`.
+  __device__ void LocateItem(const Params& p) {
+    const WeightStage& st = p.stages[stage];
+    const size_t item_elements = static_cast<size_t>(st.k) * st.columns;
+    const int index = blockIdx.x + item * gridDim.x;
+    src = reinterpret_cast<const unsigned char*>(
+        st.w + (static_cast<size_t>(layer) * st.items + index) * item_elements);
+    chunks = st.chunks_per_item;
+    full_bytes = static_cast<unsigned>(st.rows_per_chunk) * st.columns * sizeof(__nv_bfloat16);
+    last_bytes = static_cast<unsigned>(st.k - (chunks - 1) * st.rows_per_chunk) * st.columns *
+                 sizeof(__nv_bfloat16);
+    bytes = chunks == 1 ? last_bytes : full_bytes;
+  }
+
   // Past the stages (and layers) where this CTA has no item left.
   __device__ void SkipEmpty(const Params& p) {
     while (layer < p.layers && blockIdx.x + item * gridDim.x >= p.stages[stage].items) {
@@ -160,7 +234,13 @@ struct Ring {
   uint64_t* bars;
   int count;
   int next = 0;    // the chunk the CTA consumes next
-  int issued = 0;  // chunks issued (thread 0's count)
+  int next_slot = 0;         // its slot (next % count)
+  unsigned next_parity = 0;  // and the phase parity it waits for ((next / count) & 1)
+  int issued = 0;            // chunks issued (thread 0's count)
+  int issue_slot = 0;        // the next one's slot (issued % count)
+  uint64_t policy = 0;     // the copies' L2 policy (0: none)
+  uint64_t waited_ns = 0;  // this thread's waits for copies, with a trace
+  uint64_t issue_ns = 0;   // thread 0's time issuing them, with a trace
   ChunkCursor cursor;
 
   // Thread 0, before any copy: the slots' mbarriers.
@@ -181,37 +261,64 @@ struct Ring {
   __device__ void IssueNext(const Params& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0 || cursor.Done(p)) return;
-    const void* src;
-    unsigned bytes;
-    cursor.Locate(p, &src, &bytes);
-    const int slot = issued % count;
-    BulkLoad(slots + static_cast<size_t>(slot) * p.chunk_bytes, src, bytes, bars + slot);
+    BulkLoad(slots + static_cast<size_t>(issue_slot) * p.chunk_bytes, cursor.src, cursor.bytes,
+             bars + issue_slot, policy);
     cursor.Advance(p);
     ++issued;
+    if (++issue_slot == count) issue_slot = 0;
 #endif
   }
 
   // Waits for the next chunk; returns its slot.
   __device__ const uint4* Wait(const Params& p, int layer) {
-    const int slot = next % count;
+    const int slot = next_slot;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    const unsigned parity = (next / count) & 1;
+    const unsigned parity = next_parity;
+    // try_wait itself may wait a while before it fails: the trace times it too.
+    const uint64_t traced = p.trace ? GlobalTimerNs() : 0;
     if (!MbarrierTryWait(bars + slot, parity)) {
       const uint64_t start = GlobalTimerNs();
       while (!MbarrierTryWait(bars + slot, parity)) {
         if (GlobalTimerNs() - start > p.timeout_ns) TimedOut("a weight copy", layer, next, issued);
       }
     }
+    if (p.trace) waited_ns += GlobalTimerNs() - traced;
 #endif
     return reinterpret_cast<const uint4*>(slots + static_cast<size_t>(slot) * p.chunk_bytes);
+  }
+
+  // Thread 0, with a trace: its waits since the last record, as `event`.
+  __device__ void RecordWaits(const Params& p, int layer, TraceEvent event) {
+    if (p.trace && threadIdx.x == 0) {
+      Record(p, layer, event, waited_ns);
+      waited_ns = 0;
+    }
+  }
+
+  // With a trace, at a layer's end: thread 0's issuing, thread 32's waits.
+  __device__ void RecordLayer(const Params& p, int layer) {
+    if (p.trace && threadIdx.x == 0) {
+      Record(p, layer, kIssueNs, issue_ns);
+      issue_ns = 0;
+    }
+    if (p.trace && threadIdx.x == 32) {
+      Record(p, layer, kWarp1CopyWaitNs, waited_ns);
+      waited_ns = 0;
+    }
   }
 
   // Every thread is done with the chunk it waited for: its slot takes the
   // chunk `count` ahead.
   __device__ void Release(const Params& p) {
     __syncthreads();
+    const uint64_t traced = p.trace && threadIdx.x == 0 ? GlobalTimerNs() : 0;
     IssueNext(p);
+    if (traced) issue_ns += GlobalTimerNs() - traced;
     ++next;
+    if (++next_slot == count) {
+      next_slot = 0;
+      next_parity ^= 1;
+    }
   }
 };
 

@@ -1,0 +1,135 @@
+// Where the decode kernel's stages leave what the next stage reads, and how
+// that stage reads it.
+//
+// With kPolledHandoffs (the default) every layer's outputs have their own
+// buffers in the workspace (Params::handoffs), filled with kHandoffEmpty at
+// the launch's start, and the next stage polls the values themselves until
+// none is kHandoffEmpty: no fence, no grid barrier, and a CTA starts as soon
+// as what it reads is there (a fence before a count waited ~1.5-3 us for
+// the SM's writes while the weights streamed: docs/measurements.md, session
+// 38). No value a stage writes is kHandoffEmpty (HandoffValue). A poll that
+// waits past the timeout traps. Without it, the stages write buffers every
+// layer reuses (the residual stream in place in x_out), and a grid barrier
+// between stages makes the writes visible.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "params.cuh"
+#include "sync.cuh"
+
+namespace jfo {
+namespace transformer_decode {
+
+// bf16 0xFFFF: a NaN's bit pattern that HandoffValue never writes.
+constexpr unsigned short kHandoffEmpty = 0xFFFF;
+
+__device__ __forceinline__ bool Polled(const Params& p) {
+  return p.options & kPolledHandoffs;
+}
+
+// A layer's handoff buffers, in elements from its first: x after the
+// attention's residual add [B, d], the SwiGLU's output [B, mlp], x after the
+// MLP's residual add [B, d], the attention's output [B, heads * head_dim].
+__device__ __forceinline__ __nv_bfloat16* HandoffsOf(const Params& p, int layer) {
+  const size_t per_layer = static_cast<size_t>(p.batch) *
+                           (2 * p.d + p.mlp + p.heads * p.head_dim);
+  return p.handoffs + layer * per_layer;
+}
+
+__device__ __forceinline__ __nv_bfloat16* XAfterAttentionOf(const Params& p, int layer) {
+  return Polled(p) ? HandoffsOf(p, layer) : p.x_out;
+}
+
+__device__ __forceinline__ __nv_bfloat16* ActOf(const Params& p, int layer) {
+  return Polled(p) ? HandoffsOf(p, layer) + p.batch * p.d : p.act;
+}
+
+// The last layer's goes to the kernel's output.
+__device__ __forceinline__ __nv_bfloat16* XAfterMlpOf(const Params& p, int layer) {
+  return Polled(p) && layer + 1 < p.layers
+             ? HandoffsOf(p, layer) + p.batch * (p.d + p.mlp)
+             : p.x_out;
+}
+
+__device__ __forceinline__ __nv_bfloat16* AttendedOf(const Params& p, int layer) {
+  return Polled(p) ? HandoffsOf(p, layer) + p.batch * (2 * p.d + p.mlp) : p.attended;
+}
+
+// The blocks' input of `layer`: the launch's x, or the previous layer's.
+__device__ __forceinline__ const __nv_bfloat16* LayerInputOf(const Params& p, int layer) {
+  return layer == 0 ? p.x_in : XAfterMlpOf(p, layer - 1);
+}
+
+// What a stage writes for the next: never kHandoffEmpty.
+__device__ __forceinline__ __nv_bfloat16 HandoffValue(float v) {
+  __nv_bfloat16_raw raw = __float2bfloat16(v);
+  if (raw.x == kHandoffEmpty) raw.x = 0x7FFF;
+  return raw;
+}
+
+// Every CTA its share of the handoff buffers, kHandoffEmpty; then counted
+// in p.cleared (no CTA writes a handoff before all are counted).
+__device__ inline void ClearHandoffs(const Params& p) {
+  auto* words = reinterpret_cast<uint4*>(p.handoffs);
+  const size_t count = p.handoff_bytes / sizeof(uint4);
+  for (size_t i = blockIdx.x * static_cast<size_t>(kThreads) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * kThreads) {
+    words[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) Arrive(p, p.cleared);
+}
+
+// A load that reaches L2 each time it is issued (not hoisted out of a poll).
+__device__ __forceinline__ uint4 LoadRelaxed(const __nv_bfloat16* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool HasEmpty(const uint4& v) {
+  const unsigned words[4] = {v.x, v.y, v.z, v.w};
+  bool empty = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    empty |= (words[i] & 0xFFFFu) == kHandoffEmpty || (words[i] >> 16) == kHandoffEmpty;
+  }
+  return empty;
+}
+
+// 8 bf16 at src (16-byte aligned): with polling, `first` (an earlier
+// LoadRelaxed of src) or later loads until none is empty; without, `first`.
+__device__ inline uint4 Ready(const Params& p, const __nv_bfloat16* src, uint4 first,
+                              int layer) {
+  if (!Polled(p) || !HasEmpty(first)) return first;
+  const uint64_t start = GlobalTimerNs();
+  uint4 v;
+  while (HasEmpty(v = LoadRelaxed(src))) {
+    if (GlobalTimerNs() - start > p.timeout_ns) {
+      TimedOut("a value another CTA hands over", layer, 0, 1);
+    }
+  }
+  return v;
+}
+
+// The first load of 8 bf16 that Ready then checks.
+__device__ __forceinline__ uint4 LoadHandoff(const Params& p, const __nv_bfloat16* src) {
+  return Polled(p) ? LoadRelaxed(src) : __ldcg(reinterpret_cast<const uint4*>(src));
+}
+
+// One bf16 that another CTA wrote: polled until it is not empty.
+__device__ inline float ReadyValue(const Params& p, const __nv_bfloat16* src, int layer) {
+  const __nv_bfloat16* vector = src - (reinterpret_cast<uintptr_t>(src) / 2) % 8;
+  const uint4 v = Ready(p, vector, LoadHandoff(p, vector), layer);
+  const auto* values = reinterpret_cast<const __nv_bfloat16*>(&v);
+  return __bfloat162float(values[src - vector]);
+}
+
+}  // namespace transformer_decode
+}  // namespace jfo
