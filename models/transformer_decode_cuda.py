@@ -271,7 +271,7 @@ def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
     return (_CONTROL_BYTES + _TIMES_BYTES + aligned(batch * heads * h * 4)
             + aligned(batch * kv * MAX_SPLITS * (heads // kv) * (h + 2) * 4)
             + aligned(batch * heads * h * 2) + aligned(batch * f * 2)
-            + aligned(layers * batch * (2 * d + f + heads * h) * 2))  # the handoffs
+            + aligned(layers * batch * (2 * d + f + 3 * heads * h + 2 * kv * h) * 2))  # handoffs
 
 
 def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,

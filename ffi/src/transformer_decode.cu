@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
       ItemProduct<kQkvColumns, B>(p, ring, qkv, layer, operand, reduce, result);
       QkvEpilogue<B>(p, layer, item, pos, result);
       // The epilogue's writes (it ends in a sync), then the count.
-      if (threadIdx.x == 0) Arrive(p, p.qkv_done + item / QkvItemsPerKvHead(p));
+      if (!Polled(p) && threadIdx.x == 0) Arrive(p, p.qkv_done + item / QkvItemsPerKvHead(p));
     }
     Mark(p, layer, kQkvDone);
     ring.RecordWaits(p, layer, kQkvCopyWaitNs);
@@ -173,9 +173,10 @@ size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 // The workspace's bytes (models/transformer_decode_cuda.py computes the same
 // from the same shapes; the handler checks the buffer it gets).
 // The layers' handoff buffers (handoff.cuh), at the workspace's end.
-size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads, int64_t head_dim,
-                    int64_t mlp) {
-  return AlignUp(layers * batch * (2 * d + mlp + heads * head_dim) * 2, 256);
+size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads, int64_t kv_heads,
+                    int64_t head_dim, int64_t mlp) {
+  return AlignUp(layers * batch * (2 * d + mlp + 3 * heads * head_dim + 2 * kv_heads * head_dim) *
+                     2, 256);
 }
 
 size_t TransformerDecodeWorkspaceBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads,
@@ -185,7 +186,7 @@ size_t TransformerDecodeWorkspaceBytes(int64_t layers, int64_t batch, int64_t d,
   return kControlBytes + kTimesBytes + AlignUp(batch * heads * head_dim * 4, 256) +
          AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256) +
          AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256) +
-         HandoffBytes(layers, batch, d, heads, head_dim, mlp);
+         HandoffBytes(layers, batch, d, heads, kv_heads, head_dim, mlp);
 }
 
 WeightStage StageOf(const ffi::AnyBuffer& w, int columns, int chunk_bytes) {
@@ -398,7 +399,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.act = reinterpret_cast<__nv_bfloat16*>(base + offset);
   offset += AlignUp(batch * mlp * 2, 256);
   p.handoffs = reinterpret_cast<__nv_bfloat16*>(base + offset);
-  p.handoff_bytes = HandoffBytes(layers, batch, d, heads, head_dim, mlp);
+  p.handoff_bytes = HandoffBytes(layers, batch, d, heads, kv_heads, head_dim, mlp);
 
   int device = 0;
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));

@@ -30,12 +30,15 @@ __device__ __forceinline__ bool Polled(const Params& p) {
   return p.options & kPolledHandoffs;
 }
 
-// A layer's handoff buffers, in elements from its first: x after the
+// A layer's handoff buffers, in bf16 elements from its first: x after the
 // attention's residual add [B, d], the SwiGLU's output [B, mlp], x after the
-// MLP's residual add [B, d], the attention's output [B, heads * head_dim].
+// MLP's residual add [B, d], the attention's output [B, heads * head_dim],
+// the rotated q in float32 [B, heads, head_dim] (2 elements a value), and
+// the new k and v rows [B, kv_heads, 2, head_dim].
 __device__ __forceinline__ __nv_bfloat16* HandoffsOf(const Params& p, int layer) {
   const size_t per_layer = static_cast<size_t>(p.batch) *
-                           (2 * p.d + p.mlp + p.heads * p.head_dim);
+                           (2 * p.d + p.mlp + 3 * p.heads * p.head_dim +
+                            2 * p.kv_heads * p.head_dim);
   return p.handoffs + layer * per_layer;
 }
 
@@ -58,6 +61,19 @@ __device__ __forceinline__ __nv_bfloat16* AttendedOf(const Params& p, int layer)
   return Polled(p) ? HandoffsOf(p, layer) + p.batch * (2 * p.d + p.mlp) : p.attended;
 }
 
+__device__ __forceinline__ float* QOf(const Params& p, int layer) {
+  return Polled(p) ? reinterpret_cast<float*>(HandoffsOf(p, layer) +
+                                              p.batch * (2 * p.d + p.mlp + p.heads * p.head_dim))
+                   : p.q;
+}
+
+// Batch row b's new k (kv = 0) or v (kv = 1) row of KV head g.
+__device__ __forceinline__ __nv_bfloat16* NewRowOf(const Params& p, int layer, int b, int g,
+                                                   int kv) {
+  return HandoffsOf(p, layer) + p.batch * (2 * p.d + p.mlp + 3 * p.heads * p.head_dim) +
+         ((static_cast<size_t>(b) * p.kv_heads + g) * 2 + kv) * p.head_dim;
+}
+
 // The blocks' input of `layer`: the launch's x, or the previous layer's.
 __device__ __forceinline__ const __nv_bfloat16* LayerInputOf(const Params& p, int layer) {
   return layer == 0 ? p.x_in : XAfterMlpOf(p, layer - 1);
@@ -68,6 +84,11 @@ __device__ __forceinline__ __nv_bfloat16 HandoffValue(float v) {
   __nv_bfloat16_raw raw = __float2bfloat16(v);
   if (raw.x == kHandoffEmpty) raw.x = 0x7FFF;
   return raw;
+}
+
+// The same for float32 values: never all bits set.
+__device__ __forceinline__ float HandoffFloat(float v) {
+  return __float_as_uint(v) == 0xFFFFFFFFu ? __uint_as_float(0x7FFFFFFFu) : v;
 }
 
 // Every CTA its share of the handoff buffers, kHandoffEmpty; then counted
@@ -101,6 +122,47 @@ __device__ __forceinline__ bool HasEmpty(const uint4& v) {
     empty |= (words[i] & 0xFFFFu) == kHandoffEmpty || (words[i] >> 16) == kHandoffEmpty;
   }
   return empty;
+}
+
+// N 32-bit words at src (aligned to their size), a load that reaches L2.
+template <int N>
+__device__ __forceinline__ void LoadWords(const void* src, unsigned (&w)[N]) {
+  static_assert(N == 1 || N == 2 || N == 4, "1, 2 or 4 words");
+  if constexpr (N == 1) {
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(w[0]) : "l"(src) : "memory");
+  } else if constexpr (N == 2) {
+    asm volatile("ld.relaxed.gpu.global.v2.u32 {%0, %1}, [%2];"
+                 : "=r"(w[0]), "=r"(w[1]) : "l"(src) : "memory");
+  } else {
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(src) : "memory");
+  }
+}
+
+// Whether a word holds an empty value (kFloats: an empty float, else an
+// empty bf16 in either half).
+template <int N, bool kFloats>
+__device__ __forceinline__ bool HasEmptyWord(const unsigned (&w)[N]) {
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    any |= kFloats ? w[i] == 0xFFFFFFFFu
+                   : (w[i] & 0xFFFFu) == kHandoffEmpty || (w[i] >> 16) == kHandoffEmpty;
+  }
+  return any;
+}
+
+// `w`, an earlier LoadWords of src, loaded again until no word is empty.
+template <int N, bool kFloats>
+__device__ inline void PollWords(const Params& p, const void* src, unsigned (&w)[N], int layer) {
+  if (!HasEmptyWord<N, kFloats>(w)) return;
+  const uint64_t start = GlobalTimerNs();
+  do {
+    if (GlobalTimerNs() - start > p.timeout_ns) {
+      TimedOut("a value another CTA hands over", layer, 0, 1);
+    }
+    LoadWords(src, w);
+  } while (HasEmptyWord<N, kFloats>(w));
 }
 
 // 8 bf16 at src (16-byte aligned): with polling, `first` (an earlier

@@ -221,6 +221,11 @@ __device__ void QkvEpilogue(const Params& p, int layer, int item, int pos, const
                          ((static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len + pos) * h;
       v[dim1] = __float2bfloat16(x1);
       v[dim2] = __float2bfloat16(x2);
+      if (Polled(p)) {  // and for this step's attention
+        __nv_bfloat16* row = NewRowOf(p, layer, b, g, 1);
+        row[dim1] = HandoffValue(x1);
+        row[dim2] = HandoffValue(x2);
+      }
       continue;
     }
     // models.transformer.rope: theta ** (-2i / h), angle = pos * frequency.
@@ -234,10 +239,15 @@ __device__ void QkvEpilogue(const Params& p, int layer, int item, int pos, const
                          ((static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len + pos) * h;
       k[dim1] = __float2bfloat16(r1);
       k[dim2] = __float2bfloat16(r2);
+      if (Polled(p)) {
+        __nv_bfloat16* row = NewRowOf(p, layer, b, g, 0);
+        row[dim1] = HandoffValue(r1);
+        row[dim2] = HandoffValue(r2);
+      }
     } else {
-      float* q = p.q + (static_cast<size_t>(b) * p.heads + g * p.q_per_kv + role) * h;
-      q[dim1] = r1;
-      q[dim2] = r2;
+      float* q = QOf(p, layer) + (static_cast<size_t>(b) * p.heads + g * p.q_per_kv + role) * h;
+      q[dim1] = HandoffFloat(r1);
+      q[dim2] = HandoffFloat(r2);
     }
   }
   __syncthreads();
@@ -299,6 +309,14 @@ struct LaneRow {
 
   __device__ __forceinline__ void Load(const __nv_bfloat16* p) {
     raw = __ldcg(reinterpret_cast<const Raw*>(p));
+  }
+
+  // A handed-over row's (handoff.cuh), polled until it is there.
+  __device__ __forceinline__ void Poll(const Params& p, const __nv_bfloat16* src, int layer) {
+    unsigned words[N / 2];
+    LoadWords(src, words);
+    PollWords<N / 2, false>(p, src, words, layer);
+    memcpy(&raw, words, sizeof(raw));
   }
 
   __device__ __forceinline__ void Unpack(float (&out)[N]) const {
@@ -397,47 +415,66 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
     const size_t head = (static_cast<size_t>(b) * p.kv_heads + g) * p.cache_len;
     const __nv_bfloat16* kc = p.caches[layer].k + head * HD + lane * kPerLane;
     const __nv_bfloat16* vc = p.caches[layer].v + head * HD + lane * kPerLane;
-    LaneRow<kPerLane> keys[kInFlight], values[kInFlight];
-    // A round's loads, all issued before any is used: one round trip.
-    auto load_round = [&](int base, bool only_new) {
+    LaneRow<kPerLane> keys[kInFlight], values[kInFlight], new_key, new_value;
+    // A round's loads of earlier steps' rows, all issued before any is used.
+    auto load_round = [&](int base) {
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
         const int position = base + i * kWarps;
-        if (position < p1 && (!only_new || position == pos)) {
+        if (position < p1 && position != pos) {
           keys[i].Load(kc + static_cast<size_t>(position) * HD);
           values[i].Load(vc + static_cast<size_t>(position) * HD);
         }
       }
     };
-    // With kKvBeforeCount, the first round's rows before the wait (rows
-    // before pos are from earlier steps), the new row again after it.
+    // With kKvBeforeCount, the first round's before the wait.
     const int first = p0 + warp;
-    if (kv_early) load_round(first, false);
-    WaitForCount(p, p.qkv_done + g, QkvItemsPerKvHead(p) * (layer + 1),
-                 "the QKV items of its KV head", layer);
-    if (item == blockIdx.x) Mark(p, layer, kAttentionReady);
-    if (kv_early) load_round(first, true);
+    if (kv_early) load_round(first);
+    if (!Polled(p)) {
+      WaitForCount(p, p.qkv_done + g, QkvItemsPerKvHead(p) * (layer + 1),
+                   "the QKV items of its KV head", layer);
+    }
     float q[QPK][kPerLane], m[QPK], l[QPK];
     float o[QPK][kPerLane];
+    {
+      const float* q_src = QOf(p, layer) + (static_cast<size_t>(b) * p.heads + g * qpk) * HD +
+                           lane * kPerLane;
+      auto words = [&](int j) -> unsigned (&)[kPerLane] {
+        return reinterpret_cast<unsigned (&)[kPerLane]>(q[j]);
+      };
 #pragma unroll
-    for (int j = 0; j < QPK; ++j) {
-      m[j] = -INFINITY;
-      l[j] = 0.f;
+      for (int j = 0; j < QPK; ++j) LoadWords(q_src + j * HD, words(j));  // all, then checked
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) {
-        o[j][e] = 0.f;
-        q[j][e] = __ldcg(p.q + (static_cast<size_t>(b) * p.heads + g * qpk + j) * HD +
-                         lane * kPerLane + e);
+      for (int j = 0; j < QPK; ++j) {
+        if (Polled(p)) PollWords<kPerLane, true>(p, q_src + j * HD, words(j), layer);
+        m[j] = -INFINITY;
+        l[j] = 0.f;
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) o[j][e] = 0.f;
+      }
+    }
+    if (item == blockIdx.x) Mark(p, layer, kAttentionReady);
+    // Position pos is this step's (the warp's if pos - first is a multiple
+    // of kWarps): polled from its handoff, or read from the cache once its
+    // KV head is counted.
+    if (pos < p1 && pos >= first && (pos - first) % kWarps == 0) {
+      if (Polled(p)) {
+        new_key.Poll(p, NewRowOf(p, layer, b, g, 0) + lane * kPerLane, layer);
+        new_value.Poll(p, NewRowOf(p, layer, b, g, 1) + lane * kPerLane, layer);
+      } else {
+        new_key.Load(kc + static_cast<size_t>(pos) * HD);
+        new_value.Load(vc + static_cast<size_t>(pos) * HD);
       }
     }
     for (int base = first; base < p1; base += kWarps * kInFlight) {
-      if (!kv_early || base != first) load_round(base, false);
+      if (!kv_early || base != first) load_round(base);
 #pragma unroll
       for (int i = 0; i < kInFlight; ++i) {
-        if (base + i * kWarps >= p1) break;
+        const int position = base + i * kWarps;
+        if (position >= p1) break;
         float kv[kPerLane], vv[kPerLane];
-        keys[i].Unpack(kv);
-        values[i].Unpack(vv);
+        (position == pos ? new_key : keys[i]).Unpack(kv);
+        (position == pos ? new_value : values[i]).Unpack(vv);
 #pragma unroll
         for (int j = 0; j < QPK; ++j) {
           float s = 0.f;
