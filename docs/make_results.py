@@ -33,7 +33,8 @@ TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
 DECODE = "decode_1xh200.json"
 # decode_blocks "layers" against "cuda" (opt-in), each file one process;
 # the first is the kernel as it is now.
-DECODE_BLOCKS = ["decode_blocks_cuda_counts_1xh200.json", "decode_blocks_cuda_mma_1xh200.json"]
+DECODE_BLOCKS = ["decode_blocks_cuda_handoffs_1xh200.json", "decode_blocks_cuda_counts_1xh200.json",
+                 "decode_blocks_cuda_mma_1xh200.json"]
 SSD = "ssd_decay_outer_1xh200.json"
 # The processes whose row of that variant ran today's defaults: the headline
 # gives their range.
@@ -196,8 +197,8 @@ def decode_blocks_table() -> tuple[str, list]:
                          f" | {gain:.3f}× |")
     return ("One H200, the 1B Transformer, bf16: `decode_blocks=\"cuda\"` (every block of a "
             "step as one CUDA kernel, opt-in) against the default \"layers\" in the same "
-            "process. The first file is the kernel as it is now; the second an earlier "
-            "version.\n\n" + "\n".join(lines) + "\n\n"
+            "process. The first file is the newest measurement (its meta names the commit); "
+            "the others are earlier versions.\n\n" + "\n".join(lines) + "\n\n"
             + "\n".join(f"From {s_}" for s_ in sources)), gains
 
 

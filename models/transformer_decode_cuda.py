@@ -18,12 +18,14 @@ again). It runs at tensor-parallel size 1, in bfloat16, for at most
 selects it. Programs compiled for other platforms run :func:`reference`,
 the kernel's arithmetic in JAX on the same layout.
 
-It is opt-in: on one H200 (the 1B model, batch 1, context 512) it took
-0.906 ms a token against 0.901 through XLA's kernels, in one process. Its
-weight stages stream at about 3.3 TB/s, as XLA's GEMMs do, and its
-attention and grid barriers are not hidden behind them
-(docs/measurements.md, session 36; ``scripts/transformer_decode_probe.py``
-times its stages).
+It is opt-in: on one H200 (the 1B model, context 512, one process) it
+took 0.737 ms a token against 0.898 through XLA's kernels at batch 1
+(1.73x the HBM floor) and 0.921 against 0.929 at batch 4
+(docs/measurements.md, session 38). What still separates it from the
+floor is the chain of dependent loads in each layer (norms, attention,
+handoffs) and thread 0's time issuing each weight copy;
+``scripts/transformer_decode_probe.py`` times its stages and traces each
+CTA through a layer.
 """
 
 from __future__ import annotations

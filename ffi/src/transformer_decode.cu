@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "handlers.h"
+#include "transformer_decode/attention.cuh"
 #include "transformer_decode/params.cuh"
 #include "transformer_decode/stages.cuh"
 #include "transformer_decode/sync.cuh"
@@ -67,7 +68,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   if (threadIdx.x == 0) {
     if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
     ring.InitBarriers();
-    if (p.options & kEvictFirstWeights) ring.policy = EvictFirstPolicy();
+    ring.evict_first = p.options & kEvictFirstWeights;
   }
   __syncthreads();
   ring.Fill(p);

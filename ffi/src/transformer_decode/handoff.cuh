@@ -189,8 +189,10 @@ __device__ __forceinline__ uint4 LoadHandoff(const Params& p, const __nv_bfloat1
 __device__ inline float ReadyValue(const Params& p, const __nv_bfloat16* src, int layer) {
   const __nv_bfloat16* vector = src - (reinterpret_cast<uintptr_t>(src) / 2) % 8;
   const uint4 v = Ready(p, vector, LoadHandoff(p, vector), layer);
-  const auto* values = reinterpret_cast<const __nv_bfloat16*>(&v);
-  return __bfloat162float(values[src - vector]);
+  // Selected, not indexed: an indexed register array would live in local memory.
+  const int i = static_cast<int>(src - vector);
+  const unsigned word = i < 4 ? (i < 2 ? v.x : v.y) : (i < 6 ? v.z : v.w);
+  return __uint_as_float((i & 1 ? word >> 16 : word & 0xFFFFu) << 16);
 }
 
 }  // namespace transformer_decode

@@ -238,9 +238,10 @@ struct Ring {
   unsigned next_parity = 0;  // and the phase parity it waits for ((next / count) & 1)
   int issued = 0;            // chunks issued (thread 0's count)
   int issue_slot = 0;        // the next one's slot (issued % count)
-  uint64_t policy = 0;     // the copies' L2 policy (0: none)
-  uint64_t waited_ns = 0;  // this thread's waits for copies, with a trace
-  uint64_t issue_ns = 0;   // thread 0's time issuing them, with a trace
+  // Registers every thread holds for the whole launch: kept few and narrow.
+  bool evict_first = false;  // the copies under EvictFirstPolicy
+  unsigned waited_ns = 0;    // this thread's waits for copies in a layer, with a trace
+  unsigned issue_ns = 0;     // thread 0's time issuing them in a layer, with a trace
   ChunkCursor cursor;
 
   // Thread 0, before any copy: the slots' mbarriers.
@@ -262,7 +263,7 @@ struct Ring {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if (threadIdx.x != 0 || cursor.Done(p)) return;
     BulkLoad(slots + static_cast<size_t>(issue_slot) * p.chunk_bytes, cursor.src, cursor.bytes,
-             bars + issue_slot, policy);
+             bars + issue_slot, evict_first ? EvictFirstPolicy() : 0);
     cursor.Advance(p);
     ++issued;
     if (++issue_slot == count) issue_slot = 0;
@@ -282,7 +283,7 @@ struct Ring {
         if (GlobalTimerNs() - start > p.timeout_ns) TimedOut("a weight copy", layer, next, issued);
       }
     }
-    if (p.trace) waited_ns += GlobalTimerNs() - traced;
+    if (p.trace) waited_ns += static_cast<unsigned>(GlobalTimerNs() - traced);
 #endif
     return reinterpret_cast<const uint4*>(slots + static_cast<size_t>(slot) * p.chunk_bytes);
   }
@@ -313,7 +314,7 @@ struct Ring {
     __syncthreads();
     const uint64_t traced = p.trace && threadIdx.x == 0 ? GlobalTimerNs() : 0;
     IssueNext(p);
-    if (traced) issue_ns += GlobalTimerNs() - traced;
+    if (traced) issue_ns += static_cast<unsigned>(GlobalTimerNs() - traced);
     ++next;
     if (++next_slot == count) {
       next_slot = 0;
