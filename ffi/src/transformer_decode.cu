@@ -6,9 +6,7 @@
 // a block as 15-17 kernels, and every kernel boundary leaves HBM idle while
 // the next kernel starts and its first loads travel: the 1B model's step took
 // twice its floor. Here one persistent kernel (a CTA per SM, co-resident by a
-// cooperative launch) runs the blocks' five stages in turn, separated by grid
-// barriers, except that an attention item waits only for its KV head's QKV
-// items (a count a head):
+// cooperative launch) runs the blocks' five stages in turn:
 //
 //   A  RMSNorm, x @ W_qkv, rotary embeddings; the new k and v into the cache
 //   B  attention over the cache (split along positions; the last CTA of a
@@ -17,19 +15,25 @@
 //   D  RMSNorm, x @ W_gate_up, SwiGLU
 //   E  x += act @ W_down
 //
+// By default (kPolledHandoffs) a stage leaves its outputs in per-layer
+// buffers that the next stage polls (transformer_decode/handoff.cuh): no
+// grid barrier and no fence between stages, each CTA going on as soon as
+// what it reads is there. Without it, grid barriers separate the stages and
+// an attention item waits on a count of its KV head's QKV items.
+//
 // The weights come in a layout prepared once for this kernel
 // (models/transformer_decode_cuda.py): each work item's columns contiguous,
 // [items, k, columns], as 16x16 tiles in the tensor cores' fragment order, so
 // an item is one stream of chunks (chunk_bytes, 32 KiB by default) and a
 // chunk's GEMV is a few mma.sync a warp. Each CTA copies its chunks with TMA
 // bulk copies into a ring of shared-memory slots that runs ahead of the
-// arithmetic across stage and layer boundaries: while a CTA waits at a grid
-// barrier or attends, its next weights are in flight. Measurements:
-// docs/measurements.md (sessions 36 and 37).
+// arithmetic across stage and layer boundaries: while a CTA waits or
+// attends, its next weights are in flight. Measurements:
+// docs/measurements.md (sessions 36-38).
 //
-// Every wait is bounded: a grid barrier or a copy that does not complete
-// within timeout_ms prints which CTA and stage waited and traps, so the step
-// ends in a CUDA error, never in wrong numbers.
+// Every wait is bounded: a poll, a count, a grid barrier or a copy that does
+// not complete within timeout_ms prints which CTA and layer waited and
+// traps, so the step ends in a CUDA error, never in wrong numbers.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -109,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     if (Polled(p) && layer == 0) {  // every handoff empty before the first is written
       WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
     }
-    // B: attention, each item once its KV head's QKV items are done.
+    // B: attention, each item once its KV head's q and new row are there.
     Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand), last);
     Mark(p, layer, kAttentionDone);
     if (barriers_between) GridBarrier(p, ++barriers, "the attention stage", layer, kAttentionArrived);
@@ -171,8 +175,6 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
 
 size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
 
-// The workspace's bytes (models/transformer_decode_cuda.py computes the same
-// from the same shapes; the handler checks the buffer it gets).
 // The layers' handoff buffers (handoff.cuh), at the workspace's end.
 size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads, int64_t kv_heads,
                     int64_t head_dim, int64_t mlp) {
@@ -180,6 +182,8 @@ size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads, int
                      2, 256);
 }
 
+// The workspace's bytes (models/transformer_decode_cuda.py computes the same
+// from the same shapes; the handler checks the buffer it gets).
 size_t TransformerDecodeWorkspaceBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads,
                                        int64_t kv_heads, int64_t head_dim, int64_t mlp,
                                        int64_t max_splits) {

@@ -260,14 +260,15 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
     if (threadIdx.x == 0) {
       const unsigned before = fenced_atomics ? atomicAdd(p.arrivals + bg, 1u)
                                              : AddAcquireRelease(p.arrivals + bg, 1u);
-      *last = before == static_cast<unsigned>(splits.count - 1);
+      // The count runs over the launch's layers: a reset here could land
+      // after the next layer's first arrival (no barrier orders them).
+      *last = before == static_cast<unsigned>(splits.count * (layer + 1) - 1);
     }
     __syncthreads();
     Mark(p, layer, kSplitDone);
     if (*last) {
       if (fenced_atomics) __threadfence();
       CombineGroup<HD>(p, splits.count, b, g, AttendedOf(p, layer));
-      if (threadIdx.x == 0) p.arrivals[bg] = 0;  // for the next layer
     }
     __syncthreads();
   }

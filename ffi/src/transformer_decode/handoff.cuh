@@ -104,26 +104,6 @@ __device__ inline void ClearHandoffs(const Params& p) {
   if (threadIdx.x == 0) Arrive(p, p.cleared);
 }
 
-// A load that reaches L2 each time it is issued (not hoisted out of a poll).
-__device__ __forceinline__ uint4 LoadRelaxed(const __nv_bfloat16* p) {
-  uint4 v;
-  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p)
-               : "memory");
-  return v;
-}
-
-__device__ __forceinline__ bool HasEmpty(const uint4& v) {
-  const unsigned words[4] = {v.x, v.y, v.z, v.w};
-  bool empty = false;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    empty |= (words[i] & 0xFFFFu) == kHandoffEmpty || (words[i] >> 16) == kHandoffEmpty;
-  }
-  return empty;
-}
-
 // N 32-bit words at src (aligned to their size), a load that reaches L2.
 template <int N>
 __device__ __forceinline__ void LoadWords(const void* src, unsigned (&w)[N]) {
@@ -163,6 +143,18 @@ __device__ inline void PollWords(const Params& p, const void* src, unsigned (&w)
     }
     LoadWords(src, w);
   } while (HasEmptyWord<N, kFloats>(w));
+}
+
+// 8 bf16 at p (16-byte aligned), a load that reaches L2 each time.
+__device__ __forceinline__ uint4 LoadRelaxed(const __nv_bfloat16* p) {
+  unsigned w[4];
+  LoadWords(p, w);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ bool HasEmpty(const uint4& v) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  return HasEmptyWord<4, false>(w);
 }
 
 // 8 bf16 at src (16-byte aligned): with polling, `first` (an earlier

@@ -57,7 +57,7 @@ enum TraceEvent {
   kLayerStart,
   kQkvNormed,
   kQkvDone,
-  kAttentionReady,  // its first attention item's KV head counted
+  kAttentionReady,  // its first attention item's q there (or its KV head counted)
   kSplitDone,       // its last split's partial stored and counted
   kAttentionDone,   // and the group combined where it was the last
   kAttentionArrived,  // at the grid barrier after it
@@ -115,7 +115,7 @@ struct Params {
   unsigned* barrier;       // grid barrier arrivals, zeroed before each launch
   unsigned long long* stage_times;  // nullptr, or kTimesBytes zeroed before the launch
   unsigned long long* trace;  // nullptr, or [layers, kMaxTraceCtas, kTraceEvents] zeroed
-  unsigned* arrivals;      // [batch * kv]: splits done per head group
+  unsigned* arrivals;      // [batch * kv]: splits done per head group, over the launch's layers
   unsigned* qkv_done;      // [kv]: QKV items done per KV head, over the launch's layers
   float* q;                // [batch, heads, head_dim], rotated, bf16-rounded
   float* partials;         // [batch * kv, max_splits, q_per_kv, head_dim + 2]
