@@ -92,8 +92,8 @@ TRACE_EVENTS = ("layer_start", "qkv_normed", "qkv_done", "attention_ready", "spl
                 "gate_up_arrived", "down_start", "down_gathered", "down_done", "down_arrived",
                 "qkv_copy_wait_ns", "out_copy_wait_ns", "gate_up_copy_wait_ns",
                 "down_copy_wait_ns", "issue_ns", "warp1_copy_wait_ns")
-# Grid barriers a layer (after attention, out and gate/up, and between
-# layers; attention waits on counts, not a barrier).
+# Grid barriers a layer without POLLED_HANDOFFS (after attention, out and
+# gate/up, and between layers; attention waits on counts, not a barrier).
 BARRIERS_PER_LAYER = 4
 
 

@@ -162,14 +162,9 @@ __device__ __forceinline__ bool HasEmpty(const uint4& v) {
 __device__ inline uint4 Ready(const Params& p, const __nv_bfloat16* src, uint4 first,
                               int layer) {
   if (!Polled(p) || !HasEmpty(first)) return first;
-  const uint64_t start = GlobalTimerNs();
-  uint4 v;
-  while (HasEmpty(v = LoadRelaxed(src))) {
-    if (GlobalTimerNs() - start > p.timeout_ns) {
-      TimedOut("a value another CTA hands over", layer, 0, 1);
-    }
-  }
-  return v;
+  unsigned w[4] = {first.x, first.y, first.z, first.w};
+  PollWords<4, false>(p, src, w, layer);
+  return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
 // The first load of 8 bf16 that Ready then checks.
