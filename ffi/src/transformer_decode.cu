@@ -76,6 +76,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   }
   __syncthreads();
   ring.Fill(p);
+  // Polled residuals are read ahead too: their poll then overlaps the GEMV.
   const bool residual_ahead = p.options & (kResidualAhead | kPolledHandoffs);
   const bool barriers_between = !Polled(p);
   if (Polled(p)) ClearHandoffs(p);

@@ -18,9 +18,6 @@
 namespace jfo {
 namespace transformer_decode {
 
-// Stage B: attention of each head group over positions 0..pos, in splits
-// of positions; the last split of a group to finish combines them.
-
 // A lane's N (2 or 4) consecutive bf16 of a cache row, raw, in one load.
 template <int N>
 struct LaneRow {
@@ -67,8 +64,8 @@ __device__ inline Splits SplitsFor(const Params& p, int positions) {
 }
 
 // The group's splits combined: attended[b][(g * qpk + j) * HD + e]
-// (AttendedOf the layer) in bf16. A round's loads (kSplits splits) are all issued before any is
-// used: one round trip for up to kSplits splits.
+// (AttendedOf the layer) in bf16. A round's loads (kSplits splits) are all
+// issued before any is used: one round trip for up to kSplits splits.
 template <int HD>
 __device__ void CombineGroup(const Params& p, int count, int b, int g,
                              __nv_bfloat16* attended) {
@@ -110,11 +107,12 @@ __device__ void CombineGroup(const Params& p, int count, int b, int g,
   }
 }
 
-// Each item (batch row, KV head, split) starts once its KV head's QKV items
-// are done (p.qkv_done: no grid barrier between the stages), and leaves its
-// partial in p.partials: per query head of the group, o [HD] (not
-// normalized), then m and l (the running max and sum of the softmax). The
-// group's last item to arrive (p.arrivals) combines them into AttendedOf.
+// Each item (batch row, KV head, split) starts once its KV head's q is
+// there (polled from QOf; without kPolledHandoffs, once p.qkv_done counts
+// the head's QKV items), and leaves its partial in p.partials: per query
+// head of the group, o [HD] (not normalized), then m and l (the running max
+// and sum of the softmax). The group's last item to arrive (p.arrivals)
+// combines them into AttendedOf.
 template <int HD, int QPK>
 __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch,
                              int* last) {
@@ -239,7 +237,9 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
     for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
       const int j = t / HD, e = t % HD;
       float big = -INFINITY;
-      for (int w = 0; w < kWarps; ++w) big = fmaxf(big, scratch[w * warp_floats + j * (HD + 2) + HD]);
+      for (int w = 0; w < kWarps; ++w) {
+        big = fmaxf(big, scratch[w * warp_floats + j * (HD + 2) + HD]);
+      }
       float sum = 0.f, out = 0.f;
       for (int w = 0; w < kWarps; ++w) {
         const float* theirs = scratch + w * warp_floats + j * (HD + 2);

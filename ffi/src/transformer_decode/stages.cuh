@@ -109,10 +109,6 @@ constexpr int kVector = 8;
 
 __device__ __forceinline__ uint4* VectorAt(__nv_bfloat16* p) { return reinterpret_cast<uint4*>(p); }
 
-__device__ __forceinline__ uint4 LoadVector(const __nv_bfloat16* p) {
-  return __ldcg(reinterpret_cast<const uint4*>(p));
-}
-
 // operand[b][k] = bf16(x[b][k] / rms(x[b]) * weight[k]), as models.layers.rms_norm;
 // x another stage's (handoff.cuh) unless it is the launch's input.
 template <int B>
