@@ -76,13 +76,11 @@ CHUNK_BYTES = 32768
 # KV_BEFORE_COUNT issues an attention item's cache loads before it waits for
 # its KV head, ORDERED_ATOMICS counts arrivals with release/acquire atomics
 # in place of fences, POLLED_HANDOFFS gives each layer's stage outputs their
-# own buffers that the next stage polls, in place of grid barriers,
-# COPY_WARP has a warp of its own issue the weights' copies as slots are
-# released, in place of thread 0 after a CTA-wide sync a chunk.
+# own buffers that the next stage polls, in place of grid barriers.
 EVICT_FIRST_WEIGHTS, RESIDUAL_AHEAD, KV_BEFORE_COUNT = 1, 4, 8
-ORDERED_ATOMICS, POLLED_HANDOFFS, COPY_WARP = 16, 64, 128
+ORDERED_ATOMICS, POLLED_HANDOFFS = 16, 64
 ALL_OPTIONS = (EVICT_FIRST_WEIGHTS | RESIDUAL_AHEAD | KV_BEFORE_COUNT | ORDERED_ATOMICS
-               | POLLED_HANDOFFS | COPY_WARP)
+               | POLLED_HANDOFFS)
 OPTIONS = ALL_OPTIONS
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
@@ -93,7 +91,7 @@ TRACE_EVENTS = ("layer_start", "qkv_normed", "qkv_done", "attention_ready", "spl
                 "out_arrived", "gate_up_start", "gate_up_normed", "gate_up_done",
                 "gate_up_arrived", "down_start", "down_gathered", "down_done", "down_arrived",
                 "qkv_copy_wait_ns", "out_copy_wait_ns", "gate_up_copy_wait_ns",
-                "down_copy_wait_ns", "issue_ns", "warp1_copy_wait_ns", "free_slot_wait_ns")
+                "down_copy_wait_ns", "issue_ns", "warp1_copy_wait_ns")
 # Grid barriers a layer without POLLED_HANDOFFS (after attention, out and
 # gate/up, and between layers; attention waits on counts, not a barrier).
 BARRIERS_PER_LAYER = 4

@@ -220,8 +220,7 @@ def main() -> None:
         waits = ", ".join(f"{k[:-len('_us')]} {v:.2f}" for k, v in timeline.items()
                           if k.endswith("_wait_us") or k == "issue_us")
         print(f"a layer: {timeline['layer_us']:.2f} us; the median CTA's thread 0 waiting "
-              f"for copies in each stage, issuing them, thread 32 waiting, and the copy warp "
-              f"waiting for free slots (us): {waits}")
+              f"for copies in each stage, issuing them, and thread 32 waiting (us): {waits}")
         print("| point of the layer | last CTA (us) | median CTA (us) |")
         print("|---|---|---|")
         for name in fused.TRACE_EVENTS:

@@ -178,16 +178,15 @@ def test_generate_with_the_kernels_blocks_follows_the_layers(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [0, fused.ALL_OPTIONS & ~fused.COPY_WARP, fused.ALL_OPTIONS])
+@pytest.mark.parametrize("options", [0, fused.ALL_OPTIONS])
 @pytest.mark.parametrize("batch", [1, 2, 4])
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 4, 2), (64, 8, 2), (128, 2, 2)])
 def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim, heads,
                                       kv_heads):
     """One step of the kernel against the reference in float32 and in bf16, at
     positions 0, mid-cache and the cache's last; the cache past the position
-    is NaN (never read) and stays so, the new position is written. With
-    every optional path of the kernel (fused.OPTIONS), every one but the copy
-    warp (thread 0 issues the copies), and none."""
+    is NaN (never read) and stays so, the new position is written. With and
+    without the kernel's optional paths (fused.OPTIONS)."""
     monkeypatch.setattr(fused, "OPTIONS", options)
     config = _config("bfloat16", head_dim, heads, kv_heads, layers=3)
     mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])

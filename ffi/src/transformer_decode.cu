@@ -28,9 +28,7 @@
 // chunk's GEMV is a few mma.sync a warp. Each CTA copies its chunks with TMA
 // bulk copies into a ring of shared-memory slots that runs ahead of the
 // arithmetic across stage and layer boundaries: while a CTA waits or
-// attends, its next weights are in flight. By default (kCopyWarp) a warp
-// of its own issues the copies and the CTA's kThreads others compute.
-// Measurements:
+// attends, its next weights are in flight. Measurements:
 // docs/measurements.md (sessions 36-38).
 //
 // Every wait is bounded: a poll, a count, a grid barrier or a copy that does
@@ -57,11 +55,14 @@ namespace {
 using namespace transformer_decode;  // NOLINT: this file is the op built on them
 
 template <int B, int HD>
-__global__ void __launch_bounds__(kBlockThreads, 1) TransformerDecodeKernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char shared[];
   Ring ring;
-  ring.Start(p, shared);
+  ring.slots = shared;
+  ring.bars = reinterpret_cast<uint64_t*>(shared + p.mbar_offset);
+  ring.count = p.ring_slots;
+  ring.cursor.Start(p);
   auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + p.operand_offset);
   auto* reduce = reinterpret_cast<float*>(shared + p.reduce_offset);
   auto* result = reinterpret_cast<float*>(shared + p.result_offset);
@@ -71,13 +72,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) TransformerDecodeKernel(cons
   if (threadIdx.x == 0) {
     if (p.stage_times && blockIdx.x == 0) p.stage_times[0] = GlobalTimerNs();
     ring.InitBarriers();
+    ring.evict_first = p.options & kEvictFirstWeights;
   }
   __syncthreads();
-  if (threadIdx.x >= kThreads) {  // the copy warp
-    if (ring.copy_warp && threadIdx.x == kThreads) ring.Produce(p);
-    return;
-  }
-  if (!ring.copy_warp) ring.Fill(p);
+  ring.Fill(p);
   // Polled residuals are read ahead too: their poll then overlaps the GEMV.
   const bool residual_ahead = p.options & (kResidualAhead | kPolledHandoffs);
   const bool barriers_between = !Polled(p);
@@ -92,8 +90,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) TransformerDecodeKernel(cons
     __trap();
   }
   unsigned barriers = 0;
-  const WeightStage &qkv = p.stages[0], &out = p.stages[1];
-  const WeightStage &gate_up = p.stages[2], &down = p.stages[3];
+  const WeightStage& qkv = p.stages[0];
+  const WeightStage& out = p.stages[1];
+  const WeightStage& gate_up = p.stages[2];
+  const WeightStage& down = p.stages[3];
   for (int layer = 0; layer < p.layers; ++layer) {
     const __nv_bfloat16* x = LayerInputOf(p, layer);
     __nv_bfloat16* x_attention = XAfterAttentionOf(p, layer);
@@ -235,7 +235,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const Params& p, int grid, si
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DeviceInfoOf(device).max_shared));
     int per_sm = 0;
     JFO_CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, shared));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
     if (per_sm < 1) {
       return ffi::Error::Internal("jax_flashoverlap transformer_decode: the kernel does not fit "
                                   "an SM with " + std::to_string(shared) +
@@ -245,7 +245,7 @@ ffi::Error Launch(cudaStream_t stream, int device, const Params& p, int grid, si
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(grid, 1, 1);
-  config.blockDim = dim3(kBlockThreads, 1, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
   config.dynamicSmemBytes = shared;
   config.stream = stream;
   cudaLaunchAttribute attrs[1];
@@ -335,7 +335,8 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                        std::to_string(kMinChunkBytes) + " up to 1 MiB");
   }
   p.chunk_bytes = chunk_bytes;
-  if (options & ~kAllOptions || stage_times < 0 || stage_times > 2) {
+  if (options & ~kAllOptions ||
+      stage_times < 0 || stage_times > 2) {
     return ffi::Error::InvalidArgument(op + "unknown options or stage_times: " +
                                        std::to_string(options) + ", " +
                                        std::to_string(stage_times));
@@ -423,9 +424,9 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   const size_t scalars = ((kWarps + 1) * kMaxBatch + 4) * 4;
   const size_t fixed = operand + reduce + result + AlignUp(scalars, 16);
   const size_t budget = static_cast<size_t>(info.max_shared);
-  // Each slot: a chunk and its two mbarriers.
+  // Each slot: a chunk and its mbarrier.
   const int slots = static_cast<int>(std::min<size_t>(
-      16, budget > fixed ? (budget - fixed) / (chunk_bytes + 16) : 0));
+      16, budget > fixed ? (budget - fixed) / (chunk_bytes + 8) : 0));
   if (slots < 2) {
     return ffi::Error::InvalidArgument(op + "these shapes leave no shared memory for the weights' "
                                        "ring; use a smaller batch");
@@ -441,7 +442,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   p.scalar_offset = static_cast<int>(at);
   at += AlignUp(scalars, 16);
   p.mbar_offset = static_cast<int>(at);
-  at += static_cast<size_t>(slots) * 16;
+  at += static_cast<size_t>(slots) * 8;
 
   JFO_CUDA_RETURN_IF_ERROR(
       cudaMemsetAsync(base, 0, kControlBytes + (stage_times ? kTimesBytes : 0), stream));

@@ -231,7 +231,7 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
         mine[j * (HD + 2) + HD + 1] = l[j];
       }
     }
-    ComputeSync();
+    __syncthreads();
     // The split's partial: the warps combined (a warp without positions has m = -inf).
     float* partial = p.partials + (static_cast<size_t>(bg) * p.max_splits + split) * warp_floats;
     for (int t = threadIdx.x; t < qpk * HD; t += kThreads) {
@@ -256,7 +256,7 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
     }
     const bool fenced_atomics = !(p.options & kOrderedAtomics);
     if (fenced_atomics) __threadfence();
-    ComputeSync();
+    __syncthreads();
     if (threadIdx.x == 0) {
       const unsigned before = fenced_atomics ? atomicAdd(p.arrivals + bg, 1u)
                                              : AddAcquireRelease(p.arrivals + bg, 1u);
@@ -264,13 +264,13 @@ __device__ void AttendGroups(const Params& p, int layer, int pos, float* scratch
       // after the next layer's first arrival (no barrier orders them).
       *last = before == static_cast<unsigned>(splits.count * (layer + 1) - 1);
     }
-    ComputeSync();
+    __syncthreads();
     Mark(p, layer, kSplitDone);
     if (*last) {
       if (fenced_atomics) __threadfence();
       CombineGroup<HD>(p, splits.count, b, g, AttendedOf(p, layer));
     }
-    ComputeSync();
+    __syncthreads();
   }
 }
 

@@ -100,7 +100,7 @@ __device__ inline void ClearHandoffs(const Params& p) {
        i += static_cast<size_t>(gridDim.x) * kThreads) {
     words[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
   }
-  ComputeSync();
+  __syncthreads();
   if (threadIdx.x == 0) Arrive(p, p.cleared);
 }
 

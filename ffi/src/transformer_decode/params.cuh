@@ -10,13 +10,10 @@
 namespace jfo {
 namespace transformer_decode {
 
-// 256 threads compute, up to 224 registers each (with the copy warp, 288
-// threads a CTA): at 512 (128 registers) the attention and the splits'
-// combine spilled into the GEMVs' loops.
-constexpr int kThreads = 224;
+// 256 threads, up to 255 registers each: at 512 (128 registers) the
+// attention and the splits' combine spilled into the GEMVs' loops.
+constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-// One more warp, whose first lane issues the weights' copies (kCopyWarp).
-constexpr int kBlockThreads = kThreads + 32;
 constexpr int kMaxBatch = 4;
 constexpr int kMaxLayers = 64;
 constexpr int kMaxQueriesPerKv = 8;
@@ -51,9 +48,8 @@ constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded befor
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
 constexpr int kOrderedAtomics = 16;    // release/acquire atomics in place of fences
 constexpr int kPolledHandoffs = 64;    // per-layer outputs polled, no grid barriers (handoff.cuh)
-constexpr int kCopyWarp = 128;         // a warp of its own issues the copies (sync.cuh, Ring)
 constexpr int kAllOptions = kEvictFirstWeights | kResidualAhead | kKvBeforeCount |
-                             kOrderedAtomics | kPolledHandoffs | kCopyWarp;
+                             kOrderedAtomics | kPolledHandoffs;
 
 // With stage_times 2, each CTA's clock at these points of each layer
 // (thread 0's %globaltimer, ns), and the time it waited for weight copies.
@@ -82,9 +78,8 @@ enum TraceEvent {
   kOutCopyWaitNs,
   kGateUpCopyWaitNs,
   kDownCopyWaitNs,
-  kIssueNs,           // the issuing thread's time issuing copies, in the layer
+  kIssueNs,           // thread 0 issuing copies, in the layer
   kWarp1CopyWaitNs,   // thread 32's waits for copies, in the layer
-  kFreeSlotWaitNs,    // the copy warp's waits for a slot to be released, in the layer
   kTraceEvents
 };
 constexpr int kMaxTraceCtas = 256;

@@ -94,14 +94,14 @@ __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, 
       }
     }
   }
-  ComputeSync();
+  __syncthreads();
   for (int at = threadIdx.x; at < B * C; at += kThreads) {
     float sum = 0.f;
 #pragma unroll 4
     for (int w = 0; w < kWarps; ++w) sum += reduce[w * B * C + at];
     result[at] = sum;
   }
-  ComputeSync();
+  __syncthreads();
 }
 
 // bf16 a 16-byte load: the operands' rows are multiples of it.
@@ -141,13 +141,13 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
     for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
     if (lane == 0) scalars[warp * B + b] = v;
   }
-  ComputeSync();
+  __syncthreads();
   if (threadIdx.x < B) {
     float total = 0.f;
     for (int w = 0; w < kWarps; ++w) total += scalars[w * B + threadIdx.x];
     scalars[kWarps * B + threadIdx.x] = rsqrtf(total / p.d + p.eps);
   }
-  ComputeSync();
+  __syncthreads();
   for (int k = threadIdx.x * kVector; k < p.d; k += kThreads * kVector) {
     float wk[kVector];
 #pragma unroll
@@ -163,7 +163,7 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
       }
     }
   }
-  ComputeSync();
+  __syncthreads();
 }
 
 // operand[b][k] = src[b][k] (bf16 [batch, n], n a multiple of kVector,
@@ -191,7 +191,7 @@ __device__ void GatherInto(const Params& p, const __nv_bfloat16* src, int n,
       }
     }
   }
-  ComputeSync();
+  __syncthreads();
 }
 
 // The QKV items of one KV head (its query heads, k and v, HD / 32 items each).
@@ -246,7 +246,7 @@ __device__ void QkvEpilogue(const Params& p, int layer, int item, int pos, const
       q[dim2] = HandoffFloat(r2);
     }
   }
-  ComputeSync();
+  __syncthreads();
 }
 
 // A residual add's element: thread t < B * C holds batch row t / C, column
@@ -277,7 +277,7 @@ __device__ void ResidualEpilogue(const Params& p, const __nv_bfloat16* residual,
   if (threadIdx.x < B * C) {
     x_out[ResidualAt<B, C>(p.d, n0)] = HandoffValue(input + Bf16Round(result[threadIdx.x]));
   }
-  ComputeSync();
+  __syncthreads();
 }
 
 // act[b][u0 + u] = bf16(silu(gate) * up) of the item's 32 units.
@@ -290,7 +290,7 @@ __device__ void SwigluEpilogue(const Params& p, __nv_bfloat16* act, int u0, cons
     const float up = Bf16Round(result[b * kGateUpColumns + 2 * u + 1]);
     act[static_cast<size_t>(b) * p.mlp + u0 + u] = HandoffValue(gate / (1.f + __expf(-gate)) * up);
   }
-  ComputeSync();
+  __syncthreads();
 }
 
 }  // namespace transformer_decode

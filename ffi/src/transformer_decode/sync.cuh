@@ -1,9 +1,6 @@
 // The decode kernel's waits and copies: the grid barrier, and the ring of
 // shared-memory slots its weights stream through (TMA bulk copies, one
 // mbarrier a slot). Every wait is bounded by %globaltimer.
-//
-// The CTA's kThreads computing threads synchronize among themselves
-// (ComputeSync): with kCopyWarp, one more warp only issues copies.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -23,12 +20,6 @@ __device__ __forceinline__ unsigned LoadAcquireGpu(const unsigned* p) {
   return v;
 }
 
-// The computing threads' __syncthreads (named barrier 1): the copy warp,
-// when there is one, never joins it.
-__device__ __forceinline__ void ComputeSync() {
-  asm volatile("bar.sync 1, %0;" ::"n"(kThreads) : "memory");
-}
-
 __device__ __noinline__ inline void TimedOut(const char* what, int layer, unsigned seen,
                                       unsigned expected) {
   printf("jax_flashoverlap transformer_decode: CTA %d timed out waiting for %s in layer %d "
@@ -46,12 +37,12 @@ __device__ inline void SpinUntilAtLeast(const Params& p, const unsigned* counter
   while ((seen = LoadAcquireGpu(counter)) < target) {
     if (GlobalTimerNs() - start > p.timeout_ns) TimedOut(what, layer, seen, target);
   }
-  // The acquiring load, then the CTA's ComputeSync, order the others'
+  // The acquiring load, then the CTA's __syncthreads, order the others'
   // writes before the CTA's reads (as CUTLASS's grid barriers wait).
   if (!(p.options & kOrderedAtomics)) __threadfence();
 }
 
-// One thread, after a ComputeSync: *counter += value, releasing the
+// One thread, after a __syncthreads: *counter += value, releasing the
 // CTA's writes before it (as CUTLASS's grid barriers do; no separate fence).
 __device__ __forceinline__ void AddRelease(unsigned* counter, unsigned value) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
@@ -65,7 +56,7 @@ __device__ __forceinline__ unsigned AddAcquireRelease(unsigned* counter, unsigne
   return old;
 }
 
-// One thread, after a ComputeSync: counts the CTA's arrival, its writes
+// One thread, after a __syncthreads: counts the CTA's arrival, its writes
 // before it released.
 __device__ __forceinline__ void Arrive(const Params& p, unsigned* counter) {
   if (p.options & kOrderedAtomics) {
@@ -94,7 +85,7 @@ __device__ __forceinline__ void Mark(const Params& p, int layer, TraceEvent even
 // visible to every CTA after it.
 __device__ inline void GridBarrier(const Params& p, unsigned count, const char* what, int layer,
                                    TraceEvent arrived) {
-  ComputeSync();
+  __syncthreads();
   if (threadIdx.x == 0) {
     if (p.stage_times) atomicMax(p.stage_times + 2 * count, GlobalTimerNs());
     Arrive(p, p.barrier);
@@ -102,7 +93,7 @@ __device__ inline void GridBarrier(const Params& p, unsigned count, const char* 
     SpinUntilAtLeast(p, p.barrier, count * gridDim.x, what, layer);
     if (p.stage_times && blockIdx.x == 0) p.stage_times[2 * count + 1] = GlobalTimerNs();
   }
-  ComputeSync();
+  __syncthreads();
 }
 
 // Thread 0, then the CTA: until *counter >= target, the other CTAs' writes
@@ -110,7 +101,7 @@ __device__ inline void GridBarrier(const Params& p, unsigned count, const char* 
 __device__ inline void WaitForCount(const Params& p, const unsigned* counter, unsigned target,
                                     const char* what, int layer) {
   if (threadIdx.x == 0) SpinUntilAtLeast(p, counter, target, what, layer);
-  ComputeSync();
+  __syncthreads();
 }
 
 __device__ __forceinline__ unsigned SharedAddress(const void* p) {
@@ -128,11 +119,6 @@ __device__ __forceinline__ unsigned SharedAddress(const void* p) {
 __device__ __forceinline__ void MbarrierInit(uint64_t* bar, unsigned arrivals) {
   JFO_SM90_ASM("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SharedAddress(bar)),
                "r"(arrivals) : "memory");
-}
-
-// One arrival on a CTA-local mbarrier (its count of pending arrivals down by 1).
-__device__ __forceinline__ void MbarrierArrive(uint64_t* bar) {
-  JFO_SM90_ASM("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SharedAddress(bar)) : "memory");
 }
 
 __device__ __forceinline__ bool MbarrierTryWait(uint64_t* bar, unsigned parity) {
@@ -242,103 +228,45 @@ struct ChunkCursor {
 
 // The slots hold the next `count` chunks, each slot refilled as soon as
 // the CTA is done with it: HBM streams on while the CTA waits or attends.
-// A slot's `full` mbarrier completes when its copy lands. Who refills it:
-// - with kCopyWarp, the copy warp's first lane (Produce), once each
-//   computing warp has arrived on the slot's `empty` mbarrier: no warp
-//   waits for another after a chunk, and issuing is off their path;
-// - else thread 0, after the computing threads' ComputeSync (Release).
-// The ring's state that says where copies come from is the issuing thread's.
+// The ring's state that says where copies come from is thread 0's.
 struct Ring {
   unsigned char* slots;
-  uint64_t* full;   // [count]: one arrival (the issuer's) and the copy's bytes
-  uint64_t* empty;  // [count], with kCopyWarp: one arrival per computing warp
+  uint64_t* bars;
   int count;
-  bool copy_warp = false;  // kCopyWarp
   int next = 0;    // the chunk the CTA consumes next
   int next_slot = 0;         // its slot (next % count)
   unsigned next_parity = 0;  // and the phase parity it waits for ((next / count) & 1)
-  int issued = 0;            // chunks issued (the issuing thread's count)
+  int issued = 0;            // chunks issued (thread 0's count)
   int issue_slot = 0;        // the next one's slot (issued % count)
   // Registers every thread holds for the whole launch: kept few and narrow.
   bool evict_first = false;  // the copies under EvictFirstPolicy
   unsigned waited_ns = 0;    // this thread's waits for copies in a layer, with a trace
-  unsigned issue_ns = 0;     // the issuing thread's time issuing them in a layer, with a trace
+  unsigned issue_ns = 0;     // thread 0's time issuing them in a layer, with a trace
   ChunkCursor cursor;
-
-  // Every thread, first: the ring's layout in shared memory (Params's offsets).
-  __device__ void Start(const Params& p, unsigned char* shared) {
-    slots = shared;
-    count = p.ring_slots;
-    full = reinterpret_cast<uint64_t*>(shared + p.mbar_offset);
-    empty = full + count;
-    copy_warp = p.options & kCopyWarp;
-    evict_first = p.options & kEvictFirstWeights;
-    cursor.Start(p);
-  }
 
   // Thread 0, before any copy: the slots' mbarriers.
   __device__ void InitBarriers() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    for (int s = 0; s < count; ++s) {
-      MbarrierInit(full + s, 1);
-      MbarrierInit(empty + s, kWarps);
-    }
+    for (int s = 0; s < count; ++s) MbarrierInit(bars + s, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
   }
 
-  // Thread 0 without kCopyWarp, once the barriers are initialized: the
-  // first chunks into every slot.
+  // Thread 0, once the barriers are initialized: the first chunks into every slot.
   __device__ void Fill(const Params& p) {
-    if (threadIdx.x != 0) return;
     for (int c = 0; c < count; ++c) IssueNext(p);
   }
 
-  // The issuing thread: the next chunk into its slot (chunk c goes to slot
-  // c % count), the slot free.
+  // Thread 0: the next chunk into its slot (chunk c goes to slot c % count).
   __device__ void IssueNext(const Params& p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (cursor.Done(p)) return;
+    if (threadIdx.x != 0 || cursor.Done(p)) return;
     BulkLoad(slots + static_cast<size_t>(issue_slot) * p.chunk_bytes, cursor.src, cursor.bytes,
-             full + issue_slot, evict_first ? EvictFirstPolicy() : 0);
+             bars + issue_slot, evict_first ? EvictFirstPolicy() : 0);
     cursor.Advance(p);
     ++issued;
     if (++issue_slot == count) issue_slot = 0;
-#endif
-  }
-
-  // The copy warp's first lane, the whole launch: each chunk once its slot
-  // is released (every computing warp arrived on `empty`). With a trace,
-  // its time issuing and waiting for slots, per layer.
-  __device__ void Produce(const Params& p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    unsigned waited = 0;
-    while (!cursor.Done(p)) {
-      const int layer = cursor.layer;
-      if (issued >= count) {
-        // The slot last held chunk issued - count: its release completes
-        // the slot's phase issued / count - 1 of `empty`.
-        const unsigned parity = (issued / count - 1) & 1;
-        const uint64_t start = GlobalTimerNs();
-        while (!MbarrierTryWait(empty + issue_slot, parity)) {
-          if (GlobalTimerNs() - start > p.timeout_ns) {
-            TimedOut("a slot of the weights' ring to be released", layer, issued, issued + 1);
-          }
-        }
-        if (p.trace) waited += static_cast<unsigned>(GlobalTimerNs() - start);
-      }
-      const uint64_t traced = p.trace ? GlobalTimerNs() : 0;
-      IssueNext(p);
-      if (p.trace) {
-        issue_ns += static_cast<unsigned>(GlobalTimerNs() - traced);
-        if (cursor.layer != layer) {  // the layer's last copy issued
-          Record(p, layer, kIssueNs, issue_ns);
-          Record(p, layer, kFreeSlotWaitNs, waited);
-          issue_ns = waited = 0;
-        }
-      }
-    }
 #endif
   }
 
@@ -349,13 +277,10 @@ struct Ring {
     const unsigned parity = next_parity;
     // try_wait itself may wait a while before it fails: the trace times it too.
     const uint64_t traced = p.trace ? GlobalTimerNs() : 0;
-    if (!MbarrierTryWait(full + slot, parity)) {
+    if (!MbarrierTryWait(bars + slot, parity)) {
       const uint64_t start = GlobalTimerNs();
-      while (!MbarrierTryWait(full + slot, parity)) {
-        // Chunks issued, of the next + 1 needed (the copy warp's count is its own).
-        if (GlobalTimerNs() - start > p.timeout_ns) {
-          TimedOut("a weight copy", layer, copy_warp ? next : issued, next + 1);
-        }
+      while (!MbarrierTryWait(bars + slot, parity)) {
+        if (GlobalTimerNs() - start > p.timeout_ns) TimedOut("a weight copy", layer, next, issued);
       }
     }
     if (p.trace) waited_ns += static_cast<unsigned>(GlobalTimerNs() - traced);
@@ -371,10 +296,9 @@ struct Ring {
     }
   }
 
-  // With a trace, at a layer's end: thread 0's issuing (the copy warp
-  // records its own), thread 32's waits.
+  // With a trace, at a layer's end: thread 0's issuing, thread 32's waits.
   __device__ void RecordLayer(const Params& p, int layer) {
-    if (p.trace && threadIdx.x == 0 && !copy_warp) {
+    if (p.trace && threadIdx.x == 0) {
       Record(p, layer, kIssueNs, issue_ns);
       issue_ns = 0;
     }
@@ -384,20 +308,13 @@ struct Ring {
     }
   }
 
-  // Every computing thread, done with the chunk it waited for: its slot
-  // takes the chunk `count` ahead.
+  // Every thread is done with the chunk it waited for: its slot takes the
+  // chunk `count` ahead.
   __device__ void Release(const Params& p) {
-    if (copy_warp) {
-      __syncwarp();  // the warp's reads of the slot, then its arrival
-      if (threadIdx.x % 32 == 0) MbarrierArrive(empty + next_slot);
-    } else {
-      ComputeSync();
-      if (threadIdx.x == 0) {
-        const uint64_t traced = p.trace ? GlobalTimerNs() : 0;
-        IssueNext(p);
-        if (traced) issue_ns += static_cast<unsigned>(GlobalTimerNs() - traced);
-      }
-    }
+    __syncthreads();
+    const uint64_t traced = p.trace && threadIdx.x == 0 ? GlobalTimerNs() : 0;
+    IssueNext(p);
+    if (traced) issue_ns += static_cast<unsigned>(GlobalTimerNs() - traced);
     ++next;
     if (++next_slot == count) {
       next_slot = 0;
