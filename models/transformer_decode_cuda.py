@@ -66,6 +66,10 @@ _DOWN_COLUMNS = 16
 # multiple of 16 KiB), each filled by a TMA bulk copy. Read where the
 # kernel is traced.
 CHUNK_BYTES = 32768
+# The ring's slots: 0 takes as many as fit in shared memory (up to 16; 6 at
+# batch 1 of the 1B model). Fewer leave fewer bytes in flight per SM when a
+# stage polls another's outputs. Read where the kernel is traced.
+RING_SLOTS = 0
 # The kernel's optional paths, bit flags (read where the kernel is traced;
 # ffi/src/transformer_decode/params.cuh), all on by default: together they
 # took the 1B model's step from 814 to 730 us on one H200 (batch 1,
@@ -302,7 +306,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
         rope_theta=np.float32(config.rope_theta),
         timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
         stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
-        options=np.int32(OPTIONS))
+        ring_slots=np.int32(RING_SLOTS), options=np.int32(OPTIONS))
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches

@@ -2,7 +2,8 @@
 
     python3 scripts/transformer_decode_probe.py [--batch B] [--context C]
                                                 [--chunk-bytes BYTES ...]
-                                                [--json FILE]
+                                                [--ring-slots N ...]
+                                                [--options MASK ...] [--json FILE]
 
 The 1B Transformer's blocks (16 layers, width 2048, 16 heads of 128 over 8
 KV heads, MLP 8192) with random bf16 weights in the kernel's layout
@@ -17,14 +18,16 @@ per point of a layer (``models.transformer_decode_cuda.TRACE_EVENTS``), when
 the last CTA and the median CTA passed it, from the layer's first CTA's
 start, the median over layers.
 
-``--options`` runs the kernel with these optional paths
-(``models.transformer_decode_cuda.OPTIONS``, bit flags), a row each.
+``--chunk-bytes``, ``--ring-slots`` and ``--options`` (the kernel's optional
+paths, ``models.transformer_decode_cuda.OPTIONS``, bit flags) each take
+several values: a row for each combination.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -177,6 +180,10 @@ def main() -> None:
                         metavar="BYTES",
                         help="each of these weight slots (models.transformer_decode_cuda."
                              "CHUNK_BYTES), a row each (default: the module's)")
+    parser.add_argument("--ring-slots", nargs="+", type=int, default=[None], metavar="N",
+                        help="each of these counts of weight slots (models.transformer_decode_"
+                             "cuda.RING_SLOTS; 0: as many as fit), a row each (with every "
+                             "--chunk-bytes; default: the module's)")
     parser.add_argument("--options", nargs="+", type=int, default=[fused.OPTIONS],
                         metavar="MASK",
                         help="each of these bit masks of the kernel's optional paths "
@@ -190,19 +197,23 @@ def main() -> None:
     meta = benchmarking.provenance({"probe": "transformer decode kernel", "steps": list(STEPS),
                                     "reps": REPS, **vars(args)})
     rows = []
-    for chunk_bytes in args.chunk_bytes:
-        for options in args.options:
-            if chunk_bytes is not None:  # read while tracing: each variant traced afresh
-                fused.CHUNK_BYTES = chunk_bytes
-            fused.OPTIONS = options
-            jax.clear_caches()
-            rows.append({"chunk_bytes": fused.CHUNK_BYTES, "options": options,
-                         **measure(config, x, weights, caches, args.context)})
-            print(json.dumps(rows[-1]), flush=True)
-            with open(args.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    for chunk_bytes, ring_slots, options in itertools.product(
+            args.chunk_bytes, args.ring_slots, args.options):
+        # Read while tracing: each variant traced afresh.
+        if chunk_bytes is not None:
+            fused.CHUNK_BYTES = chunk_bytes
+        if ring_slots is not None:
+            fused.RING_SLOTS = ring_slots
+        fused.OPTIONS = options
+        jax.clear_caches()
+        rows.append({"chunk_bytes": fused.CHUNK_BYTES, "ring_slots": fused.RING_SLOTS,
+                     "options": options, **measure(config, x, weights, caches, args.context)})
+        print(json.dumps(rows[-1]), flush=True)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for row in rows:
-        print(f"\nslots of {row['chunk_bytes']} bytes, options {row['options']}: step "
+        slots = row.get("ring_slots") or "as many as fit"
+        print(f"\nslots of {row['chunk_bytes']} bytes ({slots}), options {row['options']}: step "
               f"{row['per_step_us']:.1f} us [{row['per_step_us_min']:.1f}, "
               f"{row['per_step_us_max']:.1f}], floor {row['floor_us']:.1f} us "
               f"({row['x_floor']:.2f}x)")

@@ -210,6 +210,37 @@ def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim
                 np.testing.assert_allclose(g[:, :, pos], w[:, :, pos], rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring_slots", [2, 3])
+def test_a_short_ring_matches_the_reference(rng, monkeypatch, ring_slots):
+    """With 2 or 3 weight slots (fused.RING_SLOTS) the slots are refilled
+    several times a launch: the step still matches the float32 reference."""
+    monkeypatch.setattr(fused, "RING_SLOTS", ring_slots)
+    config = _config("bfloat16", 128, 4, 2, layers=3)
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
+    model = _model(config, mesh)
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    with jax.set_mesh(mesh):
+        weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
+        got, _, want, _, exact = _kernel_and_references(rng, config, 2, 300, 137, weights, whole)
+    assert _relative(got, exact) <= max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ring_slots", [1, 17])
+def test_a_ring_that_cannot_be_is_an_error(rng, monkeypatch, ring_slots):
+    """One slot (no copy ahead), or more than fit in shared memory, is refused."""
+    monkeypatch.setattr(fused, "RING_SLOTS", ring_slots)
+    config = _config("bfloat16", 128, 4, 2, layers=1)
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
+    model = _model(config, mesh)
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    with jax.set_mesh(mesh):
+        weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"ring_slots must be 0 \(as many as fit\) or 2 to"):
+            _kernel_and_references(rng, config, 1, 64, 5, weights, whole)
+
+
 def _kernel_and_references(rng, config, batch, length, pos, weights, whole):
     """One step of decode_blocks, of the reference, and of the reference in
     float32, on fresh x and caches (every array whole on the weights' mesh)."""

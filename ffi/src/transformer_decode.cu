@@ -90,10 +90,8 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     __trap();
   }
   unsigned barriers = 0;
-  const WeightStage& qkv = p.stages[0];
-  const WeightStage& out = p.stages[1];
-  const WeightStage& gate_up = p.stages[2];
-  const WeightStage& down = p.stages[3];
+  const WeightStage &qkv = p.stages[0], &out = p.stages[1];
+  const WeightStage &gate_up = p.stages[2], &down = p.stages[3];
   for (int layer = 0; layer < p.layers; ++layer) {
     const __nv_bfloat16* x = LayerInputOf(p, layer);
     __nv_bfloat16* x_attention = XAfterAttentionOf(p, layer);
@@ -174,27 +172,6 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
 // ---------------------------------------------------------------------------
 // Host side.
 
-size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
-
-// The layers' handoff buffers (handoff.cuh), at the workspace's end.
-size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads, int64_t kv_heads,
-                    int64_t head_dim, int64_t mlp) {
-  return AlignUp(layers * batch * (2 * d + mlp + 3 * heads * head_dim + 2 * kv_heads * head_dim) *
-                     2, 256);
-}
-
-// The workspace's bytes (models/transformer_decode_cuda.py computes the same
-// from the same shapes; the handler checks the buffer it gets).
-size_t TransformerDecodeWorkspaceBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads,
-                                       int64_t kv_heads, int64_t head_dim, int64_t mlp,
-                                       int64_t max_splits) {
-  const int64_t qpk = heads / kv_heads;
-  return kControlBytes + kTimesBytes + AlignUp(batch * heads * head_dim * 4, 256) +
-         AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256) +
-         AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256) +
-         HandoffBytes(layers, batch, d, heads, kv_heads, head_dim, mlp);
-}
-
 WeightStage StageOf(const ffi::AnyBuffer& w, int columns, int chunk_bytes) {
   const auto dims = w.dimensions();  // [layers, items, k, columns]
   WeightStage st;
@@ -266,7 +243,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
                                  int32_t max_splits, float eps, float rope_theta,
                                  int32_t timeout_ms, int32_t stage_times,
-                                 int32_t chunk_bytes, int32_t options) {
+                                 int32_t chunk_bytes, int32_t ring_slots, int32_t options) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
@@ -335,8 +312,7 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                        std::to_string(kMinChunkBytes) + " up to 1 MiB");
   }
   p.chunk_bytes = chunk_bytes;
-  if (options & ~kAllOptions ||
-      stage_times < 0 || stage_times > 2) {
+  if (options & ~kAllOptions || stage_times < 0 || stage_times > 2) {
     return ffi::Error::InvalidArgument(op + "unknown options or stage_times: " +
                                        std::to_string(options) + ", " +
                                        std::to_string(stage_times));
@@ -425,12 +401,18 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   const size_t fixed = operand + reduce + result + AlignUp(scalars, 16);
   const size_t budget = static_cast<size_t>(info.max_shared);
   // Each slot: a chunk and its mbarrier.
-  const int slots = static_cast<int>(std::min<size_t>(
+  const int fit = static_cast<int>(std::min<size_t>(
       16, budget > fixed ? (budget - fixed) / (chunk_bytes + 8) : 0));
-  if (slots < 2) {
+  if (fit < 2) {
     return ffi::Error::InvalidArgument(op + "these shapes leave no shared memory for the weights' "
                                        "ring; use a smaller batch");
   }
+  if (ring_slots < 0 || ring_slots == 1 || ring_slots > fit) {
+    return ffi::Error::InvalidArgument(op + "ring_slots must be 0 (as many as fit) or 2 to " +
+                                       std::to_string(fit) + " at these shapes, got " +
+                                       std::to_string(ring_slots));
+  }
+  const int slots = ring_slots ? ring_slots : fit;
   p.ring_slots = slots;
   size_t at = static_cast<size_t>(slots) * chunk_bytes;
   p.operand_offset = static_cast<int>(at);
@@ -495,6 +477,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("timeout_ms")
         .Attr<int32_t>("stage_times")  // 1: the barriers' times in the workspace; 2: and a trace
         .Attr<int32_t>("chunk_bytes")  // a shared-memory slot of the weights' stream
+        .Attr<int32_t>("ring_slots")   // the ring's slots; 0: as many as fit (up to 16)
         .Attr<int32_t>("options"));  // kEvictFirstWeights | ... (params.cuh)
 
 }  // namespace jfo

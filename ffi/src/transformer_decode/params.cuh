@@ -131,5 +131,28 @@ struct Params {
   LayerCache caches[kMaxLayers];
 };
 
+// Host side: the workspace's layout.
+
+inline size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// The layers' handoff buffers (handoff.cuh), at the workspace's end.
+inline size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, int64_t mlp) {
+  return AlignUp(layers * batch * (2 * d + mlp + 3 * heads * head_dim + 2 * kv_heads * head_dim) *
+                     2, 256);
+}
+
+// The workspace's bytes (models/transformer_decode_cuda.py computes the same
+// from the same shapes; the handler checks the buffer it gets).
+inline size_t TransformerDecodeWorkspaceBytes(int64_t layers, int64_t batch, int64_t d,
+                                              int64_t heads, int64_t kv_heads, int64_t head_dim,
+                                              int64_t mlp, int64_t max_splits) {
+  const int64_t qpk = heads / kv_heads;
+  return kControlBytes + kTimesBytes + AlignUp(batch * heads * head_dim * 4, 256) +
+         AlignUp(batch * kv_heads * max_splits * qpk * (head_dim + 2) * 4, 256) +
+         AlignUp(batch * heads * head_dim * 2, 256) + AlignUp(batch * mlp * 2, 256) +
+         HandoffBytes(layers, batch, d, heads, kv_heads, head_dim, mlp);
+}
+
 }  // namespace transformer_decode
 }  // namespace jfo
