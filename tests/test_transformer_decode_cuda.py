@@ -237,8 +237,9 @@ def test_a_ring_that_cannot_be_is_an_error(rng, monkeypatch, ring_slots):
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     with jax.set_mesh(mesh):
         weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
-        with pytest.raises(jax.errors.JaxRuntimeError, match=r"ring_slots must be 0 \(as many as fit\) or 2 to"):
-            _kernel_and_references(rng, config, 1, 64, 5, weights, whole)
+        with pytest.raises(jax.errors.JaxRuntimeError,
+                           match=r"ring_slots must be 0 \(as many as fit\) or 2 to"):
+            jax.block_until_ready(_kernel_and_references(rng, config, 1, 64, 5, weights, whole))
 
 
 def _kernel_and_references(rng, config, batch, length, pos, weights, whole):
