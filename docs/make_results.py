@@ -31,10 +31,12 @@ NVSHMEM = "hierarchical_all_reduce_2xh200.json"
 TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
+# The attention's inputs packed (the default since) against apart, after DECODE.
+DECODE_PACKED = "decode_attention_packed_inputs_contexts_1xh200.json"
 # decode_blocks "layers" against "cuda" (opt-in), each file one process;
 # the first is the kernel as it is now.
-DECODE_BLOCKS = ["decode_blocks_cuda_handoffs_1xh200.json", "decode_blocks_cuda_counts_1xh200.json",
-                 "decode_blocks_cuda_mma_1xh200.json"]
+DECODE_BLOCKS = ["decode_blocks_cuda_ring_1xh200.json", "decode_blocks_cuda_handoffs_1xh200.json",
+                 "decode_blocks_cuda_counts_1xh200.json", "decode_blocks_cuda_mma_1xh200.json"]
 SSD = "ssd_decay_outer_1xh200.json"
 # The processes whose row of that variant ran today's defaults: the headline
 # gives their range.
@@ -174,7 +176,22 @@ def decode_table() -> tuple[str, list]:
                      f"{r['per_token_ms'] / r['hbm_floor_ms']:.2f} | {r['prefill_ms']:.2f} |")
     return ("One H200 (TP=1), impl \"xla\" (one GPU: no communication), bf16. The floor is "
             "the bytes of weights and cache one token reads, at 4.8 TB/s.\n\n"
-            + "\n".join(lines) + f"\n\nFrom {_source(DECODE, doc)}"), rows
+            + "\n".join(lines) + f"\n\nFrom {_source(DECODE, doc)}\n\n"
+            + packed_inputs_note()), rows
+
+
+def packed_inputs_note() -> str:
+    """The attention kernel's packed inputs (on by default after DECODE ran)
+    against its inputs apart, in one process."""
+    doc = _load(DECODE_PACKED)
+    by = {(r["packed_inputs"], r["context"]): r["per_token_ms"] for r in doc["rows"]}
+    pairs = ", ".join(f"context {context} {packed:.3f} against {by[False, context]:.3f} ms "
+                      f"({by[False, context] / packed:.3f}×)"
+                      for (is_packed, context), packed in sorted(by.items()) if is_packed)
+    return ("Since that run the attention kernel (batch 1) takes q, k and v packed in one "
+            "array (`models.decode_attention_pallas.PACKED_INPUTS`); the Transformer at batch "
+            f"1, packed against apart in one process: {pairs}. From "
+            f"{_source(DECODE_PACKED, doc)}")
 
 
 def decode_blocks_table() -> tuple[str, list]:

@@ -387,9 +387,10 @@ def test_decode_benchmark_sets_and_restores_the_attention_kernel_settings():
     assert bench._attention_label({"decode_attention": "pallas", "split_positions": 64}) == \
         "pallas, splits of 64+"
     assert bench._attention_label({"decode_attention": "model"}) == "model"
-    with bench.packed_inputs_set(True):
-        assert kernel.PACKED_INPUTS is True
-    assert kernel.PACKED_INPUTS is False
+    packed = kernel.PACKED_INPUTS
+    with bench.packed_inputs_set(not packed):
+        assert kernel.PACKED_INPUTS is (not packed)
+    assert kernel.PACKED_INPUTS is packed
     assert bench._attention_label({"decode_attention": "pallas", "split_positions": 64,
                                    "packed_inputs": True}) == "pallas, splits of 64+, packed"
 
