@@ -189,12 +189,8 @@ def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim
     without the kernel's optional paths (fused.OPTIONS)."""
     monkeypatch.setattr(fused, "OPTIONS", options)
     config = _config("bfloat16", head_dim, heads, kv_heads, layers=3)
-    mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
-    model = _model(config, mesh)
-    with jax.set_mesh(mesh):
-        weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
+    mesh, weights, whole = _prepared_on_one_device(config)
     length = 300
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     for pos in (0, 137, length - 1):
         with jax.set_mesh(mesh):
             got, got_caches, want, want_caches, exact = _kernel_and_references(
@@ -217,11 +213,8 @@ def test_a_short_ring_matches_the_reference(rng, monkeypatch, ring_slots):
     several times a launch: the step still matches the float32 reference."""
     monkeypatch.setattr(fused, "RING_SLOTS", ring_slots)
     config = _config("bfloat16", 128, 4, 2, layers=3)
-    mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
-    model = _model(config, mesh)
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    mesh, weights, whole = _prepared_on_one_device(config)
     with jax.set_mesh(mesh):
-        weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
         got, _, want, _, exact = _kernel_and_references(rng, config, 2, 300, 137, weights, whole)
     assert _relative(got, exact) <= max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
 
@@ -232,14 +225,20 @@ def test_a_ring_that_cannot_be_is_an_error(rng, monkeypatch, ring_slots):
     """One slot (no copy ahead), or more than fit in shared memory, is refused."""
     monkeypatch.setattr(fused, "RING_SLOTS", ring_slots)
     config = _config("bfloat16", 128, 4, 2, layers=1)
+    mesh, weights, whole = _prepared_on_one_device(config)
+    with jax.set_mesh(mesh), pytest.raises(
+            jax.errors.JaxRuntimeError, match=r"ring_slots must be 0 \(as many as fit\) or 2 to"):
+        jax.block_until_ready(_kernel_and_references(rng, config, 1, 64, 5, weights, whole))
+
+
+def _prepared_on_one_device(config):
+    """A model's blocks on one GPU: the mesh, their weights in the kernel's
+    layout, and the sharding that keeps an array whole on it."""
     mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
     model = _model(config, mesh)
-    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     with jax.set_mesh(mesh):
         weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
-        with pytest.raises(jax.errors.JaxRuntimeError,
-                           match=r"ring_slots must be 0 \(as many as fit\) or 2 to"):
-            jax.block_until_ready(_kernel_and_references(rng, config, 1, 64, 5, weights, whole))
+    return mesh, weights, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
 def _kernel_and_references(rng, config, batch, length, pos, weights, whole):
