@@ -68,7 +68,9 @@ _DOWN_COLUMNS = 16
 CHUNK_BYTES = 32768
 # The ring's slots: 0 takes as many as fit in shared memory (up to 16; 6 at
 # batch 1 of the 1B model). Fewer leave fewer bytes in flight per SM when a
-# stage polls another's outputs. Read where the kernel is traced.
+# stage polls another's outputs: its gathers were shorter and its weight
+# streams slower, the step no faster (docs/measurements.md, session 39).
+# Read where the kernel is traced.
 RING_SLOTS = 0
 # The kernel's optional paths, bit flags (read where the kernel is traced;
 # ffi/src/transformer_decode/params.cuh), all on by default: together they
