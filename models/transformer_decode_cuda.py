@@ -73,21 +73,25 @@ CHUNK_BYTES = 32768
 # Read where the kernel is traced.
 RING_SLOTS = 0
 # The kernel's optional paths, bit flags (read where the kernel is traced;
-# ffi/src/transformer_decode/params.cuh), all on by default: together they
-# took the 1B model's step from 814 to 730 us on one H200 (batch 1,
-# context 512; docs/measurements.md, session 38). 0 is the kernel with grid
-# barriers between its stages and fences before its counts, for comparison.
+# ffi/src/transformer_decode/params.cuh), all but ISSUER_APART on by
+# default: together they took the 1B model's step from 814 to 730 us on one
+# H200 (batch 1, context 512; docs/measurements.md, session 38). 0 is the
+# kernel with grid barriers between its stages and fences before its
+# counts, for comparison.
 # EVICT_FIRST_WEIGHTS marks the weights' copies evict-first in L2,
 # RESIDUAL_AHEAD reads the residual adds' inputs before their GEMVs,
 # KV_BEFORE_COUNT issues an attention item's cache loads before it waits for
 # its KV head, ORDERED_ATOMICS counts arrivals with release/acquire atomics
 # in place of fences, POLLED_HANDOFFS gives each layer's stage outputs their
 # own buffers that the next stage polls, in place of grid barriers.
+# ISSUER_APART leaves the chunks' tensor-core work to warps 1-7 while
+# thread 0 issues the next copies (a kernel of its own; not yet measured,
+# so off).
 EVICT_FIRST_WEIGHTS, RESIDUAL_AHEAD, KV_BEFORE_COUNT = 1, 4, 8
-ORDERED_ATOMICS, POLLED_HANDOFFS = 16, 64
+ORDERED_ATOMICS, POLLED_HANDOFFS, ISSUER_APART = 16, 64, 128
 ALL_OPTIONS = (EVICT_FIRST_WEIGHTS | RESIDUAL_AHEAD | KV_BEFORE_COUNT | ORDERED_ATOMICS
-               | POLLED_HANDOFFS)
-OPTIONS = ALL_OPTIONS
+               | POLLED_HANDOFFS | ISSUER_APART)
+OPTIONS = ALL_OPTIONS & ~ISSUER_APART
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 # A trace's rows: per layer, kMaxTraceCtas CTAs of TRACE_EVENTS clocks.

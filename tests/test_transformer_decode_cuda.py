@@ -178,15 +178,16 @@ def test_generate_with_the_kernels_blocks_follows_the_layers(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [0, fused.ALL_OPTIONS])
+@pytest.mark.parametrize("options", sorted({0, fused.OPTIONS, fused.ALL_OPTIONS}))
 @pytest.mark.parametrize("batch", [1, 2, 4])
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 4, 2), (64, 8, 2), (128, 2, 2)])
 def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim, heads,
                                       kv_heads):
     """One step of the kernel against the reference in float32 and in bf16, at
     positions 0, mid-cache and the cache's last; the cache past the position
-    is NaN (never read) and stays so, the new position is written. With and
-    without the kernel's optional paths (fused.OPTIONS)."""
+    is NaN (never read) and stays so, the new position is written. With
+    the kernel's default optional paths (fused.OPTIONS), with all of them,
+    and with none."""
     monkeypatch.setattr(fused, "OPTIONS", options)
     config = _config("bfloat16", head_dim, heads, kv_heads, layers=3)
     mesh, weights, whole = _prepared_on_one_device(config)
