@@ -19,11 +19,11 @@ selects it. Programs compiled for other platforms run :func:`reference`,
 the kernel's arithmetic in JAX on the same layout.
 
 It is opt-in: on one H200 (the 1B model, context 512, one process) it
-took 0.737 ms a token against 0.898 through XLA's kernels at batch 1
-(1.73x the HBM floor) and 0.921 against 0.929 at batch 4
-(docs/measurements.md, session 38). What still separates it from the
+took 0.715 ms a token against 0.903 through XLA's kernels at batch 1
+(1.67x the HBM floor) and 0.925 against 0.919 at batch 4
+(docs/measurements.md, session 39). What still separates it from the
 floor is the chain of dependent loads in each layer (norms, attention,
-handoffs) and thread 0's time issuing each weight copy;
+handoffs) and each chunk's sync and copy issue;
 ``scripts/transformer_decode_probe.py`` times its stages and traces each
 CTA through a layer.
 """
