@@ -54,7 +54,7 @@ namespace {
 
 using namespace transformer_decode;  // NOLINT: this file is the op built on them
 
-template <int B, int HD, bool IssuerApart>
+template <int B, int HD>
 __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __grid_constant__ Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ __align__(128) unsigned char shared[];
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     }
     Mark(p, layer, kQkvNormed);
     for (int item = blockIdx.x; item < qkv.items; item += gridDim.x) {
-      ItemProduct<kQkvColumns, B, IssuerApart>(p, ring, qkv, layer, operand, reduce, result);
+      ItemProduct<kQkvColumns, B>(p, ring, qkv, layer, operand, reduce, result);
       QkvEpilogue<B>(p, layer, item, pos, result);
       // The epilogue's writes (it ends in a sync), then the count.
       if (!Polled(p) && threadIdx.x == 0) Arrive(p, p.qkv_done + item / QkvItemsPerKvHead(p));
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
       const int n0 = item * kOutColumns;
       const float input =
           residual_ahead ? ResidualInput<B, kOutColumns>(p, x, n0, layer) : 0.f;
-      ItemProduct<kOutColumns, B, IssuerApart>(p, ring, out, layer, operand, reduce, result);
+      ItemProduct<kOutColumns, B>(p, ring, out, layer, operand, reduce, result);
       ResidualEpilogue<B, kOutColumns>(p, x, x_attention, n0, result, residual_ahead, input,
                                        layer);
     }
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     }
     Mark(p, layer, kGateUpNormed);
     for (int item = blockIdx.x; item < gate_up.items; item += gridDim.x) {
-      ItemProduct<kGateUpColumns, B, IssuerApart>(p, ring, gate_up, layer, operand, reduce, result);
+      ItemProduct<kGateUpColumns, B>(p, ring, gate_up, layer, operand, reduce, result);
       SwigluEpilogue<B>(p, ActOf(p, layer), item * (kGateUpColumns / 2), result);
     }
     Mark(p, layer, kGateUpDone);
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
       const int n0 = item * kDownColumns;
       const float input =
           residual_ahead ? ResidualInput<B, kDownColumns>(p, x_attention, n0, layer) : 0.f;
-      ItemProduct<kDownColumns, B, IssuerApart>(p, ring, down, layer, operand, reduce, result);
+      ItemProduct<kDownColumns, B>(p, ring, down, layer, operand, reduce, result);
       ResidualEpilogue<B, kDownColumns>(p, x_attention, XAfterMlpOf(p, layer), n0, result,
                                         residual_ahead, input, layer);
     }
@@ -198,9 +198,9 @@ ffi::Error CheckWeight(const ffi::AnyBuffer& w, const char* name, int64_t layers
   return ffi::Error::Success();
 }
 
-template <int B, int HD, bool IssuerApart>
+template <int B, int HD>
 ffi::Error Launch(cudaStream_t stream, int device, const Params& p, int grid, size_t shared) {
-  auto kernel = TransformerDecodeKernel<B, HD, IssuerApart>;
+  auto kernel = TransformerDecodeKernel<B, HD>;
   // Once per device, kernel and shared-memory size: a call's host time is
   // time the GPU may wait for (one launch a decode step).
   static std::mutex mu;
@@ -436,22 +436,19 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
     }
     JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.trace, 0, trace_bytes, stream));
   }
-  const bool apart = options & kIssuerApart;
-#define JFO_LAUNCH(B, HD)                                                     \
-  (apart ? Launch<B, HD, true>(stream, device, p, grid, at)                  \
-         : Launch<B, HD, false>(stream, device, p, grid, at))
-#define JFO_LAUNCH_BATCH(B) \
-  case B:                   \
-    return head_dim == 64 ? JFO_LAUNCH(B, 64) : JFO_LAUNCH(B, 128);
+#define JFO_LAUNCH_BATCH(B)                                            \
+  case B:                                                              \
+    return head_dim == 64 ? Launch<B, 64>(stream, device, p, grid, at)         \
+                          : Launch<B, 128>(stream, device, p, grid, at);
   switch (batch) {
     JFO_LAUNCH_BATCH(1)
     JFO_LAUNCH_BATCH(2)
     JFO_LAUNCH_BATCH(3)
     default:
-      return head_dim == 64 ? JFO_LAUNCH(4, 64) : JFO_LAUNCH(4, 128);
+      return head_dim == 64 ? Launch<4, 64>(stream, device, p, grid, at)
+                            : Launch<4, 128>(stream, device, p, grid, at);
   }
 #undef JFO_LAUNCH_BATCH
-#undef JFO_LAUNCH
 }
 
 }  // namespace

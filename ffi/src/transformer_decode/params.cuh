@@ -38,20 +38,19 @@ constexpr int kOperandPad = 8;
 constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 
 // The kernel's optional paths (Params::options, bit flags;
-// models.transformer_decode_cuda.OPTIONS): all but kIssuerApart (not yet
-// measured) on by default, measured faster together
-// (docs/measurements.md, session 38); 0 is the kernel of session 37, grid
-// barriers and fences, kept for comparison.
+// models.transformer_decode_cuda.OPTIONS): all on by default, measured
+// faster together (docs/measurements.md, session 38); 0 is the kernel of
+// session 37, grid barriers and fences, kept for comparison.
 // (2 and 32 were the norms' weights prefetched into L1 and the counts
-// kept apart from the thread that issues copies: no gain, removed.)
+// kept apart from the thread that issues copies, 128 the chunks' MMAs left
+// to warps 1-7 while thread 0 issues: no gain, removed.)
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
 constexpr int kOrderedAtomics = 16;    // release/acquire atomics in place of fences
 constexpr int kPolledHandoffs = 64;    // per-layer outputs polled, no grid barriers (handoff.cuh)
-constexpr int kIssuerApart = 128;      // warp 0 issues the copies, the other 7 compute the chunks
 constexpr int kAllOptions = kEvictFirstWeights | kResidualAhead | kKvBeforeCount |
-                             kOrderedAtomics | kPolledHandoffs | kIssuerApart;
+                             kOrderedAtomics | kPolledHandoffs;
 
 // With stage_times 2, each CTA's clock at these points of each layer
 // (thread 0's %globaltimer, ns), and the time it waited for weight copies.

@@ -52,17 +52,11 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint4& a, unsigned 
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-// IssuerApart (the option kIssuerApart, a kernel of its own so that the
-// other's registers stay as they are): warp 0, whose thread 0 issues the
-// copies after each chunk, computes none of the chunks' tiles, so that its
-// issuing overlaps the other warps' MMAs instead of adding to them.
-template <int C, int B, bool IssuerApart>
+template <int C, int B>
 __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, int layer,
                             const __nv_bfloat16* operand, float* reduce, float* result) {
   constexpr int kColumnTiles = C / kTile;
-  constexpr int kComputing = IssuerApart ? kWarps - 1 : kWarps;  // warps on a chunk's tiles
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int first_tile = IssuerApart ? warp - 1 : warp;  // -1: warp 0 apart
   const int g = lane / 4, t = lane % 4;  // the fragments' row group, and thread in it
   // Lane (g, t) brings batch row g's k pairs 2t and 2t + 8 of each k-tile
   // (the B fragment); rows past the batch bring zeros.
@@ -72,7 +66,7 @@ __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, 
     const int row0 = chunk * st.rows_per_chunk;
     const int k_tiles = min(st.rows_per_chunk, st.k - row0) / kTile;
     const uint4* w = ring.Wait(p, layer);
-    for (int kt = first_tile; kt >= 0 && kt < k_tiles; kt += kComputing) {
+    for (int kt = warp; kt < k_tiles; kt += kWarps) {
       const int k0 = row0 + kt * kTile;
       unsigned b0 = 0, b1 = 0;
       if (g < B) {
