@@ -158,7 +158,7 @@ def split_positions_set(positions: int | None):
 
 def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
                 decode_matmul: str = "xla", decode_attention: str = "model",
-                decode_mixer: str = "xla", decode_blocks: str = "layers"):
+                decode_mixer: str = "xla", decode_blocks: str = "auto"):
     config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
                                 **({"attention": attention, "decode_attention": decode_attention,
                                     "decode_blocks": decode_blocks}
@@ -434,12 +434,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="the Transformer's decode attentions to compare (each with every "
                              "impl and matmul; default: the model's default, 'auto', each row "
                              "naming what it ran; Mamba-2 runs only 'model')")
-    parser.add_argument("--decode-blocks", nargs="+", default=["layers"],
+    parser.add_argument("--decode-blocks", nargs="+", default=["auto"],
                         choices=models.DECODE_BLOCKS,
                         help="the Transformer's decode blocks to compare: each layer's own "
-                             "decode, or all in one CUDA kernel (TransformerConfig."
-                             "decode_blocks; with 'cuda' the attention is the kernel's, so "
-                             "--decode-attentions does not add rows to it)")
+                             "decode, all in one CUDA kernel, or the kernel where it runs and "
+                             "was measured faster (TransformerConfig.decode_blocks; default: "
+                             "the model's default, 'auto', each row naming what it ran; with "
+                             "the kernel the attention is its own, so --decode-attentions "
+                             "adds no rows to it)")
     parser.add_argument("--decode-mixers", nargs="+", default=["xla"],
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "
@@ -512,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         mixers = ["xla"] if transformer else args.decode_mixers
         blocks = args.decode_blocks if transformer else ["layers"]
         variants = [(attention, mixer, block) for block in dict.fromkeys(blocks)
-                    for attention in (dict.fromkeys(attentions) if block == "layers"
+                    for attention in (dict.fromkeys(attentions) if block != "cuda"
                                       else attentions[:1])
                     for mixer in dict.fromkeys(mixers)]
         for (label, impl, algorithm), decode_matmul, (decode_attention, decode_mixer,
@@ -527,8 +529,11 @@ def main(argv: list[str] | None = None) -> int:
             for batch in args.batches:
                 # What "auto" resolved to for this batch on this platform, as the rows
                 # record it.
+                blocks_ran = (model.decode_blocks_implementation(
+                    batch=batch // args.mesh[0], tensor_size=args.mesh[1]) if transformer
+                    else "layers")
                 attention_ran = (model.blocks[0].attn.decode_implementation(
-                    batch // args.mesh[0]) if transformer and decode_blocks == "layers"
+                    batch // args.mesh[0]) if transformer and blocks_ran == "layers"
                     else "model")
                 kernel_settings = (itertools.product(
                     args.split_positions,
@@ -538,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
                     for context, pad_below, option_set in itertools.product(
                             args.contexts, args.one_row_pad_below, option_sets):
                         case = Case(model_name, label, decode_matmul, attention_ran,
-                                    decode_blocks, mixer_ran, split_positions, packed, pad_below,
+                                    blocks_ran, mixer_ran, split_positions, packed, pad_below,
                                     option_set, batch, context)
                         if lead:
                             print(f"--- {case}", flush=True)

@@ -41,7 +41,12 @@ from .config import (
 from .decoding import Generator, generate
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
-from .transformer import Transformer, attention_implementation, resolve_scan_layers
+from .transformer import (
+    Transformer,
+    attention_implementation,
+    decode_blocks_implementation,
+    resolve_scan_layers,
+)
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
            "SSDTiling",
@@ -49,7 +54,7 @@ __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "Shardin
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",
            "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS", "DECODE_BLOCKS",
-           "attention_implementation", "resolve_scan_layers"]
+           "attention_implementation", "decode_blocks_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).
 MODELS = {"transformer": (TransformerConfig, Transformer), "mamba": (MambaConfig, Mamba2)}

@@ -33,8 +33,9 @@ DECODE_ATTENTION_IMPLS = ("model", "pallas", "auto")
 # TransformerConfig.decode_blocks, how a decode step runs the blocks:
 # "layers" each block's own decode (the choices above apply); "cuda" every
 # block in one CUDA kernel (models.transformer_decode_cuda; tensor-parallel
-# size 1, bfloat16, a few rows per device).
-DECODE_BLOCKS = ("layers", "cuda")
+# size 1, bfloat16, a few rows per device); "auto" the kernel where it runs
+# and was measured faster (models.transformer.decode_blocks_implementation).
+DECODE_BLOCKS = ("auto", "layers", "cuda")
 # MambaConfig.decode_mixer, a decode step's work between in_proj and the
 # gated norm (convolution, SSM state update, skip): "xla" is XLA's ops,
 # "pallas" one kernel a layer (models.mamba_decode_pallas; opt-in: slower
@@ -242,12 +243,18 @@ class TransformerConfig(_Presets):
         8 and 0.967x at 32, and "auto" 1.051x "model" at batch 1 in another
         process (docs/models.md).
       decode_blocks: how a decode step runs the blocks, one of
-        :data:`DECODE_BLOCKS`: "layers" (default), each block's decode as
-        above; or "cuda", all blocks as one CUDA kernel a step
+        :data:`DECODE_BLOCKS`: "layers", each block's decode as above;
+        "cuda", all blocks as one CUDA kernel a step
         (:mod:`models.transformer_decode_cuda`: tensor-parallel size 1,
         bfloat16, at most 4 rows per device, head_dim 64 or 128; an error
-        names what else rules it out), an experiment: on one H200 the 1B
-        model's token took 0.906 ms with it against 0.901 (docs/models.md).
+        names what else rules it out), its weights a second copy in the
+        kernel's layout; or "auto" (default): the kernel on Hopper GPUs at 1
+        row per device, where it runs and its copy takes at most half the
+        free memory, else "layers" (see
+        :func:`models.transformer.decode_blocks_implementation`). On one
+        H200 the 1B model's token took 0.715 ms with the kernel against
+        0.903 with the layers at batch 1, 0.925 against 0.919 at batch 4
+        (docs/models.md).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled
@@ -274,7 +281,7 @@ class TransformerConfig(_Presets):
     attention_impl: str = "auto"
     decode_matmul: str = "xla"
     decode_attention: str = "auto"
-    decode_blocks: str = "layers"
+    decode_blocks: str = "auto"
     remat: bool = False
     scan_layers: bool | None = None
     sharding: ShardingConfig = ShardingConfig()

@@ -38,7 +38,8 @@ from .pallas_gpu import on_cuda
 
 __all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope",
            "attention_implementation", "cudnn_attention_unsupported",
-           "decode_attention_implementation", "resolve_scan_layers"]
+           "decode_attention_implementation", "decode_blocks_implementation",
+           "resolve_scan_layers"]
 
 
 def cudnn_attention_unsupported(dtype, head_dim: int, platform: str,
@@ -117,6 +118,50 @@ def decode_attention_implementation(config: TransformerConfig, batch: int | None
         raise ValueError(f"TransformerConfig: decode_attention='pallas' but {why_not}; use "
                          f"decode_attention='model' or 'auto'.")
     return "pallas"
+
+
+def decode_blocks_implementation(config: TransformerConfig, *, batch: int, tensor_size: int,
+                                 weight_bytes: int = 0,
+                                 device: jax.Device | None = None) -> str:
+    """``config.decode_blocks`` for a decode step of ``batch`` rows per
+    device at tensor-parallel size ``tensor_size``, on ``device`` (default
+    the first): "cuda" or "layers".
+
+    "auto" is "cuda" where the kernel runs the step
+    (:func:`models.transformer_decode_cuda.unsupported_reason`) on a CUDA GPU
+    of compute capability 9.0 or later, ``batch`` is at most
+    :data:`models.transformer_decode_cuda.AUTO_MAX_BATCH`, and the kernel's
+    copy of the blocks' weights (``weight_bytes``) takes at most half the
+    device's free memory; else "layers".
+
+    Raises:
+      ValueError: "cuda" where the kernel cannot run the step, naming why.
+    """
+    if config.decode_blocks == "layers":
+        return "layers"
+    from . import transformer_decode_cuda  # it imports this module
+    why_not = transformer_decode_cuda.unsupported_reason(config, tensor_size=tensor_size,
+                                                         batch=batch)
+    if config.decode_blocks == "auto":
+        device = device or jax.devices()[0]
+        capability = getattr(device, "compute_capability", None) or "0.0"
+        runs = (not why_not and batch <= transformer_decode_cuda.AUTO_MAX_BATCH
+                and on_cuda(device) and tuple(int(v) for v in capability.split(".")) >= (9, 0)
+                and weight_bytes <= _free_bytes(device) // 2)
+        return "cuda" if runs else "layers"
+    if why_not:
+        raise ValueError(f"TransformerConfig(decode_blocks='cuda'): the decode kernel cannot "
+                         f"run this step: {why_not}. Use decode_blocks='layers' or 'auto'.")
+    return "cuda"
+
+
+def _free_bytes(device: jax.Device) -> float:
+    """Bytes ``device`` can still allocate (its allocator's limit less what
+    is in use; unbounded where it keeps no statistics)."""
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return math.inf
+    return stats["bytes_limit"] - stats.get("bytes_in_use", 0)
 
 
 def resolve_scan_layers(config: TransformerConfig, attention: str) -> TransformerConfig:
@@ -371,22 +416,26 @@ class Transformer(CausalLM):
         super().__init__(config, lambda rngs: Block(config, rngs=rngs), rngs=rngs)
 
     def decode_weights(self, *, batch: int, tensor_size: int):
-        """With ``config.decode_blocks="cuda"``, the blocks' weights in the
-        decode kernel's layout (:func:`models.transformer_decode_cuda.prepare_weights`);
-        else None.
+        """Where the blocks decode in one kernel (:func:`decode_blocks_implementation`
+        says "cuda"), their weights in its layout
+        (:func:`models.transformer_decode_cuda.prepare_weights`); else None.
 
         Raises:
-          ValueError: "cuda" where the kernel cannot run, naming why.
+          ValueError: ``decode_blocks="cuda"`` where the kernel cannot run, naming why.
         """
-        if self.config.decode_blocks == "layers":
+        if self.decode_blocks_implementation(batch=batch, tensor_size=tensor_size) == "layers":
             return None
         from . import transformer_decode_cuda  # it imports this module
-        why_not = transformer_decode_cuda.unsupported_reason(
-            self.config, tensor_size=tensor_size, batch=batch)
-        if why_not:
-            raise ValueError(f"TransformerConfig(decode_blocks='cuda'): the decode kernel cannot "
-                             f"run this step: {why_not}. Use decode_blocks='layers'.")
         return transformer_decode_cuda.prepare_weights(self.blocks, self.config)
+
+    def decode_blocks_implementation(self, *, batch: int, tensor_size: int) -> str:
+        """How a decode step of ``batch`` rows per device runs the blocks:
+        "cuda" or "layers" (:func:`decode_blocks_implementation`, the
+        kernel's copy of the blocks' weights as large as theirs)."""
+        weight_bytes = sum(leaf.size * leaf.dtype.itemsize
+                           for leaf in jax.tree.leaves(nnx.state(self.blocks, nnx.Param)))
+        return decode_blocks_implementation(self.config, batch=batch, tensor_size=tensor_size,
+                                            weight_bytes=weight_bytes)
 
     def _decode_layers_with(self, weights, x, caches, pos):
         from . import transformer_decode_cuda

@@ -6,8 +6,9 @@ each kernel boundary leaves HBM idle while the next starts: on one H200 the
 1B model's step took about twice the time its weights take to read
 (docs/measurements.md, session 35). ``jfo_transformer_decode``
 (``ffi/src/transformer_decode.cu``) runs all blocks of a step as one
-persistent kernel, one CTA per SM, stages separated by grid barriers, its
-weights streamed by TMA bulk copies that run ahead across stages and layers.
+persistent kernel, one CTA per SM, each stage polling the outputs it
+needs from the previous one, its weights streamed by TMA bulk copies that
+run ahead across stages and layers.
 
 The kernel reads the weights in its own layout, each work item's columns
 contiguous (:class:`DecodeWeights`), prepared once per generation by
@@ -18,9 +19,10 @@ again). It runs at tensor-parallel size 1, in bfloat16, for at most
 selects it. Programs compiled for other platforms run :func:`reference`,
 the kernel's arithmetic in JAX on the same layout.
 
-It is opt-in: on one H200 (the 1B model, context 512, one process) it
-took 0.715 ms a token against 0.903 through XLA's kernels at batch 1
-(1.67x the HBM floor) and 0.925 against 0.919 at batch 4
+``decode_blocks="auto"`` (the default) runs it at batch 1 on Hopper GPUs
+(:data:`AUTO_MAX_BATCH`): on one H200 (the 1B model, context 512, one
+process) it took 0.715 ms a token against 0.903 through XLA's kernels at
+batch 1 (1.67x the HBM floor), and 0.925 against 0.919 at batch 4
 (docs/measurements.md, session 39). What still separates it from the
 floor is the chain of dependent loads in each layer (norms, attention,
 handoffs) and each chunk's sync and copy issue;
@@ -46,11 +48,15 @@ from .config import TransformerConfig
 from .pallas_gpu import on_cuda
 from .transformer import KVCache, rope
 
-__all__ = ["DecodeWeights", "HEAD_DIMS", "MAX_BATCH", "decode_blocks", "prepare_weights",
-           "reference", "stage_times", "unsupported_reason"]
+__all__ = ["AUTO_MAX_BATCH", "DecodeWeights", "HEAD_DIMS", "MAX_BATCH", "decode_blocks",
+           "prepare_weights", "reference", "stage_times", "unsupported_reason"]
 
 TARGET = "jfo_transformer_decode"
 MAX_BATCH = 4
+# decode_blocks="auto" runs the kernel up to this many rows per device: on
+# one H200 it was 1.26x XLA's step at batch 1 and 0.99x at batch 4
+# (docs/measurements.md, session 39).
+AUTO_MAX_BATCH = 1
 HEAD_DIMS = (64, 128)
 MAX_LAYERS = 64
 MAX_QUERIES_PER_KV = 8
@@ -73,25 +79,21 @@ CHUNK_BYTES = 32768
 # Read where the kernel is traced.
 RING_SLOTS = 0
 # The kernel's optional paths, bit flags (read where the kernel is traced;
-# ffi/src/transformer_decode/params.cuh), all but ISSUER_APART on by
-# default: together they took the 1B model's step from 814 to 730 us on one
-# H200 (batch 1, context 512; docs/measurements.md, session 38). 0 is the
-# kernel with grid barriers between its stages and fences before its
-# counts, for comparison.
+# ffi/src/transformer_decode/params.cuh), all on by default: together they
+# took the 1B model's step from 814 to 730 us on one H200 (batch 1,
+# context 512; docs/measurements.md, session 38). 0 is the kernel with grid
+# barriers between its stages and fences before its counts, for comparison.
 # EVICT_FIRST_WEIGHTS marks the weights' copies evict-first in L2,
 # RESIDUAL_AHEAD reads the residual adds' inputs before their GEMVs,
 # KV_BEFORE_COUNT issues an attention item's cache loads before it waits for
 # its KV head, ORDERED_ATOMICS counts arrivals with release/acquire atomics
 # in place of fences, POLLED_HANDOFFS gives each layer's stage outputs their
 # own buffers that the next stage polls, in place of grid barriers.
-# ISSUER_APART leaves the chunks' tensor-core work to warps 1-7 while
-# thread 0 issues the next copies (a kernel of its own; not yet measured,
-# so off).
 EVICT_FIRST_WEIGHTS, RESIDUAL_AHEAD, KV_BEFORE_COUNT = 1, 4, 8
-ORDERED_ATOMICS, POLLED_HANDOFFS, ISSUER_APART = 16, 64, 128
+ORDERED_ATOMICS, POLLED_HANDOFFS = 16, 64
 ALL_OPTIONS = (EVICT_FIRST_WEIGHTS | RESIDUAL_AHEAD | KV_BEFORE_COUNT | ORDERED_ATOMICS
-               | POLLED_HANDOFFS | ISSUER_APART)
-OPTIONS = ALL_OPTIONS & ~ISSUER_APART
+               | POLLED_HANDOFFS)
+OPTIONS = ALL_OPTIONS
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 # A trace's rows: per layer, kMaxTraceCtas CTAs of TRACE_EVENTS clocks.

@@ -89,10 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "XLA updating the cache), one Pallas kernel that also writes the "
                              "cache (pallas), or the kernel on CUDA GPUs at batch 1 per device "
                              "(auto)")
-    parser.add_argument("--decode-blocks", choices=DECODE_BLOCKS, default="layers",
+    parser.add_argument("--decode-blocks", choices=DECODE_BLOCKS, default="auto",
                         help="the Transformer's decode step: each layer's own ops (layers), "
-                             "or all blocks in one CUDA kernel (cuda: tensor-parallel size "
-                             "1, bfloat16, at most 4 rows per device)")
+                             "all blocks in one CUDA kernel (cuda: tensor-parallel size 1, "
+                             "bfloat16, at most 4 rows per device), or the kernel on Hopper "
+                             "GPUs at 1 row per device where it runs (auto)")
     parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="xla",
                         help="Mamba-2's decode step between its projections (convolution, "
                              "state update, skip): XLA's ops, or one Pallas GPU kernel a "
@@ -188,7 +189,9 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "model": args.model, "size": args.size, "mesh": f"{data}x{tensor}", "impl": args.impl,
         "dtype": config.dtype, "decode_matmul": args.decode_matmul,
-        "decode_attention": args.decode_attention, "decode_blocks": args.decode_blocks,
+        "decode_attention": args.decode_attention,
+        # What ran: the blocks' kernel where "auto" (or "cuda") prepared its weights.
+        "decode_blocks": "layers" if generator.decode_weights is None else "cuda",
         "decode_mixer": args.decode_mixer, "batch": args.batch, "prompt_tokens": int(prompt.size),
         "new_tokens": args.max_new_tokens, "compile_s": generator.compile_s,
         "warmup_runs": args.warmup,
@@ -200,8 +203,9 @@ def run(args: argparse.Namespace) -> dict:
     if lead:
         for i, continuation in enumerate(result["texts"]):
             print(f"--- row {i}:\n{text}{continuation}")
-        per_token = (f"{result['per_token_ms']:.3f} ms per token over {steps} decode steps, "
-                     f"{result['tokens_per_s']:,.0f} tokens/s" if steps
+        kernel = " (the blocks in one CUDA kernel)" if result["decode_blocks"] == "cuda" else ""
+        per_token = (f"{result['per_token_ms']:.3f} ms per token{kernel} over {steps} decode "
+                     f"steps, {result['tokens_per_s']:,.0f} tokens/s" if steps
                      else "no decode step (--max-new-tokens 1)")
         print(f"time to first token {result['time_to_first_token_ms']:.1f} ms "
               f"({prompt.size} prompt tokens x {args.batch}); {per_token}; "

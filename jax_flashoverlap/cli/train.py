@@ -226,7 +226,7 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
                  decode_matmul: str = "xla", chunk_size: int | None = None,
                  ssd_keeps_chunk_states: bool = False, decode_attention: str = "auto",
                  decode_mixer: str = "xla", ssd_tiling: SSDTiling | None = None,
-                 decode_blocks: str = "layers"):
+                 decode_blocks: str = "auto"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
     ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
