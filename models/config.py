@@ -248,13 +248,13 @@ class TransformerConfig(_Presets):
         (:mod:`models.transformer_decode_cuda`: tensor-parallel size 1,
         bfloat16, at most 4 rows per device, head_dim 64 or 128; an error
         names what else rules it out), its weights a second copy in the
-        kernel's layout; or "auto" (default): the kernel on Hopper GPUs at 1
-        row per device, where it runs and its copy takes at most half the
-        free memory, else "layers" (see
+        kernel's layout; or "auto" (default): the kernel on Hopper GPUs at
+        up to 2 rows per device, where it runs and its copy takes at most
+        half the free memory, else "layers" (see
         :func:`models.transformer.decode_blocks_implementation`). On one
-        H200 the 1B model's token took 0.715 ms with the kernel against
-        0.903 with the layers at batch 1, 0.925 against 0.919 at batch 4
-        (docs/models.md).
+        H200 the 1B model's token took 0.726 ms with the kernel against
+        0.884 with the layers at batch 1, 0.796 against 0.923 at batch 2,
+        0.940 against 0.920 at batch 4 (docs/models.md).
       remat: recompute each block in the backward pass (saves memory).
       scan_layers: run the blocks as one ``lax.scan`` (one block compiled,
         not ``num_layers``); False unrolls them. None (default): unrolled

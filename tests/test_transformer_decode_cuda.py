@@ -149,6 +149,7 @@ def _gpu(capability="9.0", free=2**34):
 
 @pytest.mark.parametrize("overrides, batch, tp, device, weight_bytes, want", [
     ({}, 1, 1, _gpu(), 2**20, "cuda"),
+    ({}, fused.AUTO_MAX_BATCH, 1, _gpu(), 2**20, "cuda"),
     ({}, fused.AUTO_MAX_BATCH + 1, 1, _gpu(), 2**20, "layers"),
     ({}, 1, 2, _gpu(), 2**20, "layers"),
     ({"dtype": "float32"}, 1, 1, _gpu(), 2**20, "layers"),
@@ -159,13 +160,13 @@ def _gpu(capability="9.0", free=2**34):
     ({}, 1, 1, jax.devices("cpu")[0], 2**20, "layers"),
     ({"decode_blocks": "layers"}, 1, 1, _gpu(), 2**20, "layers"),
     ({"decode_blocks": "cuda"}, 4, 1, _gpu("8.0", 1), 2**40, "cuda"),
-], ids=["hopper-batch-1", "batch-past-auto", "tensor-2", "float32", "head-dim-32",
+], ids=["hopper-batch-1", "hopper-auto-batch", "batch-past-auto", "tensor-2", "float32", "head-dim-32",
         "ampere", "copy-half-the-free-memory", "copy-past-half", "cpu", "layers", "cuda"])
 def test_auto_runs_the_kernel_where_it_runs_and_was_faster(overrides, batch, tp, device,
                                                            weight_bytes, want):
-    """decode_blocks="auto" (the default): the kernel on Hopper GPUs at batch
-    1 where it runs and its copy of the weights fits in half the free
-    memory; "layers" and "cuda" as asked."""
+    """decode_blocks="auto" (the default): the kernel on Hopper GPUs up to
+    fused.AUTO_MAX_BATCH rows where it runs and its copy of the weights fits
+    in half the free memory; "layers" and "cuda" as asked."""
     config = _config(overrides.pop("dtype", "bfloat16"), **{"decode_blocks": "auto",
                                                             **overrides})
     assert models.decode_blocks_implementation(

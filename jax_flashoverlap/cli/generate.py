@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the Transformer's decode step: each layer's own ops (layers), "
                              "all blocks in one CUDA kernel (cuda: tensor-parallel size 1, "
                              "bfloat16, at most 4 rows per device), or the kernel on Hopper "
-                             "GPUs at 1 row per device where it runs (auto)")
+                             "GPUs at up to 2 rows per device where it runs (auto)")
     parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="xla",
                         help="Mamba-2's decode step between its projections (convolution, "
                              "state update, skip): XLA's ops, or one Pallas GPU kernel a "
