@@ -219,9 +219,9 @@ def decode_blocks_table() -> tuple[str, list]:
                          f" | {gain:.3f}× |")
     return ("One H200, the 1B Transformer, bf16: `decode_blocks=\"cuda\"` (every block of a "
             "step as one CUDA kernel, what the default \"auto\" runs up to 2 rows per device) "
-            "against \"layers\" in the same process. The first file is the newest measurement (its meta names the commit); "
-            "the others are earlier versions.\n\n" + "\n".join(lines) + "\n\n"
-            + "\n".join(f"From {s_}" for s_ in sources)), gains
+            "against \"layers\" in the same process. The first file is the newest measurement "
+            "(its meta names the commit); the others are earlier versions.\n\n"
+            + "\n".join(lines) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources)), gains
 
 
 def mamba_tables() -> tuple[str, dict]:

@@ -160,8 +160,9 @@ def _gpu(capability="9.0", free=2**34):
     ({}, 1, 1, jax.devices("cpu")[0], 2**20, "layers"),
     ({"decode_blocks": "layers"}, 1, 1, _gpu(), 2**20, "layers"),
     ({"decode_blocks": "cuda"}, 4, 1, _gpu("8.0", 1), 2**40, "cuda"),
-], ids=["hopper-batch-1", "hopper-auto-batch", "batch-past-auto", "tensor-2", "float32", "head-dim-32",
-        "ampere", "copy-half-the-free-memory", "copy-past-half", "cpu", "layers", "cuda"])
+], ids=["hopper-batch-1", "hopper-auto-batch", "batch-past-auto", "tensor-2", "float32",
+        "head-dim-32", "ampere", "copy-half-the-free-memory", "copy-past-half", "cpu", "layers",
+        "cuda"])
 def test_auto_runs_the_kernel_where_it_runs_and_was_faster(overrides, batch, tp, device,
                                                            weight_bytes, want):
     """decode_blocks="auto" (the default): the kernel on Hopper GPUs up to
