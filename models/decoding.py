@@ -150,8 +150,8 @@ class Generator:
       compile_s: seconds spent compiling the two programs.
       decode_weights: what the model's decode step reads besides its
         parameters, prepared once (``model.decode_weights``: the blocks'
-        weights in the decode kernel's layout with
-        ``decode_blocks="cuda"``), or None.
+        weights in the decode kernel's layout where ``decode_blocks``,
+        "auto" or "cuda", runs it), or None.
     """
 
     def __init__(self, model: CausalLM, *, batch: int, prompt_len: int, max_new_tokens: int,
