@@ -89,15 +89,11 @@ RING_SLOTS = 0
 # its KV head, ORDERED_ATOMICS counts arrivals with release/acquire atomics
 # in place of fences, POLLED_HANDOFFS gives each layer's stage outputs their
 # own buffers that the next stage polls, in place of grid barriers.
-# LATE_CHECKS (with POLLED_HANDOFFS) gathers out's and down's operands
-# without waiting for the rows still missing and checks them chunk by chunk,
-# so that the first chunks' work overlaps the wait for the last (off until
-# measured).
 EVICT_FIRST_WEIGHTS, RESIDUAL_AHEAD, KV_BEFORE_COUNT = 1, 4, 8
-ORDERED_ATOMICS, POLLED_HANDOFFS, LATE_CHECKS = 16, 64, 512
+ORDERED_ATOMICS, POLLED_HANDOFFS = 16, 64
 ALL_OPTIONS = (EVICT_FIRST_WEIGHTS | RESIDUAL_AHEAD | KV_BEFORE_COUNT | ORDERED_ATOMICS
-               | POLLED_HANDOFFS | LATE_CHECKS)
-OPTIONS = ALL_OPTIONS & ~LATE_CHECKS
+               | POLLED_HANDOFFS)
+OPTIONS = ALL_OPTIONS
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 # A trace's rows: per layer, kMaxTraceCtas CTAs of TRACE_EVENTS clocks.

@@ -79,7 +79,6 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
   // Polled residuals are read ahead too: their poll then overlaps the GEMV.
   const bool residual_ahead = p.options & (kResidualAhead | kPolledHandoffs);
   const bool barriers_between = !Polled(p);
-  const bool late_checks = Polled(p) && (p.options & kLateChecks);
   if (Polled(p)) ClearHandoffs(p);
 
   const int pos = *p.pos;
@@ -119,17 +118,13 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     if (barriers_between) GridBarrier(p, ++barriers, "the attention stage", layer, kAttentionArrived);
     // C: x + attention @ W_out.
     Mark(p, layer, kOutStart);
-    if (ItemsOfCta(out.items)) {
-      GatherInto<B>(p, AttendedOf(p, layer), p.heads * HD, operand, layer, !late_checks);
-    }
+    if (ItemsOfCta(out.items)) GatherInto<B>(p, AttendedOf(p, layer), p.heads * HD, operand, layer);
     Mark(p, layer, kOutGathered);
     for (int item = blockIdx.x; item < out.items; item += gridDim.x) {
       const int n0 = item * kOutColumns;
       const float input =
           residual_ahead ? ResidualInput<B, kOutColumns>(p, x, n0, layer) : 0.f;
-      ItemProduct<kOutColumns, B>(p, ring, out, layer, operand, reduce, result,
-                                  late_checks && item == blockIdx.x ? AttendedOf(p, layer)
-                                                                    : nullptr);
+      ItemProduct<kOutColumns, B>(p, ring, out, layer, operand, reduce, result);
       ResidualEpilogue<B, kOutColumns>(p, x, x_attention, n0, result, residual_ahead, input,
                                        layer);
     }
@@ -153,17 +148,13 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     if (barriers_between) GridBarrier(p, ++barriers, "the gate/up stage", layer, kGateUpArrived);
     // E: x + act @ W_down.
     Mark(p, layer, kDownStart);
-    if (ItemsOfCta(down.items)) {
-      GatherInto<B>(p, ActOf(p, layer), p.mlp, operand, layer, !late_checks);
-    }
+    if (ItemsOfCta(down.items)) GatherInto<B>(p, ActOf(p, layer), p.mlp, operand, layer);
     Mark(p, layer, kDownGathered);
     for (int item = blockIdx.x; item < down.items; item += gridDim.x) {
       const int n0 = item * kDownColumns;
       const float input =
           residual_ahead ? ResidualInput<B, kDownColumns>(p, x_attention, n0, layer) : 0.f;
-      ItemProduct<kDownColumns, B>(p, ring, down, layer, operand, reduce, result,
-                                   late_checks && item == blockIdx.x ? ActOf(p, layer)
-                                                                     : nullptr);
+      ItemProduct<kDownColumns, B>(p, ring, down, layer, operand, reduce, result);
       ResidualEpilogue<B, kDownColumns>(p, x_attention, XAfterMlpOf(p, layer), n0, result,
                                         residual_ahead, input, layer);
     }

@@ -51,9 +51,8 @@ constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded befor
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
 constexpr int kOrderedAtomics = 16;    // release/acquire atomics in place of fences
 constexpr int kPolledHandoffs = 64;    // per-layer outputs polled, no grid barriers (handoff.cuh)
-constexpr int kLateChecks = 512;       // out's and down's gathered operands checked chunk by chunk
 constexpr int kAllOptions = kEvictFirstWeights | kResidualAhead | kKvBeforeCount |
-                             kOrderedAtomics | kPolledHandoffs | kLateChecks;
+                             kOrderedAtomics | kPolledHandoffs;
 
 // With stage_times 2, each CTA's clock at these points of each layer
 // (thread 0's %globaltimer, ns), and the time it waited for weight copies.

@@ -52,63 +52,9 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], const uint4& a, unsigned 
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-// bf16 a 16-byte load: the operands' rows are multiples of it.
-constexpr int kVector = 8;
-
-__device__ __forceinline__ uint4* VectorAt(__nv_bfloat16* p) { return reinterpret_cast<uint4*>(p); }
-
-// operand[b][k] = src[b][k] (bf16 [batch, n], n a multiple of kVector,
-// handed over by other CTAs). A thread's loads of a round are all issued
-// before any is checked; `check` false (kLateChecks) leaves the checks to
-// CheckRows, chunk by chunk: what is not yet there stays empty.
-template <int B>
-__device__ void GatherInto(const Params& p, const __nv_bfloat16* src, int n,
-                           __nv_bfloat16* operand, int layer, bool check = true) {
-  constexpr int kRound = 4;
-  const int per_row = n / kVector, vectors = B * per_row;
-  for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kRound) {
-    uint4 loaded[kRound];
-#pragma unroll
-    for (int i = 0; i < kRound; ++i) {
-      const int v = v0 + i * kThreads;
-      if (v < vectors) loaded[i] = LoadHandoff(p, src + static_cast<size_t>(v) * kVector);
-    }
-#pragma unroll
-    for (int i = 0; i < kRound; ++i) {
-      const int v = v0 + i * kThreads;
-      if (v < vectors) {
-        const int b = v / per_row, k = v % per_row * kVector;
-        *VectorAt(operand + OperandAt(n, b, k)) =
-            check ? Ready(p, src + static_cast<size_t>(v) * kVector, loaded[i], layer)
-                  : loaded[i];
-      }
-    }
-  }
-  __syncthreads();
-}
-
-// GatherInto's unchecked rows k0 .. k0 + count of every batch row: the ones
-// still empty polled from src until they are there, then a sync.
-template <int B>
-__device__ void CheckRows(const Params& p, const __nv_bfloat16* src, int n, int k0, int count,
-                          __nv_bfloat16* operand, int layer) {
-  const int per_row = count / kVector;
-  for (int v = threadIdx.x; v < B * per_row; v += kThreads) {
-    const int b = v / per_row, k = k0 + v % per_row * kVector;
-    uint4* at = VectorAt(operand + OperandAt(n, b, k));
-    *at = Ready(p, src + static_cast<size_t>(b) * n + k, *at, layer);
-  }
-  __syncthreads();
-}
-
-// `unchecked` (kLateChecks, a CTA's first item of out or down): the source
-// of an operand GatherInto left unchecked, each chunk's rows checked just
-// before the chunk, so that the first chunks' MMAs overlap the wait for
-// the last rows' producers; nullptr: the operand is whole.
 template <int C, int B>
 __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, int layer,
-                            __nv_bfloat16* operand, float* reduce, float* result,
-                            const __nv_bfloat16* unchecked = nullptr) {
+                            const __nv_bfloat16* operand, float* reduce, float* result) {
   constexpr int kColumnTiles = C / kTile;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int g = lane / 4, t = lane % 4;  // the fragments' row group, and thread in it
@@ -118,8 +64,7 @@ __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, 
   float acc[kColumnTiles][4] = {};
   for (int chunk = 0; chunk < st.chunks_per_item; ++chunk) {
     const int row0 = chunk * st.rows_per_chunk;
-    const int rows = min(st.rows_per_chunk, st.k - row0), k_tiles = rows / kTile;
-    if (unchecked) CheckRows<B>(p, unchecked, st.k, row0, rows, operand, layer);
+    const int k_tiles = min(st.rows_per_chunk, st.k - row0) / kTile;
     const uint4* w = ring.Wait(p, layer);
     for (int kt = warp; kt < k_tiles; kt += kWarps) {
       const int k0 = row0 + kt * kTile;
@@ -158,6 +103,11 @@ __device__ void ItemProduct(const Params& p, Ring& ring, const WeightStage& st, 
   }
   __syncthreads();
 }
+
+// bf16 a 16-byte load: the operands' rows are multiples of it.
+constexpr int kVector = 8;
+
+__device__ __forceinline__ uint4* VectorAt(__nv_bfloat16* p) { return reinterpret_cast<uint4*>(p); }
 
 // operand[b][k] = bf16(x[b][k] / rms(x[b]) * weight[k]), as models.layers.rms_norm;
 // x another stage's (handoff.cuh) unless it is the launch's input.
@@ -216,6 +166,33 @@ __device__ void NormInto(const Params& p, const __nv_bfloat16* x, const float* w
   __syncthreads();
 }
 
+// operand[b][k] = src[b][k] (bf16 [batch, n], n a multiple of kVector,
+// handed over by other CTAs). A thread's loads of a round are all issued
+// before any is checked.
+template <int B>
+__device__ void GatherInto(const Params& p, const __nv_bfloat16* src, int n,
+                           __nv_bfloat16* operand, int layer) {
+  constexpr int kRound = 4;
+  const int per_row = n / kVector, vectors = B * per_row;
+  for (int v0 = threadIdx.x; v0 < vectors; v0 += kThreads * kRound) {
+    uint4 loaded[kRound];
+#pragma unroll
+    for (int i = 0; i < kRound; ++i) {
+      const int v = v0 + i * kThreads;
+      if (v < vectors) loaded[i] = LoadHandoff(p, src + static_cast<size_t>(v) * kVector);
+    }
+#pragma unroll
+    for (int i = 0; i < kRound; ++i) {
+      const int v = v0 + i * kThreads;
+      if (v < vectors) {
+        const int b = v / per_row, k = v % per_row * kVector;
+        *VectorAt(operand + OperandAt(n, b, k)) =
+            Ready(p, src + static_cast<size_t>(v) * kVector, loaded[i], layer);
+      }
+    }
+  }
+  __syncthreads();
+}
 
 // The QKV items of one KV head (its query heads, k and v, HD / 32 items each).
 __device__ __forceinline__ int QkvItemsPerKvHead(const Params& p) {
