@@ -43,9 +43,9 @@ constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 // session 37, grid barriers and fences, kept for comparison.
 // (2 and 32 were the norms' weights prefetched into L1 and the counts
 // kept apart from the thread that issues copies, 128 the chunks' MMAs left
-// to warps 1-7 while thread 0 issues: no gain; 256 out's and down's
-// operands gathered chunk by chunk: slower, each chunk's polls a round
-// trip of their own; all removed.)
+// to warps 1-7 while thread 0 issues: no gain; 256 and 512 out's and
+// down's operands gathered, or checked, chunk by chunk: slower, each
+// chunk's polls a round trip of their own; all removed.)
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
