@@ -23,11 +23,11 @@ the kernel's arithmetic in JAX on the same layout.
 :data:`AUTO_MAX_BATCH` rows per device: on one H200 (the 1B model, context
 512, one process) it took 0.726 ms a token against 0.884 through XLA's
 kernels at batch 1 (1.70x the HBM floor), 0.796 against 0.923 at batch 2
-and 0.940 against 0.920 at batch 4 (docs/measurements.md, session 40). What still separates it from the
-floor is the chain of dependent loads in each layer (norms, attention,
-handoffs) and each chunk's sync and copy issue;
-``scripts/transformer_decode_probe.py`` times its stages and traces each
-CTA through a layer.
+and 0.940 against 0.920 at batch 4 (docs/measurements.md, session 40).
+What still separates it from the floor is the chain of dependent loads in
+each layer (norms, attention, handoffs) and each chunk's sync and copy
+issue; ``scripts/transformer_decode_probe.py`` times its stages and
+traces each CTA through a layer.
 """
 
 from __future__ import annotations
