@@ -42,6 +42,11 @@ __all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope",
            "resolve_scan_layers"]
 
 
+def _capability(compute_capability: str | None) -> tuple[int, ...]:
+    """A CUDA compute capability ("9.0") as a comparable tuple; (0, 0) for None."""
+    return tuple(int(v) for v in (compute_capability or "0.0").split("."))
+
+
 def cudnn_attention_unsupported(dtype, head_dim: int, platform: str,
                                 compute_capability: str | None) -> str | None:
     """Why cuDNN flash attention cannot run this attention, or None if it can.
@@ -58,7 +63,7 @@ def cudnn_attention_unsupported(dtype, head_dim: int, platform: str,
     """
     if platform != "cuda":
         return f"cuDNN attention needs a CUDA GPU (running on {platform})"
-    capability = tuple(int(v) for v in (compute_capability or "0.0").split("."))
+    capability = _capability(compute_capability)
     if capability < (8, 0):
         return f"cuDNN flash attention needs compute capability 8.0+, got {compute_capability}"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -144,9 +149,9 @@ def decode_blocks_implementation(config: TransformerConfig, *, batch: int, tenso
                                                          batch=batch)
     if config.decode_blocks == "auto":
         device = device or jax.devices()[0]
-        capability = getattr(device, "compute_capability", None) or "0.0"
+        capability = _capability(getattr(device, "compute_capability", None))
         runs = (not why_not and batch <= transformer_decode_cuda.AUTO_MAX_BATCH
-                and on_cuda(device) and tuple(int(v) for v in capability.split(".")) >= (9, 0)
+                and on_cuda(device) and capability >= (9, 0)
                 and weight_bytes <= _free_bytes(device) // 2)
         return "cuda" if runs else "layers"
     if why_not:
