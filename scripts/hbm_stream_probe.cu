@@ -4,8 +4,11 @@
 // into a ring of shared-memory slots (a ring a CTA refilled after a CTA-wide
 // sync, as the kernel has it; a ring a CTA refilled by a producer warp; a
 // ring a warp), with and without a GEMV's arithmetic on what lands, and the
-// consumers alone. It says what caps the kernel's weight stream: the memory,
-// the ring, or the work done on each chunk.
+// consumers alone; and the ring with chunks asked into L2 ahead of its slots
+// ("_line_l2": a prefetch.global.L2 a thread and 128 bytes; "_bulk_l2": one
+// cp.async.bulk.prefetch.L2), and over a share that L2 holds, read 64 times
+// ("l2_resident": what L2 gives a ring). It says what caps the kernel's
+// weight stream: the memory, the ring, or the work done on each chunk.
 //
 //   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/hbm_stream_probe scripts/hbm_stream_probe.cu
 //   JFO_COMMIT=$(git rev-parse --short HEAD) /tmp/hbm_stream_probe > hbm_stream_probe.json
@@ -16,7 +19,8 @@
 // 16-byte words against the plain loads', the sums against the host's.
 // Ring rows also give thread 0's share of the time spent waiting for a
 // chunk (the rest it spends on the chunks) and the SM clock it ran at.
-// "consume_only" rows re-read slots that are never refilled: unchecked.
+// "consume_only" rows re-read slots that are never refilled, "l2_resident"
+// rows words read many times: unchecked.
 // Exits 1 if a check fails.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -128,10 +132,18 @@ struct Consumer {
 // the CTA has synced after using it. true: a last, extra warp only issues
 // copies, each slot refilled once every consumer warp has arrived on its
 // "empty" mbarrier; the consumer warps never sync with each other.
+// With `prefetch` (kLineL2: every thread one 128-byte prefetch.global.L2;
+// kBulkL2: thread 0 one cp.async.bulk.prefetch.L2) each chunk `ahead`
+// chunks past the ring's newest is asked into L2 as the ring refills a
+// slot: more bytes in flight than the slots hold. `repeat` > 1 reads the
+// CTA's share that many times (a share that fits L2: what L2 gives an SM).
+enum Prefetch { kNoPrefetch, kLineL2, kBulkL2 };
+
 template <Work W, bool kProducerWarp, bool kCopies = true>
 __global__ void __launch_bounds__(1024)
     RingStream(const uint4* src, size_t words, uint4* out, int slots, unsigned slot_bytes,
-               float* sum, unsigned long long* stats) {
+               float* sum, unsigned long long* stats, int prefetch = kNoPrefetch, int ahead = 0,
+               int repeat = 1) {
   extern __shared__ __align__(128) unsigned char shared[];
   const long long t0 = clock64();
   const uint64_t ns0 = GlobalTimerNs();
@@ -145,7 +157,24 @@ __global__ void __launch_bounds__(1024)
   size_t begin, end;
   Share(words, &begin, &end);
   const size_t slot_words = slot_bytes / 16;
-  const size_t chunks = (end - begin + slot_words - 1) / slot_words;
+  const size_t share_chunks = (end - begin + slot_words - 1) / slot_words;
+  const size_t chunks = share_chunks * repeat;
+  auto first_word = [&](size_t c) { return begin + (c % share_chunks) * slot_words; };
+  auto ask_l2 = [&](size_t c) {
+    if (prefetch == kNoPrefetch || c >= chunks) return;
+    const size_t w0 = first_word(c);
+    const unsigned bytes = static_cast<unsigned>(min(slot_words, end - w0) * 16);
+    if (prefetch == kBulkL2) {
+      if (threadIdx.x == 0) {
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src + w0), "r"(bytes)
+                     : "memory");
+      }
+    } else {
+      for (unsigned at = threadIdx.x * 128; at < bytes; at += blockDim.x * 128) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(src + w0) + at));
+      }
+    }
+  };
   for (unsigned r = threadIdx.x; r < slot_words / 8; r += blockDim.x) {
     operand[r] = __float2bfloat16(1.f);
   }
@@ -155,7 +184,7 @@ __global__ void __launch_bounds__(1024)
   }
   __syncthreads();
   auto issue = [&](size_t c) {
-    const size_t w0 = begin + c * slot_words;
+    const size_t w0 = first_word(c);
     const unsigned bytes = static_cast<unsigned>(min(slot_words, end - w0) * 16);
     BulkLoad(shared + (c % slots) * slot_bytes, src + w0, bytes, full + c % slots, 0);
   };
@@ -173,6 +202,7 @@ __global__ void __launch_bounds__(1024)
   if (kCopies && !kProducerWarp && producer) {
     for (size_t c = 0; c < min(chunks, size_t(slots)); ++c) issue(c);
   }
+  for (int a = 0; a < ahead; ++a) ask_l2(slots + a);
   Consumer<W> work;
   for (size_t c = 0; c < chunks; ++c) {
     const int slot = c % slots;
@@ -181,7 +211,7 @@ __global__ void __launch_bounds__(1024)
     }
     waited += clock64() - w0;
     const uint4* w = reinterpret_cast<const uint4*>(shared + size_t(slot) * slot_bytes);
-    const size_t n = min(slot_words, end - (begin + c * slot_words));
+    const size_t n = min(slot_words, end - first_word(c));
     for (size_t v = threadIdx.x; v < n; v += consumers) work.Add(w[v], operand, v / 8);
     if (kProducerWarp) {
       __syncwarp();
@@ -192,6 +222,7 @@ __global__ void __launch_bounds__(1024)
     } else {
       __syncthreads();
       if (kCopies && producer && c + slots < chunks) issue(c + slots);
+      if (kCopies) ask_l2(c + slots + ahead);
     }
   }
   work.Finish(out, sum);
@@ -353,7 +384,8 @@ int main() {
   // ring(work, producer warp, CTAs an SM, consumer threads, slot bytes): as
   // many slots as a CTA's share of shared memory holds.
   auto ring = [&](auto kernel, const char* name, Work work, bool producer_warp, int per_sm,
-                  int consumers, unsigned slot_bytes) {
+                  int consumers, unsigned slot_bytes, int prefetch = kNoPrefetch, int ahead = 0,
+                  int repeat = 1) {
     const size_t share = (static_cast<size_t>(max_shared) + 1024) / per_sm - 1024 - 2048;
     const size_t operand_bytes = slot_bytes / 64 + 16;  // a bf16 a row of 64 columns
     const int slots =
@@ -366,12 +398,13 @@ int main() {
     const double us = time([&] {
       CHECK_CUDA(cudaMemsetAsync(sum, 0, sizeof(float)));
       CHECK_CUDA(cudaMemsetAsync(stats, 0, 3 * sizeof(unsigned long long)));
-      kernel<<<ctas, threads, smem>>>(src, words, out, slots, slot_bytes, sum, stats);
+      kernel<<<ctas, threads, smem>>>(src, words / repeat, out, slots, slot_bytes, sum, stats,
+                                      prefetch, ahead, repeat);
     });
     unsigned long long st[3];
     CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
     bool ok = true;
-    const bool checked = std::string(name).rfind("consume_only", 0) != 0;
+    const bool checked = std::string(name).rfind("consume_only", 0) != 0 && repeat == 1;
     if (!checked) {
     } else if (work == Work::kXor) {
       ok = same(xor_of(ctas, threads / 32), reference);
@@ -415,6 +448,15 @@ int main() {
   ring(consume_xor, "consume_only_xor", Work::kXor, false, 1, 256, 16384);
   ring(consume_gemv, "consume_only_gemv", Work::kGemv, false, 1, 256, 16384);
   ring(consume_gemv, "consume_only_gemv", Work::kGemv, false, 1, 256, 32768);
+  // More bytes in flight than the slots: chunks asked into L2 ahead of the ring.
+  for (int ahead : {2, 4, 8}) {
+    ring(cta_xor, "cta_ring_xor_line_l2", Work::kXor, false, 1, 256, 32768, kLineL2, ahead);
+  }
+  ring(cta_xor, "cta_ring_xor_bulk_l2", Work::kXor, false, 1, 256, 32768, kBulkL2, 4);
+  ring(cta_gemv, "cta_ring_gemv_line_l2", Work::kGemv, false, 1, 256, 32768, kLineL2, 4);
+  ring(cta_xor, "cta_ring_xor_line_l2", Work::kXor, false, 1, 256, 16384, kLineL2, 8);
+  // What L2 gives a ring: 32 MiB read 64 times (unchecked).
+  ring(cta_xor, "l2_resident_ring_xor", Work::kXor, false, 1, 256, 32768, kNoPrefetch, 0, 64);
 
   const size_t budget = static_cast<size_t>(max_shared) - 1024;
   for (unsigned slot_bytes : {8192u, 16384u}) {
