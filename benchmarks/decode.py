@@ -506,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = benchmarking.provenance(settings)
     meta["hbm_floor"] = f"(weight + cache bytes per GPU) / {args.hbm_tb_s} TB/s"
     rows = []
+    # Cases as they ran: "auto" and an explicit choice can resolve to the same step.
+    measured = set()
     rng = np.random.default_rng(0)
     for model_name in args.models:
         exact = None  # one float32 reference per model: every impl has the same parameters
@@ -545,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
                         case = Case(model_name, label, decode_matmul, attention_ran,
                                     blocks_ran, mixer_ran, split_positions, packed, pad_below,
                                     option_set, batch, context)
+                        if case in measured:
+                            if lead:
+                                print(f"--- {case}: the step of a row above (decode_blocks "
+                                      f"{decode_blocks!r} ran {blocks_ran!r}), not measured "
+                                      "again", flush=True)
+                            continue
+                        measured.add(case)
                         if lead:
                             print(f"--- {case}", flush=True)
                         with (jax.set_mesh(mesh), forced_algorithm(algorithm),

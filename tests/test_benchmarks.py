@@ -345,6 +345,20 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
     assert "| mamba | decomposed | xla | model | xla | 2 | 32 |" in out
 
 
+def test_decode_benchmark_measures_a_resolved_step_once(tmp_path, capsys):
+    """--decode-blocks auto layers where "auto" runs the layers (the CPUs):
+    one row, and the second choice says which row it would repeat."""
+    bench = _load("decode")
+    out = tmp_path / "d.json"
+    assert bench.main(["--json", str(out), "--size", "tiny", "--mesh", "1x1", "--models",
+                       "transformer", "--impls", "xla", "--decode-blocks", "auto", "layers",
+                       "--batches", "1", "--contexts", "16", "--steps", "1", "2",
+                       "--reps", "1"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["decode_blocks"] for r in rows] == ["layers"]
+    assert "(decode_blocks 'layers' ran 'layers'), not measured again" in capsys.readouterr().out
+
+
 def test_decode_benchmark_sets_and_restores_the_one_row_padding():
     bench = _load("decode")
     module = bench._decode_matmul_module
