@@ -28,7 +28,10 @@
 #include <cstdlib>
 #include <vector>
 
+#include "../ffi/src/device_clock.cuh"
 #include "cuda_check.cuh"
+
+using jfo::GlobalTimerNs;
 
 constexpr int kThreads = 256, kProducers = 128, kConsumers = 4, kLaunches = 21;
 constexpr int kStartDelayNs = 20000;
@@ -46,12 +49,6 @@ struct Args {
   unsigned long long* done;    // [kConsumers]
   int* bad;
 };
-
-__device__ __forceinline__ uint64_t Now() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ float LoadRelaxedF32(const float* p) {
   float v;
@@ -73,14 +70,14 @@ __global__ void __launch_bounds__(kThreads, 1) Handoff(Args a) {
   __shared__ unsigned long long start;
   const int cta = blockIdx.x;
   if (threadIdx.x == 0) {
-    if (cta == 0) atomicExch(a.start, Now() + kStartDelayNs);
+    if (cta == 0) atomicExch(a.start, GlobalTimerNs() + kStartDelayNs);
     unsigned long long s;
     while ((s = *reinterpret_cast<volatile unsigned long long*>(a.start)) == 0) {
     }
     start = s;
   }
   __syncthreads();
-  while (Now() < start) {
+  while (GlobalTimerNs() < start) {
   }
   const int n = a.n;
   if (cta < kProducers) {
@@ -110,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, 1) Handoff(Args a) {
       if (V == kRedF32 || V == kRedV4) {
         asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(a.count) : "memory");
       }
-      a.issued[cta] = Now() - start;
+      a.issued[cta] = GlobalTimerNs() - start;
     }
     return;
   }
@@ -144,7 +141,7 @@ __global__ void __launch_bounds__(kThreads, 1) Handoff(Args a) {
   }
   if (bad) atomicAdd(a.bad, 1);
   __syncthreads();
-  if (threadIdx.x == 0) a.done[cta - kProducers] = Now() - start;
+  if (threadIdx.x == 0) a.done[cta - kProducers] = GlobalTimerNs() - start;
 }
 
 template <Variant V>
