@@ -15,9 +15,15 @@ Under CUDA graph replay (XLA's command buffers) the all-reduce's host code
 does not run: a replayed call after a fault returns NaN, and
 :func:`~jax_flashoverlap.check_device_errors` raises.
 
-The NVSHMEM all-reduce across processes fails on the host only (a call
-replayed from a CUDA graph returns NaN), for the rest of the processes'
-lives (:func:`reset` does not cover it).
+A copy-engine op whose wait failed fills the receive slots it computes
+from with NaN first, so that what it sends on (matmul_all_reduce's summed
+rows) is NaN on its peers too, never a sum with an earlier call's partials.
+
+The NVSHMEM all-reduce across processes fails on the host, for the rest of
+the processes' lives (:func:`reset` does not cover it). On the device, a
+wait that finds its partner two calls ahead (a process that timed out and
+ran on) fails at once: that call returns NaN and the host raises, naming
+the partner.
 """
 
 from __future__ import annotations

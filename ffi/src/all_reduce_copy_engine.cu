@@ -72,10 +72,11 @@ class CopyEngineSchedule {
         ranks[r] = x_ + offset;
         continue;
       }
-      auto landed = ch_.Arrival(r, rs_index_[chunk]);
+      char* part = ch_.RecvSlot(r) + offset;
+      auto landed = ch_.Arrival(r, rs_index_[chunk], nullptr, {part, p.size() * es_});
       if (landed.has_error()) return landed.error();
       JFO_RETURN_IF_ERROR(ch_.WaitOn(*landed));
-      ranks[r] = ch_.RecvSlot(r) + offset;
+      ranks[r] = part;
     }
     const void* first = ranks.front();
     ranks.erase(ranks.begin());

@@ -278,10 +278,11 @@ class TileSignalledAllReduce {
              pieces[last + 1].rows.begin < rows.end) {
         ++last;
       }
-      auto landed = ch_.Arrival(q, last);
+      char* partial = ch_.RecvSlot(q) + rows.begin * row_y_;
+      auto landed = ch_.Arrival(q, last, nullptr, {partial, rows.size() * row_y_});
       if (landed.has_error()) return landed.error();
       JFO_RETURN_IF_ERROR(ch_.WaitOn(*landed));
-      partials.push_back(ch_.RecvSlot(q) + rows.begin * row_y_);
+      partials.push_back(partial);
     }
     ch_.set_waits_on_xla_stream(false);
     const void* first = partials.empty() ? nullptr : partials.front();

@@ -147,10 +147,12 @@ ffi::Error GemmPlusPartials(Channel& ch, ffi::DataType dtype, int64_t rows,
                             int index, size_t offset) {
   std::vector<const void*> partials;
   for (int q : peers) {
-    auto landed = ch.Arrival(q, index);
+    char* partial = ch.RecvSlot(q) + offset;
+    auto landed = ch.Arrival(q, index, nullptr,
+                             {partial, static_cast<size_t>(rows * n) * DataTypeBytes(dtype)});
     if (landed.has_error()) return landed.error();
     JFO_RETURN_IF_ERROR(ch.WaitOn(*landed));
-    partials.push_back(ch.RecvSlot(q) + offset);
+    partials.push_back(partial);
   }
   const void* c = partials.empty() ? nullptr : partials.front();
   JFO_RETURN_IF_ERROR(RowGemm(ch, dtype, rows, n, k, x, w, c, out));

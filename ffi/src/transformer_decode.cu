@@ -103,13 +103,16 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     Mark(p, layer, kQkvNormed);
     for (int item = blockIdx.x; item < qkv.items; item += gridDim.x) {
       ItemProduct<kQkvColumns, B>(p, ring, qkv, layer, operand, reduce, result);
+      if (Polled(p) && layer == 0) {  // a late CTA's clearing must not erase what this writes
+        WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
+      }
       QkvEpilogue<B>(p, layer, item, pos, result);
       // The epilogue's writes (it ends in a sync), then the count.
       if (!Polled(p) && threadIdx.x == 0) Arrive(p, p.qkv_done + item / QkvItemsPerKvHead(p));
     }
     Mark(p, layer, kQkvDone);
     ring.RecordWaits(p, layer, kQkvCopyWaitNs);
-    if (Polled(p) && layer == 0) {  // every handoff empty before the first is written
+    if (Polled(p) && layer == 0) {  // every handoff cleared before any is polled
       WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
     }
     // B: attention, each item once its KV head's q and new row are there.

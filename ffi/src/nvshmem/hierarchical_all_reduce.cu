@@ -38,9 +38,9 @@
 // run the same all-reduces in the same order, one at a time per GPU (XLA's
 // stream order does that).
 //
-// Every wait is bounded by %globaltimer; a timeout records which PE was
-// missing (pending_error()), fills the block's output chunk with NaN and
-// returns.
+// Every wait is bounded by %globaltimer; a timeout, or a peer found two
+// calls ahead, records which PE (pending_error()), fills the block's output
+// chunk with NaN and returns.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nvshmem.h>
@@ -112,11 +112,19 @@ __device__ void RecordTimeout(const Args& a, int phase, int step, int peer_pe,
   atomicExch(a.record_lock, 0u);
 }
 
-// Waits until *flag >= expected or the deadline; true on success.
+// Waits until *flag >= expected or the deadline; true on success. A word
+// at expected + 2 or beyond fails at once: no healthy run lets a peer lead by
+// two calls (see Flow control above), so that peer has given up on calls it
+// timed out in and wrote call expected + 2's data into the unit this call
+// would read.
 __device__ bool BoundedWait(const Args& a, const uint64_t* flag, uint64_t expected,
                             uint64_t deadline, int phase, int step, int peer_pe) {
   for (;;) {
     const uint64_t seen = LoadAcquire(flag);
+    if (Reached(seen, expected + 2)) {
+      RecordTimeout(a, phase, step, peer_pe, expected, seen);
+      return false;
+    }
     if (Reached(seen, expected)) return true;
     if (GlobalTimerNs() > deadline) {
       RecordTimeout(a, phase, step, peer_pe, expected, seen);

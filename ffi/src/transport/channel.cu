@@ -132,7 +132,8 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
     if (check(cudaMemcpy(words, init, sizeof(init), cudaMemcpyHostToDevice))) {
       WaitFlagKernel<<<1, 1>>>(
           words, expected,
-          {static_cast<uint64_t>(timeout_ms) * 1000000ull, words + 1, 1, record, words + 2, info});
+          {static_cast<uint64_t>(timeout_ms) * 1000000ull, words + 1, 1, record, words + 2, info},
+          nullptr, 0);
       if (check(cudaGetLastError()) && check(cudaDeviceSynchronize())) {
         result = !record->set ? "reached"
                  : record->out_of_step ? "out of step"
@@ -181,7 +182,10 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
   // Calls of this device in host order, whichever stream each came on.
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream_, dev_->last_end, 0));
   timeout_ns_ = static_cast<uint64_t>(timeout_ms) * 1000000ull;
+  // 0 is fail_call's value after a reset: a call with that id would find
+  // itself failed, its waits returning before their messages.
   call_id_ = ++dev_->call_id;
+  if (call_id_ == 0) call_id_ = ++dev_->call_id;
   events_used_ = 0;
   sent_.assign(group.n, 0);
   parity_.assign(group.n, 0);
@@ -335,7 +339,8 @@ ffi::ErrorOr<int> Channel::SendWhen(int peer_rank, size_t offset, const void* sr
   return sent_[peer_rank]++;
 }
 
-ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index, cudaEvent_t after) {
+ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index, cudaEvent_t after,
+                                           DeviceBytes read_from) {
   if (rehearsal_) {
     ++events_rehearsed_;  // the real pass takes one
     return start_;
@@ -347,7 +352,9 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index, cudaEvent_t
     JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
   }
   const FlagWait wait = ArrivalFlag(peer_rank, index);
-  WaitFlagKernel<<<1, 1, 0, s>>>(wait.flag, wait.expected, wait.report);
+  WaitFlagKernel<<<1, read_from.size ? 32 : 1, 0, s>>>(
+      wait.flag, wait.expected, wait.report, static_cast<unsigned char*>(read_from.data),
+      read_from.size);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   auto ev = NextEvent();
   if (ev.has_error()) return ev;

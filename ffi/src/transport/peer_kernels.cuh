@@ -10,10 +10,25 @@
 namespace jfo {
 namespace internal {
 
-// One thread: a spinning CTA must not starve the GEMM (or NCCL) of SMs.
+// Thread 0 waits; one warp at most, as a spinning CTA must not starve the
+// GEMM (or NCCL) of SMs. If the message is not there (the call failed), the
+// block fills `missing_bytes` at `missing`, the receive slot's bytes that the
+// call goes on to compute from, with 0xFF: NaN in every floating type. So
+// what the call computes from a slot holding an earlier call's message, and
+// may forward to its peers, is NaN, never plausible numbers.
 __global__ void WaitFlagKernel(const uint32_t* flag, uint32_t expected,
-                               WaitReport report) {
-  signal::WaitChannelFlag(flag, expected, report);
+                               WaitReport report, unsigned char* missing,
+                               size_t missing_bytes) {
+  __shared__ bool arrived;
+  if (threadIdx.x == 0) arrived = signal::WaitChannelFlag(flag, expected, report);
+  __syncthreads();
+  if (arrived || missing == nullptr) return;
+  if (((reinterpret_cast<uintptr_t>(missing) | missing_bytes) & 3) == 0) {
+    auto* words = reinterpret_cast<uint32_t*>(missing);
+    for (size_t i = threadIdx.x; i < missing_bytes / 4; i += blockDim.x) words[i] = ~0u;
+  } else {
+    for (size_t i = threadIdx.x; i < missing_bytes; i += blockDim.x) missing[i] = 0xFF;
+  }
 }
 
 // Holds the stream for `ns` (the "stall" of the fault-injection hook).

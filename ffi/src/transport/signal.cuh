@@ -83,8 +83,9 @@ __device__ __forceinline__ void RecordTimeout(TimeoutRecord* record,
 // One thread waits for a copy-engine flag (ChannelFlag) to reach `expected`.
 // It gives up after the timeout, at once when the flag shows the peer two
 // calls ahead (the ranks are out of step), or when another wait of the call
-// has failed; the call's first failure is recorded for the host.
-__device__ __forceinline__ void WaitChannelFlag(const uint32_t* flag,
+// has failed; the call's first failure is recorded for the host. Returns
+// whether the message is there.
+__device__ __forceinline__ bool WaitChannelFlag(const uint32_t* flag,
                                                 uint32_t expected,
                                                 WaitReport report) {
   const uint64_t start = GlobalTimerNs();
@@ -96,16 +97,17 @@ __device__ __forceinline__ void WaitChannelFlag(const uint32_t* flag,
       const uint32_t calls_ahead =
           ((seen >> kFlagMessageBits) - (expected >> kFlagMessageBits)) &
           ((1u << (32 - kFlagMessageBits)) - 1);
-      if (calls_ahead < 2) return;
+      if (calls_ahead < 2) return true;
       report.info.out_of_step = 1;
       break;
     }
-    if (*reinterpret_cast<volatile uint32_t*>(report.fail_call) == report.call_id) return;
+    if (*reinterpret_cast<volatile uint32_t*>(report.fail_call) == report.call_id) return false;
     if (GlobalTimerNs() - start > report.timeout_ns) break;
   }
-  if (atomicExch(report.fail_call, report.call_id) == report.call_id) return;
+  if (atomicExch(report.fail_call, report.call_id) == report.call_id) return false;
   RecordTimeout(report.record, report.record_lock, report.info, report.info.peer_rank,
                 report.info.peer_ordinal, expected, seen);
+  return false;
 }
 
 // After a timeout of an all-reduce wait: the region of this device and of

@@ -140,6 +140,12 @@ constexpr int kEventsPerCall = 1024;
 
 struct DeviceState;
 
+// A range of device memory.
+struct DeviceBytes {
+  void* data = nullptr;
+  size_t size = 0;
+};
+
 // One call of one op on one device. Usage: Begin, then Send/Arrival/
 // CopyLocal/Mark in schedule order, then End. Every member of the group must
 // issue the same number of messages to every peer in a call.
@@ -206,8 +212,13 @@ class Channel {
   // earlier GEMMs run (a spinning CTA takes an SM slot a GEMM CTA could
   // use), but what follows it on the XLA stream waits for the message. Only
   // for schedules whose XLA-stream work after a wait needs that message
-  // anyway.
-  ffi::ErrorOr<cudaEvent_t> Arrival(int peer_rank, int index, cudaEvent_t after = nullptr);
+  // anyway. `read_from`: the receive slot's bytes that the call computes
+  // from once the event completes; if the call failed before the message
+  // came, they are NaN by then (a slot still holds the message of two calls
+  // ago), so that nothing computed from them, and sent on, is a plausible
+  // wrong number. Pass them wherever the result leaves this device.
+  ffi::ErrorOr<cudaEvent_t> Arrival(int peer_rank, int index, cudaEvent_t after = nullptr,
+                                    DeviceBytes read_from = {});
   void set_waits_on_xla_stream(bool on) { waits_on_xla_stream_ = on; }
   // For a kernel that waits for messages itself (signal::WaitChannelFlag;
   // the gathering tile GEMM): the flag that message `index` from `peer_rank`
