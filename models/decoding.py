@@ -90,21 +90,23 @@ def sample(logits: jax.Array, rng: jax.Array | None, step: int | jax.Array, *,
       rng: a PRNG key (unused when greedy).
       step: which new token this is (0 for the first).
       temperature: 0 for greedy (argmax), else the softmax temperature.
-      top_k: sample among the k largest logits only (None: all).
+      top_k: sample among the k largest logits only (None: all); logits
+        equal to the k-th largest are kept too.
 
     Returns:
       int32 [batch].
     """
     if temperature == 0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    logits = logits / temperature
-    if top_k is not None:
+    if top_k is not None:  # ties with the k-th largest stay in
         kth = jax.lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     # The Gumbel-max draw of jax.random.categorical, with noise of the
-    # batch's whole shape: the bits do not depend on how it is split.
+    # batch's whole shape: the bits do not depend on how it is split. The
+    # argmax of logits / T + noise, scaled by T: the same token, without
+    # logits / T overflowing at tiny temperatures.
     noise = jax.random.gumbel(jax.random.fold_in(rng, step), logits.shape, logits.dtype)
-    return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
+    return jnp.argmax(logits + temperature * noise, axis=-1).astype(jnp.int32)
 
 
 def decoding_params(model: CausalLM) -> nnx.State:
@@ -168,15 +170,7 @@ class Generator:
                 f"generate: prompt length {prompt_len} + max_new_tokens {max_new_tokens} = "
                 f"{prompt_len + max_new_tokens} exceeds the model's max_seq_len="
                 f"{config.max_seq_len}; shorten the prompt or generate fewer tokens.")
-        if not (isinstance(temperature, numbers.Real) and temperature >= 0
-                and math.isfinite(temperature)):
-            raise ValueError(f"generate: temperature must be a finite number >= 0 (0: greedy), "
-                             f"got {temperature!r}")
-        if top_k is not None:
-            _check_count("top_k", top_k, 1)
-            if top_k > config.vocab_size:
-                raise ValueError(f"generate: top_k={top_k} exceeds the vocabulary "
-                                 f"({config.vocab_size} tokens)")
+        temperature = _check_sampling(temperature, top_k, config.vocab_size)
         config.check(dict(mesh.shape), batch=batch)
         multiple = config.sequence_multiple(mesh.shape[config.sharding.tensor])
         padded_len = -(-prompt_len // multiple) * multiple
@@ -271,10 +265,7 @@ class Generator:
         return self.decode(self.prefill(prompt, rng), rng)
 
     def _key(self, rng):
-        if self.shape.temperature > 0 and rng is None:
-            raise ValueError("generate: temperature > 0 samples tokens and needs "
-                             "rng=jax.random.key(seed)")
-        return jax.random.key(0) if rng is None else rng
+        return _check_key(rng, self.shape.temperature)
 
 
 def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
@@ -297,11 +288,14 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
       max_new_tokens: tokens to generate, at least 1.
       temperature: 0 (default) picks the most likely token; above 0 samples
         from the softmax of logits / temperature.
-      top_k: with sampling, only among the k most likely tokens.
-      rng: PRNG key for sampling (``jax.random.key(seed)``); needed when
-        ``temperature > 0``. The draws depend on ``rng`` and the batch's
+      top_k: with sampling, only among the k most likely tokens (and those
+        tied with the k-th); needs ``temperature > 0``.
+      rng: PRNG key for sampling (``jax.random.key(seed)`` or
+        ``jax.random.PRNGKey(seed)``); needed when ``temperature > 0``,
+        ignored when greedy. The draws depend on ``rng`` and the batch's
         shape, not on the mesh.
-      return_logits: also return the logits each new token was chosen from.
+      return_logits: also return the model's logits at each new token's
+        position (before temperature and top_k).
 
     Returns:
       int32 tokens [batch, prompt_len + max_new_tokens] (the prompt, then the
@@ -309,12 +303,23 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
       logits [batch, max_new_tokens, vocab].
 
     Raises:
-      TypeError: a prompt that is not integer token ids.
+      TypeError: a prompt that is not integer token ids, a key that is not
+        one threefry key, or a call inside ``jax.jit`` (generate compiles its
+        own programs: call it outside).
       ValueError: a shape, a length or an argument out of range, naming it.
+
+    Everything checkable from the arguments alone is checked before the
+    programs compile.
     """
+    if any(isinstance(a, jax.core.Tracer) for a in (prompt, rng, temperature)):
+        raise TypeError("generate: called inside a jax transformation (jax.jit, nnx.jit, ...); "
+                        "it compiles its own prefill and decode loop: call it outside, on "
+                        "concrete arrays.")
     shape = np.shape(prompt)
     if len(shape) != 2:
         raise ValueError(f"generate: prompt must be 2-D [batch, prompt_len], got shape {shape}")
+    prompt = _check_tokens(prompt, model.config.vocab_size)
+    _check_key(rng, _check_sampling(temperature, top_k, model.config.vocab_size))
     generator = Generator(model, batch=shape[0], prompt_len=shape[1],
                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                           return_logits=return_logits)
@@ -388,20 +393,69 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"generate: {name} must be an int >= {minimum}, got {value!r}")
 
 
-def _check_prompt(prompt: Any, shape: _Shape, vocab_size: int) -> np.ndarray:
-    """The prompt as int32 numpy, or a clear error."""
+def _check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> float:
+    """The temperature as a float, or a clear error about it or ``top_k``."""
+    value = None
+    if not isinstance(temperature, (bool, np.bool_)) and np.ndim(temperature) == 0:
+        try:
+            value = float(temperature)
+        except (TypeError, ValueError):
+            value = None
+    if value is None or not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"generate: temperature must be a finite number >= 0 (0: greedy), "
+                         f"got {temperature!r}")
+    if top_k is not None:
+        _check_count("top_k", top_k, 1)
+        if top_k > vocab_size:
+            raise ValueError(f"generate: top_k={top_k} exceeds the vocabulary "
+                             f"({vocab_size} tokens)")
+        if value == 0:
+            raise ValueError(f"generate: top_k={top_k} only applies when sampling; at "
+                             f"temperature 0 the most likely token is taken. Pass a "
+                             f"temperature > 0, or no top_k.")
+    return value
+
+
+def _check_key(rng: Any, temperature: float) -> jax.Array:
+    """The key the programs take: ``rng`` as a typed threefry key, or a fixed
+    one when greedy (the key is then never used)."""
+    if temperature == 0:
+        return jax.random.key(0)
+    if rng is None:
+        raise ValueError("generate: temperature > 0 samples tokens and needs "
+                         "rng=jax.random.key(seed)")
+    dtype = getattr(rng, "dtype", None)
+    if dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if np.dtype(dtype) == np.uint32 and np.shape(rng) == (2,):  # jax.random.PRNGKey
+            rng = jax.random.wrap_key_data(rng)
+    if (getattr(rng, "dtype", None) != jax.random.key(0).dtype
+            or np.shape(rng) != ()):
+        raise TypeError(f"generate: rng must be one threefry key, jax.random.key(seed) or "
+                        f"jax.random.PRNGKey(seed); got {getattr(rng, 'dtype', type(rng))} "
+                        f"of shape {np.shape(rng)}")
+    return rng
+
+
+def _check_tokens(prompt: Any, vocab_size: int) -> np.ndarray:
+    """The prompt's token ids as int32 numpy, or a clear error."""
     array = np.asarray(prompt)
     if not np.issubdtype(array.dtype, np.integer):
         raise TypeError(f"generate: prompt must hold integer token ids, got dtype "
                         f"{array.dtype}; e.g. np.frombuffer(text.encode(), np.uint8)"
                         f".astype(np.int32) for byte-level tokens.")
-    want = (shape.batch, shape.prompt_len)
-    if array.shape != want:
-        raise ValueError(f"generate: prompt has shape {array.shape}, this generator takes "
-                         f"{want}")
     if array.size and (array.min() < 0 or array.max() >= vocab_size):
         bad = array[(array < 0) | (array >= vocab_size)].flat[0]
         raise ValueError(f"generate: token id {bad} in the prompt is outside the "
                          f"vocabulary [0, {vocab_size})")
     return array.astype(np.int32)
+
+
+def _check_prompt(prompt: Any, shape: _Shape, vocab_size: int) -> np.ndarray:
+    """The prompt as int32 numpy for a generator of ``shape``, or a clear error."""
+    array = _check_tokens(prompt, vocab_size)
+    want = (shape.batch, shape.prompt_len)
+    if array.shape != want:
+        raise ValueError(f"generate: prompt has shape {array.shape}, this generator takes "
+                         f"{want}")
+    return array
 

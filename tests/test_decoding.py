@@ -47,19 +47,32 @@ def test_logits_equal_the_forward_pass(name, impl, tp, rng):
     """Teacher forcing: each new token's logits are those of the model's own
     forward pass over the generated sequence, at that position."""
     model_cls, config = MODELS[name]
-    config = dataclasses.replace(config, impl=impl)
-    mesh = cpu_mesh(tp=tp, dp=2)
+    _check_teacher_forced(model_cls, dataclasses.replace(config, impl=impl),
+                          cpu_mesh(tp=tp, dp=2), PROMPT_LEN, rng)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_equal_the_forward_pass_without_sequence_parallelism(name, rng):
+    """The same with a prefill that is not sequence-parallel, from a prompt
+    of 37 tokens: several of Mamba-2's chunks (16), the state carried."""
+    model_cls, config = MODELS[name]
+    config = dataclasses.replace(config,
+                                 sharding=models.ShardingConfig(sequence_parallel=False))
+    _check_teacher_forced(model_cls, config, cpu_mesh(tp=2, dp=2), 37, rng)
+
+
+def _check_teacher_forced(model_cls, config, mesh, prompt_len: int, rng) -> None:
     model = build(model_cls, config, mesh, nnx.state(_random_model(model_cls, config, rng)))
-    prompt = _prompt(int(rng.integers(1 << 30)))
+    prompt = _prompt(int(rng.integers(1 << 30)), length=prompt_len)
     with jax.set_mesh(mesh):
         tokens, logits = models.generate(model, prompt, NEW_TOKENS, return_logits=True)
     tokens, logits = np.asarray(tokens), np.asarray(logits, np.float64)
-    assert tokens.shape == (2, PROMPT_LEN + NEW_TOKENS) and tokens.dtype == np.int32
+    assert tokens.shape == (2, prompt_len + NEW_TOKENS) and tokens.dtype == np.int32
     assert logits.shape == (2, NEW_TOKENS, 256)
-    np.testing.assert_array_equal(tokens[:, :PROMPT_LEN], prompt)
+    np.testing.assert_array_equal(tokens[:, :prompt_len], prompt)
     # Greedy: every new token is the argmax of the logits it was chosen from.
-    np.testing.assert_array_equal(tokens[:, PROMPT_LEN:], logits.argmax(-1))
-    want = _forward_logits(model, mesh, tokens)
+    np.testing.assert_array_equal(tokens[:, prompt_len:], logits.argmax(-1))
+    want = _forward_logits(model, mesh, tokens, prompt_len)
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
@@ -216,6 +229,14 @@ def test_sampling_keeps_to_the_top_k(rng):
     assert len(set(tokens.tolist())) > 5  # rows draw apart
 
 
+def test_sampling_at_a_tiny_temperature_is_greedy(rng):
+    """logits / 1e-39 would overflow to +-inf in float32 (and argmax then
+    picks token 0); the draw stays the most likely token."""
+    logits = jnp.asarray(rng.standard_normal((16, 256)) - 5.0, jnp.float32)
+    tokens = models.decoding.sample(logits, jax.random.key(0), 0, temperature=1e-39, top_k=None)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(logits).argmax(-1))
+
+
 def test_mamba_prefill_state_is_the_recurrence(rng):
     """ssd's final state, and ssd_step continuing from it, equal the SSM step
     by step (float64 reference)."""
@@ -262,6 +283,17 @@ def test_a_checkpoint_of_the_training_command_restores(tmp_path):
     assert result["warmup_runs"] == 1 and len(result["texts"]) == 1
     assert result["time_to_first_token_ms"] > 0 and result["per_token_ms"] > 0
     assert (result["decode_blocks"], result["decode_matmul"]) == ("layers", "xla")
+    assert result["decode_attention"] == "model"  # what ran: on CPU, the model's own
+    # Another model, or another size of it: an error naming the likely cause.
+    wider = dataclasses.replace(config, mlp_dim=2 * config.mlp_dim)
+    for other in (lambda: models.Mamba2(models.MambaConfig.tiny(), rngs=nnx.Rngs(0)),
+                  lambda: models.Transformer(wider, rngs=nnx.Rngs(0))):
+        with jax.set_mesh(mesh):
+            model = nnx.jit(other)()
+            with pytest.raises(ValueError, match=r"the checkpoint of step 3 in .* does not fit "
+                                                 r"this (Mamba2|Transformer): was it written "
+                                                 r"for another model or size"):
+                train.restore_model_state(ckpt, model)
 
 
 def test_restore_without_a_checkpoint(tmp_path):
@@ -302,12 +334,70 @@ def tiny():
      r"top_k=300 exceeds the vocabulary \(256 tokens\)"),
     (_prompt(0), dict(max_new_tokens=2, temperature=1.0), ValueError,
      r"temperature > 0 samples tokens and needs rng=jax.random.key\(seed\)"),
+    (_prompt(0), dict(max_new_tokens=2, top_k=5), ValueError,
+     r"top_k=5 only applies when sampling; at temperature 0"),
+    (_prompt(0), dict(max_new_tokens=2, temperature=1.0,
+                      rng=lambda: jax.random.key(0, impl="rbg")),
+     TypeError, r"rng must be one threefry key, jax.random.key\(seed\) or "
+                r"jax.random.PRNGKey\(seed\); got key<rbg>"),
+    (_prompt(0), dict(max_new_tokens=2, temperature=1.0,
+                      rng=lambda: jax.random.split(jax.random.key(0))),
+     TypeError, r"rng must be one threefry key.* of shape \(2,\)"),
 ], ids=["too-long", "no-tokens", "fractional", "batch", "negative-id", "large-id", "float",
-        "1-d", "empty", "temperature", "top-k-0", "top-k-large", "no-rng"])
+        "1-d", "empty", "temperature", "top-k-0", "top-k-large", "no-rng", "top-k-greedy",
+        "rbg-key", "two-keys"])
 def test_bad_input_gets_a_clear_error(tiny, prompt, kwargs, error, message):
     model, mesh = tiny
+    kwargs = _made(kwargs)
     with jax.set_mesh(mesh), pytest.raises(error, match=message):
         models.generate(model, prompt, **kwargs)
+
+
+@pytest.mark.parametrize("prompt, kwargs", [
+    (_with_token(256), {}),
+    (_prompt(0).astype(np.float32), {}),
+    (_prompt(0), dict(temperature=1.0)),
+    (_prompt(0), dict(temperature=1.0, rng=lambda: jax.random.key(0, impl="rbg"))),
+    (_prompt(0), dict(top_k=5)),
+], ids=["large-id", "float", "no-rng", "rbg-key", "top-k-greedy"])
+def test_argument_errors_come_before_compiling(tiny, monkeypatch, prompt, kwargs):
+    """What the arguments alone show to be wrong is an error before the
+    programs compile (minutes for the 1B models)."""
+    model, mesh = tiny
+
+    def compiling(*args, **kwargs):
+        raise AssertionError("compiled before checking the arguments")
+    monkeypatch.setattr(models.decoding, "Generator", compiling)
+    with jax.set_mesh(mesh), pytest.raises((TypeError, ValueError), match="generate: "):
+        models.generate(model, prompt, 2, **_made(kwargs))
+
+
+def _made(kwargs: dict) -> dict:
+    """``kwargs`` with its callables called: keys are made in the test, not
+    when the module is collected."""
+    return {k: v() if callable(v) else v for k, v in kwargs.items()}
+
+
+def test_generate_takes_either_kind_of_key(tiny):
+    """A legacy jax.random.PRNGKey samples as the typed key of its seed;
+    greedy decoding ignores the key."""
+    model, mesh = tiny
+    prompt = _prompt(0)
+    with jax.set_mesh(mesh):
+        typed = models.generate(model, prompt, 3, temperature=1.0, rng=jax.random.key(5))
+        legacy = models.generate(model, prompt, 3, temperature=1.0, rng=jax.random.PRNGKey(5))
+        greedy = models.generate(model, prompt, 3)
+        greedy_with_key = models.generate(model, prompt, 3, rng=jax.random.PRNGKey(1))
+    np.testing.assert_array_equal(np.asarray(legacy), np.asarray(typed))
+    np.testing.assert_array_equal(np.asarray(greedy_with_key), np.asarray(greedy))
+
+
+def test_generate_refuses_to_be_traced(tiny):
+    """generate compiles its own programs: inside jax.jit it says to call it
+    outside, rather than failing on the mesh lookup."""
+    model, mesh = tiny
+    with jax.set_mesh(mesh), pytest.raises(TypeError, match="call it outside"):
+        jax.jit(lambda t: models.generate(model, t, 2))(jnp.asarray(_prompt(0)))
 
 
 def test_generator_bounds_its_cache_and_steps(tiny):
@@ -340,6 +430,16 @@ def test_generate_needs_the_mesh(tiny):
      "--temperature must be >= 0"),
     (["--prompt", "x", "--max-new-tokens", "2", "--heap-mb", "0"],
      "--heap-mb must be at least 1"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--temperature", "1", "--top-k", "0"],
+     "--top-k must be at least 1"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--top-k", "5"],
+     "--top-k samples among the k most likely bytes: it needs --temperature > 0"),
+    (["--model", "mamba", "--prompt", "x", "--max-new-tokens", "2", "--decode-attention",
+      "pallas"], "--decode-attention applies to --model transformer, not mamba"),
+    (["--model", "mamba", "--prompt", "x", "--max-new-tokens", "2", "--decode-blocks", "cuda"],
+     "--decode-blocks applies to --model transformer, not mamba"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--decode-mixer", "pallas"],
+     "--decode-mixer applies to --model mamba, not transformer"),
 ])
 def test_generate_command_rejects_bad_flags(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -380,7 +480,8 @@ def test_generate_command_reports_errors_in_one_line(capsys):
     assert generate_cli.main(["--prompt", "x" * 40, "--max-new-tokens", "8200",
                               "--mesh", "1x1"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("jax-flashoverlap-generate: error: generate: prompt length 40")
+    assert err.startswith("jax-flashoverlap-generate: error: the prompt's 40 tokens + "
+                          "--max-new-tokens 8200 exceed the model's max_seq_len=8192")
     assert "Traceback" not in err
 
 

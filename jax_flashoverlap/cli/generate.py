@@ -121,6 +121,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.temperature < 0:
         parser.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.top_k is not None and args.top_k < 1:
+        parser.error(f"--top-k must be at least 1, got {args.top_k}")
+    if args.top_k is not None and args.temperature == 0:
+        parser.error("--top-k samples among the k most likely bytes: it needs "
+                     "--temperature > 0 (0 takes the most likely one)")
     if args.heap_mb < 1:
         parser.error(f"--heap-mb must be at least 1, got {args.heap_mb}")
     if args.decode_matmul == "cuda" and not _extension.cuda_ops_available():
@@ -130,7 +135,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--restore {args.restore}: no such directory")
     if args.prompt_file is not None and not args.prompt_file.is_file():
         parser.error(f"--prompt-file {args.prompt_file}: no such file")
+    for dest, model in _MODEL_OF_FLAG.items():  # a flag set away from its default
+        if getattr(args, dest) != parser.get_default(dest) and args.model != model:
+            parser.error(f"--{dest.replace('_', '-')} applies to --model {model}, "
+                         f"not {args.model}")
     return args
+
+
+# The flags that tune one model's decode step.
+_MODEL_OF_FLAG = {"decode_attention": "transformer", "decode_blocks": "transformer",
+                  "decode_mixer": "mamba"}
 
 
 def encode(text: str) -> np.ndarray:
@@ -159,6 +173,10 @@ def run(args: argparse.Namespace) -> dict:
                           sharding=sharding, decode_matmul=args.decode_matmul,
                           decode_attention=args.decode_attention,
                           decode_mixer=args.decode_mixer, decode_blocks=args.decode_blocks)
+    if prompt.size + args.max_new_tokens > config.max_seq_len:  # before building the model
+        raise ValueError(f"the prompt's {prompt.size} tokens + --max-new-tokens "
+                         f"{args.max_new_tokens} exceed the model's max_seq_len="
+                         f"{config.max_seq_len}; shorten the prompt or generate fewer tokens")
     _, model_cls = MODELS[args.model]
     prompts = np.tile(prompt, (args.batch, 1))
     lead = jax.process_index() == 0
@@ -189,7 +207,10 @@ def run(args: argparse.Namespace) -> dict:
     result = {
         "model": args.model, "size": args.size, "mesh": f"{data}x{tensor}", "impl": args.impl,
         "dtype": config.dtype, "decode_matmul": args.decode_matmul,
-        "decode_attention": args.decode_attention,
+        # What ran, as for decode_blocks below (None: Mamba-2, or the blocks' kernel).
+        "decode_attention": (model.blocks[0].attn.decode_implementation(args.batch // data)
+                             if args.model == "transformer" and generator.decode_weights is None
+                             else None),
         # What ran: the blocks' kernel where "auto" (or "cuda") prepared its weights.
         "decode_blocks": "layers" if generator.decode_weights is None else "cuda",
         "decode_mixer": args.decode_mixer, "batch": args.batch, "prompt_tokens": int(prompt.size),
