@@ -41,7 +41,7 @@ def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla") -> jax.Array
 
     Args:
       x: [..., k].
-      w: [k, n], x's dtype.
+      w: [k, n], x's dtype (a floating-point one).
       impl: "xla", XLA's dot; or "cuda", the kernel wherever it applies:
         bfloat16 operands, at most :data:`MAX_KERNEL_ROWS` rows in x's
         leading dims, n a multiple of 8, and a program compiled for a CUDA
@@ -56,6 +56,9 @@ def decode_matmul(x: jax.Array, w: jax.Array, *, impl: str = "xla") -> jax.Array
     if w.ndim != 2 or x.shape[-1] != w.shape[0] or x.dtype != w.dtype:
         raise ValueError(f"decode_matmul: needs x [..., k] and w [k, n] of one dtype; got "
                          f"x {x.dtype}{list(x.shape)} and w {w.dtype}{list(w.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"decode_matmul: takes floating-point operands (float32, bfloat16, "
+                        f"float16), got {x.dtype}")
     if impl == "cuda":
         _extension.require_cuda_ops("decode_matmul", _TARGET)
     rows = math.prod(x.shape[:-1])

@@ -127,7 +127,7 @@ class Decision:
 
 def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
             chunks: int | None = None, device_kind: str | None = None,
-            devices: int | None = None) -> Decision:
+            devices: int | None = None, note_untuned: bool = True) -> Decision:
     """The one place that decides ``impl="auto"``, called when a program is lowered.
 
     It runs the implementation measured fastest for this machine (device
@@ -147,6 +147,8 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
       chunks: the op's ``chunks`` argument (None: picked by shape).
       device_kind, devices: the machine to decide for (default: this one's
         devices of ``platform``: their kind, and how many the process has).
+      note_untuned: log, once, that nothing was measured for this machine
+        (:func:`explain` prints the decision itself).
     """
     from . import _primitives, tuning
 
@@ -165,7 +167,7 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
     kind, count = device_kind, devices
     entry, why = tuning.load().lookup(op, shapes, dtype.name, n, kind, count, dtype.itemsize)
     if entry is None:
-        if why.startswith("no tuning table") or " not tuned on " in why:
+        if note_untuned and (why.startswith("no tuning table") or " not tuned on " in why):
             _say_untuned_once(kind, count, n, dtype.name)
         return Decision("xla", why)
     impls = ["xla", "decomposed"]
@@ -253,11 +255,21 @@ def explain(op: str, x_shape: Sequence[int], w_shape: Sequence[int] | None = Non
         raise ValueError(f"explain: {op} takes " + ("no w_shape" if op == "all_reduce"
                                                      else "w_shape [k, n_out]"))
     x_shape = tuple(x_shape)
+    if not x_shape:
+        raise ValueError(f"explain: x_shape must have at least one dim, got {x_shape}")
+    if w_shape is not None and (len(w_shape) != 2 or w_shape[0] != x_shape[-1]):
+        raise ValueError(f"explain: w_shape must be [k, n_out] with k = x_shape[-1] = "
+                         f"{x_shape[-1]}, got {list(w_shape)}")
+    name = np.dtype(dtype).name
+    if name not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"explain: the ops take float32, bfloat16 or float16, got {name}")
+    if isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1:
+        raise ValueError(f"explain: axis_size must be an int >= 1, got {axis_size!r}")
     shapes = ([(1, math.prod(x_shape))] if op == "all_reduce"
               else [(math.prod(x_shape[:-1]), x_shape[-1]), tuple(w_shape)])
     platform = platform or jax.default_backend()
     decision = resolve(op, shapes, dtype, axis_size, platform=platform, chunks=chunks,
-                       device_kind=device_kind, devices=devices)
+                       device_kind=device_kind, devices=devices, note_untuned=False)
     print(f"{op} x{list(x_shape)}" + (f" w{list(w_shape)}" if w_shape else "")
           + f" {np.dtype(dtype).name}, axis size {axis_size}, {platform}: "
           f"auto -> {decision.impl!r}; {decision.reason}")

@@ -18,6 +18,7 @@ resharded first.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 from jax.sharding import AxisType
@@ -42,9 +43,24 @@ def _mesh(mesh, op: str):
     return mesh
 
 
-def _check_axis(mesh, axis_name: str) -> None:
+def _check_axis(mesh, axis_name: str, op: str) -> None:
     if axis_name not in mesh.axis_names:
-        raise ValueError(f"mesh axes are {mesh.axis_names}; there is no {axis_name!r}")
+        raise ValueError(f"sharded.{op}: mesh axes are {mesh.axis_names}; there is no "
+                         f"{axis_name!r}")
+
+
+def _check_divisible(op: str, args, in_specs, mesh) -> None:
+    """A clear error for a dim its mesh axes do not divide (jit's own names
+    no op and no fix)."""
+    for name, a, spec in zip(("x", "w"), args, in_specs):
+        for dim, entry in enumerate(spec):
+            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            ranks = math.prod(mesh.shape[axis] for axis in axes)
+            if a.shape[dim] % ranks:
+                raise ValueError(
+                    f"sharded.{op}: {name} {tuple(a.shape)} has {a.shape[dim]} along dim "
+                    f"{dim}, not divisible by the {ranks} ranks of {axes}; pad that dim to "
+                    f"a multiple of {ranks}.")
 
 
 def _explicit_axes(mesh, axis_name: str | None = None) -> frozenset[str]:
@@ -77,7 +93,8 @@ def _placed(a: jax.Array, spec: list, mesh) -> jax.Array:
     return a if P(*have) == want else jax.sharding.reshard(a, want)
 
 
-def _shard_map(fn, mesh, axis_name: str, explicit: frozenset[str], in_specs, out_specs):
+def _shard_map(op: str, fn, mesh, axis_name: str, explicit: frozenset[str], in_specs,
+               out_specs):
     """``fn`` over the operands in a shard_map manual over ``axis_name`` and
     the ``explicit`` axes, operand i laid out as ``in_specs[i]``.
 
@@ -85,10 +102,14 @@ def _shard_map(fn, mesh, axis_name: str, explicit: frozenset[str], in_specs, out
     typed batch sharding through, and the ops inside see no sharding in their
     types. Auto axes stay with the compiler's partitioner.
     """
-    _check_axis(mesh, axis_name)
+    _check_axis(mesh, axis_name, op)
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=tuple(P(*s) for s in in_specs),
                            out_specs=P(*out_specs), axis_names={axis_name, *explicit})
-    return lambda *args: mapped(*(_placed(a, s, mesh) for a, s in zip(args, in_specs)))
+
+    def call(*args):
+        _check_divisible(op, args, in_specs, mesh)
+        return mapped(*(_placed(a, s, mesh) for a, s in zip(args, in_specs)))
+    return call
 
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
@@ -115,8 +136,8 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
     out_spec = [*x_spec[:-1], axis_name]
     x_spec[dim], x_spec[-1] = axis_name, None
     out_spec[dim] = None
-    return _shard_map(fn, mesh, axis_name, explicit, (x_spec, (None, axis_name)),
-                      out_spec)(x, w)
+    return _shard_map("all_gather_matmul", fn, mesh, axis_name, explicit,
+                      (x_spec, (None, axis_name)), out_spec)(x, w)
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
@@ -144,8 +165,8 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=No
     x_spec[dim], x_spec[-1] = None, axis_name
     out_spec = [*x_spec[:-1], None]
     out_spec[dim] = axis_name
-    return _shard_map(fn, mesh, axis_name, explicit, (x_spec, (axis_name, None)),
-                      out_spec)(x, w)
+    return _shard_map("matmul_reduce_scatter", fn, mesh, axis_name, explicit,
+                      (x_spec, (axis_name, None)), out_spec)(x, w)
 
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
@@ -168,8 +189,8 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, *, axis_name: str, mesh=None,
     x_spec = _typed_spec(x, explicit)
     out_spec = [*x_spec[:-1], None]
     x_spec[-1] = axis_name
-    return _shard_map(fn, mesh, axis_name, explicit, (x_spec, (axis_name, None)),
-                      out_spec)(x, w)
+    return _shard_map("matmul_all_reduce", fn, mesh, axis_name, explicit,
+                      (x_spec, (axis_name, None)), out_spec)(x, w)
 
 
 def all_reduce(x: jax.Array, *, axis_name: str, mesh=None, **kwargs) -> jax.Array:
@@ -186,7 +207,7 @@ def all_reduce(x: jax.Array, *, axis_name: str, mesh=None, **kwargs) -> jax.Arra
       ``x.sum(0)``: [...], replicated over ``axis_name``.
     """
     mesh = _mesh(mesh, "all_reduce")
-    _check_axis(mesh, axis_name)
+    _check_axis(mesh, axis_name, "all_reduce")
     n = mesh.shape[axis_name]
     if x.ndim < 1 or x.shape[0] != n:
         raise ValueError(
@@ -197,4 +218,4 @@ def all_reduce(x: jax.Array, *, axis_name: str, mesh=None, **kwargs) -> jax.Arra
     explicit = _explicit_axes(mesh, axis_name)
     x_spec = _typed_spec(x, explicit)
     x_spec[0] = axis_name
-    return _shard_map(fn, mesh, axis_name, explicit, (x_spec,), x_spec[1:])(x)
+    return _shard_map("all_reduce", fn, mesh, axis_name, explicit, (x_spec,), x_spec[1:])(x)

@@ -58,6 +58,12 @@ def test_bad_input_gets_a_clear_error(kwargs, message, rng):
         jfo.decode_matmul(x, w, **kwargs)
 
 
+def test_integer_operands_are_refused():
+    with pytest.raises(TypeError, match=r"decode_matmul: takes floating-point operands "
+                                        r"\(float32, bfloat16, float16\), got int32"):
+        jfo.decode_matmul(jnp.ones((2, 24), jnp.int32), jnp.ones((24, 16), jnp.int32))
+
+
 def test_cuda_impl_without_the_extension_says_how_to_build(monkeypatch):
     monkeypatch.setattr(_extension, "_module", lambda: None)
     with pytest.raises(RuntimeError, match=r"decode_matmul\(impl='cuda'\).*Reinstall"):

@@ -42,7 +42,8 @@ def lines_of(text, rank):
 
 
 def test_environment_prefixes_and_arguments(tmp_path):
-    names = list(launch.ENV.values()) + list(launch.FORCED_ENV) + ["XLA_FLAGS", "JAX_PLATFORMS"]
+    names = (list(launch.ENV.values()) + list(launch.FORCED_ENV) + list(launch.LOOPBACK_ENV)
+             + ["XLA_FLAGS", "JAX_PLATFORMS"])
     child = script(tmp_path, f"""
         for name in {names!r}:
             print(f"{{name}}={{os.environ.get(name)}}")
@@ -52,6 +53,7 @@ def test_environment_prefixes_and_arguments(tmp_path):
     proc, _ = run_launch(["--cpu", "-n", "2", "--node-size", "1", child, "-n", "5", "--x"],
                          tmp_path, env_extra={
                              "NCCL_NVLS_ENABLE": "1",  # must be forced back to 0
+                             "NCCL_SOCKET_IFNAME": "eth7",  # a caller's interface is kept
                              "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --a=1"})
     assert proc.returncode == 0, proc.stderr
     for rank in range(2):
@@ -64,6 +66,9 @@ def test_environment_prefixes_and_arguments(tmp_path):
         assert got["JAX_FLASHOVERLAP_PLATFORM"] == "cpu" and got["JAX_PLATFORMS"] == "cpu"
         assert (got["NCCL_NVLS_ENABLE"], got["NVSHMEM_DISABLE_NVLS"],
                 got["TORCH_SYMM_MEM_DISABLE_MULTICAST"]) == ("0", "1", "1")
+        # Bootstrap sockets on loopback unless the caller named an interface.
+        assert (got["NCCL_SOCKET_IFNAME"], got["NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME"]) == (
+            "eth7", "lo")
         assert got["XLA_FLAGS"] == "--a=1"  # one CPU device per process
         assert got["argv"] == "-n 5 --x"  # the program's options stay the program's
         assert lines_of(proc.stderr, rank) == ["on stderr"]

@@ -53,8 +53,23 @@ def test_without_mesh_names_the_fix(rng):
 
 def test_unknown_axis(rng):
     mesh = cpu_mesh(tp=4, dp=2)
-    with pytest.raises(ValueError, match="there is no 'model'"):
+    with pytest.raises(ValueError, match="sharded.all_reduce: mesh axes are .* there is no "
+                                         "'model'"):
         sharded.all_reduce(random(rng, (4, 3), "float32"), axis_name="model", mesh=mesh)
+
+
+@pytest.mark.parametrize("op, x_shape, w_shape, message", [
+    ("all_gather_matmul", (66, 2, 8), (8, 16),
+     r"x \(66, 2, 8\) has 66 along dim 0, not divisible by the 4 ranks of \('tensor',\)"),
+    ("matmul_reduce_scatter", (8, 2, 6), (6, 16), r"x \(8, 2, 6\) has 6 along dim 2"),
+    ("matmul_all_reduce", (8, 10), (10, 12), r"x \(8, 10\) has 10 along dim 1"),
+])
+def test_a_dim_the_axis_does_not_divide_names_the_op_and_the_fix(op, x_shape, w_shape,
+                                                                  message, rng):
+    mesh = cpu_mesh(tp=4, dp=2)
+    x, w = random(rng, x_shape, "float32"), random(rng, w_shape, "float32")
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=f"sharded.{op}: ({message})"):
+        jax.jit(lambda x, w: getattr(sharded, op)(x, w, axis_name="tensor"))(x, w)
 
 
 def test_op_names_reach_the_compiled_program(rng):

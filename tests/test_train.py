@@ -174,12 +174,18 @@ def test_library_notes_print_above_the_progress_bar(capsys):
 
     trainer = SimpleNamespace(args=SimpleNamespace(progress=True, steps=3, batch=1, seq_len=8),
                               flops_per_step=1.0, peak_flops=None)
-    progress = TrainingProgress(trainer, 0)
-    progress.finished(jnp.float32(1.0), jnp.float32(0.5))
-    logging.getLogger("jax_flashoverlap").warning("a note from the library")
-    progress.close()
+    root = logging.getLogger()
+    console = logging.StreamHandler(sys.stderr)  # as orbax's absl gives the root logger
+    root.addHandler(console)
+    try:
+        progress = TrainingProgress(trainer, 0)
+        progress.finished(jnp.float32(1.0), jnp.float32(0.5))
+        logging.getLogger("jax_flashoverlap").warning("a note from the library")
+        progress.close()
+    finally:
+        root.removeHandler(console)
     err = capsys.readouterr().err
-    assert "train:" in err and "a note from the library" in err
+    assert "train:" in err and err.count("a note from the library") == 1, err
     before = err[:err.index("a note from the library")]
     assert before.rsplit("\r", 1)[-1].rsplit("\n", 1)[-1] == "", repr(before[-200:])
 
@@ -252,12 +258,25 @@ def test_restore_takes_the_directory_as_generate_does(tmp_path):
     assert train.parse_args(RUN).restore is None
 
 
-def test_checkpoint_every_saves_on_schedule(tmp_path):
+def test_checkpoint_every_saves_on_schedule(tmp_path, capsys):
     args = train.parse_args([*RUN, "--mesh", "1x2", "--steps", "3", "--checkpoint-dir",
                              str(tmp_path), "--checkpoint-every", "2"])
     train.train(args)
     saved = sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit())
     assert saved == [2, 3]  # every 2 steps, and the last
+    # A fresh run into the same directory would mix two runs' steps (and,
+    # with as many steps, not save at all): refused, naming --restore.
+    assert train.main([*RUN, "--mesh", "1x2", "--steps", "3", "--seed", "7",
+                       "--checkpoint-dir", str(tmp_path)]) == 2
+    assert (f"--checkpoint-dir {tmp_path} already holds a checkpoint (step 3): pass --restore "
+            f"to continue that run, or give an empty directory") in capsys.readouterr().err
+    # Resuming it as another model: one line naming the likely cause.
+    assert train.main([*RUN, "--mesh", "1x2", "--steps", "4", "--model", "mamba",
+                       "--restore", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert (f"--restore: the checkpoint of step 3 in {tmp_path} does not fit this mamba: was it "
+            f"written for another model or size (--model, --size)?") in err
+    assert len(err.strip().splitlines()) == 1, err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -117,6 +117,25 @@ def test_explain_names_the_measurement(cache, capsys, monkeypatch):
     with pytest.raises(ValueError, match="takes w_shape"):
         dispatch.explain("all_gather_matmul", [1024, 4096])
     assert dispatch.explain("all_reduce", [4, 1024], axis_size=1).reason.startswith("one rank")
+    for args, kwargs, match in [
+            (([1024, 4096], [2048, 4096]), {}, r"w_shape must be \[k, n_out\] with k = "
+                                               r"x_shape\[-1\] = 4096, got \[2048, 4096\]"),
+            (([1024, 4096], [4096, 4096], "int8"), {}, "take float32, bfloat16 or float16, "
+                                                       "got int8"),
+            (([1024, 4096], [4096, 4096]), dict(axis_size=0), "axis_size must be an int >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            dispatch.explain("all_gather_matmul", *args, **kwargs)
+
+
+def test_explain_says_untuned_once_not_twice(cache, capsys, caplog):
+    """On a machine with no table, explain prints the decision, with why,
+    and logs nothing on top of it."""
+    dispatch._say_untuned_once.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="jax_flashoverlap"):
+        got = dispatch.explain("all_gather_matmul", [64, 32], [32, 32], "float32", 3,
+                               platform="cpu")
+    assert got.impl == "xla" and "no tuning table for cpu x8" in capsys.readouterr().out
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 def _compiled_collectives(op, mesh, args, in_specs, out_spec, impl):
@@ -175,7 +194,11 @@ def test_tune_model_shapes():
     (["--no-grid"], "without --model"),
     (["--axis-size", "4", "--mesh", "1x2"], "disagree: the tensor axis tuned is the mesh's"),
     (["--mesh", "8x1"], "the tensor size must be at least 2"),
-    (["--mesh", "two"], "expected DATAxTENSOR")])
+    (["--mesh", "two"], "expected DATAxTENSOR"),
+    (["--size", "tiny"], "--size applies with --model"),
+    (["--reps", "0"], "--reps must be at least 1"),
+    (["--dtype", "int8"], "invalid choice: 'int8'"),
+    (["--model", "transformer", "--size", "huge"], "invalid choice: 'huge'")])
 def test_tune_flags_name_the_fix(argv, match, capsys):
     with pytest.raises(SystemExit):
         tune.parse_args(argv)

@@ -4,11 +4,14 @@ import argparse
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """``--help`` with each option's default, except switches: a
-    ``--no-progress`` that stores False by default would read "(default: True)"."""
+    """``--help`` with each option's default, except switches (a
+    ``--no-progress`` that stores False by default would read "(default: True)")
+    and options whose help already names their default."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.nargs == 0:  # a switch (store_true, store_false, store_const): no value
+            return action.help
+        if action.help and "default" in action.help:  # the help says it already
             return action.help
         return super()._get_help_string(action)
 

@@ -42,7 +42,7 @@ from ..distributed import ENV
 from .devices import without_cpu_device_count
 from .flags import HelpFormatter
 
-__all__ = ["ENV", "FORCED_ENV", "main", "visible_gpus"]
+__all__ = ["ENV", "FORCED_ENV", "LOOPBACK_ENV", "main", "visible_gpus"]
 
 # NVLink multicast (NVLS) must stay off on the shared machines, whatever the
 # caller's environment says, so these are overwritten, not defaulted.
@@ -50,6 +50,14 @@ FORCED_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "NVSHMEM_DISABLE_NVLS": "1",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+}
+
+# Every process runs on this host, so NCCL's and NVSHMEM's bootstrap sockets
+# listen on the loopback interface (by default both pick a routable one);
+# defaults only: a caller who names an interface keeps it.
+LOOPBACK_ENV = {
+    "NCCL_SOCKET_IFNAME": "lo",
+    "NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME": "lo",
 }
 
 # Launcher options that take a value; everything from the program on is the
@@ -149,6 +157,8 @@ def _child_env(base: Mapping[str, str], *, rank: int, nproc: int, node_size: int
         "PYTHONUNBUFFERED": "1",  # lines reach us before a crash or a kill
     })
     env.update(FORCED_ENV)
+    for name, value in LOOPBACK_ENV.items():
+        env.setdefault(name, value)
     if gpu is None:
         env["JAX_PLATFORMS"] = "cpu"
         # One CPU device per process: drop a device count inherited from the

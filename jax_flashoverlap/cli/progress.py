@@ -38,9 +38,10 @@ class TrainingProgress:
             self.bar = tqdm(total=args.steps, initial=start, desc="train", unit="step",
                             file=sys.stderr)
             # The library's one-line notes (e.g. "auto" finding no tuning
-            # table at the first compilation) print above the bar, not into it.
-            self._redirect.enter_context(
-                logging_redirect_tqdm([logging.getLogger("jax_flashoverlap")]))
+            # table at the first compilation) print above the bar, not into
+            # it. They propagate to the root logger, which orbax's absl gives
+            # a console handler: that one is redirected, and no other added.
+            self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def finished(self, loss: jax.Array, grad_norm: jax.Array) -> None:
         """Waits for a step's results; the time since the last one is its step time."""

@@ -133,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"residuals, or recompute every block)")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
     return args
 
 
@@ -273,6 +275,8 @@ def restore_model_state(directory: Path, model: nnx.Module, step: int | None = N
 
     Raises:
       FileNotFoundError: no checkpoint there.
+      ValueError: the checkpoint's parameters are not ``model``'s (another
+        model or size), naming what does not fit.
     """
     with ocp.CheckpointManager(Path(directory).absolute()) as manager:
         step = manager.latest_step() if step is None else step
@@ -282,12 +286,53 @@ def restore_model_state(directory: Path, model: nnx.Module, step: int | None = N
         state = nnx.state(model)
         target = {"0": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                    sharding=x.sharding), state)}
-        restored = manager.restore(step, args=ocp.args.PyTreeRestore(
-            item=target, partial_restore=True,
-            restore_args=jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding),
-                                      target)))
+        mismatch = _does_not_fit(directory, step, type(model).__name__)
+        try:
+            # Partial: the optimizer's state, saved beside the model's, is not read.
+            restored = manager.restore(step, args=ocp.args.PyTreeRestore(
+                item=target, partial_restore=True,
+                restore_args=jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding),
+                                          target)))
+        except ValueError as e:
+            raise ValueError(f"{mismatch} (orbax: {_first_line(e)})") from e
+    # A partial restore leaves what the checkpoint lacks as it was: placeholders.
+    missing = [jax.tree_util.keystr(path) for path, leaf
+               in jax.tree_util.tree_leaves_with_path(restored["0"])
+               if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if missing:
+        raise ValueError(f"{mismatch} It lacks {len(missing)} of its parameters, e.g. "
+                         f"{', '.join(missing[:3])}.")
     nnx.update(model, restored["0"])
     return step
+
+
+def _does_not_fit(directory: Path, step: int, model: str) -> str:
+    return (f"the checkpoint of step {step} in {directory} does not fit this {model}: was it "
+            f"written for another model or size (--model, --size)?")
+
+
+def _first_line(error: Exception) -> str:
+    """Orbax's first line: its tree differences run to a hundred more."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _checkpoint_manager(args: argparse.Namespace) -> ocp.CheckpointManager | None:
+    """The run's checkpoints (None without --checkpoint-dir). A fresh run
+    (no --restore) refuses a directory that holds checkpoints: it would mix
+    two runs' steps, and the latest one, read by --restore and by
+    jax-flashoverlap-generate, could be the other run's."""
+    if not args.checkpoint_dir:
+        return None
+    manager = ocp.CheckpointManager(
+        args.checkpoint_dir.absolute(),
+        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+    latest = manager.latest_step()
+    if latest is not None and not args.restore:
+        manager.close()
+        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint "
+                         f"(step {latest}): pass --restore to continue that run, or give an "
+                         f"empty directory")
+    return manager
 
 
 def build(args: argparse.Namespace) -> Trainer:
@@ -363,6 +408,7 @@ class TrainResult:
 
 def train(args: argparse.Namespace) -> TrainResult:
     """Runs the training that ``args`` (from :func:`parse_args`) describes."""
+    manager = _checkpoint_manager(args)
     trainer = build(args)
     corpus = load_corpus(args.data, args.seq_len)
     data, tensor = trainer.mesh.devices.shape
@@ -371,11 +417,6 @@ def train(args: argparse.Namespace) -> TrainResult:
           f"{trainer.config.dtype}, {'with' if args.sequence_parallel else 'without'} "
           f"sequence parallelism"
           + (f", attention {trainer.attention}" if trainer.attention else ""), flush=True)
-    manager = None
-    if args.checkpoint_dir:
-        manager = ocp.CheckpointManager(
-            args.checkpoint_dir.absolute(),
-            options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
     start = 0
     if args.restore:
         start = manager.latest_step()
@@ -386,7 +427,11 @@ def train(args: argparse.Namespace) -> TrainResult:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             trainer.state)
         trainer.state = None  # Frees it before the restored copy arrives.
-        trainer.state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        try:
+            trainer.state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
+        except ValueError as e:
+            raise ValueError(f"--restore: {_does_not_fit(args.checkpoint_dir, start, args.model)}"
+                             f" (orbax: {_first_line(e)})") from e
         print(f"restored step {start} from {args.checkpoint_dir}", flush=True)
 
     # Trace steady-state steps: from this run's second step, if it has one.
@@ -397,6 +442,7 @@ def train(args: argparse.Namespace) -> TrainResult:
     # idle device.
     progress = TrainingProgress(trainer, start,
                          untimed=range(profiling.start, profiling.stop + 1) if profiling else ())
+    saved = None  # the last step this run checkpointed
     with jax.set_mesh(trainer.mesh), contextlib.closing(progress):
         pending = None
         for i in range(start, args.steps):
@@ -420,10 +466,11 @@ def train(args: argparse.Namespace) -> TrainResult:
                       f"https://ui.perfetto.dev", file=sys.stderr, flush=True)
             if manager and args.checkpoint_every and (i + 1) % args.checkpoint_every == 0:
                 manager.save(i + 1, args=ocp.args.StandardSave(trainer.state))
+                saved = i + 1
         if pending is not None:
             progress.finished(*pending)
     if manager is not None:
-        if manager.latest_step() != args.steps:
+        if start < args.steps and saved != args.steps:  # this run's final state
             manager.save(args.steps, args=ocp.args.StandardSave(trainer.state), force=True)
         manager.wait_until_finished()
         manager.close()

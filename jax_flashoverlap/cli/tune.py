@@ -55,14 +55,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      description=__doc__.splitlines()[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    parser.add_argument("--dtype", default=None,
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="operand dtype (default: bfloat16 on GPUs, float32 on CPUs)")
     parser.add_argument("--axis-size", type=int, default=None,
                         help="ranks of the tensor axis (default: --mesh's tensor size, else "
                              "all local devices)")
     parser.add_argument("--model", choices=("transformer", "mamba"), default=None,
                         help="also tune this model's shapes (with --size, --mesh)")
-    parser.add_argument("--size", default="1b")
+    # The models' sizes (models.config.SIZES), spelled here: --help needs no flax.
+    parser.add_argument("--size", default=None, choices=("tiny", "small", "1b"),
+                        help="with --model, its size (default: 1b)")
     parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
                         help="the mesh the model runs on: its tensor size is the axis size "
                              "tuned (default: 1 x the axis size)")
@@ -91,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"least 2 (one rank runs the local dot)")
     if args.no_grid and not args.model:
         parser.error("--no-grid leaves nothing to tune without --model")
+    if args.size is not None and not args.model:
+        parser.error("--size applies with --model")
+    args.size = args.size or "1b"
+    if args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
     return args
 
 
