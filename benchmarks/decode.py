@@ -180,7 +180,8 @@ def floor_bytes(generator: models.Generator, steps: tuple[int, int]) -> tuple[in
     rows = shape.batch // dp
     itemsize = jnp.dtype(config.dtype).itemsize
     if isinstance(config, models.TransformerConfig):
-        positions = shape.prompt_len + statistics.mean(steps) / 2  # the timed steps' mean
+        # Step i attends prompt_len + i + 1 positions; the timed steps are k1 .. k2 - 1.
+        positions = shape.prompt_len + 1 + (steps[0] + steps[1] - 1) / 2
         cache = (2 * config.num_layers * rows * config.num_kv_heads // tp * config.head_dim
                  * itemsize * positions)
     else:
@@ -490,6 +491,12 @@ def main(argv: list[str] | None = None) -> int:
     impls = [(name, *_impl_and_algorithm(name)) for name in args.impls]
     if not 0 < args.steps[0] < args.steps[1]:
         parser.error(f"--steps: need 0 < K1 < K2, got {args.steps}")
+    # The check generates from the context's first context - CHECK_TOKENS
+    # tokens and runs the forward pass over `context`, which the tensor axis splits.
+    for context in args.contexts:
+        if context <= CHECK_TOKENS or context % args.mesh[1]:
+            parser.error(f"--contexts: each must exceed {CHECK_TOKENS} and divide by the "
+                         f"tensor axis ({args.mesh[1]}), got {context}")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         parser.error("--plot needs matplotlib: pip install 'jax-flashoverlap[bench]'")
     if distributed.is_launched():

@@ -471,7 +471,19 @@ def test_decode_floor_counts_weights_and_the_cache():
     matrices = layers * (d * (q + 2 * kv) * h + q * h * d + 3 * d * f) // 2 + d * 256
     vectors = (2 * layers + 1) * d
     assert weights == 2 * matrices + 4 * vectors
-    assert cache == 2 * layers * (kv // 2) * h * 2 * (16 + 3)
+    # Step i attends prompt_len + i + 1 positions; the timed steps are 4 .. 7.
+    assert cache == int(2 * layers * (kv // 2) * h * 2 * (16 + 1 + (4 + 5 + 6 + 7) / 4))
+
+
+@pytest.mark.parametrize("contexts", [["8"], ["32", "33"]])
+def test_decode_benchmark_refuses_contexts_it_cannot_check(contexts, capsys):
+    """The check generates from context - 8 tokens and runs the forward pass
+    over the context, which the tensor axis splits: refused before any run."""
+    bench = _load("decode")
+    with pytest.raises(SystemExit):
+        bench.main(["--mesh", "1x2", "--contexts", *contexts])
+    assert "--contexts: each must exceed 8 and divide by the tensor axis (2)" in \
+        capsys.readouterr().err
 
 
 def test_generate_command_runs_in_two_processes(tmp_path):
