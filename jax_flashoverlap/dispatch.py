@@ -178,7 +178,10 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
         impls.append("cuda")
     best = entry.fastest(impls) or "xla"
     note = f"; not cuda: {unfit}" if unfit and "cuda" in entry.times_us else ""
-    return Decision(best, entry.describe() + note)
+    exact = (tuning.rows_per_rank(op, shapes, n, dtype.itemsize) == entry.rows
+             and tuning.size_of(op, shapes) == entry.weight)
+    nearest = "" if exact else "the nearest measured shape at or below this one's: "
+    return Decision(best, nearest + entry.describe() + note)
 
 
 def _machine(platform: str) -> tuple[str, int] | None:

@@ -31,7 +31,9 @@ H200 = {"platform": "cuda", "device_kind": "NVIDIA H200", "devices": 2}
     ("matmul_all_reduce", [(2048, 8192), (8192, 7168)], "bfloat16", 2, "cuda"),
     ("matmul_reduce_scatter", [(256, 8192), (8192, 8192)], "bfloat16", 2, "xla"),
     ("matmul_reduce_scatter", [(2048, 4096), (4096, 4096)], "bfloat16", 2, "cuda"),
+    # The 1B models' decode all-reduces (embed 2048) at batch 1 and 8: NVRAR.
     ("all_reduce", [(1, 2048)], "bfloat16", 2, "cuda"),
+    ("all_reduce", [(8, 2048)], "bfloat16", 2, "cuda"),
     ("all_reduce", [(1, 512)], "bfloat16", 2, "xla"),  # 1 KiB: below the smallest
     ("all_reduce", [(1024, 1 << 20)], "bfloat16", 2, "xla"),  # 2 GiB: over the region
 ])

@@ -114,6 +114,11 @@ def test_explain_names_the_measurement(cache, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert got.impl == "cuda"
     assert "auto -> 'cuda'" in printed and "1024x4096x4096" in printed and "µs" in printed
+    assert "nearest" not in printed  # that shape itself was measured
+    got = dispatch.explain("all_reduce", [8, 2048], None, "bfloat16", 2, platform="cuda",
+                           device_kind="NVIDIA H200", devices=2)
+    assert got.reason.startswith("the nearest measured shape at or below this one's: "
+                                 "measured on NVIDIA H200 x2"), got.reason
     with pytest.raises(ValueError, match="takes w_shape"):
         dispatch.explain("all_gather_matmul", [1024, 4096])
     assert dispatch.explain("all_reduce", [4, 1024], axis_size=1).reason.startswith("one rank")
@@ -213,6 +218,7 @@ def test_tune_budget_output_and_verify(tmp_path, capsys):
                "--verify"])
     printed = capsys.readouterr().out
     assert "stopping after 1 of" in printed and f"wrote 1 entries to {out}" in printed
+    assert f'(impl="auto" reads {tuning.cache_path()} only: merge this file there' in printed
     assert len(tuning.read(out).entries) == 1
     assert "verify all_reduce" in printed and "verify: auto is at most" in printed
 

@@ -224,10 +224,12 @@ def run(args: argparse.Namespace, out=None) -> tuning.Table:
     path = args.output or tuning.cache_path()
     _merge_into(path, new)
     tuning.reload()
-    print(f"wrote {len(entries)} entries to {path} in {time.perf_counter() - start:.0f} s",
-          file=out)
+    elsewhere = pathlib.Path(path).absolute() != tuning.cache_path().absolute()
+    print(f"wrote {len(entries)} entries to {path} in {time.perf_counter() - start:.0f} s"
+          + (f" (impl=\"auto\" reads {tuning.cache_path()} only: merge this file there to "
+             f"use it)" if elsewhere else ""), file=out)
     if args.verify:
-        if pathlib.Path(path).absolute() != tuning.cache_path().absolute():
+        if elsewhere:
             print(f"verify: \"auto\" reads {tuning.cache_path()}, not {path}: what it picks "
                   f"ignores this run", file=out)
         _verify(entries, mesh, dtype, rng, args.reps, out)
