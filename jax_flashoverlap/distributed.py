@@ -48,8 +48,6 @@ ENV = settings.LAUNCHER_VARIABLES
 _REQUIRED = ("coordinator", "process_id", "num_processes")
 _LAUNCH_HINT = ("start the program with `python -m jax_flashoverlap.cli.launch -n N script.py` "
                 "(or call jax.distributed.initialize yourself, e.g. under SLURM)")
-# Marks a broadcast header, so that several sources (summed) or none are told apart.
-_MAGIC = 0x4A464F  # "JFO"
 _MAX_BYTES = 1 << 20
 
 
@@ -170,30 +168,34 @@ def rank_in_node() -> int:
     return process_id() % node_size()
 
 
-def broadcast_bytes(data: bytes | None, root: int = 0, *, max_bytes: int = _MAX_BYTES) -> bytes:
+def broadcast_bytes(data: bytes | None, root: int = 0, *, max_bytes: int = _MAX_BYTES,
+                    timeout_s: float = 60.0) -> bytes:
     """Sends a small byte string from process ``root`` to every process.
 
-    Collective: every process must call it, with the same ``root``. Built on
-    ``jax.experimental.multihost_utils.broadcast_one_to_all`` (a psum where
-    only the source contributes): first a header with the length, then the
-    bytes. Non-root processes may pass ``None``; what they pass is ignored.
+    Collective: every process must call it, with the same ``root``. Through
+    the ``jax.distributed`` key-value store, bounded like :func:`check_same`
+    (which first checks that every process passed the same ``root`` and
+    ``max_bytes``): no device work, so no NCCL communicator, its sockets or
+    its unbounded waits. Non-root processes may pass ``None``; what they
+    pass is ignored.
 
     Args:
       data: the bytes, on ``root`` (at most ``max_bytes`` of them).
       root: the sending process.
       max_bytes: upper bound on the length, checked on every process.
+      timeout_s: how long to wait for the other processes, and for the bytes.
 
     Returns:
       ``root``'s bytes, on every process.
 
     Raises:
       ValueError: ``root`` out of range, ``data`` too long, or the processes
-        disagree on ``root`` (no source or several).
+        disagree on ``root`` or ``max_bytes``.
       TypeError: ``data`` on ``root`` is not bytes-like.
+      RuntimeError: a process, or the bytes, did not arrive within
+        ``timeout_s``, naming it.
     """
     import jax
-    import numpy as np
-    from jax.experimental import multihost_utils
 
     n = jax.process_count()
     me = jax.process_index()
@@ -210,22 +212,27 @@ def broadcast_bytes(data: bytes | None, root: int = 0, *, max_bytes: int = _MAX_
                              f"it is meant for small strings (ids, configs)")
     if n == 1:
         return data
+    check_same("broadcast_bytes", {"root": root, "max_bytes": max_bytes}, timeout_s=timeout_s)
+    key = f"jax_flashoverlap/broadcast/{_AGREEMENTS['broadcast_bytes']}"
+    client = _kv_client("broadcast_bytes")
+    if is_root:
+        client.key_value_set_bytes(key, data)
+        return data
+    try:
+        return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
+    except Exception as e:  # noqa: BLE001 - the runtime raises its own types
+        raise RuntimeError(f"broadcast_bytes: process {root}'s bytes did not arrive within "
+                           f"{timeout_s:g} s ({type(e).__name__}: {e})") from None
 
-    header = np.array([_MAGIC, len(data), root] if is_root else [0, 0, 0], np.int32)
-    magic, length, sent_root = (int(v) for v in
-                                multihost_utils.broadcast_one_to_all(header, is_source=is_root))
-    if magic != _MAGIC or sent_root != root:
-        raise ValueError(f"broadcast_bytes: the processes disagree on root: process {me} passed "
-                         f"root={root}, but {magic / _MAGIC:g} processes acted as the source "
-                         f"(expected 1); pass the same root everywhere")
-    if not 0 <= length <= max_bytes:
-        raise ValueError(f"broadcast_bytes: process {root} sends {length} bytes, over this "
-                         f"process's max_bytes={max_bytes}; pass the same max_bytes everywhere")
-    if length == 0:
-        return b""
-    payload = np.frombuffer(data, np.uint8) if is_root else np.zeros(length, np.uint8)
-    out = multihost_utils.broadcast_one_to_all(payload, is_source=is_root)
-    return np.asarray(out).astype(np.uint8).tobytes()
+
+def _kv_client(what: str):
+    """The ``jax.distributed`` runtime's key-value client, or a clear error."""
+    from jax._src import distributed as jax_distributed  # the runtime's KV client
+
+    client = jax_distributed.global_state.client
+    if client is None:
+        raise RuntimeError(f"{what}: jax.distributed is not initialised; {_LAUNCH_HINT}")
+    return client
 
 
 _AGREEMENTS: collections.Counter = collections.Counter()
@@ -253,12 +260,8 @@ def check_same(name: str, settings: dict[str, Any], *, timeout_s: float = 60.0) 
         every process's value.
     """
     import jax
-    from jax._src import distributed as jax_distributed  # the runtime's KV client
 
-    client = jax_distributed.global_state.client
-    if client is None:
-        raise RuntimeError(f"check_same({name!r}): jax.distributed is not initialised; "
-                           f"{_LAUNCH_HINT}")
+    client = _kv_client(f"check_same({name!r})")
     n, me = jax.process_count(), jax.process_index()
     _AGREEMENTS[name] += 1
     prefix = f"jax_flashoverlap/agree/{name}/{_AGREEMENTS[name]}"
