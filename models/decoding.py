@@ -303,9 +303,9 @@ def generate(model: CausalLM, prompt: jax.Array, max_new_tokens: int, *,
       logits [batch, max_new_tokens, vocab].
 
     Raises:
-      TypeError: a prompt that is not integer token ids, a key that is not
-        one threefry key, or a call inside ``jax.jit`` (generate compiles its
-        own programs: call it outside).
+      TypeError: a prompt that is not integer token ids, ``rng`` that is
+        not one key of jax's default implementation, or a call inside
+        ``jax.jit`` (generate compiles its own programs: call it outside).
       ValueError: a shape, a length or an argument out of range, naming it.
 
     Everything checkable from the arguments alone is checked before the
@@ -424,15 +424,19 @@ def _check_key(rng: Any, temperature: float) -> jax.Array:
     if rng is None:
         raise ValueError("generate: temperature > 0 samples tokens and needs "
                          "rng=jax.random.key(seed)")
+    default = jax.random.key(0).dtype  # what the programs were compiled for
     dtype = getattr(rng, "dtype", None)
-    if dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        if np.dtype(dtype) == np.uint32 and np.shape(rng) == (2,):  # jax.random.PRNGKey
+    if (dtype is not None and not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+            and np.dtype(dtype) == np.uint32):
+        try:  # a raw key, as jax.random.PRNGKey makes
             rng = jax.random.wrap_key_data(rng)
-    if (getattr(rng, "dtype", None) != jax.random.key(0).dtype
-            or np.shape(rng) != ()):
-        raise TypeError(f"generate: rng must be one threefry key, jax.random.key(seed) or "
-                        f"jax.random.PRNGKey(seed); got {getattr(rng, 'dtype', type(rng))} "
-                        f"of shape {np.shape(rng)}")
+        except (TypeError, ValueError):
+            pass
+    if getattr(rng, "dtype", None) != default or np.shape(rng) != ():
+        raise TypeError(f"generate: rng must be one key, jax.random.key(seed) or "
+                        f"jax.random.PRNGKey(seed) (jax's default implementation, {default}); "
+                        f"got {getattr(rng, 'dtype', type(rng).__name__)} of shape "
+                        f"{np.shape(rng)}")
     return rng
 
 

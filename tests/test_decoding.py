@@ -338,11 +338,12 @@ def tiny():
      r"top_k=5 only applies when sampling; at temperature 0"),
     (_prompt(0), dict(max_new_tokens=2, temperature=1.0,
                       rng=lambda: jax.random.key(0, impl="rbg")),
-     TypeError, r"rng must be one threefry key, jax.random.key\(seed\) or "
-                r"jax.random.PRNGKey\(seed\); got key<rbg>"),
+     TypeError, r"rng must be one key, jax.random.key\(seed\) or "
+                r"jax.random.PRNGKey\(seed\) \(jax's default implementation, key<fry>\); "
+                r"got key<rbg> of shape \(\)"),
     (_prompt(0), dict(max_new_tokens=2, temperature=1.0,
                       rng=lambda: jax.random.split(jax.random.key(0))),
-     TypeError, r"rng must be one threefry key.* of shape \(2,\)"),
+     TypeError, r"rng must be one key.* of shape \(2,\)"),
 ], ids=["too-long", "no-tokens", "fractional", "batch", "negative-id", "large-id", "float",
         "1-d", "empty", "temperature", "top-k-0", "top-k-large", "no-rng", "top-k-greedy",
         "rbg-key", "two-keys"])

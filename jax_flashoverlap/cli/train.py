@@ -409,7 +409,12 @@ class TrainResult:
 def train(args: argparse.Namespace) -> TrainResult:
     """Runs the training that ``args`` (from :func:`parse_args`) describes."""
     manager = _checkpoint_manager(args)
-    trainer = build(args)
+    try:
+        trainer = build(args)
+    except BaseException:
+        if manager is not None:
+            manager.close()
+        raise
     corpus = load_corpus(args.data, args.seq_len)
     data, tensor = trainer.mesh.devices.shape
     print(f"{args.model}/{args.size} ({trainer.num_params / 1e6:,.1f}M parameters) on mesh "
