@@ -55,6 +55,21 @@ InjectedFault g_fault;
 // armed, so the answer needs no lock.
 std::atomic<bool> g_fault_armed{false};
 
+// Marks `ordinal` failed (under g_mu) with its first fault. The host then
+// refuses every later call on its groups; the calls it does not see, the
+// all-reduces replayed from a CUDA graph, read the region's failed word
+// (PeerRegion::region_failed), set here too, and write NaN.
+void FailLocked(int ordinal, const std::string& why) {
+  if (!g_failed.emplace(ordinal, why).second) return;
+  auto it = g_devices.find(ordinal);
+  if (it == g_devices.end() || it->second->region_failed == nullptr) return;
+  DeviceState* st = it->second.get();
+  DeviceGuard guard(st->ordinal);
+  // The word is 0 or 1: its low byte is the whole value. A device in an
+  // error state fails its calls anyway, so an error here changes nothing.
+  (void)cudaMemsetAsync(st->region_failed, 1, 1, st->copy_stream);
+}
+
 // Frees what a DeviceState holds (any part may be missing).
 void Release(DeviceState* st) {
   DeviceGuard guard(st->ordinal);
@@ -292,8 +307,8 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
   // This device counts as a member from here on, so a late peer will run the
   // call and wait for it: the group has failed.
   for (int o : group.ordinals) {
-    g_failed.emplace(o, "CUDA device " + std::to_string(self) +
-                            " gave up waiting for its group to initialize");
+    FailLocked(o, "CUDA device " + std::to_string(self) +
+                      " gave up waiting for its group to initialize");
   }
   std::string missing;
   for (int o : group.ordinals) {
@@ -325,8 +340,8 @@ std::string TakeRecords() {
     std::string msg = TakeRecord(st.get());
     if (msg.empty()) continue;
     all += (all.empty() ? "" : "\n") + msg;
-    g_failed.emplace(ordinal, msg);
-    g_failed.emplace(peer, msg);
+    FailLocked(ordinal, msg);
+    FailLocked(peer, msg);
   }
   return all.empty() ? all : WithTimeoutHint(all);
 }
@@ -361,7 +376,7 @@ std::string TakePendingError() {
 
 void MarkFailed(const std::vector<int>& ordinals, const std::string& why) {
   std::lock_guard<std::mutex> lock(g_mu);
-  for (int o : ordinals) g_failed.emplace(o, why);
+  for (int o : ordinals) FailLocked(o, why);
 }
 
 ffi::Error CheckGroupHealthy(OpId op, const GroupSpec& group) {
