@@ -113,6 +113,14 @@ def test_broadcast_bytes_one_process(rng):
         distributed.broadcast_bytes(data + b"!", max_bytes=128)
 
 
+def test_agreeing_needs_jax_distributed():
+    """Outside a launched job the key-value store is missing: an error
+    naming the launcher, not an attribute error."""
+    with pytest.raises(RuntimeError,
+                       match=r"check_same\('x'\): jax.distributed is not initialised; start"):
+        distributed.check_same("x", {"a": 1})
+
+
 def test_initialize_outside_the_launcher_says_how_to_launch(monkeypatch):
     for key in distributed.ENV.values():
         monkeypatch.delenv(key, raising=False)

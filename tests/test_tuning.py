@@ -127,7 +127,8 @@ def test_explain_names_the_measurement(cache, capsys, monkeypatch):
                                                r"x_shape\[-1\] = 4096, got \[2048, 4096\]"),
             (([1024, 4096], [4096, 4096], "int8"), {}, "take float32, bfloat16 or float16, "
                                                        "got int8"),
-            (([1024, 4096], [4096, 4096]), dict(axis_size=0), "axis_size must be an int >= 1")]:
+            (([1024, 4096], [4096, 4096]), dict(axis_size=0), "axis_size must be an int >= 1"),
+            (([], [4096, 4096]), {}, "x_shape must have at least one dim")]:
         with pytest.raises(ValueError, match=match):
             dispatch.explain("all_gather_matmul", *args, **kwargs)
 

@@ -47,6 +47,7 @@ from ..models import (
     resolve_scan_layers,
 )
 from ..models.mamba import resolve_scan_layers as resolve_mamba_scan_layers
+from .checkpoints import checkpoint_manager, does_not_fit, first_line, restore_model_state
 from .data import batch_at, load_corpus
 from .devices import ensure_cpu_devices
 from .flags import HelpFormatter, parse_mesh_shape
@@ -259,82 +260,6 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
     return resolve_mamba_scan_layers(config)
 
 
-def restore_model_state(directory: Path, model: nnx.Module, step: int | None = None) -> int:
-    """Loads a training checkpoint's parameters into ``model``, in place.
-
-    The trainer saves ``(model state, optimizer state)``; this reads the
-    first, placed as ``model``'s variables are. Call it under the model's mesh.
-
-    Args:
-      directory: the trainer's ``--checkpoint-dir``.
-      model: built from the same config as the trained model.
-      step: which checkpoint (default the latest).
-
-    Returns:
-      The step restored.
-
-    Raises:
-      FileNotFoundError: no checkpoint there.
-      ValueError: the checkpoint's parameters are not ``model``'s (another
-        model or size), naming what does not fit.
-    """
-    with ocp.CheckpointManager(Path(directory).absolute()) as manager:
-        step = manager.latest_step() if step is None else step
-        if step is None:
-            raise FileNotFoundError(f"no checkpoint in {directory} (written by "
-                                    f"jax-flashoverlap-train --checkpoint-dir)")
-        state = nnx.state(model)
-        target = {"0": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                   sharding=x.sharding), state)}
-        mismatch = _does_not_fit(directory, step, type(model).__name__)
-        try:
-            # Partial: the optimizer's state, saved beside the model's, is not read.
-            restored = manager.restore(step, args=ocp.args.PyTreeRestore(
-                item=target, partial_restore=True,
-                restore_args=jax.tree.map(lambda t: ocp.ArrayRestoreArgs(sharding=t.sharding),
-                                          target)))
-        except ValueError as e:
-            raise ValueError(f"{mismatch} (orbax: {_first_line(e)})") from e
-    # A partial restore leaves what the checkpoint lacks as it was: placeholders.
-    missing = [jax.tree_util.keystr(path) for path, leaf
-               in jax.tree_util.tree_leaves_with_path(restored["0"])
-               if isinstance(leaf, jax.ShapeDtypeStruct)]
-    if missing:
-        raise ValueError(f"{mismatch} It lacks {len(missing)} of its parameters, e.g. "
-                         f"{', '.join(missing[:3])}.")
-    nnx.update(model, restored["0"])
-    return step
-
-
-def _does_not_fit(directory: Path, step: int, model: str) -> str:
-    return (f"the checkpoint of step {step} in {directory} does not fit this {model}: was it "
-            f"written for another model or size (--model, --size)?")
-
-
-def _first_line(error: Exception) -> str:
-    """Orbax's first line: its tree differences run to a hundred more."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-def _checkpoint_manager(args: argparse.Namespace) -> ocp.CheckpointManager | None:
-    """The run's checkpoints (None without --checkpoint-dir). A fresh run
-    (no --restore) refuses a directory that holds checkpoints: it would mix
-    two runs' steps, and the latest one, read by --restore and by
-    jax-flashoverlap-generate, could be the other run's."""
-    if not args.checkpoint_dir:
-        return None
-    manager = ocp.CheckpointManager(
-        args.checkpoint_dir.absolute(),
-        options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
-    latest = manager.latest_step()
-    if latest is not None and not args.restore:
-        manager.close()
-        raise ValueError(f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint "
-                         f"(step {latest}): pass --restore to continue that run, or give an "
-                         f"empty directory")
-    return manager
-
-
 def build(args: argparse.Namespace) -> Trainer:
     """Mesh, model, optimizer and training step for ``args`` (see :func:`parse_args`)."""
     on_gpu = jax.default_backend() == "gpu"
@@ -408,7 +333,7 @@ class TrainResult:
 
 def train(args: argparse.Namespace) -> TrainResult:
     """Runs the training that ``args`` (from :func:`parse_args`) describes."""
-    manager = _checkpoint_manager(args)
+    manager = checkpoint_manager(args.checkpoint_dir, resuming=bool(args.restore))
     try:
         trainer = build(args)
     except BaseException:
@@ -435,8 +360,8 @@ def train(args: argparse.Namespace) -> TrainResult:
         try:
             trainer.state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
         except ValueError as e:
-            raise ValueError(f"--restore: {_does_not_fit(args.checkpoint_dir, start, args.model)}"
-                             f" (orbax: {_first_line(e)})") from e
+            raise ValueError(f"--restore: {does_not_fit(args.checkpoint_dir, start, args.model)}"
+                             f" (orbax: {first_line(e)})") from e
         print(f"restored step {start} from {args.checkpoint_dir}", flush=True)
 
     # Trace steady-state steps: from this run's second step, if it has one.

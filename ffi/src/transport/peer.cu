@@ -1,16 +1,15 @@
 // Peer transport: several GPUs driven by one process (jax.shard_map on local
 // devices). Data moves on copy engines (cudaMemcpyAsync into a peer pointer),
 // signals are stream memory ops (cuStreamWriteValue32) into the receiver's
-// flag, waits are one-thread kernels with a timeout.
+// flag, waits are kernels of one warp at most with a timeout (one thread polls).
 //
 // Flow control. Every ordered pair (sender s, receiver d) has one flag word in
-// d's workspace. Each message raises it to (the pair's call number, the
-// message's index in the call) (ChannelFlag); flags only grow (until a
-// reset), so a waiter checks `flag >= (call, index)` and a late or repeated
-// signal cannot satisfy a future wait early, and a flag two calls ahead
-// means the ranks are out of step (the wait fails). Both sides count the
-// pair's calls on the host: the handlers run their host code every call
-// (they are not command-buffer compatible).
+// d's workspace; each message raises it to (the pair's call number, the
+// message's index in the call) (ChannelFlag). Flags only grow (until a reset):
+// a waiter checks `flag >= (call, index)`, so a late or repeated signal cannot
+// satisfy a future wait early, and a flag two calls ahead means the ranks are
+// out of step (the wait fails). Both sides count the pair's calls on the host:
+// the handlers run their host code every call (not command-buffer compatible).
 //
 // Slot reuse. The receive slot of a pair is double-buffered by call parity,
 // and a call's sends are ordered after that call's start on the sender's XLA
@@ -55,19 +54,16 @@ InjectedFault g_fault;
 // armed, so the answer needs no lock.
 std::atomic<bool> g_fault_armed{false};
 
-// Marks `ordinal` failed (under g_mu) with its first fault. The host then
-// refuses every later call on its groups; the calls it does not see, the
-// all-reduces replayed from a CUDA graph, read the region's failed word
-// (PeerRegion::region_failed), set here too, and write NaN.
+// Marks `ordinal` failed (under g_mu): the host refuses its groups' later
+// calls, and the word all-reduces replayed from a CUDA graph read
+// (PeerRegion::region_failed; 0 or 1, so one byte) makes those write NaN.
 void FailLocked(int ordinal, const std::string& why) {
   if (!g_failed.emplace(ordinal, why).second) return;
   auto it = g_devices.find(ordinal);
   if (it == g_devices.end() || it->second->region_failed == nullptr) return;
-  DeviceState* st = it->second.get();
-  DeviceGuard guard(st->ordinal);
-  // The word is 0 or 1: its low byte is the whole value. A device in an
-  // error state fails its calls anyway, so an error here changes nothing.
-  (void)cudaMemsetAsync(st->region_failed, 1, 1, st->copy_stream);
+  DeviceGuard guard(ordinal);
+  // Best effort: a device in an error state fails its calls anyway.
+  (void)cudaMemsetAsync(it->second->region_failed, 1, 1, it->second->copy_stream);
 }
 
 // Frees what a DeviceState holds (any part may be missing).
@@ -306,10 +302,9 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
   if (ok) return ffi::Error::Success();
   // This device counts as a member from here on, so a late peer will run the
   // call and wait for it: the group has failed.
-  for (int o : group.ordinals) {
-    FailLocked(o, "CUDA device " + std::to_string(self) +
-                      " gave up waiting for its group to initialize");
-  }
+  const std::string why = "CUDA device " + std::to_string(self) +
+                          " gave up waiting for its group to initialize";
+  for (int o : group.ordinals) FailLocked(o, why);
   std::string missing;
   for (int o : group.ordinals) {
     if (members.count(o)) continue;
@@ -329,9 +324,8 @@ std::string WithTimeoutHint(const std::string& records) {
 
 namespace {
 
-// Every device's record, one per line (when two ranks wait for each other,
-// both sides say what they waited for), or "". The devices of each record
-// are marked failed. Called under g_mu.
+// Every device's record, one per line (two ranks waiting for each other both
+// say what they waited for), or ""; marks each record's devices failed. Under g_mu.
 std::string TakeRecords() {
   std::string all;
   for (auto& [ordinal, st] : g_devices) {
