@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 import math
+import numbers
 from collections.abc import Iterable, Iterator, Sequence
 
 import jax
@@ -180,7 +181,7 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
     note = f"; not cuda: {unfit}" if unfit and "cuda" in entry.times_us else ""
     exact = (tuning.rows_per_rank(op, shapes, n, dtype.itemsize) == entry.rows
              and tuning.size_of(op, shapes) == entry.weight)
-    nearest = "" if exact else "the nearest measured shape at or below this one's: "
+    nearest = "" if exact else "another shape's (same or next lower row bucket, nearest weight): "
     return Decision(best, nearest + entry.describe() + note)
 
 
@@ -266,7 +267,8 @@ def explain(op: str, x_shape: Sequence[int], w_shape: Sequence[int] | None = Non
     name = np.dtype(dtype).name
     if name not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"explain: the ops take float32, bfloat16 or float16, got {name}")
-    if isinstance(axis_size, bool) or not isinstance(axis_size, int) or axis_size < 1:
+    if (isinstance(axis_size, bool) or not isinstance(axis_size, numbers.Integral)
+            or axis_size < 1):
         raise ValueError(f"explain: axis_size must be an int >= 1, got {axis_size!r}")
     shapes = ([(1, math.prod(x_shape))] if op == "all_reduce"
               else [(math.prod(x_shape[:-1]), x_shape[-1]), tuple(w_shape)])

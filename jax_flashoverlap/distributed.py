@@ -202,27 +202,39 @@ def broadcast_bytes(data: bytes | None, root: int = 0, *, max_bytes: int = _MAX_
     if not 0 <= root < n:
         raise ValueError(f"broadcast_bytes: root={root} is not a process index (0..{n - 1})")
     is_root = me == root
+    error = None
     if is_root:
         if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"broadcast_bytes: root process {root} must pass bytes, "
-                            f"got {type(data).__name__}")
-        data = bytes(data)
-        if len(data) > max_bytes:
-            raise ValueError(f"broadcast_bytes: {len(data)} bytes exceed max_bytes={max_bytes}; "
-                             f"it is meant for small strings (ids, configs)")
+            error = TypeError(f"broadcast_bytes: root process {root} must pass bytes, "
+                              f"got {type(data).__name__}")
+        elif len(data) > max_bytes:
+            error = ValueError(f"broadcast_bytes: {len(data)} bytes exceed max_bytes="
+                               f"{max_bytes}; it is meant for small strings (ids, configs)")
+        else:
+            data = bytes(data)
     if n == 1:
+        if error:
+            raise error
         return data
     check_same("broadcast_bytes", {"root": root, "max_bytes": max_bytes}, timeout_s=timeout_s)
     key = f"jax_flashoverlap/broadcast/{_AGREEMENTS['broadcast_bytes']}"
     client = _kv_client("broadcast_bytes")
+    # One flag byte, then the bytes or the root's error: every process ends
+    # the call (no one waits out the timeout) and their counts stay equal.
     if is_root:
-        client.key_value_set_bytes(key, data)
+        client.key_value_set_bytes(key, b"\x01" + str(error).encode() if error
+                                   else b"\x00" + data)
+        if error:
+            raise error
         return data
     try:
-        return bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
+        got = bytes(client.blocking_key_value_get_bytes(key, int(timeout_s * 1000)))
     except Exception as e:  # noqa: BLE001 - the runtime raises its own types
         raise RuntimeError(f"broadcast_bytes: process {root}'s bytes did not arrive within "
                            f"{timeout_s:g} s ({type(e).__name__}: {e})") from None
+    if got[:1] == b"\x01":
+        raise ValueError(f"broadcast_bytes: process {root} sent nothing: {got[1:].decode()}")
+    return got[1:]
 
 
 def _kv_client(what: str):

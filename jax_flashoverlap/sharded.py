@@ -53,6 +53,8 @@ def _check_divisible(op: str, args, in_specs, mesh) -> None:
     """A clear error for a dim its mesh axes do not divide (jit's own names
     no op and no fix)."""
     for name, a, spec in zip(("x", "w"), args, in_specs):
+        if a.ndim != len(spec):
+            continue  # jax names the rank mismatch
         for dim, entry in enumerate(spec):
             axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
             ranks = math.prod(mesh.shape[axis] for axis in axes)

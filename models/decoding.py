@@ -103,10 +103,11 @@ def sample(logits: jax.Array, rng: jax.Array | None, step: int | jax.Array, *,
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     # The Gumbel-max draw of jax.random.categorical, with noise of the
     # batch's whole shape: the bits do not depend on how it is split. The
-    # argmax of logits / T + noise, scaled by T: the same token, without
-    # logits / T overflowing at tiny temperatures.
+    # argmax of logits / T + noise; below T = 1 that scaled by T (the same
+    # token), so that neither term overflows at any finite T.
     noise = jax.random.gumbel(jax.random.fold_in(rng, step), logits.shape, logits.dtype)
-    return jnp.argmax(logits + temperature * noise, axis=-1).astype(jnp.int32)
+    scores = logits / temperature + noise if temperature >= 1 else logits + temperature * noise
+    return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
 def decoding_params(model: CausalLM) -> nnx.State:
@@ -396,11 +397,11 @@ def _check_count(name: str, value: Any, minimum: int) -> None:
 def _check_sampling(temperature: Any, top_k: Any, vocab_size: int) -> float:
     """The temperature as a float, or a clear error about it or ``top_k``."""
     value = None
-    if not isinstance(temperature, (bool, np.bool_)) and np.ndim(temperature) == 0:
-        try:
-            value = float(temperature)
-        except (TypeError, ValueError):
-            value = None
+    if (not isinstance(temperature, (bool, np.bool_, str, bytes))
+            and np.ndim(temperature) == 0
+            and any(jnp.issubdtype(np.asarray(temperature).dtype, kind)
+                    for kind in (jnp.floating, jnp.integer))):
+        value = float(temperature)
     if value is None or not (value >= 0 and math.isfinite(value)):
         raise ValueError(f"generate: temperature must be a finite number >= 0 (0: greedy), "
                          f"got {temperature!r}")

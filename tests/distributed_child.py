@@ -61,6 +61,13 @@ try:
     distributed.broadcast_bytes(b"x", root=me)
 except ValueError as e:
     print(f"mismatch={e}")
+# The root's own error ends the call on every process at once (and the calls
+# after it stay paired).
+try:
+    distributed.broadcast_bytes(123 if me == 0 else None)
+except (TypeError, ValueError) as e:
+    print(f"root_error={type(e).__name__}: {e}")
+print(f"after={distributed.broadcast_bytes(b'ok' if me == 0 else None)!r}")
 # Settings every process must share: equal ones pass, differing ones fail
 # on every process, naming each process's value.
 distributed.check_same("same", {"heap_mb": 1024, "node_size": 1})

@@ -237,6 +237,15 @@ def test_sampling_at_a_tiny_temperature_is_greedy(rng):
     np.testing.assert_array_equal(np.asarray(tokens), np.asarray(logits).argmax(-1))
 
 
+def test_sampling_at_a_huge_temperature_is_uniform(rng):
+    """At T = 1e39 every token is as likely (T times the noise would overflow
+    to +-inf and favour the first column)."""
+    logits = jnp.asarray(rng.standard_normal((4096, 4)), jnp.float32)
+    tokens = models.decoding.sample(logits, jax.random.key(1), 0, temperature=1e39, top_k=None)
+    shares = np.bincount(np.asarray(tokens), minlength=4) / 4096
+    assert np.all(np.abs(shares - 0.25) < 0.03), shares
+
+
 def test_mamba_prefill_state_is_the_recurrence(rng):
     """ssd's final state, and ssd_step continuing from it, equal the SSM step
     by step (float64 reference)."""
@@ -330,6 +339,8 @@ def tiny():
     (_prompt(0, length=0), dict(max_new_tokens=2), ValueError, r"prompt length must be"),
     (_prompt(0), dict(max_new_tokens=2, temperature=-1.0), ValueError,
      r"temperature must be a finite number >= 0"),
+    (_prompt(0), dict(max_new_tokens=2, temperature="0.5"), ValueError,
+     r"temperature must be a finite number >= 0 \(0: greedy\), got '0.5'"),
     (_prompt(0), dict(max_new_tokens=2, temperature=1.0, top_k=0), ValueError,
      r"top_k must be an int >= 1"),
     (_prompt(0), dict(max_new_tokens=2, temperature=1.0, top_k=300), ValueError,
@@ -347,8 +358,8 @@ def tiny():
                       rng=lambda: jax.random.split(jax.random.key(0))),
      TypeError, r"rng must be one key.* of shape \(2,\)"),
 ], ids=["too-long", "no-tokens", "fractional", "batch", "negative-id", "large-id", "float",
-        "1-d", "empty", "temperature", "top-k-0", "top-k-large", "no-rng", "top-k-greedy",
-        "rbg-key", "two-keys"])
+        "1-d", "empty", "temperature", "temperature-text", "top-k-0", "top-k-large", "no-rng",
+        "top-k-greedy", "rbg-key", "two-keys"])
 def test_bad_input_gets_a_clear_error(tiny, prompt, kwargs, error, message):
     model, mesh = tiny
     kwargs = _made(kwargs)

@@ -33,6 +33,11 @@ def test_two_processes_sum_and_broadcast(tmp_path):
         assert out[rank]["mismatch"] == ("broadcast_bytes: the processes disagree on root: "
                                          "process 0 has 0, process 1 has 1; every process "
                                          "must use the same values")
+        own = "broadcast_bytes: root process 0 must pass bytes, got int"
+        assert out[rank]["root_error"] == (f"TypeError: {own}" if rank == 0 else
+                                           f"ValueError: broadcast_bytes: process 0 sent "
+                                           f"nothing: {own}")
+        assert out[rank]["after"] == "b'ok'"
         assert out[rank]["disagree"] == (
             "differ: the processes disagree on heap_mb: process 0 has 1024, process 1 has "
             "1025; every process must use the same values")

@@ -117,8 +117,8 @@ def test_explain_names_the_measurement(cache, capsys, monkeypatch):
     assert "nearest" not in printed  # that shape itself was measured
     got = dispatch.explain("all_reduce", [8, 2048], None, "bfloat16", 2, platform="cuda",
                            device_kind="NVIDIA H200", devices=2)
-    assert got.reason.startswith("the nearest measured shape at or below this one's: "
-                                 "measured on NVIDIA H200 x2"), got.reason
+    assert got.reason.startswith("another shape's (same or next lower row bucket, nearest "
+                                 "weight): measured on NVIDIA H200 x2"), got.reason
     with pytest.raises(ValueError, match="takes w_shape"):
         dispatch.explain("all_gather_matmul", [1024, 4096])
     assert dispatch.explain("all_reduce", [4, 1024], axis_size=1).reason.startswith("one rank")

@@ -335,11 +335,14 @@ def train(args: argparse.Namespace) -> TrainResult:
     """Runs the training that ``args`` (from :func:`parse_args`) describes."""
     manager = checkpoint_manager(args.checkpoint_dir, resuming=bool(args.restore))
     try:
-        trainer = build(args)
-    except BaseException:
+        return _train(args, manager)
+    finally:
         if manager is not None:
             manager.close()
-        raise
+
+
+def _train(args: argparse.Namespace, manager: ocp.CheckpointManager | None) -> TrainResult:
+    trainer = build(args)
     corpus = load_corpus(args.data, args.seq_len)
     data, tensor = trainer.mesh.devices.shape
     print(f"{args.model}/{args.size} ({trainer.num_params / 1e6:,.1f}M parameters) on mesh "
@@ -403,7 +406,6 @@ def train(args: argparse.Namespace) -> TrainResult:
         if start < args.steps and saved != args.steps:  # this run's final state
             manager.save(args.steps, args=ocp.args.StandardSave(trainer.state), force=True)
         manager.wait_until_finished()
-        manager.close()
     summary = progress.summary()
     print(_format_summary(trainer, summary), flush=True)
     return TrainResult(progress.losses, progress.times, start, trainer.state, summary)

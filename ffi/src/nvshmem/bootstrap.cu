@@ -306,11 +306,12 @@ std::optional<std::string> TakePendingError() {
                                  "intra-node all-gather"};
   std::string phase = kPhase[(r.phase >= 1 && r.phase <= 3) ? r.phase : 0];
   if (r.phase == 2) phase += " " + std::to_string(r.step);
-  // A word two calls past the expected one: that PE gave up on calls of its
-  // own and ran ahead (see BoundedWait).
+  // A word two or more calls past the expected one: that PE gave up on
+  // calls of its own and ran ahead (see BoundedWait).
   const bool ahead = r.seen >= r.expected + 2;
   std::string msg = "jax_flashoverlap nvshmem all_reduce: PE " + std::to_string(r.pe) +
-         (ahead ? " found PE " + std::to_string(r.peer_pe) + " two calls ahead, out of step"
+         (ahead ? " found PE " + std::to_string(r.peer_pe) + " two or more calls ahead, out of "
+                  "step"
                 : " waited " + std::to_string(r.timeout_ms) + " ms for PE " +
                       std::to_string(r.peer_pe)) +
          " (" + phase + ", block " +

@@ -1,7 +1,7 @@
 // The Channel (transport.h) of the peer transport: one call of one op on one
 // device, moving data on copy engines and signalling with stream memory ops
-// (cuStreamWriteValue32) into the receiver's flag, waiting with one-thread
-// kernels with a timeout. Flow control and slot reuse: see peer.cu, which
+// (cuStreamWriteValue32) into the receiver's flag, waiting with kernels of
+// one warp at most with a timeout. Flow control and slot reuse: see peer.cu, which
 // owns the devices' state.
 #include <cuda.h>
 
@@ -72,6 +72,24 @@ ffi::Error LoadChannelKernels() {
       cudaFuncGetAttributes(&attrs, FillIfFailedKernel<uint32_t>));
   JFO_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attrs, SleepKernel));
   return ffi::Error::Success();
+}
+
+std::string ModuleLoadingMode() {
+  using GetLoadingModeFn = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 11070,
+                                       cudaEnableDefault,
+                                       &query) != cudaSuccess ||
+      query != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();  // no driver here: not an error of a later call
+    return "unknown";
+  }
+  CUmoduleLoadingMode mode;
+  if (reinterpret_cast<GetLoadingModeFn>(fn)(&mode) != CUDA_SUCCESS) {
+    return "unknown";  // e.g. CUDA not initialised in this process
+  }
+  return mode == CU_MODULE_LAZY_LOADING ? "lazy" : "eager";
 }
 
 void LaunchFillWords(uint32_t* words, size_t count, uint32_t value,

@@ -62,8 +62,11 @@ void FailLocked(int ordinal, const std::string& why) {
   auto it = g_devices.find(ordinal);
   if (it == g_devices.end() || it->second->region_failed == nullptr) return;
   DeviceGuard guard(ordinal);
-  // Best effort: a device in an error state fails its calls anyway.
-  (void)cudaMemsetAsync(it->second->region_failed, 1, 1, it->second->copy_stream);
+  // Best effort (a device in an error state fails its calls anyway), and
+  // its error must not reach the next call's cudaGetLastError.
+  if (cudaMemsetAsync(it->second->region_failed, 1, 1, it->second->copy_stream) != cudaSuccess) {
+    (void)cudaGetLastError();
+  }
 }
 
 // Frees what a DeviceState holds (any part may be missing).
@@ -406,6 +409,9 @@ std::string ResetTransport() {
              "); the process must restart";
     }
   }
+  // Under g_mu: a failure marked meanwhile (FailLocked) lands before the
+  // clearing or after g_failed's, never only on the device.
+  std::lock_guard<std::mutex> lock(g_mu);
   for (DeviceState* st : devices) {
     DeviceGuard guard(st->ordinal);
     ffi::Error cleared = ClearControl(st);
@@ -416,7 +422,6 @@ std::string ResetTransport() {
     std::fill(st->pair_calls.begin(), st->pair_calls.end(), 0u);
     __atomic_store_n(&st->record->set, 0, __ATOMIC_RELEASE);
   }
-  std::lock_guard<std::mutex> lock(g_mu);
   g_failed.clear();
   g_fault = InjectedFault{};
   g_fault_armed.store(false);
@@ -477,24 +482,6 @@ bool PeerStoresAllowed(const void* ptr, const GroupSpec& group) {
     }
   }
   return true;
-}
-
-std::string ModuleLoadingMode() {
-  using GetLoadingModeFn = CUresult (*)(CUmoduleLoadingMode*);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult query;
-  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 11070,
-                                       cudaEnableDefault,
-                                       &query) != cudaSuccess ||
-      query != cudaDriverEntryPointSuccess || fn == nullptr) {
-    cudaGetLastError();  // no driver here: not an error of a later call
-    return "unknown";
-  }
-  CUmoduleLoadingMode mode;
-  if (reinterpret_cast<GetLoadingModeFn>(fn)(&mode) != CUDA_SUCCESS) {
-    return "unknown";  // e.g. CUDA not initialised in this process
-  }
-  return mode == CU_MODULE_LAZY_LOADING ? "lazy" : "eager";
 }
 
 }  // namespace jfo

@@ -23,9 +23,15 @@ __global__ void WaitFlagKernel(const uint32_t* flag, uint32_t expected,
   if (threadIdx.x == 0) arrived = signal::WaitChannelFlag(flag, expected, report);
   __syncthreads();
   if (arrived || missing == nullptr) return;
-  if (((reinterpret_cast<uintptr_t>(missing) | missing_bytes) & 3) == 0) {
+  // Whole elements (4 or 2 bytes) at a time where the range allows: a late
+  // copy landing meanwhile leaves each element old, new or NaN, not mixed.
+  const auto align = reinterpret_cast<uintptr_t>(missing) | missing_bytes;
+  if ((align & 3) == 0) {
     auto* words = reinterpret_cast<uint32_t*>(missing);
     for (size_t i = threadIdx.x; i < missing_bytes / 4; i += blockDim.x) words[i] = ~0u;
+  } else if ((align & 1) == 0) {
+    auto* halves = reinterpret_cast<uint16_t*>(missing);
+    for (size_t i = threadIdx.x; i < missing_bytes / 2; i += blockDim.x) halves[i] = 0xFFFF;
   } else {
     for (size_t i = threadIdx.x; i < missing_bytes; i += blockDim.x) missing[i] = 0xFF;
   }
