@@ -49,6 +49,7 @@ from ..models import (
 )
 from .devices import ensure_cpu_devices
 from .flags import HelpFormatter, parse_mesh_shape
+from .kernel_flags import refuse_other_models_flags
 from .train import (
     CPU_DEVICES,
     add_model_flags,
@@ -135,10 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--restore {args.restore}: no such directory")
     if args.prompt_file is not None and not args.prompt_file.is_file():
         parser.error(f"--prompt-file {args.prompt_file}: no such file")
-    for dest, model in _MODEL_OF_FLAG.items():  # a flag set away from its default
-        if getattr(args, dest) != parser.get_default(dest) and args.model != model:
-            parser.error(f"--{dest.replace('_', '-')} applies to --model {model}, "
-                         f"not {args.model}")
+    refuse_other_models_flags(parser, args, _MODEL_OF_FLAG)
     return args
 
 

@@ -57,14 +57,22 @@ def add_kernel_flags(parser: argparse.ArgumentParser) -> None:
                              "loops (default 3)")
 
 
+def refuse_other_models_flags(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                              model_of_flag: dict[str, str]) -> None:
+    """An error (through ``parser``) for a flag of ``model_of_flag`` (argparse
+    dest -> the one model it applies to) set away from its default for
+    another ``args.model``."""
+    for dest, model in model_of_flag.items():
+        if getattr(args, dest) != parser.get_default(dest) and args.model != model:
+            parser.error(f"--{dest.replace('_', '-')} applies to --model {model}, "
+                         f"not {args.model}")
+
+
 def check_kernel_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Errors (through ``parser``) for a flag set for the other model or a
     tiling that does not parse; sets ``args.ssd_tiling`` (a
     ``models.SSDTiling``)."""
-    for dest, model in MODEL_OF_FLAG.items():  # a flag set away from its default
-        if getattr(args, dest) != parser.get_default(dest) and args.model != model:
-            parser.error(f"--{dest.replace('_', '-')} applies to --model {model}, "
-                         f"not {args.model}")
+    refuse_other_models_flags(parser, args, MODEL_OF_FLAG)
     try:
         args.ssd_tiling = SSDTiling.parse(args.ssd_tiles, args.ssd_warps, args.ssd_stages)
     except ValueError as e:
