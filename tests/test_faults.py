@@ -62,7 +62,7 @@ def _one_gpu_matmul_all_reduce(rows: int, chunk_rows: list[int]):
                             jax.ShapeDtypeStruct((rows, 48), jnp.float32))
     attrs = dict(group_ordinals=np.asarray([device.local_hardware_id], np.int32),
                  n=np.int32(1), timeout_ms=np.int32(2000),
-                 chunk_rows=np.asarray(chunk_rows, np.int32))
+                 chunk_rows=np.asarray(chunk_rows, np.int32), tile_signalled=np.int32(0))
     return jax.jit(lambda x, w: call(x, w, **attrs)), device
 
 
