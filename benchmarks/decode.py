@@ -68,6 +68,10 @@ HBM_TB_S = 4.8
 # low-precision layers round differently, and neither is the reference.
 CHECK_TOLERANCE = {"bfloat16": 5e-2, "float16": 2e-2, "float32": 1e-4}
 CHECK_TOKENS = 8
+# The check's forward passes take this many rows at a time where the batch
+# divides into them: a float32 forward over a large batch and context
+# (XLA's attention materializes its scores) would not fit a GPU.
+CHECK_ROWS = 8
 
 
 class Case(NamedTuple):
@@ -231,8 +235,11 @@ def check(model, exact, generator_args: dict, prompt: np.ndarray) -> tuple[float
         raise FloatingPointError("non-finite logits in the decode loop")
 
     def forward(m):
-        out = nnx.jit(lambda m, t: m(t))(m, tokens[:, :-1])
-        return np.asarray(out[:, -(CHECK_TOKENS + 1):], np.float64)
+        run = nnx.jit(lambda m, t: m(t)[:, -(CHECK_TOKENS + 1):])
+        batch = tokens.shape[0]
+        rows = CHECK_ROWS if batch % CHECK_ROWS == 0 else batch
+        return np.concatenate([np.asarray(run(m, tokens[i:i + rows, :-1]), np.float64)
+                               for i in range(0, batch, rows)])
 
     def error(a, want):
         return float(np.max(np.linalg.norm(a - want, axis=-1)
@@ -407,8 +414,11 @@ def plot(rows: list[dict], path: str) -> None:
                     ax.plot(*zip(*sel), marker="o",
                             label=f"{impl}, {matmul} matmuls, {attention} attention, "
                                   f"context {context}")
-        floor = sorted({(r["batch"], r["hbm_floor_ms"]) for r in rows if r["model"] == name})
-        ax.plot(*zip(*floor), "k--", label="HBM floor")
+        contexts = sorted({r["context"] for r in rows if r["model"] == name})
+        for context, style in zip(contexts, itertools.cycle(["k--", "k:", "k-."])):
+            floor = sorted({(r["batch"], r["hbm_floor_ms"]) for r in rows
+                            if (r["model"], r["context"]) == (name, context)})
+            ax.plot(*zip(*floor), style, label=f"HBM floor, context {context}")
         ax.set(xscale="log", xlabel="batch", ylabel="ms per decode step", title=name)
         ax.legend(fontsize=7)
     fig.tight_layout()

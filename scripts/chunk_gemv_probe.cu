@@ -1,0 +1,282 @@
+// What one chunk of the decode kernel's GEMV costs an SM, by instruction:
+// the kernel's mma.sync loop (ffi/src/transformer_decode/stages.cuh, 64
+// columns, batch 1: every warp its k-tiles, A fragments by 16-byte shared
+// loads) against Hopper's wgmma (m64n8k16, A and B read by the tensor
+// cores from shared memory; each of the two warpgroups half of a chunk's
+// k-steps). Each on the kernel's ring (one CTA of 256 threads an SM, TMA
+// bulk copies into 32 KiB slots, a CTA-wide sync a chunk, thread 0
+// refilling), streaming 2 GiB, and on slots never refilled ("consume_only":
+// what the instructions alone allow). Where a chunk costs about as long as
+// HBM takes to bring it, the kernel cannot catch up after its latency-bound
+// stages; a cheaper chunk lets the ring's backlog drain.
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iffi/src \
+//     -o /tmp/chunk_gemv_probe scripts/chunk_gemv_probe.cu
+//   JFO_COMMIT=$(git rev-parse --short HEAD) /tmp/chunk_gemv_probe > chunk_gemv_probe.json
+//
+// Each variant: 3 warm-up passes, then 15 passes timed one by one with CUDA
+// events; the median pass. The weights are random bf16 integers in [-3, 3]
+// and the operand is ones, so every column sum is exact and their total
+// (batch row 0's outputs, summed over the grid) is checked against the
+// host's sum of all weights: a weight missed or read twice fails it. The
+// "consume_only" rows re-read the same slots: unchecked. Exits 1 on a
+// failed check.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "../scripts/cuda_check.cuh"
+#include "transformer_decode/stages.cuh"
+#include "transformer_decode/sync.cuh"
+
+using jfo::transformer_decode::BulkLoad;
+using jfo::transformer_decode::MbarrierInit;
+using jfo::transformer_decode::MbarrierTryWait;
+using jfo::transformer_decode::MmaBf16;
+using jfo::transformer_decode::SharedAddress;
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr unsigned kSlotBytes = 32768;
+constexpr int kColumns = 64;                           // gate/up's item width
+constexpr int kKSteps = kSlotBytes / (kColumns * 32);  // 16 k-rows of 64 columns, 2 KiB
+constexpr int kOperandBytes = kKSteps * 256;           // B: 16 k x 8 rows a k-step
+constexpr int kWarmup = 3, kPasses = 15;
+
+enum class Gemv { kMmaSync, kWgmma };
+
+// A wgmma shared-memory descriptor, no swizzle: core matrices of 8 rows by
+// 16 bytes, `lead` bytes apart along k and `stride` bytes apart along m/n.
+__device__ __forceinline__ uint64_t Descriptor(const void* p, unsigned lead, unsigned stride) {
+  return static_cast<uint64_t>((SharedAddress(p) & 0x3FFFF) >> 4) |
+         static_cast<uint64_t>(lead >> 4) << 16 | static_cast<uint64_t>(stride >> 4) << 32;
+}
+
+// d += a b: a the 64 x 16 weights, b the 16 x 8 operand (k-major both).
+__device__ __forceinline__ void Wgmma(float (&d)[4], uint64_t a, uint64_t b) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, %4, %5, 1, 1, 1, "
+      "0, 0;"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "l"(a), "l"(b));
+#endif
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void WgmmaCommitAndWait() {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+// The CTA's contiguous share of `chunks` chunks.
+__device__ void Share(size_t chunks, size_t* begin, size_t* end) {
+  const size_t per = (chunks + gridDim.x - 1) / gridDim.x;
+  *begin = min(chunks, blockIdx.x * per);
+  *end = min(chunks, *begin + per);
+}
+
+template <Gemv G, bool kRefill>
+__global__ void __launch_bounds__(kThreads, 1)
+    RingGemv(const unsigned char* src, size_t chunks, int slots, float* total,
+             unsigned long long* stats) {
+  extern __shared__ __align__(1024) unsigned char shared[];
+  auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + size_t(slots) * kSlotBytes);
+  auto* bars = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(operand) +
+                                           kOperandBytes);
+  const long long t0 = clock64();
+  long long waited = 0;
+  size_t begin, end;
+  Share(chunks, &begin, &end);
+  const size_t mine = end - begin;
+  // Ones: batch row 0's output of a column is its sum. The mma.sync loop
+  // reads row 0 only ([k] bf16); wgmma reads core matrices [k-step][k half][8 rows][8].
+  for (int i = threadIdx.x; i < kOperandBytes / 2; i += kThreads) operand[i] = 1.f;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < slots; ++s) MbarrierInit(bars + s, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the operand, for wgmma
+  __syncthreads();
+  auto issue = [&](size_t c) {
+    BulkLoad(shared + (c % slots) * kSlotBytes, src + (begin + c) * kSlotBytes, kSlotBytes,
+             bars + c % slots, 0);
+  };
+  if (threadIdx.x == 0) {
+    for (size_t c = 0; c < min(mine, size_t(slots)); ++c) issue(c);
+  }
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
+  float acc[4][4] = {};  // mma.sync: 4 column tiles; wgmma: acc[0]
+  for (size_t c = 0; c < mine; ++c) {
+    const int slot = c % slots;
+    const long long w0 = clock64();
+    if (kRefill || c < size_t(slots)) {
+      while (!MbarrierTryWait(bars + slot, (c / slots) & 1)) {
+      }
+    }
+    waited += clock64() - w0;
+    const unsigned char* w = shared + size_t(slot) * kSlotBytes;
+    if constexpr (G == Gemv::kMmaSync) {
+      const uint4* tiles = reinterpret_cast<const uint4*>(w);
+      const int g = lane / 4, t = lane % 4;
+      for (int kt = warp; kt < kKSteps; kt += kWarps) {
+        unsigned b0 = 0, b1 = 0;
+        if (g == 0) {
+          b0 = *reinterpret_cast<const unsigned*>(operand + kt * 16 + 2 * t);
+          b1 = *reinterpret_cast<const unsigned*>(operand + kt * 16 + 2 * t + 8);
+        }
+#pragma unroll
+        for (int ct = 0; ct < 4; ++ct) MmaBf16(acc[ct], tiles[(kt * 4 + ct) * 32 + lane], b0, b1);
+      }
+    } else {
+      // A k-step's A: 8 row groups of 64 columns (256 bytes apart), each
+      // two core matrices along k (128 bytes apart). B: two core matrices.
+      WgmmaFence();
+#pragma unroll
+      for (int i = 0; i < kKSteps / 2; ++i) {
+        const int s = group * (kKSteps / 2) + i;
+        Wgmma(acc[0], Descriptor(w + s * 2048, 128, 256),
+              Descriptor(reinterpret_cast<unsigned char*>(operand) + s * 256, 128, 256));
+      }
+      WgmmaCommitAndWait();
+    }
+    __syncthreads();
+    if (kRefill && threadIdx.x == 0 && c + slots < mine) issue(c + slots);
+  }
+  // Batch row 0: mma.sync's lanes with t == 0 hold it in c[0] and c[2];
+  // wgmma's (lane % 4 == 0) in d[0] and d[2].
+  float sum = 0.f;
+  if (lane % 4 == 0) {
+    if constexpr (G == Gemv::kMmaSync) {
+      for (int ct = 0; ct < 4; ++ct) sum += acc[ct][0] + acc[ct][2];
+    } else {
+      sum = acc[0][0] + acc[0][2];
+    }
+  }
+  for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(~0u, sum, o);
+  if (lane == 0) atomicAdd(total, sum);
+  if (threadIdx.x == 0) {
+    atomicAdd(stats + 0, static_cast<unsigned long long>(clock64() - t0));
+    atomicAdd(stats + 1, static_cast<unsigned long long>(waited));
+    atomicAdd(stats + 2, static_cast<unsigned long long>(mine));
+  }
+}
+
+struct Row {
+  std::string name;
+  int slots;
+  double median_us, tbps, wait_share, cycles_per_chunk;
+  bool checked, ok;
+};
+
+int main() {
+  int sms = 0, max_shared = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  CHECK_CUDA(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
+  cudaDeviceProp prop{};
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const size_t bytes = size_t(2) << 30, chunks = bytes / kSlotBytes;
+  unsigned char* src = nullptr;
+  float* total = nullptr;
+  unsigned long long* stats = nullptr;
+  CHECK_CUDA(cudaMalloc(&src, bytes));
+  CHECK_CUDA(cudaMalloc(&total, sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&stats, 3 * sizeof(unsigned long long)));
+  int64_t expected = 0;
+  {
+    std::vector<uint16_t> host(bytes / 2);
+    const uint16_t bits[7] = {0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040};
+    uint64_t s = 0x9E3779B97F4A7C15ull;
+    for (auto& h : host) {
+      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+      const int value = static_cast<int>((s >> 32) % 7);
+      h = bits[value];
+      expected += value - 3;
+    }
+    CHECK_CUDA(cudaMemcpy(src, host.data(), bytes, cudaMemcpyHostToDevice));
+  }
+  cudaEvent_t a, b;
+  CHECK_CUDA(cudaEventCreate(&a));
+  CHECK_CUDA(cudaEventCreate(&b));
+  std::vector<Row> rows;
+  auto run = [&](auto kernel, const char* name, bool checked) {
+    const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
+    const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
+    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    static_cast<int>(smem)));
+    auto launch = [&] {
+      CHECK_CUDA(cudaMemsetAsync(total, 0, sizeof(float)));
+      CHECK_CUDA(cudaMemsetAsync(stats, 0, 3 * sizeof(unsigned long long)));
+      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats);
+    };
+    for (int i = 0; i < kWarmup; ++i) launch();
+    CHECK_CUDA(cudaGetLastError());
+    std::vector<float> ms;
+    for (int i = 0; i < kPasses; ++i) {
+      CHECK_CUDA(cudaEventRecord(a));
+      launch();
+      CHECK_CUDA(cudaEventRecord(b));
+      CHECK_CUDA(cudaEventSynchronize(b));
+      float t;
+      CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
+      ms.push_back(t);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double us = ms[ms.size() / 2] * 1e3;
+    unsigned long long st[3];
+    float got = 0.f;
+    CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(&got, total, sizeof(float), cudaMemcpyDeviceToHost));
+    const bool ok = !checked || static_cast<double>(got) == static_cast<double>(expected);
+    rows.push_back({name, slots, us, bytes / us / 1e6, double(st[1]) / double(st[0]),
+                    double(st[0] - st[1]) / double(st[2]), checked, ok});
+  };
+  run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true);
+  run(RingGemv<Gemv::kWgmma, true>, "ring_wgmma", true);
+  run(RingGemv<Gemv::kMmaSync, false>, "consume_only_mma_sync", false);
+  run(RingGemv<Gemv::kWgmma, false>, "consume_only_wgmma", false);
+
+  const char* commit = std::getenv("JFO_COMMIT");
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  std::printf("{\"meta\": {\"device_kind\": \"%s\", \"sms\": %d, \"bytes\": %zu, "
+              "\"slot_bytes\": %u, \"warmup\": %d, \"passes\": %d, \"commit\": \"%s\", "
+              "\"date\": \"%s\", \"protocol\": \"scripts/chunk_gemv_probe.cu (header comment)\"},"
+              "\n\"rows\": [\n",
+              prop.name, sms, bytes, kSlotBytes, kWarmup, kPasses, commit ? commit : "unknown",
+              date);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"median_us\": %.1f, \"tb_per_s\": %.3f, "
+                "\"wait_share\": %.3f, \"cycles_a_chunk_not_waiting\": %.0f, \"checked\": %s, "
+                "\"ok\": %s}%s\n",
+                r.name.c_str(), r.slots, r.median_us, r.tbps, r.wait_share, r.cycles_per_chunk,
+                r.checked ? "true" : "false", r.ok ? "true" : "false",
+                i + 1 < rows.size() ? "," : "");
+  }
+  std::printf("]}\n");
+  for (const Row& r : rows) {
+    std::fprintf(stderr, "%-22s slots %d %8.1f us %.3f TB/s wait %.2f %6.0f cycles/chunk %s\n",
+                 r.name.c_str(), r.slots, r.median_us, r.tbps, r.wait_share, r.cycles_per_chunk,
+                 !r.checked ? "unchecked" : r.ok ? "" : "MISMATCH");
+  }
+  for (const Row& r : rows) {
+    if (!r.ok) return 1;
+  }
+  return 0;
+}
