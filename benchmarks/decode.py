@@ -68,9 +68,10 @@ HBM_TB_S = 4.8
 # low-precision layers round differently, and neither is the reference.
 CHECK_TOLERANCE = {"bfloat16": 5e-2, "float16": 2e-2, "float32": 1e-4}
 CHECK_TOKENS = 8
-# The check's forward passes take this many rows at a time where the batch
-# divides into them: a float32 forward over a large batch and context
-# (XLA's attention materializes its scores) would not fit a GPU.
+# The check's forward passes take this many rows a data-parallel shard at a
+# time where the batch divides into them: a float32 forward over a large
+# batch and context (XLA's attention materializes its scores) would not fit
+# a GPU.
 CHECK_ROWS = 8
 
 
@@ -237,7 +238,8 @@ def check(model, exact, generator_args: dict, prompt: np.ndarray) -> tuple[float
     def forward(m):
         run = nnx.jit(lambda m, t: m(t)[:, -(CHECK_TOKENS + 1):])
         batch = tokens.shape[0]
-        rows = CHECK_ROWS if batch % CHECK_ROWS == 0 else batch
+        rows = CHECK_ROWS * jax.sharding.get_mesh().shape[m.config.sharding.data]
+        rows = rows if batch % rows == 0 else batch
         return np.concatenate([np.asarray(run(m, tokens[i:i + rows, :-1]), np.float64)
                                for i in range(0, batch, rows)])
 

@@ -4,11 +4,16 @@
 // loads) against Hopper's wgmma (m64n8k16, A and B read by the tensor
 // cores from shared memory; each of the two warpgroups half of a chunk's
 // k-steps). Each on the kernel's ring (one CTA of 256 threads an SM, TMA
-// bulk copies into 32 KiB slots, a CTA-wide sync a chunk, thread 0
-// refilling), streaming 2 GiB, and on slots never refilled ("consume_only":
-// what the instructions alone allow). Where a chunk costs about as long as
-// HBM takes to bring it, the kernel cannot catch up after its latency-bound
-// stages; a cheaper chunk lets the ring's backlog drain.
+// bulk copies into 32 KiB slots marked evict-first in L2, a CTA-wide sync
+// a chunk, thread 0 refilling), streaming 2 GiB, and on slots never
+// refilled ("consume_only": what the instructions alone allow). Where a
+// chunk costs about as long as HBM takes to bring it, the kernel cannot
+// catch up after its latency-bound stages; a cheaper chunk lets the ring's
+// backlog drain.
+// Then the round trip of a load that hits L2 (a chain of dependent
+// ld.relaxed.gpu, as the kernel's polls), alone and while the ring streams
+// on another CUDA stream (one thread, beside the ring's CTA on one SM):
+// what every load-bound step of the kernel pays under its own weight stream.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iffi/src \
 //     -o /tmp/chunk_gemv_probe scripts/chunk_gemv_probe.cu
@@ -38,6 +43,7 @@
 #include "transformer_decode/sync.cuh"
 
 using jfo::transformer_decode::BulkLoad;
+using jfo::transformer_decode::EvictFirstPolicy;
 using jfo::transformer_decode::MbarrierInit;
 using jfo::transformer_decode::MbarrierTryWait;
 using jfo::transformer_decode::MmaBf16;
@@ -90,15 +96,30 @@ __device__ void Share(size_t chunks, size_t* begin, size_t* end) {
   *end = min(chunks, *begin + per);
 }
 
+__device__ __forceinline__ bool MbarrierTestWait(uint64_t* bar, unsigned parity) {
+  unsigned done = 0;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      " selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(SharedAddress(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
+// in_flight: the most copies thread 0 keeps in flight (0: as many as there
+// are free slots, as the kernel): the slots still buffer `slots` chunks,
+// but fewer bytes wait in the memory system's queues at any time.
 template <Gemv G, bool kRefill>
 __global__ void __launch_bounds__(kThreads, 1)
     RingGemv(const unsigned char* src, size_t chunks, int slots, float* total,
-             unsigned long long* stats) {
+             unsigned long long* stats, int in_flight = 0) {
   extern __shared__ __align__(1024) unsigned char shared[];
   auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + size_t(slots) * kSlotBytes);
   auto* bars = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(operand) +
                                            kOperandBytes);
   const long long t0 = clock64();
+  if (threadIdx.x == 0 && blockIdx.x == 0) stats[3] = jfo::GlobalTimerNs();
   long long waited = 0;
   size_t begin, end;
   Share(chunks, &begin, &end);
@@ -114,11 +135,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   auto issue = [&](size_t c) {
     BulkLoad(shared + (c % slots) * kSlotBytes, src + (begin + c) * kSlotBytes, kSlotBytes,
-             bars + c % slots, 0);
+             bars + c % slots, EvictFirstPolicy());
   };
-  if (threadIdx.x == 0) {
-    for (size_t c = 0; c < min(mine, size_t(slots)); ++c) issue(c);
-  }
+  size_t issued = 0, landed = 0;  // thread 0's
+  const size_t cap = in_flight > 0 ? in_flight : slots;
+  // Thread 0, having consumed `consumed` chunks: the landed ones counted,
+  // then copies issued while a slot is free and fewer than `cap` fly.
+  auto top_up = [&](size_t consumed) {
+    landed = max(landed, consumed);
+    while (landed < issued && MbarrierTestWait(bars + landed % slots, (landed / slots) & 1)) {
+      ++landed;
+    }
+    while (issued < mine && issued < consumed + slots && issued - landed < cap) issue(issued++);
+  };
+  if (threadIdx.x == 0) top_up(0);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, group = warp / 4;
   float acc[4][4] = {};  // mma.sync: 4 column tiles; wgmma: acc[0]
   for (size_t c = 0; c < mine; ++c) {
@@ -126,6 +156,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const long long w0 = clock64();
     if (kRefill || c < size_t(slots)) {
       while (!MbarrierTryWait(bars + slot, (c / slots) & 1)) {
+        if (kRefill && threadIdx.x == 0) top_up(c);
       }
     }
     waited += clock64() - w0;
@@ -155,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       WgmmaCommitAndWait();
     }
     __syncthreads();
-    if (kRefill && threadIdx.x == 0 && c + slots < mine) issue(c + slots);
+    if (kRefill && threadIdx.x == 0) top_up(c + 1);
   }
   // Batch row 0: mma.sync's lanes with t == 0 hold it in c[0] and c[2];
   // wgmma's (lane % 4 == 0) in d[0] and d[2].
@@ -173,12 +204,34 @@ __global__ void __launch_bounds__(kThreads, 1)
     atomicAdd(stats + 0, static_cast<unsigned long long>(clock64() - t0));
     atomicAdd(stats + 1, static_cast<unsigned long long>(waited));
     atomicAdd(stats + 2, static_cast<unsigned long long>(mine));
+    atomicMax(stats + 4, static_cast<unsigned long long>(jfo::GlobalTimerNs()));
   }
+}
+
+// One thread: kSegments segments of kLoadsPerSegment dependent loads through
+// `next` (each the index of the next word, lines apart: L2 hits after the
+// first pass), each segment's start (ns) and length (ns) into `segments`.
+constexpr int kSegments = 64, kLoadsPerSegment = 32;
+
+__global__ void L2Chase(const unsigned* next, unsigned long long* segments, unsigned* sink) {
+  unsigned at = 0;
+  for (int i = 0; i < kLoadsPerSegment; ++i) {  // into L2
+    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(at) : "l"(next + at) : "memory");
+  }
+  for (int s = 0; s < kSegments; ++s) {
+    const unsigned long long start = jfo::GlobalTimerNs();
+    for (int i = 0; i < kLoadsPerSegment; ++i) {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(at) : "l"(next + at) : "memory");
+    }
+    segments[2 * s] = start;
+    segments[2 * s + 1] = jfo::GlobalTimerNs() - start;
+  }
+  *sink = at;
 }
 
 struct Row {
   std::string name;
-  int slots;
+  int slots, in_flight;
   double median_us, tbps, wait_share, cycles_per_chunk;
   bool checked, ok;
 };
@@ -195,7 +248,7 @@ int main() {
   unsigned long long* stats = nullptr;
   CHECK_CUDA(cudaMalloc(&src, bytes));
   CHECK_CUDA(cudaMalloc(&total, sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&stats, 3 * sizeof(unsigned long long)));
+  CHECK_CUDA(cudaMalloc(&stats, 5 * sizeof(unsigned long long)));
   int64_t expected = 0;
   {
     std::vector<uint16_t> host(bytes / 2);
@@ -213,15 +266,15 @@ int main() {
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   std::vector<Row> rows;
-  auto run = [&](auto kernel, const char* name, bool checked) {
+  auto run = [&](auto kernel, const char* name, bool checked, int in_flight = 0) {
     const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
     const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
     auto launch = [&] {
       CHECK_CUDA(cudaMemsetAsync(total, 0, sizeof(float)));
-      CHECK_CUDA(cudaMemsetAsync(stats, 0, 3 * sizeof(unsigned long long)));
-      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats);
+      CHECK_CUDA(cudaMemsetAsync(stats, 0, 5 * sizeof(unsigned long long)));
+      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight);
     };
     for (int i = 0; i < kWarmup; ++i) launch();
     CHECK_CUDA(cudaGetLastError());
@@ -237,18 +290,72 @@ int main() {
     }
     std::sort(ms.begin(), ms.end());
     const double us = ms[ms.size() / 2] * 1e3;
-    unsigned long long st[3];
+    unsigned long long st[5];
     float got = 0.f;
     CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(&got, total, sizeof(float), cudaMemcpyDeviceToHost));
     const bool ok = !checked || static_cast<double>(got) == static_cast<double>(expected);
-    rows.push_back({name, slots, us, bytes / us / 1e6, double(st[1]) / double(st[0]),
+    rows.push_back({name, slots, in_flight, us, bytes / us / 1e6, double(st[1]) / double(st[0]),
                     double(st[0] - st[1]) / double(st[2]), checked, ok});
   };
   run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true);
   run(RingGemv<Gemv::kWgmma, true>, "ring_wgmma", true);
+  for (int in_flight : {2, 3, 4}) {
+    run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true, in_flight);
+  }
   run(RingGemv<Gemv::kMmaSync, false>, "consume_only_mma_sync", false);
   run(RingGemv<Gemv::kWgmma, false>, "consume_only_wgmma", false);
+
+  // The L2 round trip: a chain over 32 words 4 KiB apart (L2-resident
+  // after its first pass), alone, then started just after the ring's
+  // kernel on another stream; only segments inside the ring's run count.
+  unsigned* next = nullptr;
+  unsigned* sink = nullptr;
+  unsigned long long* segments = nullptr;
+  CHECK_CUDA(cudaMalloc(&next, 32 * 4096));
+  CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
+  CHECK_CUDA(cudaMalloc(&segments, 2 * kSegments * sizeof(unsigned long long)));
+  {
+    std::vector<unsigned> host(32 * 1024, 0);
+    for (int i = 0; i < 32; ++i) host[i * 1024] = ((i + 1) % 32) * 1024;
+    CHECK_CUDA(cudaMemcpy(next, host.data(), host.size() * 4, cudaMemcpyHostToDevice));
+  }
+  cudaStream_t side;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  auto chase_ns = [&](bool under_stream, int in_flight, int* counted) {
+    const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
+    const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
+    CHECK_CUDA(cudaMemset(stats, 0, 5 * sizeof(unsigned long long)));
+    if (under_stream) {
+      RingGemv<Gemv::kMmaSync, true>
+          <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight);
+    }
+    L2Chase<<<1, 1, 0, side>>>(next, segments, sink);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    std::vector<unsigned long long> seg(2 * kSegments);
+    unsigned long long st[5];
+    CHECK_CUDA(cudaMemcpy(seg.data(), segments, seg.size() * 8, cudaMemcpyDeviceToHost));
+    CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
+    std::vector<double> per_load;
+    for (int s = 0; s < kSegments; ++s) {
+      const bool inside = seg[2 * s] >= st[3] && seg[2 * s] + seg[2 * s + 1] <= st[4];
+      if (!under_stream || inside) per_load.push_back(double(seg[2 * s + 1]) / kLoadsPerSegment);
+    }
+    *counted = static_cast<int>(per_load.size());
+    if (per_load.empty()) return -1.0;
+    std::sort(per_load.begin(), per_load.end());
+    return per_load[per_load.size() / 2];
+  };
+  struct Chase {
+    int in_flight, segments;
+    double ns;
+  };
+  std::vector<Chase> chases;
+  for (int in_flight : {-1, 0, 2, 3}) {  // -1: alone
+    Chase c{in_flight, 0, 0.0};
+    c.ns = chase_ns(in_flight >= 0, in_flight, &c.segments);
+    chases.push_back(c);
+  }
 
   const char* commit = std::getenv("JFO_COMMIT");
   char date[32];
@@ -262,18 +369,31 @@ int main() {
               date);
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
-    std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"median_us\": %.1f, \"tb_per_s\": %.3f, "
-                "\"wait_share\": %.3f, \"cycles_a_chunk_not_waiting\": %.0f, \"checked\": %s, "
-                "\"ok\": %s}%s\n",
-                r.name.c_str(), r.slots, r.median_us, r.tbps, r.wait_share, r.cycles_per_chunk,
-                r.checked ? "true" : "false", r.ok ? "true" : "false",
+    std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"in_flight\": %d, \"median_us\": %.1f, "
+                "\"tb_per_s\": %.3f, \"wait_share\": %.3f, \"cycles_a_chunk_not_waiting\": %.0f, "
+                "\"checked\": %s, \"ok\": %s}%s\n",
+                r.name.c_str(), r.slots, r.in_flight, r.median_us, r.tbps, r.wait_share,
+                r.cycles_per_chunk, r.checked ? "true" : "false", r.ok ? "true" : "false",
                 i + 1 < rows.size() ? "," : "");
+  }
+  // in_flight -1: alone; 0: under the kernel's ring; n: under the ring with n in flight.
+  std::printf("],\n\"l2_round_trip_ns\": [\n");
+  for (size_t i = 0; i < chases.size(); ++i) {
+    std::printf("  {\"in_flight\": %d, \"median_ns\": %.0f, \"segments\": %d, "
+                "\"loads_a_segment\": %d}%s\n", chases[i].in_flight, chases[i].ns,
+                chases[i].segments, kLoadsPerSegment, i + 1 < chases.size() ? "," : "");
   }
   std::printf("]}\n");
   for (const Row& r : rows) {
-    std::fprintf(stderr, "%-22s slots %d %8.1f us %.3f TB/s wait %.2f %6.0f cycles/chunk %s\n",
-                 r.name.c_str(), r.slots, r.median_us, r.tbps, r.wait_share, r.cycles_per_chunk,
+    std::fprintf(stderr, "%-22s slots %d in flight %d %8.1f us %.3f TB/s wait %.2f %6.0f "
+                 "cycles/chunk %s\n", r.name.c_str(), r.slots, r.in_flight, r.median_us, r.tbps,
+                 r.wait_share, r.cycles_per_chunk,
                  !r.checked ? "unchecked" : r.ok ? "" : "MISMATCH");
+  }
+  for (const Chase& c : chases) {
+    std::fprintf(stderr, "L2 round trip, %s %d: %.0f ns (median of %d segments)\n",
+                 c.in_flight < 0 ? "alone" : "under the ring, in flight", c.in_flight, c.ns,
+                 c.segments);
   }
   for (const Row& r : rows) {
     if (!r.ok) return 1;
