@@ -9,11 +9,13 @@
 // refilled ("consume_only": what the instructions alone allow). Where a
 // chunk costs about as long as HBM takes to bring it, the kernel cannot
 // catch up after its latency-bound stages; a cheaper chunk lets the ring's
-// backlog drain.
+// backlog drain. The mma.sync ring also runs with at most 2, 3 or 4 copies
+// in flight (the slots still buffer 6 chunks), and without the evict-first
+// policy ("_no_policy"): what thread 0's issuing costs the stream.
 // Then the round trip of a load that hits L2 (a chain of dependent
-// ld.relaxed.gpu, as the kernel's polls), alone and while the ring streams
+// ld.relaxed.gpu, as the kernel's polls), alone and while each ring streams
 // on another CUDA stream (one thread, beside the ring's CTA on one SM):
-// what every load-bound step of the kernel pays under its own weight stream.
+// whether the kernel's load-bound steps pay for its weight stream in latency.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iffi/src \
 //     -o /tmp/chunk_gemv_probe scripts/chunk_gemv_probe.cu
@@ -113,7 +115,7 @@ __device__ __forceinline__ bool MbarrierTestWait(uint64_t* bar, unsigned parity)
 template <Gemv G, bool kRefill>
 __global__ void __launch_bounds__(kThreads, 1)
     RingGemv(const unsigned char* src, size_t chunks, int slots, float* total,
-             unsigned long long* stats, int in_flight = 0) {
+             unsigned long long* stats, int in_flight = 0, bool evict_first = true) {
   extern __shared__ __align__(1024) unsigned char shared[];
   auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + size_t(slots) * kSlotBytes);
   auto* bars = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(operand) +
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
   auto issue = [&](size_t c) {
     BulkLoad(shared + (c % slots) * kSlotBytes, src + (begin + c) * kSlotBytes, kSlotBytes,
-             bars + c % slots, EvictFirstPolicy());
+             bars + c % slots, evict_first ? EvictFirstPolicy() : 0);
   };
   size_t issued = 0, landed = 0;  // thread 0's
   const size_t cap = in_flight > 0 ? in_flight : slots;
@@ -266,7 +268,8 @@ int main() {
   CHECK_CUDA(cudaEventCreate(&a));
   CHECK_CUDA(cudaEventCreate(&b));
   std::vector<Row> rows;
-  auto run = [&](auto kernel, const char* name, bool checked, int in_flight = 0) {
+  auto run = [&](auto kernel, const char* name, bool checked, int in_flight = 0,
+                 bool evict_first = true) {
     const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
     const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -274,7 +277,7 @@ int main() {
     auto launch = [&] {
       CHECK_CUDA(cudaMemsetAsync(total, 0, sizeof(float)));
       CHECK_CUDA(cudaMemsetAsync(stats, 0, 5 * sizeof(unsigned long long)));
-      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight);
+      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, evict_first);
     };
     for (int i = 0; i < kWarmup; ++i) launch();
     CHECK_CUDA(cudaGetLastError());
@@ -303,6 +306,9 @@ int main() {
   for (int in_flight : {2, 3, 4}) {
     run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true, in_flight);
   }
+  for (int in_flight : {0, 2, 3}) {
+    run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync_no_policy", true, in_flight, false);
+  }
   run(RingGemv<Gemv::kMmaSync, false>, "consume_only_mma_sync", false);
   run(RingGemv<Gemv::kWgmma, false>, "consume_only_wgmma", false);
 
@@ -322,13 +328,13 @@ int main() {
   }
   cudaStream_t side;
   CHECK_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  auto chase_ns = [&](bool under_stream, int in_flight, int* counted) {
+  auto chase_ns = [&](bool under_stream, int in_flight, bool evict_first, int* counted) {
     const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
     const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
     CHECK_CUDA(cudaMemset(stats, 0, 5 * sizeof(unsigned long long)));
     if (under_stream) {
       RingGemv<Gemv::kMmaSync, true>
-          <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight);
+          <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, evict_first);
     }
     L2Chase<<<1, 1, 0, side>>>(next, segments, sink);
     CHECK_CUDA(cudaDeviceSynchronize());
@@ -347,14 +353,19 @@ int main() {
     return per_load[per_load.size() / 2];
   };
   struct Chase {
-    int in_flight, segments;
+    int in_flight;
+    bool evict_first;
+    int segments;
     double ns;
   };
   std::vector<Chase> chases;
   for (int in_flight : {-1, 0, 2, 3}) {  // -1: alone
-    Chase c{in_flight, 0, 0.0};
-    c.ns = chase_ns(in_flight >= 0, in_flight, &c.segments);
-    chases.push_back(c);
+    for (bool evict_first : {true, false}) {
+      if (in_flight < 0 && !evict_first) continue;
+      Chase c{in_flight, evict_first, 0, 0.0};
+      c.ns = chase_ns(in_flight >= 0, in_flight, evict_first, &c.segments);
+      chases.push_back(c);
+    }
   }
 
   const char* commit = std::getenv("JFO_COMMIT");
@@ -371,16 +382,16 @@ int main() {
     const Row& r = rows[i];
     std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"in_flight\": %d, \"median_us\": %.1f, "
                 "\"tb_per_s\": %.3f, \"wait_share\": %.3f, \"cycles_a_chunk_not_waiting\": %.0f, "
-                "\"checked\": %s, \"ok\": %s}%s\n",
+                "\"checked\": %s, \"ok\": %s},\n",
                 r.name.c_str(), r.slots, r.in_flight, r.median_us, r.tbps, r.wait_share,
-                r.cycles_per_chunk, r.checked ? "true" : "false", r.ok ? "true" : "false",
-                i + 1 < rows.size() ? "," : "");
+                r.cycles_per_chunk, r.checked ? "true" : "false", r.ok ? "true" : "false");
   }
-  // in_flight -1: alone; 0: under the kernel's ring; n: under the ring with n in flight.
-  std::printf("],\n\"l2_round_trip_ns\": [\n");
+  // The round trips as rows: in_flight -1 alone, 0 beside the kernel's
+  // ring, n beside the ring with n copies in flight.
   for (size_t i = 0; i < chases.size(); ++i) {
-    std::printf("  {\"in_flight\": %d, \"median_ns\": %.0f, \"segments\": %d, "
-                "\"loads_a_segment\": %d}%s\n", chases[i].in_flight, chases[i].ns,
+    std::printf("  {\"variant\": \"l2_round_trip\", \"in_flight\": %d, \"evict_first\": %s, "
+                "\"median_ns\": %.0f, \"segments\": %d, \"loads_a_segment\": %d}%s\n",
+                chases[i].in_flight, chases[i].evict_first ? "true" : "false", chases[i].ns,
                 chases[i].segments, kLoadsPerSegment, i + 1 < chases.size() ? "," : "");
   }
   std::printf("]}\n");
@@ -391,8 +402,9 @@ int main() {
                  !r.checked ? "unchecked" : r.ok ? "" : "MISMATCH");
   }
   for (const Chase& c : chases) {
-    std::fprintf(stderr, "L2 round trip, %s %d: %.0f ns (median of %d segments)\n",
-                 c.in_flight < 0 ? "alone" : "under the ring, in flight", c.in_flight, c.ns,
+    std::fprintf(stderr, "L2 round trip, %s %d, evict-first %d: %.0f ns (median of %d segments)\n",
+                 c.in_flight < 0 ? "alone" : "under the ring, in flight", c.in_flight,
+                 c.evict_first, c.ns,
                  c.segments);
   }
   for (const Row& r : rows) {
