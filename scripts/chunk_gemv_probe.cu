@@ -14,8 +14,10 @@
 // policy ("_no_policy"): what thread 0's issuing costs the stream.
 // Then the round trip of a load that hits L2 (a chain of dependent
 // ld.relaxed.gpu, as the kernel's polls), alone and while each ring streams
-// on another CUDA stream (one thread, beside the ring's CTA on one SM):
-// whether the kernel's load-bound steps pay for its weight stream in latency.
+// on another CUDA stream (one thread, beside the ring's CTA on one SM),
+// and of a handoff (a relaxed store one SM makes, polled by another, and
+// back): whether the kernel's load-bound steps pay for its weight stream in
+// latency, and in loads or in stores.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iffi/src \
 //     -o /tmp/chunk_gemv_probe scripts/chunk_gemv_probe.cu
@@ -141,11 +143,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   size_t issued = 0, landed = 0;  // thread 0's
   const size_t cap = in_flight > 0 ? in_flight : slots;
-  // Thread 0, having consumed `consumed` chunks: the landed ones counted,
-  // then copies issued while a slot is free and fewer than `cap` fly.
+  // Thread 0, having consumed `consumed` chunks: the landed ones counted
+  // (with a cap only: without, a free slot is all a copy needs, as in the
+  // kernel), then copies issued while a slot is free and fewer than `cap` fly.
   auto top_up = [&](size_t consumed) {
     landed = max(landed, consumed);
-    while (landed < issued && MbarrierTestWait(bars + landed % slots, (landed / slots) & 1)) {
+    while (in_flight > 0 && landed < issued &&
+           MbarrierTestWait(bars + landed % slots, (landed / slots) & 1)) {
       ++landed;
     }
     while (issued < mine && issued < consumed + slots && issued - landed < cap) issue(issued++);
@@ -229,6 +233,48 @@ __global__ void L2Chase(const unsigned* next, unsigned long long* segments, unsi
     segments[2 * s + 1] = jfo::GlobalTimerNs() - start;
   }
   *sink = at;
+}
+
+// Two CTAs of one thread hand a count back and forth through global memory
+// as the decode kernel hands values over: a relaxed store, the other SM
+// polling it with relaxed loads. CTA 0 records kSegments segments of
+// kLoadsPerSegment round trips (start ns, length ns). A wait past 100 ms
+// marks the segment 0 long and ends both (the other CTA not running).
+__global__ void HandoffPingPong(unsigned* words, unsigned long long* segments) {
+  unsigned* mine = words + blockIdx.x * 64;  // 256 bytes apart: lines of their own
+  const unsigned* theirs = words + (1 - blockIdx.x) * 64;
+  auto wait_for = [&](unsigned value) {
+    const unsigned long long start = jfo::GlobalTimerNs();
+    unsigned seen = 0;
+    do {
+      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(theirs) : "memory");
+      if (jfo::GlobalTimerNs() - start > 100000000ull) return false;
+    } while (seen != value);
+    return true;
+  };
+  auto hand = [&](unsigned value) {
+    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mine), "r"(value) : "memory");
+  };
+  unsigned value = 0;
+  for (int s = 0; s < kSegments; ++s) {
+    const unsigned long long start = jfo::GlobalTimerNs();
+    bool ok = true;
+    for (int i = 0; i < kLoadsPerSegment && ok; ++i) {
+      ++value;
+      if (blockIdx.x == 0) {
+        hand(value);
+        ok = wait_for(value);
+      } else {
+        ok = wait_for(value);
+        hand(value);
+      }
+    }
+    if (blockIdx.x == 0) {
+      segments[2 * s] = start;
+      segments[2 * s + 1] = ok ? jfo::GlobalTimerNs() - start : 0;
+    }
+    if (!ok) return;
+  }
 }
 
 struct Row {
@@ -328,7 +374,12 @@ int main() {
   }
   cudaStream_t side;
   CHECK_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  auto chase_ns = [&](bool under_stream, int in_flight, bool evict_first, int* counted) {
+  unsigned* words = nullptr;
+  CHECK_CUDA(cudaMalloc(&words, 2 * 64 * sizeof(unsigned)));
+  // handoff false: the L2 chain, a load's round trip; true: the ping-pong,
+  // a handoff's round trip (a store seen by the other SM, and back).
+  auto chase_ns = [&](bool under_stream, int in_flight, bool evict_first, bool handoff,
+                      int* counted) {
     const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
     const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
     CHECK_CUDA(cudaMemset(stats, 0, 5 * sizeof(unsigned long long)));
@@ -336,7 +387,12 @@ int main() {
       RingGemv<Gemv::kMmaSync, true>
           <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, evict_first);
     }
-    L2Chase<<<1, 1, 0, side>>>(next, segments, sink);
+    if (handoff) {
+      CHECK_CUDA(cudaMemsetAsync(words, 0, 2 * 64 * sizeof(unsigned), side));
+      HandoffPingPong<<<2, 1, 0, side>>>(words, segments);
+    } else {
+      L2Chase<<<1, 1, 0, side>>>(next, segments, sink);
+    }
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<unsigned long long> seg(2 * kSegments);
     unsigned long long st[5];
@@ -345,6 +401,7 @@ int main() {
     std::vector<double> per_load;
     for (int s = 0; s < kSegments; ++s) {
       const bool inside = seg[2 * s] >= st[3] && seg[2 * s] + seg[2 * s + 1] <= st[4];
+      if (seg[2 * s + 1] == 0) break;  // the ping-pong's partner never answered
       if (!under_stream || inside) per_load.push_back(double(seg[2 * s + 1]) / kLoadsPerSegment);
     }
     *counted = static_cast<int>(per_load.size());
@@ -354,7 +411,7 @@ int main() {
   };
   struct Chase {
     int in_flight;
-    bool evict_first;
+    bool evict_first, handoff;
     int segments;
     double ns;
   };
@@ -362,9 +419,11 @@ int main() {
   for (int in_flight : {-1, 0, 2, 3}) {  // -1: alone
     for (bool evict_first : {true, false}) {
       if (in_flight < 0 && !evict_first) continue;
-      Chase c{in_flight, evict_first, 0, 0.0};
-      c.ns = chase_ns(in_flight >= 0, in_flight, evict_first, &c.segments);
-      chases.push_back(c);
+      for (bool handoff : {false, true}) {
+        Chase c{in_flight, evict_first, handoff, 0, 0.0};
+        c.ns = chase_ns(in_flight >= 0, in_flight, evict_first, handoff, &c.segments);
+        chases.push_back(c);
+      }
     }
   }
 
@@ -389,9 +448,10 @@ int main() {
   // The round trips as rows: in_flight -1 alone, 0 beside the kernel's
   // ring, n beside the ring with n copies in flight.
   for (size_t i = 0; i < chases.size(); ++i) {
-    std::printf("  {\"variant\": \"l2_round_trip\", \"in_flight\": %d, \"evict_first\": %s, "
-                "\"median_ns\": %.0f, \"segments\": %d, \"loads_a_segment\": %d}%s\n",
-                chases[i].in_flight, chases[i].evict_first ? "true" : "false", chases[i].ns,
+    std::printf("  {\"variant\": \"%s\", \"in_flight\": %d, \"evict_first\": %s, "
+                "\"median_ns\": %.0f, \"segments\": %d, \"trips_a_segment\": %d}%s\n",
+                chases[i].handoff ? "handoff_round_trip" : "l2_round_trip", chases[i].in_flight,
+                chases[i].evict_first ? "true" : "false", chases[i].ns,
                 chases[i].segments, kLoadsPerSegment, i + 1 < chases.size() ? "," : "");
   }
   std::printf("]}\n");
@@ -402,7 +462,8 @@ int main() {
                  !r.checked ? "unchecked" : r.ok ? "" : "MISMATCH");
   }
   for (const Chase& c : chases) {
-    std::fprintf(stderr, "L2 round trip, %s %d, evict-first %d: %.0f ns (median of %d segments)\n",
+    std::fprintf(stderr, "%s round trip, %s %d, evict-first %d: %.0f ns (median of %d "
+                 "segments)\n", c.handoff ? "handoff" : "L2 load",
                  c.in_flight < 0 ? "alone" : "under the ring, in flight", c.in_flight,
                  c.evict_first, c.ns,
                  c.segments);
