@@ -42,7 +42,7 @@
 #include <string>
 #include <vector>
 
-#include "../scripts/cuda_check.cuh"
+#include "probe_support.cuh"
 #include "transformer_decode/stages.cuh"
 #include "transformer_decode/sync.cuh"
 
@@ -285,11 +285,9 @@ struct Row {
 };
 
 int main() {
-  int sms = 0, max_shared = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK_CUDA(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const Device device = QueryDevice();
+  const int sms = device.sms, max_shared = device.max_shared;
+  const cudaDeviceProp& prop = device.prop;
   const size_t bytes = size_t(2) << 30, chunks = bytes / kSlotBytes;
   unsigned char* src = nullptr;
   float* total = nullptr;
@@ -297,22 +295,7 @@ int main() {
   CHECK_CUDA(cudaMalloc(&src, bytes));
   CHECK_CUDA(cudaMalloc(&total, sizeof(float)));
   CHECK_CUDA(cudaMalloc(&stats, 5 * sizeof(unsigned long long)));
-  int64_t expected = 0;
-  {
-    std::vector<uint16_t> host(bytes / 2);
-    const uint16_t bits[7] = {0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040};
-    uint64_t s = 0x9E3779B97F4A7C15ull;
-    for (auto& h : host) {
-      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-      const int value = static_cast<int>((s >> 32) % 7);
-      h = bits[value];
-      expected += value - 3;
-    }
-    CHECK_CUDA(cudaMemcpy(src, host.data(), bytes, cudaMemcpyHostToDevice));
-  }
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
+  const int64_t expected = FillRandomBf16Integers(src, bytes);
   std::vector<Row> rows;
   auto run = [&](auto kernel, const char* name, bool checked, int in_flight = 0,
                  bool evict_first = true) {
@@ -325,20 +308,7 @@ int main() {
       CHECK_CUDA(cudaMemsetAsync(stats, 0, 5 * sizeof(unsigned long long)));
       kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, evict_first);
     };
-    for (int i = 0; i < kWarmup; ++i) launch();
-    CHECK_CUDA(cudaGetLastError());
-    std::vector<float> ms;
-    for (int i = 0; i < kPasses; ++i) {
-      CHECK_CUDA(cudaEventRecord(a));
-      launch();
-      CHECK_CUDA(cudaEventRecord(b));
-      CHECK_CUDA(cudaEventSynchronize(b));
-      float t;
-      CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    const double us = ms[ms.size() / 2] * 1e3;
+    const double us = MedianUs(launch, kWarmup, kPasses);
     unsigned long long st[5];
     float got = 0.f;
     CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
@@ -428,15 +398,13 @@ int main() {
   }
 
   const char* commit = std::getenv("JFO_COMMIT");
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const std::string date = UtcNow();
   std::printf("{\"meta\": {\"device_kind\": \"%s\", \"sms\": %d, \"bytes\": %zu, "
               "\"slot_bytes\": %u, \"warmup\": %d, \"passes\": %d, \"commit\": \"%s\", "
               "\"date\": \"%s\", \"protocol\": \"scripts/chunk_gemv_probe.cu (header comment)\"},"
               "\n\"rows\": [\n",
               prop.name, sms, bytes, kSlotBytes, kWarmup, kPasses, commit ? commit : "unknown",
-              date);
+              date.c_str());
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"in_flight\": %d, \"median_us\": %.1f, "

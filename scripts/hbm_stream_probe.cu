@@ -37,7 +37,7 @@
 #include <vector>
 
 #include "../ffi/src/transformer_decode/sync.cuh"
-#include "cuda_check.cuh"
+#include "probe_support.cuh"
 
 constexpr int kThreads = 256;
 constexpr int kWarmup = 3, kPasses = 15;
@@ -310,11 +310,9 @@ struct Row {
 };
 
 int main() {
-  int sms = 0, max_shared = 0;
-  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CHECK_CUDA(cudaDeviceGetAttribute(&max_shared, cudaDevAttrMaxSharedMemoryPerBlockOptin, 0));
-  cudaDeviceProp prop{};
-  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const Device device = QueryDevice();
+  const int sms = device.sms, max_shared = device.max_shared;
+  const cudaDeviceProp& prop = device.prop;
   const size_t bytes = size_t(2) << 30;  // about the 1B model's weights
   const size_t words = bytes / 16;
   uint4* src = nullptr;
@@ -327,38 +325,9 @@ int main() {
   CHECK_CUDA(cudaMalloc(&sum, sizeof(float)));
   // Random bf16 integers in [-3, 3]: every partial sum is exact in float, so
   // the sums are checked exactly, and the xors see any word missed or read twice.
-  int64_t expected_sum = 0;
-  {
-    std::vector<uint16_t> host(bytes / 2);
-    const uint16_t bits[7] = {0xC040, 0xC000, 0xBF80, 0x0000, 0x3F80, 0x4000, 0x4040};
-    uint64_t s = 0x9E3779B97F4A7C15ull;
-    for (auto& h : host) {
-      s ^= s << 13, s ^= s >> 7, s ^= s << 17;
-      const int value = static_cast<int>((s >> 32) % 7);
-      h = bits[value];
-      expected_sum += value - 3;
-    }
-    CHECK_CUDA(cudaMemcpy(src, host.data(), bytes, cudaMemcpyHostToDevice));
-  }
-  cudaEvent_t a, b;
-  CHECK_CUDA(cudaEventCreate(&a));
-  CHECK_CUDA(cudaEventCreate(&b));
-
+  const int64_t expected_sum = FillRandomBf16Integers(src, bytes);
   auto time = [&](const std::function<void()>& launch) {
-    for (int i = 0; i < kWarmup; ++i) launch();
-    CHECK_CUDA(cudaGetLastError());
-    std::vector<float> ms;
-    for (int i = 0; i < kPasses; ++i) {
-      CHECK_CUDA(cudaEventRecord(a));
-      launch();
-      CHECK_CUDA(cudaEventRecord(b));
-      CHECK_CUDA(cudaEventSynchronize(b));
-      float t;
-      CHECK_CUDA(cudaEventElapsedTime(&t, a, b));
-      ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    return ms[ms.size() / 2] * 1e3;
+    return MedianUs(launch, kWarmup, kPasses);
   };
   auto xor_of = [&](int ctas, int warps) {
     std::vector<uint4> host(size_t(ctas) * warps);
@@ -471,13 +440,12 @@ int main() {
   }
 
   const char* commit = std::getenv("JFO_COMMIT");
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const std::string date = UtcNow();
   std::printf("{\"meta\": {\"device_kind\": \"%s\", \"sms\": %d, \"bytes\": %zu, "
               "\"warmup\": %d, \"passes\": %d, \"commit\": \"%s\", \"date\": \"%s\", "
               "\"protocol\": \"scripts/hbm_stream_probe.cu (header comment)\"},\n\"rows\": [\n",
-              prop.name, sms, bytes, kWarmup, kPasses, commit ? commit : "unknown", date);
+              prop.name, sms, bytes, kWarmup, kPasses, commit ? commit : "unknown",
+              date.c_str());
   for (size_t i = 0; i < rows.size(); ++i) {
     const Row& r = rows[i];
     std::printf("  {\"variant\": \"%s\", \"ctas\": %d, \"threads\": %d, \"slots\": %d, "
