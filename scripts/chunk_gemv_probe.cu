@@ -1,35 +1,39 @@
-// What one chunk of the decode kernel's GEMV costs an SM, by instruction:
-// the kernel's mma.sync loop (ffi/src/transformer_decode/stages.cuh, 64
-// columns, batch 1: every warp its k-tiles, A fragments by 16-byte shared
-// loads) against Hopper's wgmma (m64n8k16, A and B read by the tensor
-// cores from shared memory; each of the two warpgroups half of a chunk's
-// k-steps). Each on the kernel's ring (one CTA of 256 threads an SM, TMA
-// bulk copies into 32 KiB slots marked evict-first in L2, a CTA-wide sync
-// a chunk, thread 0 refilling), streaming 2 GiB, and on slots never
-// refilled ("consume_only": what the instructions alone allow). Where a
-// chunk costs about as long as HBM takes to bring it, the kernel cannot
-// catch up after its latency-bound stages; a cheaper chunk lets the ring's
-// backlog drain. The mma.sync ring also runs with at most 2, 3 or 4 copies
-// in flight (the slots still buffer 6 chunks), and without the evict-first
-// policy ("_no_policy"): what thread 0's issuing costs the stream.
-// Then the round trip of a load that hits L2 (a chain of dependent
-// ld.relaxed.gpu, as the kernel's polls), alone and while each ring streams
-// on another CUDA stream (one thread, beside the ring's CTA on one SM),
-// and of a handoff (a relaxed store one SM makes, polled by another, and
-// back): whether the kernel's load-bound steps pay for its weight stream in
-// latency, and in loads or in stores.
+// What one chunk of the decode kernel's GEMV costs an SM, and what the
+// weight stream costs the kernel's other work.
+//
+// The ring: the kernel's (one CTA of 256 threads an SM, TMA bulk copies
+// into 32 KiB slots, a CTA-wide sync a chunk, thread 0 refilling),
+// streaming 2 GiB, each chunk's GEMV by the kernel's mma.sync loop
+// (ffi/src/transformer_decode/stages.cuh, 64 columns, batch 1) or by
+// Hopper's wgmma (m64n8k16, both operands read from shared memory, each
+// warpgroup half of a chunk's k-steps). Rows by policy: the copies with no
+// L2 policy (the first run's ring), evict-first made for each copy (the
+// kernel's), evict-first made once a CTA. Rows by in_flight: thread 0
+// tracking landed copies and keeping at most that many in flight (the
+// slots still buffer 6 chunks; in_flight = slots tracks with no cap);
+// 0 is the kernel's (no tracking). "consume_only" rows re-read slots never
+// refilled: what the instructions alone allow.
+//
+// The round trips, alone and beside each ring (one thread, or two, on
+// another CUDA stream, next to the ring's CTAs): a chain of dependent
+// ld.relaxed.gpu loads that hit L2 (as the kernel's polls), and a handoff
+// ping-pong (a plain store one CTA makes, polled by another, and back, as
+// the kernel's handoffs): whether the kernel's load-bound steps pay for its
+// weight stream in latency, and in loads or in stores. Each row says the
+// SMs it ran on.
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a -Iffi/src \
 //     -o /tmp/chunk_gemv_probe scripts/chunk_gemv_probe.cu
 //   JFO_COMMIT=$(git rev-parse --short HEAD) /tmp/chunk_gemv_probe > chunk_gemv_probe.json
 //
-// Each variant: 3 warm-up passes, then 15 passes timed one by one with CUDA
-// events; the median pass. The weights are random bf16 integers in [-3, 3]
-// and the operand is ones, so every column sum is exact and their total
-// (batch row 0's outputs, summed over the grid) is checked against the
-// host's sum of all weights: a weight missed or read twice fails it. The
-// "consume_only" rows re-read the same slots: unchecked. Exits 1 on a
-// failed check.
+// Each ring row: 3 warm-up passes, then 15 passes timed one by one with
+// CUDA events; the median pass. The weights are random bf16 integers in
+// [-3, 3] and the operand is ones, so every column sum is exact and their
+// total (batch row 0's outputs, summed over the grid) is checked against
+// the host's sum of all weights: a systematic miss or re-read (a layout
+// wrong, a slot read stale) fails it. "consume_only" rows are unchecked.
+// A round trip's row: the median of its segments of 32 trips (those inside
+// the ring's run). Exits 1 on a failed check.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -56,7 +60,7 @@ using jfo::transformer_decode::SharedAddress;
 constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr unsigned kSlotBytes = 32768;
 constexpr int kColumns = 64;                           // gate/up's item width
-constexpr int kKSteps = kSlotBytes / (kColumns * 32);  // 16 k-rows of 64 columns, 2 KiB
+constexpr int kKSteps = kSlotBytes / (kColumns * 32);  // 16 k-steps, each 16 k x 64 columns
 constexpr int kOperandBytes = kKSteps * 256;           // B: 16 k x 8 rows a k-step
 constexpr int kWarmup = 3, kPasses = 15;
 
@@ -111,13 +115,19 @@ __device__ __forceinline__ bool MbarrierTestWait(uint64_t* bar, unsigned parity)
   return done != 0;
 }
 
-// in_flight: the most copies thread 0 keeps in flight (0: as many as there
-// are free slots, as the kernel): the slots still buffer `slots` chunks,
-// but fewer bytes wait in the memory system's queues at any time.
+// The copies' L2 policy: none, evict-first made for every copy (as the
+// kernel's IssueNext), or evict-first made once a CTA.
+enum Policy { kNoPolicy = 0, kEvictFirstEachCopy = 1, kEvictFirstOnce = 2 };
+
+// in_flight: the most copies thread 0 keeps in flight, tracking which
+// landed (0: no tracking, as many as there are free slots, as the kernel):
+// the slots still buffer `slots` chunks, but fewer bytes wait in the memory
+// system's queues at any time. in_flight = slots tracks without a cap.
 template <Gemv G, bool kRefill>
 __global__ void __launch_bounds__(kThreads, 1)
     RingGemv(const unsigned char* src, size_t chunks, int slots, float* total,
-             unsigned long long* stats, int in_flight = 0, bool evict_first = true) {
+             unsigned long long* stats, int in_flight = 0,
+             int policy = kEvictFirstEachCopy) {
   extern __shared__ __align__(1024) unsigned char shared[];
   auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + size_t(slots) * kSlotBytes);
   auto* bars = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(operand) +
@@ -137,9 +147,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the operand, for wgmma
   __syncthreads();
+  const uint64_t policy_once = policy == kEvictFirstOnce ? EvictFirstPolicy() : 0;
   auto issue = [&](size_t c) {
     BulkLoad(shared + (c % slots) * kSlotBytes, src + (begin + c) * kSlotBytes, kSlotBytes,
-             bars + c % slots, evict_first ? EvictFirstPolicy() : 0);
+             bars + c % slots, policy == kEvictFirstEachCopy ? EvictFirstPolicy() : policy_once);
   };
   size_t issued = 0, landed = 0;  // thread 0's
   const size_t cap = in_flight > 0 ? in_flight : slots;
@@ -161,10 +172,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int slot = c % slots;
     const long long w0 = clock64();
     if (kRefill || c < size_t(slots)) {
+      const uint64_t since = jfo::GlobalTimerNs();
       while (!MbarrierTryWait(bars + slot, (c / slots) & 1)) {
         if (kRefill && threadIdx.x == 0) top_up(c);
+        if (jfo::GlobalTimerNs() - since > 1000000000ull) __trap();  // a copy lost: fail, not hang
       }
     }
+    __syncwarp();  // the lanes leave the wait apart; the MMAs below are .aligned
     waited += clock64() - w0;
     const unsigned char* w = shared + size_t(slot) * kSlotBytes;
     if constexpr (G == Gemv::kMmaSync) {
@@ -180,8 +194,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int ct = 0; ct < 4; ++ct) MmaBf16(acc[ct], tiles[(kt * 4 + ct) * 32 + lane], b0, b1);
       }
     } else {
-      // A k-step's A: 8 row groups of 64 columns (256 bytes apart), each
-      // two core matrices along k (128 bytes apart). B: two core matrices.
+      // A k-step's A (64 columns as m, 16 k): 8 groups of 8 columns, 256
+      // bytes apart, each two core matrices along k, 128 bytes apart. B:
+      // two core matrices along k.
       WgmmaFence();
 #pragma unroll
       for (int i = 0; i < kKSteps / 2; ++i) {
@@ -219,6 +234,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 // first pass), each segment's start (ns) and length (ns) into `segments`.
 constexpr int kSegments = 64, kLoadsPerSegment = 32;
 
+__device__ __forceinline__ unsigned SmId() {
+  unsigned id;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(id));
+  return id;
+}
+
+// sink[0]: the chain's end (kept live); sink[1]: the SM it ran on.
 __global__ void L2Chase(const unsigned* next, unsigned long long* segments, unsigned* sink) {
   unsigned at = 0;
   for (int i = 0; i < kLoadsPerSegment; ++i) {  // into L2
@@ -232,15 +254,18 @@ __global__ void L2Chase(const unsigned* next, unsigned long long* segments, unsi
     segments[2 * s] = start;
     segments[2 * s + 1] = jfo::GlobalTimerNs() - start;
   }
-  *sink = at;
+  sink[0] = at;
+  sink[1] = SmId();
 }
 
 // Two CTAs of one thread hand a count back and forth through global memory
-// as the decode kernel hands values over: a relaxed store, the other SM
+// as the decode kernel hands values over: a plain store, the other CTA
 // polling it with relaxed loads. CTA 0 records kSegments segments of
-// kLoadsPerSegment round trips (start ns, length ns). A wait past 100 ms
-// marks the segment 0 long and ends both (the other CTA not running).
-__global__ void HandoffPingPong(unsigned* words, unsigned long long* segments) {
+// kLoadsPerSegment round trips (start ns, length ns); sms[b]: CTA b's SM.
+// A wait past 100 ms marks the segment 0 long and ends both (the other
+// CTA not running).
+__global__ void HandoffPingPong(unsigned* words, unsigned long long* segments, unsigned* sms) {
+  sms[blockIdx.x] = SmId();
   unsigned* mine = words + blockIdx.x * 64;  // 256 bytes apart: lines of their own
   const unsigned* theirs = words + (1 - blockIdx.x) * 64;
   auto wait_for = [&](unsigned value) {
@@ -253,7 +278,7 @@ __global__ void HandoffPingPong(unsigned* words, unsigned long long* segments) {
     return true;
   };
   auto hand = [&](unsigned value) {
-    asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(mine), "r"(value) : "memory");
+    asm volatile("st.global.u32 [%0], %1;" ::"l"(mine), "r"(value) : "memory");
   };
   unsigned value = 0;
   for (int s = 0; s < kSegments; ++s) {
@@ -277,11 +302,26 @@ __global__ void HandoffPingPong(unsigned* words, unsigned long long* segments) {
   }
 }
 
+const char* PolicyName(int policy) {
+  return policy == kNoPolicy ? "none" : policy == kEvictFirstEachCopy ? "evict_first_each_copy"
+                                                                      : "evict_first_once";
+}
+
 struct Row {
   std::string name;
-  int slots, in_flight;
+  int slots, in_flight, policy;
   double median_us, tbps, wait_share, cycles_per_chunk;
   bool checked, ok;
+};
+
+// A round trip's row: in_flight -1 alone, else beside the ring with that
+// in_flight and policy.
+struct Chase {
+  int in_flight, policy;
+  bool handoff;
+  int segments;
+  double ns;
+  unsigned sm[2];  // the chase's SM, or the ping-pong's two
 };
 
 int main() {
@@ -289,6 +329,8 @@ int main() {
   const int sms = device.sms, max_shared = device.max_shared;
   const cudaDeviceProp& prop = device.prop;
   const size_t bytes = size_t(2) << 30, chunks = bytes / kSlotBytes;
+  const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
+  const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
   unsigned char* src = nullptr;
   float* total = nullptr;
   unsigned long long* stats = nullptr;
@@ -297,16 +339,13 @@ int main() {
   CHECK_CUDA(cudaMalloc(&stats, 5 * sizeof(unsigned long long)));
   const int64_t expected = FillRandomBf16Integers(src, bytes);
   std::vector<Row> rows;
-  auto run = [&](auto kernel, const char* name, bool checked, int in_flight = 0,
-                 bool evict_first = true) {
-    const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
-    const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
+  auto run = [&](auto kernel, const char* name, bool checked, int in_flight, int policy) {
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
     auto launch = [&] {
       CHECK_CUDA(cudaMemsetAsync(total, 0, sizeof(float)));
       CHECK_CUDA(cudaMemsetAsync(stats, 0, 5 * sizeof(unsigned long long)));
-      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, evict_first);
+      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, policy);
     };
     const double us = MedianUs(launch, kWarmup, kPasses);
     unsigned long long st[5];
@@ -314,28 +353,36 @@ int main() {
     CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(&got, total, sizeof(float), cudaMemcpyDeviceToHost));
     const bool ok = !checked || static_cast<double>(got) == static_cast<double>(expected);
-    rows.push_back({name, slots, in_flight, us, bytes / us / 1e6, double(st[1]) / double(st[0]),
-                    double(st[0] - st[1]) / double(st[2]), checked, ok});
+    rows.push_back({name, slots, in_flight, policy, us, bytes / us / 1e6,
+                    double(st[1]) / double(st[0]), double(st[0] - st[1]) / double(st[2]),
+                    checked, ok});
   };
-  run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true);
-  run(RingGemv<Gemv::kWgmma, true>, "ring_wgmma", true);
-  for (int in_flight : {2, 3, 4}) {
-    run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true, in_flight);
+  // The first run's ring (no policy, no tracking), the kernel's (evict-first
+  // made each copy), the policy made once; tracking alone (in_flight =
+  // slots: no cap binds), then caps; each with and without the policy.
+  for (int policy : {kNoPolicy, kEvictFirstEachCopy, kEvictFirstOnce}) {
+    run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true, 0, policy);
   }
-  for (int in_flight : {0, 2, 3}) {
-    run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync_no_policy", true, in_flight, false);
+  run(RingGemv<Gemv::kWgmma, true>, "ring_wgmma", true, 0, kNoPolicy);
+  for (int policy : {kNoPolicy, kEvictFirstEachCopy}) {
+    for (int in_flight : {slots, 2, 3, 4}) {
+      run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true, in_flight, policy);
+    }
   }
-  run(RingGemv<Gemv::kMmaSync, false>, "consume_only_mma_sync", false);
-  run(RingGemv<Gemv::kWgmma, false>, "consume_only_wgmma", false);
+  run(RingGemv<Gemv::kMmaSync, false>, "consume_only_mma_sync", false, 0, kNoPolicy);
+  run(RingGemv<Gemv::kWgmma, false>, "consume_only_wgmma", false, 0, kNoPolicy);
 
-  // The L2 round trip: a chain over 32 words 4 KiB apart (L2-resident
-  // after its first pass), alone, then started just after the ring's
-  // kernel on another stream; only segments inside the ring's run count.
+  // The round trips: an L2 chain over 32 words 4 KiB apart (L2-resident
+  // after its first pass), and the ping-pong; alone, then each started just
+  // after the ring's kernel on another stream, counting only the segments
+  // inside the ring's run.
   unsigned* next = nullptr;
   unsigned* sink = nullptr;
+  unsigned* words = nullptr;
   unsigned long long* segments = nullptr;
   CHECK_CUDA(cudaMalloc(&next, 32 * 4096));
-  CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
+  CHECK_CUDA(cudaMalloc(&sink, 2 * sizeof(unsigned)));
+  CHECK_CUDA(cudaMalloc(&words, 2 * 64 * sizeof(unsigned)));
   CHECK_CUDA(cudaMalloc(&segments, 2 * kSegments * sizeof(unsigned long long)));
   {
     std::vector<unsigned> host(32 * 1024, 0);
@@ -344,58 +391,49 @@ int main() {
   }
   cudaStream_t side;
   CHECK_CUDA(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
-  unsigned* words = nullptr;
-  CHECK_CUDA(cudaMalloc(&words, 2 * 64 * sizeof(unsigned)));
-  // handoff false: the L2 chain, a load's round trip; true: the ping-pong,
-  // a handoff's round trip (a store seen by the other SM, and back).
-  auto chase_ns = [&](bool under_stream, int in_flight, bool evict_first, bool handoff,
-                      int* counted) {
-    const int slots = static_cast<int>((max_shared - kOperandBytes - 1024) / (kSlotBytes + 8));
-    const size_t smem = size_t(slots) * kSlotBytes + kOperandBytes + 8 * slots;
+  auto round_trip = [&](Chase* c) {
+    const bool under_stream = c->in_flight >= 0;
     CHECK_CUDA(cudaMemset(stats, 0, 5 * sizeof(unsigned long long)));
+    CHECK_CUDA(cudaMemset(sink, 0xFF, 2 * sizeof(unsigned)));
     if (under_stream) {
       RingGemv<Gemv::kMmaSync, true>
-          <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, evict_first);
+          <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, c->in_flight, c->policy);
+      CHECK_CUDA(cudaGetLastError());
     }
-    if (handoff) {
+    if (c->handoff) {
       CHECK_CUDA(cudaMemsetAsync(words, 0, 2 * 64 * sizeof(unsigned), side));
-      HandoffPingPong<<<2, 1, 0, side>>>(words, segments);
+      HandoffPingPong<<<2, 1, 0, side>>>(words, segments, sink);
     } else {
       L2Chase<<<1, 1, 0, side>>>(next, segments, sink);
     }
+    CHECK_CUDA(cudaGetLastError());
     CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<unsigned long long> seg(2 * kSegments);
     unsigned long long st[5];
+    unsigned ids[2];
     CHECK_CUDA(cudaMemcpy(seg.data(), segments, seg.size() * 8, cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
-    std::vector<double> per_load;
+    CHECK_CUDA(cudaMemcpy(ids, sink, sizeof(ids), cudaMemcpyDeviceToHost));
+    c->sm[0] = c->handoff ? ids[0] : ids[1];  // the chase's sink[0] is its chain's end
+    c->sm[1] = ids[1];
+    std::vector<double> per_trip;
     for (int s = 0; s < kSegments; ++s) {
       const bool inside = seg[2 * s] >= st[3] && seg[2 * s] + seg[2 * s + 1] <= st[4];
       if (seg[2 * s + 1] == 0) break;  // the ping-pong's partner never answered
-      if (!under_stream || inside) per_load.push_back(double(seg[2 * s + 1]) / kLoadsPerSegment);
+      if (!under_stream || inside) per_trip.push_back(double(seg[2 * s + 1]) / kLoadsPerSegment);
     }
-    *counted = static_cast<int>(per_load.size());
-    if (per_load.empty()) return -1.0;
-    std::sort(per_load.begin(), per_load.end());
-    return per_load[per_load.size() / 2];
-  };
-  struct Chase {
-    int in_flight;
-    bool evict_first, handoff;
-    int segments;
-    double ns;
+    c->segments = static_cast<int>(per_trip.size());
+    std::sort(per_trip.begin(), per_trip.end());
+    c->ns = per_trip.empty() ? -1.0 : per_trip[per_trip.size() / 2];
   };
   std::vector<Chase> chases;
-  for (int in_flight : {-1, 0, 2, 3}) {  // -1: alone
-    for (bool evict_first : {true, false}) {
-      if (in_flight < 0 && !evict_first) continue;
-      for (bool handoff : {false, true}) {
-        Chase c{in_flight, evict_first, handoff, 0, 0.0};
-        c.ns = chase_ns(in_flight >= 0, in_flight, evict_first, handoff, &c.segments);
-        chases.push_back(c);
-      }
+  for (bool handoff : {false, true}) {
+    chases.push_back({-1, kNoPolicy, handoff});
+    for (int policy : {kEvictFirstEachCopy, kNoPolicy}) {
+      for (int in_flight : {0, 2, 3}) chases.push_back({in_flight, policy, handoff});
     }
   }
+  for (Chase& c : chases) round_trip(&c);
 
   const char* commit = std::getenv("JFO_COMMIT");
   const std::string date = UtcNow();
@@ -405,36 +443,35 @@ int main() {
               "\n\"rows\": [\n",
               prop.name, sms, bytes, kSlotBytes, kWarmup, kPasses, commit ? commit : "unknown",
               date.c_str());
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const Row& r = rows[i];
-    std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"in_flight\": %d, \"median_us\": %.1f, "
-                "\"tb_per_s\": %.3f, \"wait_share\": %.3f, \"cycles_a_chunk_not_waiting\": %.0f, "
-                "\"checked\": %s, \"ok\": %s},\n",
-                r.name.c_str(), r.slots, r.in_flight, r.median_us, r.tbps, r.wait_share,
-                r.cycles_per_chunk, r.checked ? "true" : "false", r.ok ? "true" : "false");
+  for (const Row& r : rows) {
+    std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"in_flight\": %d, \"policy\": \"%s\", "
+                "\"median_us\": %.1f, \"tb_per_s\": %.3f, \"wait_share\": %.3f, "
+                "\"cycles_a_chunk_not_waiting\": %.0f, \"checked\": %s, \"ok\": %s},\n",
+                r.name.c_str(), r.slots, r.in_flight, PolicyName(r.policy), r.median_us, r.tbps,
+                r.wait_share, r.cycles_per_chunk, r.checked ? "true" : "false",
+                r.ok ? "true" : "false");
   }
-  // The round trips as rows: in_flight -1 alone, 0 beside the kernel's
-  // ring, n beside the ring with n copies in flight.
   for (size_t i = 0; i < chases.size(); ++i) {
-    std::printf("  {\"variant\": \"%s\", \"in_flight\": %d, \"evict_first\": %s, "
-                "\"median_ns\": %.0f, \"segments\": %d, \"trips_a_segment\": %d}%s\n",
-                chases[i].handoff ? "handoff_round_trip" : "l2_round_trip", chases[i].in_flight,
-                chases[i].evict_first ? "true" : "false", chases[i].ns,
-                chases[i].segments, kLoadsPerSegment, i + 1 < chases.size() ? "," : "");
+    const Chase& c = chases[i];
+    std::printf("  {\"variant\": \"%s\", \"in_flight\": %d, \"policy\": \"%s\", "
+                "\"median_ns\": %.0f, \"segments\": %d, \"trips_a_segment\": %d, "
+                "\"sm\": [%u, %u]}%s\n",
+                c.handoff ? "handoff_round_trip" : "l2_round_trip", c.in_flight,
+                c.in_flight < 0 ? "alone" : PolicyName(c.policy), c.ns, c.segments,
+                kLoadsPerSegment, c.sm[0], c.sm[1], i + 1 < chases.size() ? "," : "");
   }
   std::printf("]}\n");
   for (const Row& r : rows) {
-    std::fprintf(stderr, "%-22s slots %d in flight %d %8.1f us %.3f TB/s wait %.2f %6.0f "
-                 "cycles/chunk %s\n", r.name.c_str(), r.slots, r.in_flight, r.median_us, r.tbps,
-                 r.wait_share, r.cycles_per_chunk,
+    std::fprintf(stderr, "%-22s in flight %d policy %-21s %7.1f us %.3f TB/s wait %.2f %5.0f "
+                 "cycles/chunk %s\n", r.name.c_str(), r.in_flight, PolicyName(r.policy),
+                 r.median_us, r.tbps, r.wait_share, r.cycles_per_chunk,
                  !r.checked ? "unchecked" : r.ok ? "" : "MISMATCH");
   }
   for (const Chase& c : chases) {
-    std::fprintf(stderr, "%s round trip, %s %d, evict-first %d: %.0f ns (median of %d "
-                 "segments)\n", c.handoff ? "handoff" : "L2 load",
-                 c.in_flight < 0 ? "alone" : "under the ring, in flight", c.in_flight,
-                 c.evict_first, c.ns,
-                 c.segments);
+    std::fprintf(stderr, "%-7s round trip, %s in flight %d, policy %s: %.0f ns (%d segments, "
+                 "SM %u/%u)\n", c.handoff ? "handoff" : "L2 load",
+                 c.in_flight < 0 ? "alone," : "beside the ring,", c.in_flight,
+                 PolicyName(c.policy), c.ns, c.segments, c.sm[0], c.sm[1]);
   }
   for (const Row& r : rows) {
     if (!r.ok) return 1;

@@ -1,4 +1,5 @@
-// What the standalone weight-stream probes share: their data and their clock.
+// What the standalone weight-stream probes share: their random data, their
+// timing, the device query and the results' date.
 #pragma once
 
 #include <cuda_runtime.h>
