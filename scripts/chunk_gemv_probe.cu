@@ -52,6 +52,7 @@
 
 using jfo::transformer_decode::BulkLoad;
 using jfo::transformer_decode::EvictFirstPolicy;
+using jfo::transformer_decode::LoadWords;
 using jfo::transformer_decode::MbarrierInit;
 using jfo::transformer_decode::MbarrierTryWait;
 using jfo::transformer_decode::MmaBf16;
@@ -95,13 +96,6 @@ __device__ __forceinline__ void WgmmaCommitAndWait() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 #endif
-}
-
-// The CTA's contiguous share of `chunks` chunks.
-__device__ void Share(size_t chunks, size_t* begin, size_t* end) {
-  const size_t per = (chunks + gridDim.x - 1) / gridDim.x;
-  *begin = min(chunks, blockIdx.x * per);
-  *end = min(chunks, *begin + per);
 }
 
 __device__ __forceinline__ bool MbarrierTestWait(uint64_t* bar, unsigned parity) {
@@ -242,19 +236,15 @@ __device__ __forceinline__ unsigned SmId() {
 
 // sink[0]: the chain's end (kept live); sink[1]: the SM it ran on.
 __global__ void L2Chase(const unsigned* next, unsigned long long* segments, unsigned* sink) {
-  unsigned at = 0;
-  for (int i = 0; i < kLoadsPerSegment; ++i) {  // into L2
-    asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(at) : "l"(next + at) : "memory");
-  }
+  unsigned at[1] = {0};  // the kernel's polls' load (handoff.cuh)
+  for (int i = 0; i < kLoadsPerSegment; ++i) LoadWords(next + at[0], at);  // into L2
   for (int s = 0; s < kSegments; ++s) {
     const unsigned long long start = jfo::GlobalTimerNs();
-    for (int i = 0; i < kLoadsPerSegment; ++i) {
-      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(at) : "l"(next + at) : "memory");
-    }
+    for (int i = 0; i < kLoadsPerSegment; ++i) LoadWords(next + at[0], at);
     segments[2 * s] = start;
     segments[2 * s + 1] = jfo::GlobalTimerNs() - start;
   }
-  sink[0] = at;
+  sink[0] = at[0];
   sink[1] = SmId();
 }
 
@@ -270,11 +260,11 @@ __global__ void HandoffPingPong(unsigned* words, unsigned long long* segments, u
   const unsigned* theirs = words + (1 - blockIdx.x) * 64;
   auto wait_for = [&](unsigned value) {
     const unsigned long long start = jfo::GlobalTimerNs();
-    unsigned seen = 0;
+    unsigned seen[1];
     do {
-      asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(theirs) : "memory");
+      LoadWords(theirs, seen);
       if (jfo::GlobalTimerNs() - start > 100000000ull) return false;
-    } while (seen != value);
+    } while (seen[0] != value);
     return true;
   };
   auto hand = [&](unsigned value) {

@@ -64,13 +64,6 @@ __device__ void StoreXor(uint4 acc, uint4* out) {
   if (threadIdx.x % 32 == 0) out[blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32] = acc;
 }
 
-// The CTA's contiguous share of `words` 16-byte words.
-__device__ void Share(size_t words, size_t* begin, size_t* end) {
-  const size_t per = (words + gridDim.x - 1) / gridDim.x;
-  *begin = min(words, blockIdx.x * per);
-  *end = min(words, *begin + per);
-}
-
 // Plain loads, U independent 16-byte loads a thread in flight.
 template <int U>
 __global__ void __launch_bounds__(kThreads) PlainLoads(const uint4* src, size_t words, uint4* out) {

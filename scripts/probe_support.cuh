@@ -1,5 +1,5 @@
-// What the standalone weight-stream probes share: their random data, their
-// timing, the device query and the results' date.
+// What the standalone weight-stream probes share: their random data, each
+// CTA's share of it, their timing, the device query and the results' date.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,6 +28,13 @@ inline int64_t FillRandomBf16Integers(void* device, size_t bytes) {
   }
   CHECK_CUDA(cudaMemcpy(device, host.data(), bytes, cudaMemcpyHostToDevice));
   return sum;
+}
+
+// The CTA's contiguous share [*begin, *end) of `n` items (words or chunks).
+__device__ inline void Share(size_t n, size_t* begin, size_t* end) {
+  const size_t per = (n + gridDim.x - 1) / gridDim.x;
+  *begin = min(n, blockIdx.x * per);
+  *end = min(n, *begin + per);
 }
 
 // `warmup` launches, then `passes` timed one by one with CUDA events: the
