@@ -350,12 +350,12 @@ def _prefill(graphdef, shape: _Shape, params, prompt, rng) -> Prefilled:
 def _decode_loop(graphdef, shape: _Shape, params, prefilled: Prefilled, rng,
                  steps: int, decode_weights=None) -> Prefilled:
     """``steps`` decode steps from ``prefilled``; ``decode_weights`` as the
-    model's ``decode_weights`` returns them (replicated)."""
+    model's ``decode_weights`` returns them."""
     model = nnx.merge(graphdef, params)
     data = model.config.sharding.data
     extra, extra_specs = (), ()
     if decode_weights is not None:
-        extra, extra_specs = (decode_weights,), (P(),)
+        extra, extra_specs = (decode_weights,), (model.decode_weights_specs(),)
 
     def step(i, carry: Prefilled) -> Prefilled:
         pos = shape.prompt_len + i                          # of carry.token

@@ -300,6 +300,10 @@ class CausalLM(nnx.Module):
             updated.append(cache)
         return self._logits(x[0]), tuple(updated)
 
+    def decode_weights_specs(self) -> Any:
+        """:meth:`decode_weights`' ``PartitionSpec`` s (global view)."""
+        raise NotImplementedError(f"{type(self).__name__} has no decode_weights")
+
     def _decode_layers_with(self, weights: Any, x: jax.Array, caches: tuple,
                             pos: jax.Array) -> tuple[jax.Array, tuple]:
         """Every layer's decode from :meth:`decode_weights`' result: x [1, b, d]."""

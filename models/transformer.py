@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
+from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, shard_map_apply
 
 from . import decode_attention_pallas
 from .config import TransformerConfig
@@ -134,7 +134,8 @@ def decode_blocks_implementation(config: TransformerConfig, *, batch: int, tenso
 
     "auto" is "cuda" where the kernel runs the step
     (:func:`models.transformer_decode_cuda.unsupported_reason`) on a CUDA GPU
-    of compute capability 9.0 or later, ``batch`` is at most
+    of compute capability 9.0 or later, at tensor-parallel size 1 (its
+    tensor-parallel form is experimental), ``batch`` is at most
     :data:`models.transformer_decode_cuda.AUTO_MAX_BATCH`, and the kernel's
     copy of the blocks' weights (``weight_bytes``) takes at most half the
     device's free memory; else "layers".
@@ -150,7 +151,8 @@ def decode_blocks_implementation(config: TransformerConfig, *, batch: int, tenso
     if config.decode_blocks == "auto":
         device = device or jax.devices()[0]
         capability = _capability(getattr(device, "compute_capability", None))
-        runs = (not why_not and batch <= transformer_decode_cuda.AUTO_MAX_BATCH
+        runs = (not why_not and tensor_size == 1
+                and batch <= transformer_decode_cuda.AUTO_MAX_BATCH
                 and on_cuda(device) and capability >= (9, 0)
                 and weight_bytes <= _free_bytes(device) // 2)
         return "cuda" if runs else "layers"
@@ -431,23 +433,30 @@ class Transformer(CausalLM):
         if self.decode_blocks_implementation(batch=batch, tensor_size=tensor_size) == "layers":
             return None
         from . import transformer_decode_cuda  # it imports this module
-        return transformer_decode_cuda.prepare_weights(self.blocks, self.config)
+        # Each rank lays out its own shards (transformer_decode_cuda.weight_specs).
+        return shard_map_apply(
+            lambda model: transformer_decode_cuda.prepare_weights(model.blocks, model.config),
+            self, in_specs=(), out_specs=self.decode_weights_specs())
+
+    def decode_weights_specs(self):
+        """:meth:`decode_weights`' ``PartitionSpec`` s (global view)."""
+        from . import transformer_decode_cuda  # it imports this module
+        return transformer_decode_cuda.weight_specs(self.config)
 
     def decode_blocks_implementation(self, *, batch: int, tensor_size: int) -> str:
         """How a decode step of ``batch`` rows per device runs the blocks:
         "cuda" or "layers" (:func:`decode_blocks_implementation`, the
-        kernel's copy of the blocks' weights as large as theirs)."""
+        kernel's copy of the blocks' weights as large as a rank's share of theirs)."""
         weight_bytes = sum(leaf.size * leaf.dtype.itemsize
                            for leaf in jax.tree.leaves(nnx.state(self.blocks, nnx.Param)))
+        weight_bytes //= tensor_size
         return decode_blocks_implementation(self.config, batch=batch, tensor_size=tensor_size,
                                             weight_bytes=weight_bytes)
 
     def _decode_layers_with(self, weights, x, caches, pos):
         from . import transformer_decode_cuda
         y, caches = transformer_decode_cuda.decode_blocks(x[0], pos, weights, caches, self.config)
-        # The output depends on the caches, which vary over the tensor axis in
-        # the types; at its size 1 this sum is the value itself (XLA drops it).
-        return jax.lax.psum(y, self.config.sharding.tensor)[None], caches
+        return y[None], caches
 
     def layer_cache_spec(self) -> KVCache:
         """The ``PartitionSpec`` of each of a layer's cache arrays (global view)."""

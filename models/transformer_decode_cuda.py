@@ -94,6 +94,15 @@ ORDERED_ATOMICS, POLLED_HANDOFFS = 16, 64
 ALL_OPTIONS = (EVICT_FIRST_WEIGHTS | RESIDUAL_AHEAD | KV_BEFORE_COUNT | ORDERED_ATOMICS
                | POLLED_HANDOFFS)
 OPTIONS = ALL_OPTIONS
+# Experimental, off: decode_blocks="cuda" at tensor-parallel sizes above 1
+# (up to MAX_TENSOR_SIZE), each rank its share of the heads and of the
+# MLP's units as the layers' own tensor parallelism splits them
+# (weight_specs), out's and down's partial sums added over the tensor axis.
+# So far only its JAX reference runs it, off GPUs; the kernel's exchange
+# between the ranks is not built, and on GPUs it is an error. "auto" never
+# picks it.
+TENSOR_PARALLEL = False
+MAX_TENSOR_SIZE = 8
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 # A trace's rows: per layer, kMaxTraceCtas CTAs of TRACE_EVENTS clocks.
@@ -146,8 +155,12 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
       batch: rows per device.
     """
     d, h, f = config.embed_dim, config.head_dim, config.mlp_dim
-    if tensor_size != 1:
-        return f"it runs at tensor-parallel size 1 (the mesh's is {tensor_size})"
+    if tensor_size > MAX_TENSOR_SIZE:
+        return f"it runs at tensor-parallel sizes up to {MAX_TENSOR_SIZE} (got {tensor_size})"
+    if tensor_size != 1 and not TENSOR_PARALLEL:
+        return (f"it runs at tensor-parallel size 1 (the mesh's is {tensor_size}); its "
+                f"tensor-parallel form is experimental "
+                f"(models.transformer_decode_cuda.TENSOR_PARALLEL)")
     if jnp.dtype(config.dtype) != jnp.dtype(jnp.bfloat16):
         return f"it computes in bfloat16 (the config's dtype is {config.dtype})"
     if not 1 <= batch <= MAX_BATCH:
@@ -164,6 +177,16 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
     return None
 
 
+def weight_specs(config: TransformerConfig) -> DecodeWeights:
+    """Each of :func:`prepare_weights`' arrays' ``PartitionSpec`` (global
+    view): QKV's and gate/up's items and out's and down's rows split over the
+    tensor axis, as the blocks' own column- and row-parallel weights are, so
+    that each rank's shard is :func:`prepare_weights` of its own blocks."""
+    t = config.sharding.tensor
+    return DecodeWeights(attn_norm=P(), mlp_norm=P(), qkv=P(None, t), out=P(None, None, t),
+                         gate_up=P(None, t), down=P(None, None, t))
+
+
 def _whole(a: jax.Array) -> jax.Array:
     """``a`` typed as whole on every device (at tensor size 1 it already is,
     but an explicit mesh axis still names it in the type)."""
@@ -172,11 +195,11 @@ def _whole(a: jax.Array) -> jax.Array:
     return a
 
 
-def _qkv_items(w: jax.Array, kv: int, h: int) -> jax.Array:
-    """[d, kv * r * h] (per KV head: its query heads, k, v) -> [items, d, 32]."""
+def _qkv_items(w: jax.Array, roles: int, h: int) -> jax.Array:
+    """[d, kv * roles * h] (per KV head: its query heads, k, v) -> [items, d, 32]."""
     d = w.shape[0]
     pairs = _QKV_COLUMNS // 2
-    w = w.reshape(d, kv, -1, 2, h // 2 // pairs, pairs)     # [d, kv, r, half, block, 16]
+    w = w.reshape(d, -1, roles, 2, h // 2 // pairs, pairs)  # [d, kv, r, half, block, 16]
     return w.transpose(1, 2, 4, 0, 3, 5).reshape(-1, d, _QKV_COLUMNS)
 
 
@@ -217,6 +240,10 @@ def _item_order(items: jax.Array) -> jax.Array:
 def prepare_weights(blocks, config: TransformerConfig) -> DecodeWeights:
     """The blocks' weights in the kernel's layout (jit it: a copy of each).
 
+    Whole, or per device inside ``shard_map`` at any tensor-parallel size:
+    a rank's shard of the whole layout (:func:`weight_specs`) is this
+    function of its own shards of the blocks' weights.
+
     Args:
       blocks: the model's :class:`~models.transformer.Block` s, their
         matrices in the compute dtype (as ``decoding_params`` casts them).
@@ -230,11 +257,11 @@ def prepare_weights(blocks, config: TransformerConfig) -> DecodeWeights:
     def matrix(param):
         return _whole(param[...]).astype(dtype)
 
-    kv, h = config.num_kv_heads, config.head_dim
+    roles, h = config.num_heads // config.num_kv_heads + 2, config.head_dim
     return DecodeWeights(
         attn_norm=stack(lambda b: _whole(b.attn_norm.weight[...]).astype(jnp.float32)),
         mlp_norm=stack(lambda b: _whole(b.mlp_norm.weight[...]).astype(jnp.float32)),
-        qkv=stack(lambda b: _fragment_order(_qkv_items(matrix(b.attn.qkv.kernel), kv, h))),
+        qkv=stack(lambda b: _fragment_order(_qkv_items(matrix(b.attn.qkv.kernel), roles, h))),
         out=stack(lambda b: _fragment_order(
             _column_items(matrix(b.attn.out.kernel), _OUT_COLUMNS))),
         gate_up=stack(lambda b: _fragment_order(
@@ -251,15 +278,27 @@ def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     Args:
       x: [b, d] in bfloat16, the blocks' input (the embedded token).
       pos: int32 scalar, the token's position; the caches hold 0..pos-1.
-      weights: :func:`prepare_weights`' result.
-      caches: a :class:`~models.transformer.KVCache` per layer, [b, KV, L, h]
-        each; donate them and they are updated in place.
+      weights: :func:`prepare_weights`' result (a rank's shard at a tensor
+        size t above 1, :func:`weight_specs`).
+      caches: a :class:`~models.transformer.KVCache` per layer, [b, KV / t,
+        L, h] each; donate them and they are updated in place.
       config: the model's.
 
     Returns:
-      (the blocks' output [b, d], the caches with position ``pos`` written).
+      (the blocks' output [b, d], the same on every tensor rank, the caches
+      with position ``pos`` written).
+
+    Raises:
+      NotImplementedError: a tensor size above 1 on a GPU (the kernel has no
+        exchange between ranks yet; :data:`TENSOR_PARALLEL`).
     """
     pos = jnp.asarray(pos, jnp.int32)
+    if caches and caches[0].k.shape[1] != config.num_kv_heads and on_cuda():
+        raise NotImplementedError(
+            "TransformerConfig(decode_blocks='cuda') at a tensor-parallel size above 1 "
+            "(models.transformer_decode_cuda.TENSOR_PARALLEL) runs only off GPUs, as its JAX "
+            "reference: the kernel's exchange between the ranks is not built yet. Use "
+            "decode_blocks='layers' or 'auto' on GPUs.")
     run_reference = functools.partial(reference, config=config)
     info = build_info()  # registers the kernel with XLA where it is built
     if TARGET not in info["ffi_targets"]:
@@ -295,13 +334,16 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     # Per device (inside shard_map, or on one device): whole on x's mesh.
     sharding = jax.typeof(x).sharding.update(spec=P())
 
-    def like(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=varying)
+    def like(shape, dtype, axes=varying):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=axes)
 
     workspace_bytes = _workspace_bytes(x.shape[0], config)
     trace_bytes = config.num_layers * _TRACE_CTAS * len(TRACE_EVENTS) * 8 \
         if stage_times == 2 else 0
-    results = (like(x.shape, x.dtype),
+    # The blocks' output is the same on every tensor rank (the ranks sum
+    # their partials inside the kernel), as a psum's.
+    same_on_tensor_ranks = varying.update(varying=varying.varying - {config.sharding.tensor})
+    results = (like(x.shape, x.dtype, same_on_tensor_ranks),
                like((workspace_bytes + trace_bytes,), jnp.uint8),
                *(like(t.shape, t.dtype) for t in flat))
     first_cache = 2 + len(weights)
@@ -370,10 +412,24 @@ def reference(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
               caches: tuple[KVCache, ...], *, config: TransformerConfig
               ) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """:func:`decode_blocks` in JAX: the kernel's stages on the same layout,
-    rounding to the compute dtype where the kernel does."""
+    rounding to the compute dtype where the kernel does.
+
+    Whole, or per device inside ``shard_map``: there each rank attends over
+    its own KV heads (``caches``' second axis) and out's and down's partial
+    sums, rounded to the compute dtype, are added in float32 over the tensor
+    axis, as the kernel's ranks exchange them.
+    """
     b = x.shape[0]
-    kv, h = config.num_kv_heads, config.head_dim
-    qpk = config.num_heads // kv
+    kv, h = caches[0].k.shape[1], config.head_dim
+    qpk = config.num_heads // config.num_kv_heads
+    tensor = config.sharding.tensor
+
+    def summed(partial):
+        # A partial that varies over the tensor axis is a rank's share.
+        if tensor not in jax.typeof(partial).manual_axis_type.varying:
+            return partial
+        return lax.psum(partial.astype(jnp.float32), tensor).astype(partial.dtype)
+
     pairs = _QKV_COLUMNS // 2
     updated = []
     for layer, cache in enumerate(caches):
@@ -399,9 +455,10 @@ def reference(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
         attended = jnp.einsum("bgql,bglh->bgqh", jax.nn.softmax(scores, axis=-1), values)
         attended = attended.reshape(b, -1).astype(x.dtype)
         # C, D, E.
-        x = x + _items_product(attended, weights.out[layer])
+        x = x + summed(_items_product(attended, weights.out[layer]))
         gate_up = _items_product(_norm(x, weights.mlp_norm[layer], config.norm_eps),
                                  weights.gate_up[layer]).reshape(b, -1, 2)
         gate, up = (gate_up[..., i].astype(jnp.float32) for i in (0, 1))
-        x = x + _items_product((jax.nn.silu(gate) * up).astype(x.dtype), weights.down[layer])
+        x = x + summed(_items_product((jax.nn.silu(gate) * up).astype(x.dtype),
+                                      weights.down[layer]))
     return x, tuple(updated)

@@ -52,7 +52,7 @@ def _caches(rng, config, batch, length, pos, dtype, poison=np.nan):
 def _step(model, mesh, token, caches, pos, weights=None):
     """decode_step under shard_map: (float32 logits [b, v], caches)."""
     spec = model.cache_specs()
-    extra, extra_specs = ((weights,), (jax.sharding.PartitionSpec(),)) if weights else ((), ())
+    extra, extra_specs = ((weights,), (model.decode_weights_specs(),)) if weights else ((), ())
     with jax.set_mesh(mesh):
         return jax.jit(lambda m, t, c, p, *w: shard_map_apply(
             type(m).decode_step, m, t, c, p, *w,
@@ -91,10 +91,39 @@ def test_reference_matches_the_models_decode_in_float32(rng, head_dim, heads, kv
                                        atol=1e-5)
 
 
+@pytest.mark.parametrize("tp, dp", [(2, 1), (4, 1), (2, 2)])
+def test_reference_splits_over_the_tensor_axis_as_the_layers(rng, tp, dp):
+    """Each rank's shard of the layout is the layout of its own weights, and
+    the reference, per rank with its partials summed over the tensor axis,
+    follows each block's own tensor-parallel decode in float32."""
+    config = _config("float32", 64, heads=8, kv_heads=4)
+    mesh = cpu_mesh(tp, dp)
+    model = _model(config, mesh)
+    batch, length, pos = 2 * dp, 24, 17
+    token = jnp.asarray(rng.integers(0, config.vocab_size, batch), jnp.int32)
+    caches = _caches(rng, config, batch, length, pos, jnp.float32, poison=1e4)
+    with jax.set_mesh(mesh):
+        sharded = jax.jit(lambda m: shard_map_apply(
+            lambda m: fused.prepare_weights(m.blocks, config), m, in_specs=(),
+            out_specs=fused.weight_specs(config)))(model)
+    with jax.set_mesh(cpu_mesh(1)):
+        whole = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(
+            _model(config, cpu_mesh(1)))
+    for got, want in zip(sharded, whole):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    want, want_caches = _step(model, mesh, token, caches, pos)
+    got, got_caches = _step(model, mesh, token, caches, pos, sharded)
+    assert _relative(got, want) < 1e-5
+    for got_cache, want_cache in zip(got_caches, want_caches):
+        for g, w in zip(got_cache, want_cache):
+            np.testing.assert_allclose(np.asarray(g)[:, :, :pos + 1],
+                                       np.asarray(w)[:, :, :pos + 1], rtol=1e-5, atol=1e-5)
+
+
 def test_prepared_layout_inverts_to_the_models_weights(rng):
     """Item i of the QKV layout holds channels j0..j0+15 of its head's two halves."""
     w = jnp.asarray(rng.standard_normal((128, 2 * (2 + 2) * 64)), jnp.float32)
-    items = np.asarray(fused._qkv_items(w, 2, 64))        # [2 * 4 * 2, 128, 32]
+    items = np.asarray(fused._qkv_items(w, 4, 64))        # [2 * 4 * 2, 128, 32]
     w = np.asarray(w).reshape(128, 2, 4, 64)                # [d, kv, role, h]
     for item in range(items.shape[0]):
         g, role, block = item // 8, item % 8 // 2, item % 2
@@ -222,6 +251,28 @@ def test_generate_with_the_kernels_blocks_follows_the_layers(rng):
         forward = nnx.jit(lambda m, t: m(t))(layers, tokens[:, :-1])
     forward = np.asarray(forward, np.float64)[:, -8:]
     np.testing.assert_array_equal(np.asarray(got)[:, 0], np.asarray(want)[:, 0])  # prefill
+    assert _relative(got, forward) < 4 * TOLERANCE["bfloat16"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_generate_at_tensor_parallel_sizes_follows_the_layers(rng, monkeypatch, tp):
+    """bf16 generation with the kernel's experimental tensor-parallel form
+    (its reference on CPU): logits within bf16 rounding of the layers'
+    tensor-parallel decode; "auto" keeps the layers there."""
+    monkeypatch.setattr(fused, "TENSOR_PARALLEL", True)
+    config = _config("bfloat16", heads=8, kv_heads=4)
+    mesh = cpu_mesh(tp)
+    layers = _model(config, mesh)
+    assert models.decode_blocks_implementation(
+        dataclasses.replace(config, decode_blocks="auto"), batch=2, tensor_size=tp,
+        device=_gpu()) == "layers"
+    blocks = _model(dataclasses.replace(config, decode_blocks="cuda"), mesh)
+    # 12 positions in the forward pass: sequence parallelism splits them.
+    prompt = rng.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
+    with jax.set_mesh(mesh):
+        tokens, got = models.generate(blocks, prompt, 8, return_logits=True)
+        forward = nnx.jit(lambda m, t: m(t))(layers, tokens[:, :-1])
+    forward = np.asarray(forward, np.float64)[:, -8:]
     assert _relative(got, forward) < 4 * TOLERANCE["bfloat16"]
 
 
