@@ -48,8 +48,9 @@ from .config import TransformerConfig
 from .pallas_gpu import on_cuda
 from .transformer import KVCache, rope
 
-__all__ = ["AUTO_MAX_BATCH", "DecodeWeights", "HEAD_DIMS", "MAX_BATCH", "decode_blocks",
-           "prepare_weights", "reference", "stage_times", "unsupported_reason"]
+__all__ = ["AUTO_MAX_BATCH", "DecodeWeights", "HEAD_DIMS", "MAX_BATCH", "MAX_TENSOR_SIZE",
+           "TENSOR_PARALLEL", "decode_blocks", "emulate_tensor_ranks", "prepare_weights",
+           "rank_shards", "reference", "stage_times", "unsupported_reason", "weight_specs"]
 
 TARGET = "jfo_transformer_decode"
 MAX_BATCH = 4
@@ -313,14 +314,15 @@ def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
                                   default=run_reference)
 
 
-def _workspace_bytes(batch: int, config: TransformerConfig) -> int:
-    """As TransformerDecodeWorkspaceBytes in ffi/src/transformer_decode.cu."""
-    h, heads, kv = config.head_dim, config.num_heads, config.num_kv_heads
+def _workspace_bytes(batch: int, config: TransformerConfig, ranks: int = 1) -> int:
+    """As TransformerDecodeWorkspaceBytes in ffi/src/transformer_decode/params.cuh,
+    for one of ``ranks`` tensor ranks."""
+    h, heads, kv = config.head_dim, config.num_heads // ranks, config.num_kv_heads // ranks
 
     def aligned(n):
         return -(-n // 256) * 256
 
-    d, f, layers = config.embed_dim, config.mlp_dim, config.num_layers
+    d, f, layers = config.embed_dim, config.mlp_dim // ranks, config.num_layers
     return (_CONTROL_BYTES + _TIMES_BYTES + aligned(batch * heads * h * 4)
             + aligned(batch * kv * MAX_SPLITS * (heads // kv) * (h + 2) * 4)
             + aligned(batch * heads * h * 2) + aligned(batch * f * 2)
@@ -350,13 +352,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases={first_cache + i: 2 + i
                                                   for i in range(len(flat))})
-    out, workspace, *updated = call(
-        *operands, heads=np.int32(config.num_heads), kv_heads=np.int32(config.num_kv_heads),
-        max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
-        rope_theta=np.float32(config.rope_theta),
-        timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
-        stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
-        ring_slots=np.int32(RING_SLOTS), options=np.int32(OPTIONS))
+    out, workspace, *updated = call(*operands, **_attributes(config, 1, stage_times))
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches
@@ -371,6 +367,81 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     trace = words(workspace_bytes, trace_bytes // 8)
     return out, caches, times, trace.reshape(config.num_layers, _TRACE_CTAS,
                                              len(TRACE_EVENTS), 2)
+
+
+def _attributes(config: TransformerConfig, ranks: int, stage_times: int) -> dict:
+    """The kernel's attributes for one of ``ranks`` tensor ranks."""
+    return dict(heads=np.int32(config.num_heads // ranks),
+                kv_heads=np.int32(config.num_kv_heads // ranks),
+                max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
+                rope_theta=np.float32(config.rope_theta),
+                timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
+                stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
+                ring_slots=np.int32(RING_SLOTS), options=np.int32(OPTIONS),
+                emulated_ranks=np.int32(ranks))
+
+
+def rank_shards(weights: DecodeWeights, caches: tuple[KVCache, ...], ranks: int
+                ) -> tuple[DecodeWeights, tuple[KVCache, ...]]:
+    """The whole layout and caches cut over ``ranks`` tensor ranks as
+    :func:`weight_specs` and the caches' own spec cut them, stacked by rank.
+
+    Returns:
+      (the weights with the norms whole and each matrix [ranks, L, ...] its
+      ranks' shards, the caches [ranks, b, KV / ranks, L, h] each).
+    """
+    def split(a, axis):
+        shape = a.shape[:axis] + (ranks, a.shape[axis] // ranks) + a.shape[axis + 1:]
+        return jnp.moveaxis(a.reshape(shape), axis, 0)
+
+    shards = weights._replace(qkv=split(weights.qkv, 1), out=split(weights.out, 2),
+                              gate_up=split(weights.gate_up, 1), down=split(weights.down, 2))
+    return shards, tuple(KVCache(*(split(t, 1) for t in cache)) for cache in caches)
+
+
+def emulate_tensor_ranks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
+                         caches: tuple[KVCache, ...], config: TransformerConfig, ranks: int
+                         ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """The kernel at tensor-parallel size ``ranks`` on one GPU: each rank a
+    launch of its own on 1/ranks of the SMs, exchanging its partial sums
+    with the others as ranks on GPUs of their own would. The test of that
+    exchange where one GPU is all there is; not a way to decode faster.
+
+    Args:
+      x: [b, d] bf16, every rank's input.
+      pos: int32 scalar, the token's position.
+      weights: :func:`prepare_weights`' whole result.
+      caches: whole, [b, KV, L, h] each.
+      config: the model's; its KV heads and MLP width divide by ``ranks``.
+      ranks: 2 to :data:`MAX_TENSOR_SIZE`.
+
+    Returns:
+      (every rank's output [ranks, b, d], which should all be the same; the
+      caches whole with position ``pos`` written).
+    """
+    if not 2 <= ranks <= MAX_TENSOR_SIZE or config.num_kv_heads % ranks \
+            or config.mlp_dim % (ranks * _GATE_UP_COLUMNS // 2):
+        raise ValueError(f"emulate_tensor_ranks: ranks={ranks} must be 2 to {MAX_TENSOR_SIZE} "
+                         f"and divide the KV heads ({config.num_kv_heads}) and the MLP width "
+                         f"({config.mlp_dim}) in units of {_GATE_UP_COLUMNS // 2}")
+    shards, stacked = rank_shards(weights, caches, ranks)
+    flat = [t for cache in stacked for t in cache]
+    results = (jax.ShapeDtypeStruct((ranks, *x.shape), x.dtype),
+               jax.ShapeDtypeStruct((ranks, _workspace_bytes(x.shape[0], config, ranks)),
+                                    jnp.uint8),
+               *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in flat))
+    first_cache = 2 + len(shards)
+    call = jax.ffi.ffi_call(TARGET, results,
+                            input_output_aliases={first_cache + i: 2 + i
+                                                  for i in range(len(flat))})
+    out, _, *updated = call(x, jnp.asarray(pos, jnp.int32), *shards, *flat,
+                            **_attributes(config, ranks, 0))
+
+    def whole(t):  # [ranks, b, KV / ranks, L, h] -> [b, KV, L, h]
+        return jnp.moveaxis(t, 0, 1).reshape(t.shape[1], -1, *t.shape[3:])
+
+    return out, tuple(KVCache(whole(updated[i]), whole(updated[i + 1]))
+                      for i in range(0, len(updated), 2))
 
 
 def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,

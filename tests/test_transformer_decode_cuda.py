@@ -111,6 +111,15 @@ def test_reference_splits_over_the_tensor_axis_as_the_layers(rng, tp, dp):
             _model(config, cpu_mesh(1)))
     for got, want in zip(sharded, whole):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    # rank_shards (the one-GPU emulation's operands) cuts as the specs do.
+    stacked, stacked_caches = fused.rank_shards(whole, caches, tp)
+    for field in ("qkv", "out", "gate_up", "down"):
+        for shard in getattr(sharded, field).addressable_shards:
+            rank = int(np.argwhere(mesh.devices == shard.device)[0][1])
+            np.testing.assert_array_equal(np.asarray(shard.data),
+                                          np.asarray(getattr(stacked, field)[rank]))
+    np.testing.assert_array_equal(np.asarray(stacked_caches[0].k[1]),
+                                  np.asarray(caches[0].k)[:, 4 // tp:2 * 4 // tp])
     want, want_caches = _step(model, mesh, token, caches, pos)
     got, got_caches = _step(model, mesh, token, caches, pos, sharded)
     assert _relative(got, want) < 1e-5
@@ -303,6 +312,47 @@ def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim
                 np.testing.assert_array_equal(np.isnan(g[:, :, pos + 1:]), True)
                 np.testing.assert_array_equal(g[:, :, :pos], w[:, :, :pos])
                 np.testing.assert_allclose(g[:, :, pos], w[:, :, pos], rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_emulated_tensor_ranks_match_the_reference(rng, ranks, batch):
+    """The kernel's exchange between tensor ranks, on one GPU: each rank a
+    launch on its share of the SMs. Three steps in a row (both parities of
+    the receive areas, one of them twice): every rank's output is the same,
+    within bf16 rounding of the float32 reference, and each step's k and v
+    rows land in the rank's KV heads."""
+    config = _config("bfloat16", 128, heads=8, kv_heads=4, layers=3)
+    mesh, weights, whole = _prepared_on_one_device(config)
+    length, pos = 64, 37
+    caches = jax.device_put(_caches(rng, config, batch, length, pos, jnp.bfloat16), whole)
+    emulate = jax.jit(lambda *a: fused.emulate_tensor_ranks(*a, config, ranks))
+    exact_config = dataclasses.replace(config, dtype="float32")
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a,
+                       (weights, caches))
+    for step in range(3):
+        x = jax.device_put(random(rng, (batch, config.embed_dim), jnp.bfloat16), whole)
+        with jax.set_mesh(mesh):
+            got, got_caches = emulate(x, jnp.int32(pos + step), weights, caches)
+            want, _ = jax.jit(lambda *a: fused.reference(*a, config=config))(
+                x, jnp.int32(pos + step), weights, caches)
+            exact, exact_caches = jax.jit(lambda *a: fused.reference(*a, config=exact_config))(
+                x.astype(jnp.float32), jnp.int32(pos + step), *f32)
+        got = np.asarray(got, np.float32)
+        for rank in range(1, ranks):
+            np.testing.assert_array_equal(got[rank], got[0])
+        bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+        assert _relative(got[0], exact) <= bound, (step, _relative(got[0], exact), bound)
+        at = pos + step
+        for got_cache, exact_cache, old_cache in zip(got_caches, exact_caches, caches):
+            for g, e, o in zip(got_cache, exact_cache, old_cache):
+                g, e, o = (np.asarray(t, np.float32) for t in (g, e, o))
+                np.testing.assert_array_equal(g[:, :, :at], o[:, :, :at])
+                np.testing.assert_allclose(g[:, :, at], e[:, :, at], rtol=2e-2, atol=2e-2)
+                np.testing.assert_array_equal(np.isnan(g[:, :, at + 1:]), True)
+        caches = got_caches
+        f32 = (f32[0], jax.tree.map(lambda a: a.astype(jnp.float32), caches))
 
 
 @pytest.mark.gpu

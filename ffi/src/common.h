@@ -42,6 +42,16 @@ using I32Span = ffi::Span<const int32_t>;
     if (jfo_status_.failure()) return jfo_status_; \
   } while (0)
 
+// Declares `lhs` from the value of an ffi::ErrorOr, or returns its error.
+#define JFO_CONCAT_INNER(a, b) a##b
+#define JFO_CONCAT(a, b) JFO_CONCAT_INNER(a, b)
+#define JFO_ASSIGN_OR_RETURN(lhs, expr) \
+  JFO_ASSIGN_OR_RETURN_IMPL(JFO_CONCAT(jfo_or_, __LINE__), lhs, expr)
+#define JFO_ASSIGN_OR_RETURN_IMPL(tmp, lhs, expr) \
+  auto tmp = (expr);                              \
+  if (tmp.has_error()) return tmp.error();        \
+  lhs = std::move(*tmp)
+
 // Sets the current device for a scope (XLA's threads may expect theirs back).
 class DeviceGuard {
  public:

@@ -91,8 +91,8 @@ __device__ __forceinline__ float HandoffFloat(float v) {
   return __float_as_uint(v) == 0xFFFFFFFFu ? __uint_as_float(0x7FFFFFFFu) : v;
 }
 
-// Every CTA its share of the handoff buffers, kHandoffEmpty; then counted
-// in p.cleared (no CTA writes a handoff before all are counted).
+// Every CTA its share of the handoff buffers, kHandoffEmpty (then
+// CountCleared: no CTA writes a handoff before all are counted).
 __device__ inline void ClearHandoffs(const Params& p) {
   auto* words = reinterpret_cast<uint4*>(p.handoffs);
   const size_t count = p.handoff_bytes / sizeof(uint4);
@@ -100,6 +100,10 @@ __device__ inline void ClearHandoffs(const Params& p) {
        i += static_cast<size_t>(gridDim.x) * kThreads) {
     words[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
   }
+}
+
+// After the CTA's clearing: counted in p.cleared.
+__device__ inline void CountCleared(const Params& p) {
   __syncthreads();
   if (threadIdx.x == 0) Arrive(p, p.cleared);
 }
@@ -172,14 +176,23 @@ __device__ __forceinline__ uint4 LoadHandoff(const Params& p, const __nv_bfloat1
   return Polled(p) ? LoadRelaxed(src) : __ldcg(reinterpret_cast<const uint4*>(src));
 }
 
-// One bf16 that another CTA wrote: polled until it is not empty.
-__device__ inline float ReadyValue(const Params& p, const __nv_bfloat16* src, int layer) {
-  const __nv_bfloat16* vector = src - (reinterpret_cast<uintptr_t>(src) / 2) % 8;
-  const uint4 v = Ready(p, vector, LoadHandoff(p, vector), layer);
+// The 16-byte-aligned vector of 8 bf16 that holds *src.
+__device__ __forceinline__ const __nv_bfloat16* VectorOf(const __nv_bfloat16* src) {
+  return src - (reinterpret_cast<uintptr_t>(src) / 2) % 8;
+}
+
+// Element i of 8 bf16, as float.
+__device__ __forceinline__ float ElementOf(const uint4& v, int i) {
   // Selected, not indexed: an indexed register array would live in local memory.
-  const int i = static_cast<int>(src - vector);
   const unsigned word = i < 4 ? (i < 2 ? v.x : v.y) : (i < 6 ? v.z : v.w);
   return __uint_as_float((i & 1 ? word >> 16 : word & 0xFFFFu) << 16);
+}
+
+// One bf16 that another CTA wrote: polled until it is not empty.
+__device__ inline float ReadyValue(const Params& p, const __nv_bfloat16* src, int layer) {
+  const __nv_bfloat16* vector = VectorOf(src);
+  const uint4 v = Ready(p, vector, LoadHandoff(p, vector), layer);
+  return ElementOf(v, static_cast<int>(src - vector));
 }
 
 }  // namespace transformer_decode

@@ -87,6 +87,19 @@ enum TraceEvent {
 };
 constexpr int kMaxTraceCtas = 256;
 
+// Tensor parallelism (exchange.cuh): this rank's place and the receive
+// areas of out's and down's partial sums. One rank: ranks 1, the rest unused.
+constexpr int kMaxTensorRanks = 8;
+struct Exchange {
+  int rank, ranks;
+  // This rank's receive area, bf16 [2 parities][layers][2 stages][ranks][batch][d]
+  // (the own rank's rows unused), and every other rank's (null for this one).
+  __nv_bfloat16* recv;
+  __nv_bfloat16* send[kMaxTensorRanks];
+  unsigned* launches;  // this rank's launches so far, kept across launches
+  int ordinals[kMaxTensorRanks];  // each rank's CUDA device, for the timeout's message
+};
+
 struct LayerCache {
   __nv_bfloat16* k;  // [batch, kv, cache_len, head_dim]
   __nv_bfloat16* v;
@@ -129,6 +142,7 @@ struct Params {
   unsigned* cleared;
   __nv_bfloat16* attended; // [batch, heads * head_dim]
   __nv_bfloat16* act;      // [batch, mlp]
+  Exchange exchange;
   // Shared-memory layout (byte offsets), decided on the host.
   int operand_offset, reduce_offset, result_offset, scalar_offset, mbar_offset;
   LayerCache caches[kMaxLayers];
@@ -143,6 +157,11 @@ inline size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t hea
                            int64_t kv_heads, int64_t head_dim, int64_t mlp) {
   return AlignUp(layers * batch * (2 * d + mlp + 3 * heads * head_dim + 2 * kv_heads * head_dim) *
                      2, 256);
+}
+
+// A receive area's bytes (Exchange::recv).
+inline size_t ExchangeBytes(int64_t layers, int64_t batch, int64_t d, int64_t ranks) {
+  return AlignUp(2 * layers * 2 * ranks * batch * d * 2, 256);
 }
 
 // The workspace's bytes (models/transformer_decode_cuda.py computes the same

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "exchange.cuh"
 #include "handoff.cuh"
 #include "params.cuh"
 #include "sync.cuh"
@@ -269,13 +270,19 @@ __device__ __forceinline__ float ResidualInput(const Params& p, const __nv_bfloa
 
 // x_out[b][n0 + c] = residual + bf16(result[b][c]), in bf16 as the model's
 // residual adds; `ahead`: ResidualInput's value, else the residual is read here.
+// Across tensor ranks, result is this rank's partial, and the sum of every
+// rank's (exchange.cuh) takes its place.
 template <int B, int C>
 __device__ void ResidualEpilogue(const Params& p, const __nv_bfloat16* residual,
                                  __nv_bfloat16* x_out, int n0, const float* result, bool ahead,
-                                 float input, int layer) {
+                                 float input, int layer, ExchangeStage stage, unsigned parity) {
   if (!ahead) input = ResidualInput<B, C>(p, residual, n0, layer);
   if (threadIdx.x < B * C) {
-    x_out[ResidualAt<B, C>(p.d, n0)] = HandoffValue(input + Bf16Round(result[threadIdx.x]));
+    float sum = Bf16Round(result[threadIdx.x]);
+    if (TensorParallel(p)) {
+      sum = SummedOverRanks(p, sum, parity, layer, stage, threadIdx.x / C, n0 + threadIdx.x % C);
+    }
+    x_out[ResidualAt<B, C>(p.d, n0)] = HandoffValue(input + sum);
   }
   __syncthreads();
 }

@@ -1,0 +1,192 @@
+// The decode kernel's host side apart from its handler
+// (../transformer_decode.cu): operands as a rank sees them, the tensor
+// ranks' persistent receive areas and streams, and the launch.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../common.h"
+#include "kernel.cuh"
+#include "params.cuh"
+
+namespace jfo {
+namespace transformer_decode {
+
+// An operand as one rank sees it. With emulated ranks (ranks > 1) a stacked
+// operand's first axis is the rank, and rank r's part is the r-th slice.
+struct Part {
+  char* data = nullptr;
+  std::vector<int64_t> dims;
+  ffi::DataType type = ffi::DataType::INVALID;
+  size_t bytes = 0;
+};
+
+inline std::string PartDims(const Part& part) {
+  std::string s = "[";
+  for (size_t i = 0; i < part.dims.size(); ++i) s += (i ? ", " : "") + std::to_string(part.dims[i]);
+  return s + "]";
+}
+
+inline ffi::ErrorOr<Part> PartOf(const ffi::AnyBuffer& b, const char* name, int rank, int ranks) {
+  const auto dims = b.dimensions();
+  Part part;
+  part.data = static_cast<char*>(b.untyped_data());
+  part.dims.assign(dims.begin(), dims.end());
+  part.type = b.element_type();
+  part.bytes = b.size_bytes();
+  if (ranks == 1) return part;
+  if (part.dims.empty() || part.dims[0] != ranks) {
+    return ffi::Error::InvalidArgument(
+        std::string("jax_flashoverlap transformer_decode: with ") + std::to_string(ranks) +
+        " emulated ranks, " + name + " must be stacked by rank (first axis " +
+        std::to_string(ranks) + "), got " + DimsToString(b));
+  }
+  part.bytes /= ranks;
+  part.data += rank * part.bytes;
+  part.dims.erase(part.dims.begin());
+  return part;
+}
+
+inline WeightStage StageOf(const Part& w, int columns, int chunk_bytes) {
+  WeightStage st;  // w: [layers, items, k, columns]
+  st.w = reinterpret_cast<const __nv_bfloat16*>(w.data);
+  st.items = static_cast<int>(w.dims[1]);
+  st.k = static_cast<int>(w.dims[2]);
+  st.columns = columns;
+  st.rows_per_chunk = chunk_bytes / (columns * static_cast<int>(sizeof(__nv_bfloat16)));
+  st.chunks_per_item = (st.k + st.rows_per_chunk - 1) / st.rows_per_chunk;
+  return st;
+}
+
+inline ffi::Error CheckWeight(const Part& w, const char* name, int64_t layers, int64_t items,
+                       int64_t k, int64_t columns) {
+  const auto& dims = w.dims;
+  if (w.type != ffi::DataType::BF16 || dims.size() != 4 || dims[0] != layers ||
+      dims[1] != items || dims[2] != k || dims[3] != columns) {
+    return ffi::Error::InvalidArgument(
+        std::string("jax_flashoverlap transformer_decode: ") + name + " must be bf16 [" +
+        std::to_string(layers) + ", " + std::to_string(items) + ", " + std::to_string(k) +
+        ", " + std::to_string(columns) + "] (prepared by models.transformer_decode_cuda), got " +
+        PartDims(w));
+  }
+  return ffi::Error::Success();
+}
+
+// The receive area of one tensor rank's partial sums (exchange.cuh), with
+// its launch count after it. A peer stores into it before this rank's next
+// launch, so it outlives the call: one per device, rank and shape, for the
+// process's life, filled with kHandoffEmpty and the count 0 when made
+// (on `stream`, before any launch that uses it).
+struct ExchangeArea {
+  __nv_bfloat16* recv = nullptr;
+  unsigned* launches = nullptr;
+};
+
+inline ffi::ErrorOr<ExchangeArea> ExchangeAreaOf(int device, int rank, int ranks, int64_t layers,
+                                          int64_t batch, int64_t d, cudaStream_t stream) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, int, int, int64_t, int64_t, int64_t>, ExchangeArea> areas;
+  std::lock_guard<std::mutex> lock(mu);
+  ExchangeArea& area = areas[{device, rank, ranks, layers, batch, d}];
+  if (area.recv) return area;
+  const size_t bytes = ExchangeBytes(layers, batch, d, ranks);
+  void* memory = nullptr;
+  JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&memory, bytes + 256));
+  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(memory, 0xFF, bytes, stream));
+  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<char*>(memory) + bytes, 0, 256, stream));
+  area.recv = static_cast<__nv_bfloat16*>(memory);
+  area.launches = reinterpret_cast<unsigned*>(static_cast<char*>(memory) + bytes);
+  return area;
+}
+
+// The streams that run emulated ranks 1.. beside XLA's stream, and the
+// events that order them after its work and it after theirs: per device,
+// made once.
+struct RankStreams {
+  cudaEvent_t start = nullptr;
+  cudaStream_t streams[kMaxTensorRanks] = {};
+  cudaEvent_t done[kMaxTensorRanks] = {};
+};
+
+inline ffi::ErrorOr<RankStreams> RankStreamsOf(int device) {
+  static std::mutex mu;
+  static std::map<int, RankStreams> all;
+  std::lock_guard<std::mutex> lock(mu);
+  RankStreams& s = all[device];
+  if (s.start) return s;
+  JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.start, cudaEventDisableTiming));
+  for (int r = 1; r < kMaxTensorRanks; ++r) {
+    JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.streams[r], cudaStreamNonBlocking));
+    JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.done[r], cudaEventDisableTiming));
+  }
+  return s;
+}
+
+// A launch's kernel for the batch and head dim.
+template <int B, int HD>
+ffi::Error LaunchAs(cudaStream_t stream, int device, const Params& p, int grid, size_t shared,
+                    bool cooperative) {
+  auto kernel = TransformerDecodeKernel<B, HD>;
+  // Once per device, kernel and shared-memory size: a call's host time is
+  // time the GPU may wait for (one launch a decode step).
+  static std::mutex mu;
+  static std::set<std::tuple<int, size_t>> ready;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!ready.count({device, shared})) {
+    // The most any launch may take, so that no later size is refused.
+    JFO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DeviceInfoOf(device).max_shared));
+    int per_sm = 0;
+    JFO_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
+    if (per_sm < 1) {
+      return ffi::Error::Internal("jax_flashoverlap transformer_decode: the kernel does not fit "
+                                  "an SM with " + std::to_string(shared) +
+                                  " bytes of shared memory");
+    }
+    ready.insert({device, shared});
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(grid, 1, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = shared;
+  config.stream = stream;
+  // Every CTA resident: the grid barriers and polls rely on it. Emulated
+  // ranks run side by side, each on its share of the SMs, which a
+  // cooperative launch does not promise beside another.
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeCooperative;
+  attrs[0].val.cooperative = cooperative ? 1 : 0;
+  config.attrs = attrs;
+  config.numAttrs = 1;
+  JFO_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, p));
+  return ffi::Error::Success();
+}
+
+inline ffi::Error Launch(cudaStream_t stream, int device, const Params& p, int grid, size_t shared,
+                  bool cooperative) {
+#define JFO_LAUNCH_BATCH(B)                                                                 \
+  case B:                                                                                   \
+    return p.head_dim == 64 ? LaunchAs<B, 64>(stream, device, p, grid, shared, cooperative) \
+                            : LaunchAs<B, 128>(stream, device, p, grid, shared, cooperative);
+  switch (p.batch) {
+    JFO_LAUNCH_BATCH(1)
+    JFO_LAUNCH_BATCH(2)
+    JFO_LAUNCH_BATCH(3)
+    default:
+      return p.head_dim == 64 ? LaunchAs<4, 64>(stream, device, p, grid, shared, cooperative)
+                              : LaunchAs<4, 128>(stream, device, p, grid, shared, cooperative);
+  }
+#undef JFO_LAUNCH_BATCH
+}
+
+}  // namespace transformer_decode
+}  // namespace jfo
