@@ -42,6 +42,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap import build_info, settings
+from jax_flashoverlap.group_call import group_ffi_call
 from jax_flashoverlap.nn import same_variance
 
 from .config import TransformerConfig
@@ -96,12 +97,12 @@ ALL_OPTIONS = (EVICT_FIRST_WEIGHTS | RESIDUAL_AHEAD | KV_BEFORE_COUNT | ORDERED_
                | POLLED_HANDOFFS)
 OPTIONS = ALL_OPTIONS
 # Experimental, off: decode_blocks="cuda" at tensor-parallel sizes above 1
-# (up to MAX_TENSOR_SIZE), each rank its share of the heads and of the
-# MLP's units as the layers' own tensor parallelism splits them
-# (weight_specs), out's and down's partial sums added over the tensor axis.
-# So far only its JAX reference runs it, off GPUs; the kernel's exchange
-# between the ranks is not built, and on GPUs it is an error. "auto" never
-# picks it.
+# (up to MAX_TENSOR_SIZE GPUs of one process), each rank its share of the
+# heads and of the MLP's units as the layers' own tensor parallelism splits
+# them (weight_specs), out's and down's partial sums exchanged between the
+# ranks inside the kernel (ffi/src/transformer_decode/exchange.cuh). It has
+# not run on two GPUs; emulate_tensor_ranks tests the exchange on one.
+# "auto" never picks it.
 TENSOR_PARALLEL = False
 MAX_TENSOR_SIZE = 8
 _CONTROL_BYTES = 4096
@@ -288,18 +289,8 @@ def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     Returns:
       (the blocks' output [b, d], the same on every tensor rank, the caches
       with position ``pos`` written).
-
-    Raises:
-      NotImplementedError: a tensor size above 1 on a GPU (the kernel has no
-        exchange between ranks yet; :data:`TENSOR_PARALLEL`).
     """
     pos = jnp.asarray(pos, jnp.int32)
-    if caches and caches[0].k.shape[1] != config.num_kv_heads and on_cuda():
-        raise NotImplementedError(
-            "TransformerConfig(decode_blocks='cuda') at a tensor-parallel size above 1 "
-            "(models.transformer_decode_cuda.TENSOR_PARALLEL) runs only off GPUs, as its JAX "
-            "reference: the kernel's exchange between the ranks is not built yet. Use "
-            "decode_blocks='layers' or 'auto' on GPUs.")
     run_reference = functools.partial(reference, config=config)
     info = build_info()  # registers the kernel with XLA where it is built
     if TARGET not in info["ffi_targets"]:
@@ -331,6 +322,7 @@ def _workspace_bytes(batch: int, config: TransformerConfig, ranks: int = 1) -> i
 
 def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
                 stage_times: int = 0):
+    ranks = config.num_kv_heads // caches[0].k.shape[1]  # the tensor ranks
     flat = [t for cache in caches for t in cache]
     operands, varying = same_variance(x, pos, *weights, *flat)
     # Per device (inside shard_map, or on one device): whole on x's mesh.
@@ -339,7 +331,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     def like(shape, dtype, axes=varying):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding, manual_axis_type=axes)
 
-    workspace_bytes = _workspace_bytes(x.shape[0], config)
+    workspace_bytes = _workspace_bytes(x.shape[0], config, ranks)
     trace_bytes = config.num_layers * _TRACE_CTAS * len(TRACE_EVENTS) * 8 \
         if stage_times == 2 else 0
     # The blocks' output is the same on every tensor rank (the ranks sum
@@ -349,10 +341,16 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
                like((workspace_bytes + trace_bytes,), jnp.uint8),
                *(like(t.shape, t.dtype) for t in flat))
     first_cache = 2 + len(weights)
-    call = jax.ffi.ffi_call(TARGET, results,
-                            input_output_aliases={first_cache + i: 2 + i
-                                                  for i in range(len(flat))})
-    out, workspace, *updated = call(*operands, **_attributes(config, 1, stage_times))
+    aliases = {first_cache + i: 2 + i for i in range(len(flat))}
+    attributes = _attributes(config, ranks, stage_times)
+    if ranks == 1:
+        call = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases)
+        out, workspace, *updated = call(*operands, group_ordinals=np.zeros(0, np.int32),
+                                        n=np.int32(1), **attributes)
+    else:  # the handler finds its peers among the tensor axis' GPUs
+        out, workspace, *updated = group_ffi_call(
+            TARGET, results, *operands, axis_name=config.sharding.tensor,
+            input_output_aliases=aliases, **attributes)
     caches = tuple(KVCache(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not stage_times:
         return out, caches
@@ -369,8 +367,10 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
                                              len(TRACE_EVENTS), 2)
 
 
-def _attributes(config: TransformerConfig, ranks: int, stage_times: int) -> dict:
-    """The kernel's attributes for one of ``ranks`` tensor ranks."""
+def _attributes(config: TransformerConfig, ranks: int, stage_times: int,
+                emulated: bool = False) -> dict:
+    """The kernel's attributes for one of ``ranks`` tensor ranks (``emulated``:
+    all of them on this GPU)."""
     return dict(heads=np.int32(config.num_heads // ranks),
                 kv_heads=np.int32(config.num_kv_heads // ranks),
                 max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
@@ -378,7 +378,7 @@ def _attributes(config: TransformerConfig, ranks: int, stage_times: int) -> dict
                 timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
                 stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
                 ring_slots=np.int32(RING_SLOTS), options=np.int32(OPTIONS),
-                emulated_ranks=np.int32(ranks))
+                emulated_ranks=np.int32(ranks if emulated else 1))
 
 
 def rank_shards(weights: DecodeWeights, caches: tuple[KVCache, ...], ranks: int
@@ -435,7 +435,8 @@ def emulate_tensor_ranks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
                             input_output_aliases={first_cache + i: 2 + i
                                                   for i in range(len(flat))})
     out, _, *updated = call(x, jnp.asarray(pos, jnp.int32), *shards, *flat,
-                            **_attributes(config, ranks, 0))
+                            group_ordinals=np.zeros(0, np.int32), n=np.int32(1),
+                            **_attributes(config, ranks, 0, emulated=True))
 
     def whole(t):  # [ranks, b, KV / ranks, L, h] -> [b, KV, L, h]
         return jnp.moveaxis(t, 0, 1).reshape(t.shape[1], -1, *t.shape[3:])

@@ -285,6 +285,57 @@ def test_generate_at_tensor_parallel_sizes_follows_the_layers(rng, monkeypatch, 
     assert _relative(got, forward) < 4 * TOLERANCE["bfloat16"]
 
 
+@pytest.mark.parametrize("tp, dp", [(2, 1), (4, 1), (2, 2)])
+def test_tensor_ranks_lower_with_their_groups(rng, tp, dp):
+    """Lowered for CUDA (here, on CPU devices): one kernel call a step,
+    each rank with its heads, KV heads and MLP units, and the CUDA ordinals
+    of every tensor group by rank, from which it finds its peers."""
+    config = _config("bfloat16", 128, heads=8, kv_heads=4)
+    mesh = cpu_mesh(tp, dp)
+    model = _model(config, mesh)
+    caches = _caches(rng, config, 2 * dp, 64, 10, jnp.bfloat16)
+    spec, specs = model.cache_specs(), fused.weight_specs(config)
+    with jax.set_mesh(mesh):
+        weights = jax.jit(lambda m: shard_map_apply(
+            lambda m: fused.prepare_weights(m.blocks, config), m, in_specs=(),
+            out_specs=specs))(model)
+        step = jax.jit(lambda m, t, c, w: shard_map_apply(
+            type(m).decode_step, m, t, c, jnp.int32(10), w,
+            in_specs=(jax.sharding.PartitionSpec("data"), spec, jax.sharding.PartitionSpec(),
+                      specs),
+            out_specs=(jax.sharding.PartitionSpec("data", None), spec)))
+        text = step.trace(model, jnp.zeros((2 * dp,), jnp.int32), caches, weights).lower(
+            lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @jfo_transformer_decode" in line]
+    assert len(calls) == 1, calls
+    groups = np.asarray(mesh.devices).reshape(dp, tp)
+    want = ", ".join(str(d.local_hardware_id) for row in groups for d in row)
+    for attribute in (f"heads = {8 // tp} : i32", f"kv_heads = {4 // tp} : i32",
+                      f"n = {tp} : i32", "emulated_ranks = 1 : i32",
+                      f"group_ordinals = dense<[{want}]>"):
+        assert attribute in calls[0], (attribute, calls[0])
+
+
+@pytest.mark.gpus(2)
+def test_generate_on_tensor_ranks_follows_the_layers(rng, monkeypatch):
+    """The kernel's tensor-parallel form on two GPUs of one process (its
+    experimental TENSOR_PARALLEL): bf16 logits within bf16 rounding of the
+    model's forward pass over the tokens it chose (test_emulated_tensor_ranks_
+    match_the_reference checks that the ranks' outputs agree)."""
+    monkeypatch.setattr(fused, "TENSOR_PARALLEL", True)
+    config = _config("bfloat16", 128, heads=8, kv_heads=4)
+    mesh = jax.make_mesh((1, 2), ("data", "tensor"), devices=jax.devices()[:2])
+    layers = _model(config, mesh)
+    blocks = _model(dataclasses.replace(config, decode_blocks="cuda"), mesh)
+    prompt = rng.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
+    with jax.set_mesh(mesh):
+        tokens, got = models.generate(blocks, prompt, 8, return_logits=True)
+        forward = nnx.jit(lambda m, t: m(t))(layers, tokens[:, :-1])
+    forward = np.asarray(forward, np.float64)[:, -8:]
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert _relative(got, forward) < 4 * TOLERANCE["bfloat16"]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [0, fused.ALL_OPTIONS])
 @pytest.mark.parametrize("batch", [1, 2, 4])

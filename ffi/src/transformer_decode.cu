@@ -33,10 +33,11 @@
 //
 // Across tensor ranks each rank runs the kernel on its share of the heads
 // and of the MLP's units, and out's and down's partial sums are exchanged in
-// those stages' epilogues (transformer_decode/exchange.cuh). So far only the
-// one-GPU emulation runs it (emulated_ranks: each rank a launch of its own on
-// a share of the SMs, the operands stacked by rank): the exchange's test on
-// one GPU. Ranks on GPUs of their own are not wired yet.
+// those stages' epilogues (transformer_decode/exchange.cuh): ranks on GPUs
+// of one process (group_ordinals, n), each storing into the others' memory
+// (peer access), or, to test the exchange on one GPU, emulated ranks
+// (emulated_ranks: each a launch of its own on a share of the SMs, the
+// operands stacked by rank). Neither has run on a GPU yet.
 //
 // Every wait is bounded: a poll, a count, a grid barrier or a copy that does
 // not complete within timeout_ms prints which CTA and layer waited and
@@ -73,16 +74,19 @@ struct Attrs {
   int32_t timeout_ms, stage_times, chunk_bytes, ring_slots, options, emulated_ranks;
 };
 
-// Checks rank `rank`'s operands and lays out its launch (the caches'
-// contents copied where XLA could not alias them, on `stream`).
-ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, int rank, const Attrs& a,
+// Checks rank `group.rank`'s operands and lays out its launch (the caches'
+// contents copied where XLA could not alias them, on `stream`). Emulated
+// ranks take slice `group.rank` of the stacked operands.
+ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorGroup& group,
+                                  const Attrs& a,
                                   const ffi::AnyBuffer& x, const ffi::AnyBuffer& pos,
                                   const ffi::AnyBuffer& attn_norm, const ffi::AnyBuffer& mlp_norm,
                                   const ffi::AnyBuffer* weights, ffi::RemainingArgs& caches_in,
                                   ffi::AnyBuffer& x_out, ffi::AnyBuffer& workspace,
                                   ffi::RemainingRets& caches_out) {
   const std::string op = "jax_flashoverlap transformer_decode: ";
-  const int ranks = a.emulated_ranks;
+  // The stacked operands' slice: ranks are emulated, or each on its own GPU.
+  const int ranks = a.emulated_ranks, rank = ranks > 1 ? group.rank : 0;
   const auto xd = x.dimensions();
   if (x.element_type() != ffi::DataType::BF16 || xd.size() != 2) {
     return ffi::Error::InvalidArgument(op + "x must be bf16 [batch, d], got " + DimsToString(x));
@@ -163,7 +167,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, int rank, con
                                        std::to_string(a.options) + ", " +
                                        std::to_string(a.stage_times));
   }
-  if (ranks > 1 && !(a.options & kPolledHandoffs)) {
+  if (group.ranks > 1 && !(a.options & kPolledHandoffs)) {
     return ffi::Error::InvalidArgument(op + "tensor ranks exchange their partials only with "
                                             "polled handoffs (option 64)");
   }
@@ -232,14 +236,14 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, int rank, con
   p.handoffs = reinterpret_cast<__nv_bfloat16*>(base + offset);
   p.handoff_bytes = HandoffBytes(layers, batch, d, heads, kv_heads, head_dim, mlp);
 
-  p.exchange.rank = rank;
-  p.exchange.ranks = ranks;
-  if (ranks > 1) {
-    for (int q = 0; q < ranks; ++q) {
+  p.exchange.rank = group.rank;
+  p.exchange.ranks = group.ranks;
+  if (group.ranks > 1) {
+    for (int q = 0; q < group.ranks; ++q) {
       JFO_ASSIGN_OR_RETURN(const ExchangeArea area,
-                           ExchangeAreaOf(device, q, ranks, layers, batch, d, stream));
-      p.exchange.ordinals[q] = device;
-      if (q == rank) {
+                           ExchangeAreaOf(group.ordinals[q], q, group.ranks, layers, batch, d));
+      p.exchange.ordinals[q] = group.ordinals[q];
+      if (q == group.rank) {
         p.exchange.recv = area.recv;
         p.exchange.launches = area.launches;
       } else {
@@ -289,7 +293,12 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, int rank, con
   p.mbar_offset = static_cast<int>(at);
   at += static_cast<size_t>(slots) * 8;
   launch.shared = at;
+  // Ranks on GPUs of their own run the same grid, so that each item of
+  // out and down comes in the same order on every rank (exchange.cuh).
   launch.grid = info.sms / ranks;
+  for (int q = 0; q < group.ranks; ++q) {
+    launch.grid = std::min(launch.grid, DeviceInfoOf(group.ordinals[q]).sms / ranks);
+  }
   if (launch.trace_bytes && launch.grid > kMaxTraceCtas) {
     return ffi::Error::InvalidArgument(op + "a trace holds " + std::to_string(kMaxTraceCtas) +
                                        " CTAs; this GPU has " + std::to_string(info.sms) +
@@ -314,21 +323,28 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                  int32_t max_splits, float eps, float rope_theta,
                                  int32_t timeout_ms, int32_t stage_times,
                                  int32_t chunk_bytes, int32_t ring_slots, int32_t options,
-                                 int32_t emulated_ranks) {
+                                 int32_t emulated_ranks, I32Span group_ordinals, int32_t n) {
   const Attrs attrs{heads,      kv_heads,     max_splits,  eps,        rope_theta,    timeout_ms,
                     stage_times, chunk_bytes, ring_slots, options, emulated_ranks};
-  if (emulated_ranks < 1 || emulated_ranks > kMaxTensorRanks) {
+  if (emulated_ranks < 1 || emulated_ranks > kMaxTensorRanks || (emulated_ranks > 1 && n > 1)) {
     return ffi::Error::InvalidArgument(
         "jax_flashoverlap transformer_decode: emulated_ranks must be 1 (off) to " +
-        std::to_string(kMaxTensorRanks) + ", got " + std::to_string(emulated_ranks));
+        std::to_string(kMaxTensorRanks) + " and 1 where the tensor ranks have GPUs of their "
+        "own, got " + std::to_string(emulated_ranks) + " (tensor size " + std::to_string(n) +
+        ")");
   }
   int device = 0;
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  TensorGroup group;
+  if (n > 1) {
+    JFO_ASSIGN_OR_RETURN(group, TensorGroupOf(group_ordinals, n, device));
+  }
   const ffi::AnyBuffer weights[kStages] = {w_qkv, w_out, w_gate_up, w_down};
   std::vector<RankLaunch> launches;
   for (int rank = 0; rank < emulated_ranks; ++rank) {
+    if (emulated_ranks > 1) group = EmulatedGroup(rank, emulated_ranks, device);
     JFO_ASSIGN_OR_RETURN(RankLaunch launch,
-                         PlanRank(stream, device, rank, attrs, x, pos, attn_norm, mlp_norm,
+                         PlanRank(stream, device, group, attrs, x, pos, attn_norm, mlp_norm,
                                   weights, caches_in, *x_out, *workspace, caches_out));
     launches.push_back(launch);
   }
@@ -386,6 +402,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         // 1, or the tensor ranks emulated on this GPU, each a launch on a
         // share of the SMs: the weights, caches, x_out and workspace are
         // stacked by rank (first axis), each rank with its heads and units.
-        .Attr<int32_t>("emulated_ranks"));
+        .Attr<int32_t>("emulated_ranks")
+        // The tensor ranks' CUDA ordinals ([groups * n], each group by
+        // rank; empty at n = 1) and n (jax_flashoverlap.group_call).
+        .Attr<I32Span>("group_ordinals")
+        .Attr<int32_t>("n"));
 
 }  // namespace jfo

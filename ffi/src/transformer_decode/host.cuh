@@ -80,28 +80,98 @@ inline ffi::Error CheckWeight(const Part& w, const char* name, int64_t layers, i
   return ffi::Error::Success();
 }
 
+// The tensor ranks of a step: this GPU's rank and every rank's CUDA device.
+struct TensorGroup {
+  int rank = 0, ranks = 1;
+  int ordinals[kMaxTensorRanks] = {};
+};
+
+// Ranks on GPUs of their own: the group of `group_ordinals` (each group's n
+// ordinals in rank order) that holds `device`, with peer access from it to
+// every other member enabled (once per pair).
+inline ffi::ErrorOr<TensorGroup> TensorGroupOf(I32Span group_ordinals, int n, int device) {
+  const std::string op = "jax_flashoverlap transformer_decode: ";
+  if (n > kMaxTensorRanks || group_ordinals.size() % n) {
+    return ffi::Error::InvalidArgument(op + "takes up to " + std::to_string(kMaxTensorRanks) +
+                                       " tensor ranks of one process, got " + std::to_string(n));
+  }
+  TensorGroup group;
+  group.ranks = n;
+  group.rank = -1;
+  for (size_t start = 0; start < group_ordinals.size() && group.rank < 0; start += n) {
+    for (int q = 0; q < n; ++q) {
+      if (group_ordinals[start + q] == device) group.rank = q;
+    }
+    if (group.rank >= 0) {
+      for (int q = 0; q < n; ++q) group.ordinals[q] = group_ordinals[start + q];
+    }
+  }
+  if (group.rank < 0) {
+    return ffi::Error::InvalidArgument(op + "CUDA device " + std::to_string(device) +
+                                       " is in no tensor group of this process's devices");
+  }
+  static std::mutex mu;
+  static std::set<std::pair<int, int>> enabled;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int q = 0; q < n; ++q) {
+    const int peer = group.ordinals[q];
+    if (q == group.rank || enabled.count({device, peer})) continue;
+    int can = 0;
+    JFO_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, device, peer));
+    if (!can) {
+      return ffi::Error::InvalidArgument(
+          op + "CUDA device " + std::to_string(device) + " cannot store into device " +
+          std::to_string(peer) + "'s memory (no peer access); use decode_blocks='layers'");
+    }
+    const cudaError_t err = cudaDeviceEnablePeerAccess(peer, 0);
+    if (err == cudaErrorPeerAccessAlreadyEnabled) {
+      cudaGetLastError();  // enabled before, by another part of the process
+    } else {
+      JFO_CUDA_RETURN_IF_ERROR(err);
+    }
+    enabled.insert({device, peer});
+  }
+  return group;
+}
+
+// Emulated ranks: all on this GPU.
+inline TensorGroup EmulatedGroup(int rank, int ranks, int device) {
+  TensorGroup group;
+  group.rank = rank;
+  group.ranks = ranks;
+  for (int q = 0; q < ranks; ++q) group.ordinals[q] = device;
+  return group;
+}
+
 // The receive area of one tensor rank's partial sums (exchange.cuh), with
-// its launch count after it. A peer stores into it before this rank's next
-// launch, so it outlives the call: one per device, rank and shape, for the
-// process's life, filled with kHandoffEmpty and the count 0 when made
-// (on `stream`, before any launch that uses it).
+// its launch count after it, in that rank's GPU's memory. A peer stores
+// into it before this rank's next launch, so it outlives the call: one per
+// rank's device, rank and shape, for the process's life, filled with
+// kHandoffEmpty and the count 0 when made (whichever rank's call comes first
+// makes it, and returns once it is filled, before any launch uses it).
 struct ExchangeArea {
   __nv_bfloat16* recv = nullptr;
   unsigned* launches = nullptr;
 };
 
 inline ffi::ErrorOr<ExchangeArea> ExchangeAreaOf(int device, int rank, int ranks, int64_t layers,
-                                          int64_t batch, int64_t d, cudaStream_t stream) {
+                                                 int64_t batch, int64_t d) {
   static std::mutex mu;
   static std::map<std::tuple<int, int, int, int64_t, int64_t, int64_t>, ExchangeArea> areas;
   std::lock_guard<std::mutex> lock(mu);
   ExchangeArea& area = areas[{device, rank, ranks, layers, batch, d}];
   if (area.recv) return area;
   const size_t bytes = ExchangeBytes(layers, batch, d, ranks);
+  DeviceGuard on(device);
   void* memory = nullptr;
   JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&memory, bytes + 256));
-  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(memory, 0xFF, bytes, stream));
-  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<char*>(memory) + bytes, 0, 256, stream));
+  // On a stream of its own: it waits for nothing else on that GPU.
+  cudaStream_t fill = nullptr;
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&fill, cudaStreamNonBlocking));
+  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(memory, 0xFF, bytes, fill));
+  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<char*>(memory) + bytes, 0, 256, fill));
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(fill));
+  JFO_CUDA_RETURN_IF_ERROR(cudaStreamDestroy(fill));
   area.recv = static_cast<__nv_bfloat16*>(memory);
   area.launches = reinterpret_cast<unsigned*>(static_cast<char*>(memory) + bytes);
   return area;
