@@ -455,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
                              "the model's default, 'auto', each row naming what it ran; with "
                              "the kernel the attention is its own, so --decode-attentions "
                              "adds no rows to it)")
+    parser.add_argument("--tensor-parallel-kernel", action="store_true",
+                        help="let --decode-blocks cuda run the one-kernel step above tensor "
+                             "size 1 (models.transformer_decode_cuda.TENSOR_PARALLEL, "
+                             "experimental; recorded in the JSON's settings)")
     parser.add_argument("--decode-mixers", nargs="+", default=["xla"],
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "
@@ -495,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                              "DIR/MODEL_IMPL_bBATCH_cCONTEXT (benchmarks/kernel_times.py "
                              "trace summarises one)")
     args = parser.parse_args(argv)
+    models.transformer_decode_cuda.TENSOR_PARALLEL = args.tensor_parallel_kernel
     args.xla_options = dict(args.xla_options)
     try:
         option_sets = [tuple(_xla_option_set(text).items()) for text in args.xla_option_sets]
