@@ -13,7 +13,8 @@ run ahead across stages and layers.
 The kernel reads the weights in its own layout, each work item's columns
 contiguous (:class:`DecodeWeights`), prepared once per generation by
 :func:`prepare_weights`, next to the model's bf16 weights (the same bytes
-again). It runs at tensor-parallel size 1, in bfloat16, for at most
+again). It runs at tensor-parallel size 1 (above, experimentally:
+:data:`TENSOR_PARALLEL`), in bfloat16, for at most
 :data:`MAX_BATCH` rows per device and head dims of :data:`HEAD_DIMS`
 (:func:`unsupported_reason`); ``TransformerConfig.decode_blocks="cuda"``
 selects it. Programs compiled for other platforms run :func:`reference`,
@@ -163,6 +164,10 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
         return (f"it runs at tensor-parallel size 1 (the mesh's is {tensor_size}); its "
                 f"tensor-parallel form is experimental "
                 f"(models.transformer_decode_cuda.TENSOR_PARALLEL)")
+    if config.num_kv_heads % tensor_size or f % (tensor_size * _GATE_UP_COLUMNS // 2):
+        return (f"its ranks take whole KV heads and {_GATE_UP_COLUMNS // 2}-unit blocks of the "
+                f"MLP: num_kv_heads={config.num_kv_heads} and mlp_dim={f} must divide by "
+                f"{tensor_size} and {tensor_size * _GATE_UP_COLUMNS // 2}")
     if jnp.dtype(config.dtype) != jnp.dtype(jnp.bfloat16):
         return f"it computes in bfloat16 (the config's dtype is {config.dtype})"
     if not 1 <= batch <= MAX_BATCH:
@@ -405,7 +410,10 @@ def emulate_tensor_ranks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     """The kernel at tensor-parallel size ``ranks`` on one GPU: each rank a
     launch of its own on 1/ranks of the SMs, exchanging its partial sums
     with the others as ranks on GPUs of their own would. The test of that
-    exchange where one GPU is all there is; not a way to decode faster.
+    exchange where one GPU is all there is; not a way to decode faster. The
+    ranks poll each other, so they must run side by side: with
+    ``CUDA_LAUNCH_BLOCKING=1``, under a profiler that serializes kernels, or
+    beside other work on the GPU, their polls time out and trap.
 
     Args:
       x: [b, d] bf16, every rank's input.

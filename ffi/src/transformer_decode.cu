@@ -49,7 +49,6 @@
 #include <set>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "handlers.h"
 #include "transformer_decode/host.cuh"
@@ -84,7 +83,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
                                   const ffi::AnyBuffer* weights, ffi::RemainingArgs& caches_in,
                                   ffi::AnyBuffer& x_out, ffi::AnyBuffer& workspace,
                                   ffi::RemainingRets& caches_out) {
-  const std::string op = "jax_flashoverlap transformer_decode: ";
+  static const std::string op = "jax_flashoverlap transformer_decode: ";
   // The stacked operands' slice: ranks are emulated, or each on its own GPU.
   const int ranks = a.emulated_ranks, rank = ranks > 1 ? group.rank : 0;
   const auto xd = x.dimensions();
@@ -117,8 +116,8 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   auto first_buffer = caches_in.get<ffi::AnyBuffer>(0);
   if (first_buffer.has_error()) return first_buffer.error();
   JFO_ASSIGN_OR_RETURN(const Part first, PartOf(*first_buffer, "the caches", rank, ranks));
-  const auto& cd = first.dims;  // [batch, kv, cache_len, head_dim]
-  if (cd.size() != 4 || cd[0] != batch || cd[1] != kv_heads) {
+  const int64_t* cd = first.dims;  // [batch, kv, cache_len, head_dim]
+  if (first.rank != 4 || cd[0] != batch || cd[1] != kv_heads) {
     return ffi::Error::InvalidArgument(op + "caches must be [batch, kv_heads, length, head_dim]");
   }
   const int64_t cache_len = cd[2], head_dim = cd[3];
@@ -132,7 +131,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   for (int s = 0; s < kStages; ++s) {
     JFO_ASSIGN_OR_RETURN(w[s], PartOf(weights[s], names[s], rank, ranks));
   }
-  const int64_t mlp = w[3].dims.size() == 4 ? w[3].dims[2] : 0;
+  const int64_t mlp = w[3].rank == 4 ? w[3].dims[2] : 0;
   if (d % kOutColumns || d % 8 || mlp < 1 || mlp % (kGateUpColumns / 2)) {
     return ffi::Error::InvalidArgument(op + "d must be a multiple of 16 and the MLP width of 32");
   }
@@ -182,6 +181,10 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   const int columns[kStages] = {kQkvColumns, kOutColumns, kGateUpColumns, kDownColumns};
   for (int s = 0; s < kStages; ++s) p.stages[s] = StageOf(w[s], columns[s], a.chunk_bytes);
   JFO_ASSIGN_OR_RETURN(const Part out, PartOf(x_out, "x_out", rank, ranks));
+  if (!out.Is(ffi::DataType::BF16, {batch, d})) {
+    return ffi::Error::InvalidArgument(op + "x_out must be bf16 [batch, d] a rank, got " +
+                                       PartDims(out));
+  }
   p.x_out = reinterpret_cast<__nv_bfloat16*>(out.data);
   for (int64_t i = 0; i < 2 * layers; ++i) {
     auto in_buffer = caches_in.get<ffi::AnyBuffer>(i);
@@ -190,7 +193,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
     if (out_buffer.has_error()) return out_buffer.error();
     JFO_ASSIGN_OR_RETURN(const Part in, PartOf(*in_buffer, "the caches", rank, ranks));
     JFO_ASSIGN_OR_RETURN(const Part updated, PartOf(**out_buffer, "the caches", rank, ranks));
-    if (in.type != ffi::DataType::BF16 || in.dims != first.dims) {
+    if (in.type != ffi::DataType::BF16 || !in.SameShape(first) || !updated.SameShape(first)) {
       return ffi::Error::InvalidArgument(op + "cache " + std::to_string(i) + " is " +
                                          PartDims(in) + ", expected bf16 like the first");
     }
@@ -340,35 +343,42 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
     JFO_ASSIGN_OR_RETURN(group, TensorGroupOf(group_ordinals, n, device));
   }
   const ffi::AnyBuffer weights[kStages] = {w_qkv, w_out, w_gate_up, w_down};
-  std::vector<RankLaunch> launches;
+  RankLaunch launches[kMaxTensorRanks];
   for (int rank = 0; rank < emulated_ranks; ++rank) {
     if (emulated_ranks > 1) group = EmulatedGroup(rank, emulated_ranks, device);
-    JFO_ASSIGN_OR_RETURN(RankLaunch launch,
+    JFO_ASSIGN_OR_RETURN(launches[rank],
                          PlanRank(stream, device, group, attrs, x, pos, attn_norm, mlp_norm,
                                   weights, caches_in, *x_out, *workspace, caches_out));
-    launches.push_back(launch);
   }
   if (emulated_ranks == 1) {
     const RankLaunch& only = launches[0];
     return Launch(stream, device, only.p, only.grid, only.shared, /*cooperative=*/true);
   }
   // Ranks 1.. on streams of their own, after everything enqueued so far
-  // (the areas' and control blocks' fills), and XLA's stream after them.
+  // (the control blocks' fills, the caches' copies), and XLA's stream after
+  // every rank that was launched, even when a later launch failed (they
+  // write into this call's buffers until they end). The ranks poll each
+  // other, so they must run side by side: not under CUDA_LAUNCH_BLOCKING or
+  // a profiler that serializes kernels (then the polls time out and trap).
+  std::lock_guard<std::mutex> one_step(EmulationLock(device));
   JFO_ASSIGN_OR_RETURN(const RankStreams side, RankStreamsOf(device));
   JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(side.start, stream));
   for (int rank = 1; rank < emulated_ranks; ++rank) {
     JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side.streams[rank], side.start, 0));
   }
-  for (int rank = 0; rank < emulated_ranks; ++rank) {
+  ffi::Error launched = ffi::Error::Success();
+  int side_ranks = 0;  // ranks 1.. launched
+  for (int rank = 0; rank < emulated_ranks && !launched.failure(); ++rank) {
     const RankLaunch& launch = launches[rank];
-    JFO_RETURN_IF_ERROR(Launch(rank ? side.streams[rank] : stream, device, launch.p, launch.grid,
-                               launch.shared, /*cooperative=*/false));
+    launched = Launch(rank ? side.streams[rank] : stream, device, launch.p, launch.grid,
+                      launch.shared, /*cooperative=*/false);
+    if (rank && !launched.failure()) side_ranks = rank;
   }
-  for (int rank = 1; rank < emulated_ranks; ++rank) {
+  for (int rank = 1; rank <= side_ranks; ++rank) {
     JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(side.done[rank], side.streams[rank]));
     JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, side.done[rank], 0));
   }
-  return ffi::Error::Success();
+  return launched;
 }
 
 }  // namespace

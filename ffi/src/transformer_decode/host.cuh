@@ -6,12 +6,12 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <initializer_list>
 #include <map>
 #include <mutex>
 #include <set>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "../common.h"
 #include "kernel.cuh"
@@ -22,36 +22,54 @@ namespace transformer_decode {
 
 // An operand as one rank sees it. With emulated ranks (ranks > 1) a stacked
 // operand's first axis is the rank, and rank r's part is the r-th slice.
+// (Fixed-size: a step's host time is time its GPU may wait for.)
 struct Part {
+  static constexpr int kMaxRank = 6;
   char* data = nullptr;
-  std::vector<int64_t> dims;
+  int64_t dims[kMaxRank] = {};
+  int rank = 0;  // of the array
   ffi::DataType type = ffi::DataType::INVALID;
   size_t bytes = 0;
+
+  bool Is(ffi::DataType t, std::initializer_list<int64_t> want) const {
+    if (type != t || rank != static_cast<int>(want.size())) return false;
+    int i = 0;
+    for (const int64_t w : want) {
+      if (dims[i++] != w) return false;
+    }
+    return true;
+  }
+  bool SameShape(const Part& other) const {
+    if (rank != other.rank) return false;
+    for (int i = 0; i < rank; ++i) {
+      if (dims[i] != other.dims[i]) return false;
+    }
+    return true;
+  }
 };
 
 inline std::string PartDims(const Part& part) {
   std::string s = "[";
-  for (size_t i = 0; i < part.dims.size(); ++i) s += (i ? ", " : "") + std::to_string(part.dims[i]);
+  for (int i = 0; i < part.rank; ++i) s += (i ? ", " : "") + std::to_string(part.dims[i]);
   return s + "]";
 }
 
 inline ffi::ErrorOr<Part> PartOf(const ffi::AnyBuffer& b, const char* name, int rank, int ranks) {
   const auto dims = b.dimensions();
-  Part part;
-  part.data = static_cast<char*>(b.untyped_data());
-  part.dims.assign(dims.begin(), dims.end());
-  part.type = b.element_type();
-  part.bytes = b.size_bytes();
-  if (ranks == 1) return part;
-  if (part.dims.empty() || part.dims[0] != ranks) {
+  const int skip = ranks > 1 ? 1 : 0;
+  if (dims.size() > static_cast<size_t>(Part::kMaxRank + skip) ||
+      (skip && (dims.size() == 0 || dims[0] != ranks))) {
     return ffi::Error::InvalidArgument(
-        std::string("jax_flashoverlap transformer_decode: with ") + std::to_string(ranks) +
-        " emulated ranks, " + name + " must be stacked by rank (first axis " +
-        std::to_string(ranks) + "), got " + DimsToString(b));
+        std::string("jax_flashoverlap transformer_decode: ") + name + " is " + DimsToString(b) +
+        (skip ? ", not stacked by rank (first axis " + std::to_string(ranks) + ")"
+              : ", more axes than any operand has"));
   }
-  part.bytes /= ranks;
-  part.data += rank * part.bytes;
-  part.dims.erase(part.dims.begin());
+  Part part;
+  part.type = b.element_type();
+  part.bytes = b.size_bytes() / ranks;
+  part.data = static_cast<char*>(b.untyped_data()) + rank * part.bytes;
+  part.rank = static_cast<int>(dims.size()) - skip;
+  for (int i = 0; i < part.rank; ++i) part.dims[i] = dims[i + skip];
   return part;
 }
 
@@ -68,9 +86,7 @@ inline WeightStage StageOf(const Part& w, int columns, int chunk_bytes) {
 
 inline ffi::Error CheckWeight(const Part& w, const char* name, int64_t layers, int64_t items,
                        int64_t k, int64_t columns) {
-  const auto& dims = w.dims;
-  if (w.type != ffi::DataType::BF16 || dims.size() != 4 || dims[0] != layers ||
-      dims[1] != items || dims[2] != k || dims[3] != columns) {
+  if (!w.Is(ffi::DataType::BF16, {layers, items, k, columns})) {
     return ffi::Error::InvalidArgument(
         std::string("jax_flashoverlap transformer_decode: ") + name + " must be bf16 [" +
         std::to_string(layers) + ", " + std::to_string(items) + ", " + std::to_string(k) +
@@ -90,7 +106,7 @@ struct TensorGroup {
 // ordinals in rank order) that holds `device`, with peer access from it to
 // every other member enabled (once per pair).
 inline ffi::ErrorOr<TensorGroup> TensorGroupOf(I32Span group_ordinals, int n, int device) {
-  const std::string op = "jax_flashoverlap transformer_decode: ";
+  static const std::string op = "jax_flashoverlap transformer_decode: ";
   if (n > kMaxTensorRanks || group_ordinals.size() % n) {
     return ffi::Error::InvalidArgument(op + "takes up to " + std::to_string(kMaxTensorRanks) +
                                        " tensor ranks of one process, got " + std::to_string(n));
@@ -190,14 +206,23 @@ inline ffi::ErrorOr<RankStreams> RankStreamsOf(int device) {
   static std::mutex mu;
   static std::map<int, RankStreams> all;
   std::lock_guard<std::mutex> lock(mu);
-  RankStreams& s = all[device];
-  if (s.start) return s;
+  auto found = all.find(device);
+  if (found != all.end()) return found->second;
+  RankStreams s;  // kept only once whole
   JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.start, cudaEventDisableTiming));
   for (int r = 1; r < kMaxTensorRanks; ++r) {
     JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.streams[r], cudaStreamNonBlocking));
     JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.done[r], cudaEventDisableTiming));
   }
+  all[device] = s;
   return s;
+}
+
+// One emulated step at a time on a device: its ranks share the streams,
+// the events, the receive areas and their launch counts.
+inline std::mutex& EmulationLock(int device) {
+  static std::mutex locks[64];
+  return locks[device % 64];
 }
 
 // A launch's kernel for the batch and head dim.

@@ -81,6 +81,9 @@ __global__ void __launch_bounds__(kThreads, 1) TransformerDecodeKernel(const __g
     ring.RecordWaits(p, layer, kQkvCopyWaitNs);
     if (Polled(p) && layer == 0) {  // every handoff cleared before any is polled
       WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
+      // Every CTA's emptying of the receive areas before this CTA's first
+      // store into a peer's, in every GPU's view (exchange.cuh).
+      if (TensorParallel(p)) __threadfence_system();
     }
     // B: attention, each item once its KV head's q and new row are there.
     Attend<HD>(p, layer, pos, reinterpret_cast<float*>(operand), last);
