@@ -299,7 +299,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   // Ranks on GPUs of their own run the same grid, so that each item of
   // out and down comes in the same order on every rank (exchange.cuh).
   launch.grid = info.sms / ranks;
-  for (int q = 0; q < group.ranks; ++q) {
+  for (int q = 0; q < group.ranks && group.ranks > 1; ++q) {
     launch.grid = std::min(launch.grid, DeviceInfoOf(group.ordinals[q]).sms / ranks);
   }
   if (launch.trace_bytes && launch.grid > kMaxTraceCtas) {
