@@ -12,8 +12,9 @@ peers' memory needs the same: :func:`group_ffi_call` is
   and its rank is its position there;
 * ``n``: int32, the axis size.
 
-Only the CUDA platform lowers it; elsewhere, wrap it in
-``jax.lax.platform_dependent`` with a portable branch.
+It lowers as ``ffi_call`` does, on every platform, so a target registered
+for CUDA only fails to compile elsewhere: give it a portable branch with
+``jax.lax.platform_dependent``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def group_ffi_call(target_name: str, result_shape_dtypes: Sequence[jax.ShapeDtyp
     told its group along ``axis_name`` (see the module's doc).
 
     Args:
-      target_name: a registered FFI target (CUDA).
+      target_name: a registered FFI target.
       result_shape_dtypes: the per-device results; each may carry
         ``manual_axis_type`` (the mesh axes it varies over), else it varies
         over the union of the operands' axes.
@@ -52,6 +53,8 @@ def group_ffi_call(target_name: str, result_shape_dtypes: Sequence[jax.ShapeDtyp
     Returns:
       The results, a list.
     """
+    if not args:
+        raise ValueError(f"group_ffi_call({target_name!r}): needs at least one operand")
     n = jax.lax.axis_size(axis_name)
     operands_varying = frozenset().union(
         *(_jax_shim.varying_axes(jax.typeof(a)) for a in args))
@@ -67,15 +70,16 @@ def group_ffi_call(target_name: str, result_shape_dtypes: Sequence[jax.ShapeDtyp
 
 
 def _hashable(value: Any) -> Any:
-    """Primitive parameters are hashed: arrays travel as (dtype, tuple)."""
+    """Primitive parameters are hashed: arrays travel as (dtype, shape, values)."""
     if isinstance(value, np.ndarray):
-        return ("array", value.dtype.str, tuple(value.ravel().tolist()))
+        return ("array", value.dtype.str, value.shape, tuple(value.ravel().tolist()))
     return value
 
 
 def _attribute(value: Any) -> Any:
     if isinstance(value, tuple) and value and value[0] == "array":
-        return np.asarray(value[2], np.dtype(value[1]))
+        _, dtype, shape, values = value
+        return np.asarray(values, np.dtype(dtype)).reshape(shape)
     return value
 
 
@@ -85,23 +89,21 @@ def _abstract_eval(*avals, target_name, results, axis_name, n, aliases, attribut
             for shape, dtype, varying in results]
 
 
-def _lower_cuda(ctx, *args, target_name, results, axis_name, n, aliases, attributes):
+def _lower(ctx, *args, target_name, results, axis_name, n, aliases, attributes):
     del results
-    groups = _group_ordinals(ctx, target_name, axis_name, n)
+    try:
+        groups = _group_ordinals(ctx, target_name, axis_name, n)
+    except ValueError as e:
+        raise ValueError(
+            f"group_ffi_call({target_name!r}): the devices of each group along "
+            f"{axis_name!r} must be known when it is lowered (a concrete jax.sharding.Mesh, "
+            f"set with jax.set_mesh or given to jax.shard_map) and be in this process") from e
     return jax.ffi.ffi_lowering(target_name, operand_output_aliases=dict(aliases))(
         ctx, *args, group_ordinals=groups, n=np.int32(n),
         **{k: _attribute(v) for k, v in attributes})
 
 
-def _lower_elsewhere(ctx, *args, target_name, **params):
-    del args, params
-    raise ValueError(f"group_ffi_call({target_name!r}) lowers only for CUDA GPUs, not for "
-                     f"{ctx.module_context.platforms}; put it in the cuda branch of "
-                     f"jax.lax.platform_dependent.")
-
-
 _GROUP_FFI_CALL = Primitive("jax_flashoverlap_group_ffi_call")
 _GROUP_FFI_CALL.multiple_results = True
 _GROUP_FFI_CALL.def_abstract_eval(_abstract_eval)
-mlir.register_lowering(_GROUP_FFI_CALL, _lower_elsewhere)
-mlir.register_lowering(_GROUP_FFI_CALL, _lower_cuda, platform="cuda")
+mlir.register_lowering(_GROUP_FFI_CALL, _lower)

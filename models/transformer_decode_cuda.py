@@ -353,6 +353,10 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
         out, workspace, *updated = call(*operands, group_ordinals=np.zeros(0, np.int32),
                                         n=np.int32(1), **attributes)
     else:  # the handler finds its peers among the tensor axis' GPUs
+        if jax.lax.axis_size(config.sharding.tensor) != ranks:
+            raise ValueError(f"decode_blocks: the caches hold {config.num_kv_heads // ranks} of "
+                             f"{config.num_kv_heads} KV heads, but the tensor axis has "
+                             f"{jax.lax.axis_size(config.sharding.tensor)} ranks")
         out, workspace, *updated = group_ffi_call(
             TARGET, results, *operands, axis_name=config.sharding.tensor,
             input_output_aliases=aliases, **attributes)

@@ -56,8 +56,28 @@ def test_a_result_typed_the_same_on_every_rank_leaves_the_axis():
             mesh=mesh, in_specs=P("data", "tensor"), out_specs=P("data"))).trace(x)
 
 
-def test_off_cuda_it_is_an_error_naming_the_fix():
+def test_array_attributes_keep_their_shape():
     mesh = cpu_mesh(2)
-    with pytest.raises(ValueError, match="lowers only for CUDA GPUs.*platform_dependent"):
-        _program(mesh, invariant=False).trace(jnp.zeros((4, 16), jnp.float32)).lower(
-            lowering_platforms=("cpu",))
+
+    def per_device(x):
+        return group_ffi_call("made_up_target", (jax.ShapeDtypeStruct(x.shape, x.dtype),), x,
+                              axis_name="tensor", scalar=np.asarray(5, np.int32),
+                              table=np.arange(6, dtype=np.int32).reshape(2, 3))[0]
+
+    text = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=P(None, "tensor"),
+                                 out_specs=P(None, "tensor"))).trace(
+        jnp.zeros((4, 16), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "scalar = dense<5> : tensor<i32>" in text, text
+    assert "table = dense<[[0, 1, 2], [3, 4, 5]]> : tensor<2x3xi32>" in text, text
+
+
+def test_it_lowers_as_ffi_call_does_on_every_platform():
+    """A CUDA-only target then fails where it is compiled, not lowered:
+    inside platform_dependent a program lowers for CUDA and CPU together."""
+    mesh = cpu_mesh(2)
+    x = jnp.zeros((4, 16), jnp.float32)
+    for platforms in (("cpu",), ("cuda", "cpu")):
+        text = _program(mesh, invariant=False).trace(x).lower(
+            lowering_platforms=platforms).as_text()
+        assert "custom_call @made_up_target" in text
+

@@ -4,6 +4,7 @@ decode on CPU, the kernel against both on a GPU."""
 
 import dataclasses
 import os
+import re
 import types
 
 import jax
@@ -295,7 +296,9 @@ def test_tensor_ranks_lower_with_their_groups(rng, tp, dp):
     if fused.TARGET not in jax_flashoverlap.build_info()["ffi_targets"]:
         pytest.skip("a build without CUDA runs the reference on every platform")
     config = _config("bfloat16", 128, heads=8, kv_heads=4)
-    mesh = cpu_mesh(tp, dp)
+    # Devices in reverse: a rank is not its device's number.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:tp * dp][::-1]).reshape(dp, tp),
+                             ("data", "tensor"))
     model = _model(config, mesh)
     caches = _caches(rng, config, 2 * dp, 64, 10, jnp.bfloat16)
     spec, specs = model.cache_specs(), fused.weight_specs(config)
@@ -312,26 +315,38 @@ def test_tensor_ranks_lower_with_their_groups(rng, tp, dp):
             lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @jfo_transformer_decode" in line]
     assert len(calls) == 1, calls
-    groups = np.asarray(mesh.devices).reshape(dp, tp)
-    want = ", ".join(str(d.local_hardware_id) for row in groups for d in row)
-    for attribute in (f"heads = {8 // tp} : i32", f"kv_heads = {4 // tp} : i32",
-                      f"n = {tp} : i32", "emulated_ranks = 1 : i32",
-                      f"group_ordinals = dense<[{want}]>"):
-        assert attribute in calls[0], (attribute, calls[0])
+    want = ", ".join(str(d.local_hardware_id) for row in np.asarray(mesh.devices) for d in row)
+    assert want.startswith(str(tp * dp - 1)), want
+    for attribute in (rf"\bheads = {8 // tp} : i32", rf"\bkv_heads = {4 // tp} : i32",
+                      rf"\bn = {tp} : i32", r"\bemulated_ranks = 1 : i32",
+                      rf"\bgroup_ordinals = dense<\[{want}\]>"):
+        assert re.search(attribute, calls[0]), (attribute, calls[0])
+    # Every cache updated in place: 2 per layer.
+    assert calls[0].count("#stablehlo.output_operand_alias") == 2 * config.num_layers
 
 
-@pytest.mark.gpus(2)
-def test_generate_on_tensor_ranks_follows_the_layers(rng, monkeypatch):
-    """The kernel's tensor-parallel form on two GPUs of one process (its
+@pytest.mark.parametrize("layout", [
+    pytest.param("in_order", marks=pytest.mark.gpus(2)),
+    pytest.param("reversed", marks=pytest.mark.gpus(2)),
+    pytest.param("data_x_tensor", marks=pytest.mark.gpus(4))])
+def test_generate_on_tensor_ranks_follows_the_layers(rng, monkeypatch, layout):
+    """The kernel's tensor-parallel form on GPUs of one process (its
     experimental TENSOR_PARALLEL): bf16 logits within bf16 rounding of the
     model's forward pass over the tokens it chose (test_emulated_tensor_ranks_
-    match_the_reference checks that the ranks' outputs agree)."""
+    match_the_reference checks that the ranks' outputs agree). With the
+    devices reversed a rank is not its GPU's number; on 2 x 2 each GPU finds
+    its own group of two. A wrong exchange traps after 2 s (the CUDA context
+    is then lost for the rest of the process)."""
     monkeypatch.setattr(fused, "TENSOR_PARALLEL", True)
+    monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT_MS", "2000")
     config = _config("bfloat16", 128, heads=8, kv_heads=4)
-    mesh = jax.make_mesh((1, 2), ("data", "tensor"), devices=jax.devices()[:2])
+    devices = np.asarray(jax.devices()[:4 if layout == "data_x_tensor" else 2])
+    if layout == "reversed":
+        devices = devices[::-1]
+    mesh = jax.sharding.Mesh(devices.reshape(-1, 2), ("data", "tensor"))
     layers = _model(config, mesh)
     blocks = _model(dataclasses.replace(config, decode_blocks="cuda"), mesh)
-    prompt = rng.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
+    prompt = rng.integers(0, config.vocab_size, (2 * mesh.shape["data"], 5)).astype(np.int32)
     with jax.set_mesh(mesh):
         tokens, got = models.generate(blocks, prompt, 8, return_logits=True)
         forward = nnx.jit(lambda m, t: m(t))(layers, tokens[:, :-1])

@@ -243,8 +243,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   p.exchange.ranks = group.ranks;
   if (group.ranks > 1) {
     for (int q = 0; q < group.ranks; ++q) {
-      JFO_ASSIGN_OR_RETURN(const ExchangeArea area,
-                           ExchangeAreaOf(group.ordinals[q], q, group.ranks, layers, batch, d));
+      JFO_ASSIGN_OR_RETURN(const ExchangeArea area, ExchangeAreaOf(group, q, layers, batch, d));
       p.exchange.ordinals[q] = group.ordinals[q];
       if (q == group.rank) {
         p.exchange.recv = area.recv;
@@ -269,7 +268,11 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   const size_t result = static_cast<size_t>(batch) * kMaxColumns * 4;
   const size_t scalars = ((kWarps + 1) * kMaxBatch + 4) * 4;
   const size_t fixed = operand + reduce + result + AlignUp(scalars, 16);
-  const size_t budget = static_cast<size_t>(info.max_shared);
+  // Every rank of a group lays out the same ring (the smallest GPU's).
+  size_t budget = static_cast<size_t>(info.max_shared);
+  for (int q = 0; q < group.ranks && group.ranks > 1; ++q) {
+    budget = std::min(budget, static_cast<size_t>(DeviceInfoOf(group.ordinals[q]).max_shared));
+  }
   // Each slot: a chunk and its mbarrier.
   const int fit = static_cast<int>(std::min<size_t>(
       16, budget > fixed ? (budget - fixed) / (a.chunk_bytes + 8) : 0));

@@ -6,12 +6,16 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
 #include <initializer_list>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "../common.h"
 #include "kernel.cuh"
@@ -108,8 +112,10 @@ struct TensorGroup {
 inline ffi::ErrorOr<TensorGroup> TensorGroupOf(I32Span group_ordinals, int n, int device) {
   static const std::string op = "jax_flashoverlap transformer_decode: ";
   if (n > kMaxTensorRanks || group_ordinals.size() % n) {
-    return ffi::Error::InvalidArgument(op + "takes up to " + std::to_string(kMaxTensorRanks) +
-                                       " tensor ranks of one process, got " + std::to_string(n));
+    return ffi::Error::InvalidArgument(
+        op + "takes up to " + std::to_string(kMaxTensorRanks) + " tensor ranks of one process "
+        "in groups of n; got n = " + std::to_string(n) + " and " +
+        std::to_string(group_ordinals.size()) + " ordinals");
   }
   TensorGroup group;
   group.ranks = n;
@@ -125,6 +131,22 @@ inline ffi::ErrorOr<TensorGroup> TensorGroupOf(I32Span group_ordinals, int n, in
   if (group.rank < 0) {
     return ffi::Error::InvalidArgument(op + "CUDA device " + std::to_string(device) +
                                        " is in no tensor group of this process's devices");
+  }
+  // What would make one rank refuse while the others launch (and then
+  // trap, waiting for it) is refused by every rank alike.
+  for (int q = 0; q < n; ++q) {
+    for (int r = 0; r < q; ++r) {
+      if (group.ordinals[r] == group.ordinals[q]) {
+        return ffi::Error::InvalidArgument(op + "CUDA device " +
+                                           std::to_string(group.ordinals[q]) +
+                                           " holds two ranks of one tensor group");
+      }
+    }
+    if (DeviceInfoOf(group.ordinals[q]).major < 9) {
+      return ffi::Error::InvalidArgument(op + "needs Hopper or later GPUs (TMA bulk copies); "
+                                         "CUDA device " + std::to_string(group.ordinals[q]) +
+                                         " of the tensor group is older");
+    }
   }
   static std::mutex mu;
   static std::set<std::pair<int, int>> enabled;
@@ -162,35 +184,67 @@ inline TensorGroup EmulatedGroup(int rank, int ranks, int device) {
 // The receive area of one tensor rank's partial sums (exchange.cuh), with
 // its launch count after it, in that rank's GPU's memory. A peer stores
 // into it before this rank's next launch, so it outlives the call: one per
-// rank's device, rank and shape, for the process's life, filled with
-// kHandoffEmpty and the count 0 when made (whichever rank's call comes first
-// makes it, and returns once it is filled, before any launch uses it).
+// group (its ranks' devices), rank and shape, for the process's life, filled
+// with kHandoffEmpty and the count 0 when made. Whichever rank's call comes
+// first makes it and returns once it is filled, before any launch uses it;
+// the fill is a copy (a copy engine, beside a kernel that holds every SM),
+// and only that area's lock is held meanwhile.
 struct ExchangeArea {
   __nv_bfloat16* recv = nullptr;
   unsigned* launches = nullptr;
 };
 
-inline ffi::ErrorOr<ExchangeArea> ExchangeAreaOf(int device, int rank, int ranks, int64_t layers,
-                                                 int64_t batch, int64_t d) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, int, int, int64_t, int64_t, int64_t>, ExchangeArea> areas;
-  std::lock_guard<std::mutex> lock(mu);
-  ExchangeArea& area = areas[{device, rank, ranks, layers, batch, d}];
-  if (area.recv) return area;
-  const size_t bytes = ExchangeBytes(layers, batch, d, ranks);
+inline ffi::ErrorOr<ExchangeArea> MakeExchangeArea(int device, size_t bytes) {
   DeviceGuard on(device);
+  std::vector<unsigned char> filled(bytes + 256, 0xFF);
+  std::fill(filled.begin() + bytes, filled.end(), 0);
   void* memory = nullptr;
-  JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&memory, bytes + 256));
-  // On a stream of its own: it waits for nothing else on that GPU.
   cudaStream_t fill = nullptr;
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&fill, cudaStreamNonBlocking));
-  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(memory, 0xFF, bytes, fill));
-  JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(static_cast<char*>(memory) + bytes, 0, 256, fill));
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(fill));
-  JFO_CUDA_RETURN_IF_ERROR(cudaStreamDestroy(fill));
+  cudaError_t err = cudaMalloc(&memory, filled.size());
+  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&fill, cudaStreamNonBlocking);
+  if (err == cudaSuccess) {
+    err = cudaMemcpyAsync(memory, filled.data(), filled.size(), cudaMemcpyHostToDevice, fill);
+  }
+  if (err == cudaSuccess) err = cudaStreamSynchronize(fill);
+  if (fill) cudaStreamDestroy(fill);
+  if (err != cudaSuccess) {
+    if (memory) cudaFree(memory);
+    return ffi::Error::Internal(std::string("jax_flashoverlap transformer_decode: making a "
+                                            "tensor rank's receive area on CUDA device ") +
+                                std::to_string(device) + " failed: " + cudaGetErrorString(err));
+  }
+  ExchangeArea area;
   area.recv = static_cast<__nv_bfloat16*>(memory);
   area.launches = reinterpret_cast<unsigned*>(static_cast<char*>(memory) + bytes);
   return area;
+}
+
+inline ffi::ErrorOr<ExchangeArea> ExchangeAreaOf(const TensorGroup& group, int rank,
+                                                 int64_t layers, int64_t batch, int64_t d) {
+  using Ordinals = std::array<int, kMaxTensorRanks>;
+  using Key = std::tuple<Ordinals, int, int, int64_t, int64_t, int64_t>;
+  struct Entry {
+    std::mutex mu;
+    ExchangeArea area;
+  };
+  static std::mutex mu;
+  static std::map<Key, std::shared_ptr<Entry>> entries;
+  std::shared_ptr<Entry> entry;
+  {
+    Ordinals ordinals{};
+    std::copy(group.ordinals, group.ordinals + group.ranks, ordinals.begin());
+    std::lock_guard<std::mutex> lock(mu);
+    std::shared_ptr<Entry>& slot = entries[Key{ordinals, group.ranks, rank, layers, batch, d}];
+    if (!slot) slot = std::make_shared<Entry>();
+    entry = slot;
+  }
+  std::lock_guard<std::mutex> lock(entry->mu);
+  if (!entry->area.recv) {
+    JFO_ASSIGN_OR_RETURN(entry->area, MakeExchangeArea(group.ordinals[rank],
+                                                       ExchangeBytes(layers, batch, d,
+                                                                     group.ranks)));
+  }
+  return entry->area;
 }
 
 // The streams that run emulated ranks 1.. beside XLA's stream, and the
