@@ -325,36 +325,6 @@ def test_tensor_ranks_lower_with_their_groups(rng, tp, dp):
     assert calls[0].count("#stablehlo.output_operand_alias") == 2 * config.num_layers
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param("in_order", marks=pytest.mark.gpus(2)),
-    pytest.param("reversed", marks=pytest.mark.gpus(2)),
-    pytest.param("data_x_tensor", marks=pytest.mark.gpus(4))])
-def test_generate_on_tensor_ranks_follows_the_layers(rng, monkeypatch, layout):
-    """The kernel's tensor-parallel form on GPUs of one process (its
-    experimental TENSOR_PARALLEL): bf16 logits within bf16 rounding of the
-    model's forward pass over the tokens it chose (test_emulated_tensor_ranks_
-    match_the_reference checks that the ranks' outputs agree). With the
-    devices reversed a rank is not its GPU's number; on 2 x 2 each GPU finds
-    its own group of two. A wrong exchange traps after 2 s (the CUDA context
-    is then lost for the rest of the process)."""
-    monkeypatch.setattr(fused, "TENSOR_PARALLEL", True)
-    monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT_MS", "2000")
-    config = _config("bfloat16", 128, heads=8, kv_heads=4)
-    devices = np.asarray(jax.devices()[:4 if layout == "data_x_tensor" else 2])
-    if layout == "reversed":
-        devices = devices[::-1]
-    mesh = jax.sharding.Mesh(devices.reshape(-1, 2), ("data", "tensor"))
-    layers = _model(config, mesh)
-    blocks = _model(dataclasses.replace(config, decode_blocks="cuda"), mesh)
-    prompt = rng.integers(0, config.vocab_size, (2 * mesh.shape["data"], 5)).astype(np.int32)
-    with jax.set_mesh(mesh):
-        tokens, got = models.generate(blocks, prompt, 8, return_logits=True)
-        forward = nnx.jit(lambda m, t: m(t))(layers, tokens[:, :-1])
-    forward = np.asarray(forward, np.float64)[:, -8:]
-    assert np.all(np.isfinite(np.asarray(got)))
-    assert _relative(got, forward) < 4 * TOLERANCE["bfloat16"]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [0, fused.ALL_OPTIONS])
 @pytest.mark.parametrize("batch", [1, 2, 4])
@@ -382,51 +352,6 @@ def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim
                 np.testing.assert_array_equal(np.isnan(g[:, :, pos + 1:]), True)
                 np.testing.assert_array_equal(g[:, :, :pos], w[:, :, :pos])
                 np.testing.assert_allclose(g[:, :, pos], w[:, :, pos], rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(os.environ.get("CUDA_LAUNCH_BLOCKING") == "1",
-                    reason="emulated ranks must run side by side")
-@pytest.mark.parametrize("ranks, batch, head_dim, width", [
-    (2, 1, 128, 128), (4, 3, 128, 128), (2, 4, 64, 2048), (4, 1, 128, 2048)])
-def test_emulated_tensor_ranks_match_the_reference(rng, ranks, batch, head_dim, width):
-    """The kernel's exchange between tensor ranks, on one GPU: each rank a
-    launch on its share of the SMs. Three steps in a row (both parities of
-    the receive areas, one of them twice): every rank's output is the same,
-    within bf16 rounding of the float32 reference, and each step's k and v
-    rows land in the rank's KV heads. At width 2048, out and down have 128
-    items, more than a rank's CTAs: a CTA exchanges several in turn."""
-    config = dataclasses.replace(_config("bfloat16", head_dim, heads=8, kv_heads=4, layers=3),
-                                 embed_dim=width, mlp_dim=2 * width)
-    mesh, weights, whole = _prepared_on_one_device(config)
-    length, pos = 64, 37
-    caches = jax.device_put(_caches(rng, config, batch, length, pos, jnp.bfloat16), whole)
-    emulate = jax.jit(lambda *a: fused.emulate_tensor_ranks(*a, config, ranks))
-    exact_config = dataclasses.replace(config, dtype="float32")
-    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a,
-                       (weights, caches))
-    for step in range(3):
-        x = jax.device_put(random(rng, (batch, config.embed_dim), jnp.bfloat16), whole)
-        with jax.set_mesh(mesh):
-            got, got_caches = emulate(x, jnp.int32(pos + step), weights, caches)
-            want, _ = jax.jit(lambda *a: fused.reference(*a, config=config))(
-                x, jnp.int32(pos + step), weights, caches)
-            exact, exact_caches = jax.jit(lambda *a: fused.reference(*a, config=exact_config))(
-                x.astype(jnp.float32), jnp.int32(pos + step), *f32)
-        got = np.asarray(got, np.float32)
-        for rank in range(1, ranks):
-            np.testing.assert_array_equal(got[rank], got[0])
-        bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
-        assert _relative(got[0], exact) <= bound, (step, _relative(got[0], exact), bound)
-        at = pos + step
-        for got_cache, exact_cache, old_cache in zip(got_caches, exact_caches, caches):
-            for g, e, o in zip(got_cache, exact_cache, old_cache):
-                g, e, o = (np.asarray(t, np.float32) for t in (g, e, o))
-                np.testing.assert_array_equal(g[:, :, :at], o[:, :, :at])
-                np.testing.assert_allclose(g[:, :, at], e[:, :, at], rtol=2e-2, atol=2e-2)
-                np.testing.assert_array_equal(np.isnan(g[:, :, at + 1:]), True)
-        caches = got_caches
-        f32 = (f32[0], jax.tree.map(lambda a: a.astype(jnp.float32), caches))
 
 
 @pytest.mark.gpu
@@ -480,3 +405,85 @@ def _kernel_and_references(rng, config, batch, length, pos, weights, whole):
     exact, _ = jax.jit(lambda *a: fused.reference(*a, config=exact_config))(
         f32[0], pos, f32[1], f32[2])
     return got, got_caches, want, want_caches, exact
+
+
+# The tensor ranks' tests last: a rank that waits in vain traps, and a trap
+# ends the CUDA context for every test after it in the process.
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("CUDA_LAUNCH_BLOCKING") == "1",
+                    reason="emulated ranks must run side by side")
+@pytest.mark.parametrize("ranks, batch, head_dim, width", [
+    (2, 1, 128, 128), (4, 3, 128, 128), (2, 4, 64, 2048), (4, 1, 128, 2048)])
+def test_emulated_tensor_ranks_match_the_reference(rng, monkeypatch, ranks, batch, head_dim,
+                                                   width):
+    """The kernel's exchange between tensor ranks, on one GPU: each rank a
+    launch on its share of the SMs. Three steps in a row (both parities of
+    the receive areas, one of them twice): every rank's output is the same,
+    within bf16 rounding of the float32 reference, and each step's k and v
+    rows land in the rank's KV heads. At width 2048, out and down have 128
+    items, more than a rank's CTAs: a CTA exchanges several in turn. A
+    wrong exchange traps after 2 s."""
+    monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT_MS", "2000")
+    config = dataclasses.replace(_config("bfloat16", head_dim, heads=8, kv_heads=4, layers=3),
+                                 embed_dim=width, mlp_dim=2 * width)
+    mesh, weights, whole = _prepared_on_one_device(config)
+    length, pos = 64, 37
+    caches = jax.device_put(_caches(rng, config, batch, length, pos, jnp.bfloat16), whole)
+    emulate = jax.jit(lambda *a: fused.emulate_tensor_ranks(*a, config, ranks))
+    exact_config = dataclasses.replace(config, dtype="float32")
+    f32 = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a,
+                       (weights, caches))
+    for step in range(3):
+        x = jax.device_put(random(rng, (batch, config.embed_dim), jnp.bfloat16), whole)
+        with jax.set_mesh(mesh):
+            got, got_caches = emulate(x, jnp.int32(pos + step), weights, caches)
+            want, _ = jax.jit(lambda *a: fused.reference(*a, config=config))(
+                x, jnp.int32(pos + step), weights, caches)
+            exact, exact_caches = jax.jit(lambda *a: fused.reference(*a, config=exact_config))(
+                x.astype(jnp.float32), jnp.int32(pos + step), *f32)
+        got = np.asarray(got, np.float32)
+        for rank in range(1, ranks):
+            np.testing.assert_array_equal(got[rank], got[0])
+        bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+        assert _relative(got[0], exact) <= bound, (step, _relative(got[0], exact), bound)
+        at = pos + step
+        for got_cache, exact_cache, old_cache in zip(got_caches, exact_caches, caches):
+            for g, e, o in zip(got_cache, exact_cache, old_cache):
+                g, e, o = (np.asarray(t, np.float32) for t in (g, e, o))
+                np.testing.assert_array_equal(g[:, :, :at], o[:, :, :at])
+                np.testing.assert_allclose(g[:, :, at], e[:, :, at], rtol=2e-2, atol=2e-2)
+                np.testing.assert_array_equal(np.isnan(g[:, :, at + 1:]), True)
+        caches = got_caches
+        f32 = (f32[0], jax.tree.map(lambda a: a.astype(jnp.float32), caches))
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param("in_order", marks=pytest.mark.gpus(2)),
+    pytest.param("reversed", marks=pytest.mark.gpus(2)),
+    pytest.param("data_x_tensor", marks=pytest.mark.gpus(4))])
+def test_generate_on_tensor_ranks_follows_the_layers(rng, monkeypatch, layout):
+    """The kernel's tensor-parallel form on GPUs of one process (its
+    experimental TENSOR_PARALLEL): bf16 logits within bf16 rounding of the
+    model's forward pass over the tokens it chose (test_emulated_tensor_ranks_
+    match_the_reference checks that the ranks' outputs agree). With the
+    devices reversed a rank is not its GPU's number; on 2 x 2 each GPU finds
+    its own group of two. A wrong exchange traps after 2 s (the CUDA context
+    is then lost for the rest of the process)."""
+    monkeypatch.setattr(fused, "TENSOR_PARALLEL", True)
+    monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT_MS", "2000")
+    config = _config("bfloat16", 128, heads=8, kv_heads=4)
+    devices = np.asarray(jax.devices()[:4 if layout == "data_x_tensor" else 2])
+    if layout == "reversed":
+        devices = devices[::-1]
+    mesh = jax.sharding.Mesh(devices.reshape(-1, 2), ("data", "tensor"))
+    layers = _model(config, mesh)
+    blocks = _model(dataclasses.replace(config, decode_blocks="cuda"), mesh)
+    prompt = rng.integers(0, config.vocab_size, (2 * mesh.shape["data"], 5)).astype(np.int32)
+    with jax.set_mesh(mesh):
+        tokens, got = models.generate(blocks, prompt, 8, return_logits=True)
+        forward = nnx.jit(lambda m, t: m(t))(layers, tokens[:, :-1])
+    forward = np.asarray(forward, np.float64)[:, -8:]
+    assert np.all(np.isfinite(np.asarray(got)))
+    assert _relative(got, forward) < 4 * TOLERANCE["bfloat16"]
