@@ -254,9 +254,10 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
     }
   }
 
-  const DeviceInfo info = DeviceInfoOf(device);
+  const DeviceInfo info = SmallestOf(group, device);
   if (info.major < 9) {
-    return ffi::Error::InvalidArgument(op + "needs a Hopper or later GPU (TMA bulk copies)");
+    return ffi::Error::InvalidArgument(op + "needs a Hopper or later GPU (TMA bulk copies)" +
+                                       (group.ranks > 1 ? " on every tensor rank" : ""));
   }
   // Shared memory: the operand (bf16 [batch][k + pad], or the attention's
   // per-warp partials), the reductions, then the ring with what is left.
@@ -268,11 +269,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   const size_t result = static_cast<size_t>(batch) * kMaxColumns * 4;
   const size_t scalars = ((kWarps + 1) * kMaxBatch + 4) * 4;
   const size_t fixed = operand + reduce + result + AlignUp(scalars, 16);
-  // Every rank of a group lays out the same ring (the smallest GPU's).
-  size_t budget = static_cast<size_t>(info.max_shared);
-  for (int q = 0; q < group.ranks && group.ranks > 1; ++q) {
-    budget = std::min(budget, static_cast<size_t>(DeviceInfoOf(group.ordinals[q]).max_shared));
-  }
+  const size_t budget = static_cast<size_t>(info.max_shared);
   // Each slot: a chunk and its mbarrier.
   const int fit = static_cast<int>(std::min<size_t>(
       16, budget > fixed ? (budget - fixed) / (a.chunk_bytes + 8) : 0));
@@ -299,12 +296,7 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   p.mbar_offset = static_cast<int>(at);
   at += static_cast<size_t>(slots) * 8;
   launch.shared = at;
-  // Ranks on GPUs of their own run the same grid, so that each item of
-  // out and down comes in the same order on every rank (exchange.cuh).
   launch.grid = info.sms / ranks;
-  for (int q = 0; q < group.ranks && group.ranks > 1; ++q) {
-    launch.grid = std::min(launch.grid, DeviceInfoOf(group.ordinals[q]).sms / ranks);
-  }
   if (launch.trace_bytes && launch.grid > kMaxTraceCtas) {
     return ffi::Error::InvalidArgument(op + "a trace holds " + std::to_string(kMaxTraceCtas) +
                                        " CTAs; this GPU has " + std::to_string(info.sms) +

@@ -133,7 +133,8 @@ inline ffi::ErrorOr<TensorGroup> TensorGroupOf(I32Span group_ordinals, int n, in
                                        " is in no tensor group of this process's devices");
   }
   // What would make one rank refuse while the others launch (and then
-  // trap, waiting for it) is refused by every rank alike.
+  // trap, waiting for it) is refused by every rank alike (and see
+  // SmallestOf).
   for (int q = 0; q < n; ++q) {
     for (int r = 0; r < q; ++r) {
       if (group.ordinals[r] == group.ordinals[q]) {
@@ -141,11 +142,6 @@ inline ffi::ErrorOr<TensorGroup> TensorGroupOf(I32Span group_ordinals, int n, in
                                            std::to_string(group.ordinals[q]) +
                                            " holds two ranks of one tensor group");
       }
-    }
-    if (DeviceInfoOf(group.ordinals[q]).major < 9) {
-      return ffi::Error::InvalidArgument(op + "needs Hopper or later GPUs (TMA bulk copies); "
-                                         "CUDA device " + std::to_string(group.ordinals[q]) +
-                                         " of the tensor group is older");
     }
   }
   static std::mutex mu;
@@ -170,6 +166,22 @@ inline ffi::ErrorOr<TensorGroup> TensorGroupOf(I32Span group_ordinals, int n, in
     enabled.insert({device, peer});
   }
   return group;
+}
+
+// What every rank of the group lays its launch out by: the smallest SM
+// count, shared memory and compute capability among its GPUs (`device`'s
+// own at one rank), so that every rank runs the same grid and ring, each
+// item of out and down comes in the same order on every rank (exchange.cuh),
+// and a GPU that cannot run the kernel stops every rank alike.
+inline DeviceInfo SmallestOf(const TensorGroup& group, int device) {
+  DeviceInfo smallest = DeviceInfoOf(device);
+  for (int q = 0; q < group.ranks && group.ranks > 1; ++q) {
+    const DeviceInfo other = DeviceInfoOf(group.ordinals[q]);
+    smallest.sms = std::min(smallest.sms, other.sms);
+    smallest.major = std::min(smallest.major, other.major);
+    smallest.max_shared = std::min(smallest.max_shared, other.max_shared);
+  }
+  return smallest;
 }
 
 // Emulated ranks: all on this GPU.
