@@ -164,10 +164,8 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
         return (f"it runs at tensor-parallel size 1 (the mesh's is {tensor_size}); its "
                 f"tensor-parallel form is experimental "
                 f"(models.transformer_decode_cuda.TENSOR_PARALLEL)")
-    if config.num_kv_heads % tensor_size or f % (tensor_size * _GATE_UP_COLUMNS // 2):
-        return (f"its ranks take whole KV heads and {_GATE_UP_COLUMNS // 2}-unit blocks of the "
-                f"MLP: num_kv_heads={config.num_kv_heads} and mlp_dim={f} must divide by "
-                f"{tensor_size} and {tensor_size * _GATE_UP_COLUMNS // 2}")
+    if why_not := _split_reason(config, tensor_size):
+        return why_not
     if jnp.dtype(config.dtype) != jnp.dtype(jnp.bfloat16):
         return f"it computes in bfloat16 (the config's dtype is {config.dtype})"
     if not 1 <= batch <= MAX_BATCH:
@@ -181,6 +179,16 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
     if d % _OUT_COLUMNS or f % (_GATE_UP_COLUMNS // 2):
         return (f"it needs embed_dim a multiple of {_OUT_COLUMNS} and mlp_dim of "
                 f"{_GATE_UP_COLUMNS // 2} (got {d} and {f})")
+    return None
+
+
+def _split_reason(config: TransformerConfig, ranks: int) -> str | None:
+    """Why ``ranks`` tensor ranks cannot split the kernel's work, or None."""
+    units = ranks * _GATE_UP_COLUMNS // 2
+    if config.num_kv_heads % ranks or config.mlp_dim % units:
+        return (f"its ranks take whole KV heads and {_GATE_UP_COLUMNS // 2}-unit blocks of the "
+                f"MLP: num_kv_heads={config.num_kv_heads} and mlp_dim={config.mlp_dim} must "
+                f"divide by {ranks} and {units}")
     return None
 
 
@@ -350,8 +358,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     attributes = _attributes(config, ranks, stage_times)
     if ranks == 1:
         call = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases)
-        out, workspace, *updated = call(*operands, group_ordinals=np.zeros(0, np.int32),
-                                        n=np.int32(1), **attributes)
+        out, workspace, *updated = call(*operands, **_NO_GROUP, **attributes)
     else:  # the handler finds its peers among the tensor axis' GPUs
         if jax.lax.axis_size(config.sharding.tensor) != ranks:
             raise ValueError(f"decode_blocks: the caches hold {config.num_kv_heads // ranks} of "
@@ -374,6 +381,10 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     trace = words(workspace_bytes, trace_bytes // 8)
     return out, caches, times, trace.reshape(config.num_layers, _TRACE_CTAS,
                                              len(TRACE_EVENTS), 2)
+
+
+# What a call that is not group_ffi_call's passes for its group: none.
+_NO_GROUP = dict(group_ordinals=np.zeros(0, np.int32), n=np.int32(1))
 
 
 def _attributes(config: TransformerConfig, ranks: int, stage_times: int,
@@ -431,11 +442,10 @@ def emulate_tensor_ranks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
       (every rank's output [ranks, b, d], which should all be the same; the
       caches whole with position ``pos`` written).
     """
-    if not 2 <= ranks <= MAX_TENSOR_SIZE or config.num_kv_heads % ranks \
-            or config.mlp_dim % (ranks * _GATE_UP_COLUMNS // 2):
-        raise ValueError(f"emulate_tensor_ranks: ranks={ranks} must be 2 to {MAX_TENSOR_SIZE} "
-                         f"and divide the KV heads ({config.num_kv_heads}) and the MLP width "
-                         f"({config.mlp_dim}) in units of {_GATE_UP_COLUMNS // 2}")
+    if not 2 <= ranks <= MAX_TENSOR_SIZE:
+        raise ValueError(f"emulate_tensor_ranks: ranks={ranks} must be 2 to {MAX_TENSOR_SIZE}")
+    if why_not := _split_reason(config, ranks):
+        raise ValueError(f"emulate_tensor_ranks: {why_not}")
     shards, stacked = rank_shards(weights, caches, ranks)
     flat = [t for cache in stacked for t in cache]
     results = (jax.ShapeDtypeStruct((ranks, *x.shape), x.dtype),
@@ -446,8 +456,7 @@ def emulate_tensor_ranks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases={first_cache + i: 2 + i
                                                   for i in range(len(flat))})
-    out, _, *updated = call(x, jnp.asarray(pos, jnp.int32), *shards, *flat,
-                            group_ordinals=np.zeros(0, np.int32), n=np.int32(1),
+    out, _, *updated = call(x, jnp.asarray(pos, jnp.int32), *shards, *flat, **_NO_GROUP,
                             **_attributes(config, ranks, 0, emulated=True))
 
     def whole(t):  # [ranks, b, KV / ranks, L, h] -> [b, KV, L, h]
