@@ -360,10 +360,10 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
         call = jax.ffi.ffi_call(TARGET, results, input_output_aliases=aliases)
         out, workspace, *updated = call(*operands, **_NO_GROUP, **attributes)
     else:  # the handler finds its peers among the tensor axis' GPUs
-        if jax.lax.axis_size(config.sharding.tensor) != ranks:
+        if (axis_size := jax.lax.axis_size(config.sharding.tensor)) != ranks:
             raise ValueError(f"decode_blocks: the caches hold {config.num_kv_heads // ranks} of "
                              f"{config.num_kv_heads} KV heads, but the tensor axis has "
-                             f"{jax.lax.axis_size(config.sharding.tensor)} ranks")
+                             f"{axis_size} ranks")
         out, workspace, *updated = group_ffi_call(
             TARGET, results, *operands, axis_name=config.sharding.tensor,
             input_output_aliases=aliases, **attributes)
