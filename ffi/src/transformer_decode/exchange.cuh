@@ -53,12 +53,8 @@ __device__ __forceinline__ unsigned LaunchCount(const Params& p) {
 // launch (ordered after the clearing's count) in every GPU's view.
 __device__ inline void EmptyNextExchange(const Params& p, unsigned parity) {
   const size_t per_parity = static_cast<size_t>(p.layers) * 2 * p.exchange.ranks * p.batch * p.d;
-  auto* words = reinterpret_cast<uint4*>(p.exchange.recv + (parity ^ 1u) * per_parity);
-  const size_t count = per_parity * sizeof(__nv_bfloat16) / sizeof(uint4);
-  for (size_t i = blockIdx.x * static_cast<size_t>(kThreads) + threadIdx.x; i < count;
-       i += static_cast<size_t>(gridDim.x) * kThreads) {
-    words[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
-  }
+  FillEmpty(p.exchange.recv + (parity ^ 1u) * per_parity,
+            per_parity * sizeof(__nv_bfloat16) / sizeof(uint4));
   __threadfence_system();
 }
 

@@ -91,15 +91,19 @@ __device__ __forceinline__ float HandoffFloat(float v) {
   return __float_as_uint(v) == 0xFFFFFFFFu ? __uint_as_float(0x7FFFFFFFu) : v;
 }
 
-// Every CTA its share of the handoff buffers, kHandoffEmpty (then
-// CountCleared: no CTA writes a handoff before all are counted).
-__device__ inline void ClearHandoffs(const Params& p) {
-  auto* words = reinterpret_cast<uint4*>(p.handoffs);
-  const size_t count = p.handoff_bytes / sizeof(uint4);
+// Every CTA its share of `count` 16-byte words, every bit set (kHandoffEmpty).
+__device__ inline void FillEmpty(void* start, size_t count) {
+  auto* words = static_cast<uint4*>(start);
   for (size_t i = blockIdx.x * static_cast<size_t>(kThreads) + threadIdx.x; i < count;
        i += static_cast<size_t>(gridDim.x) * kThreads) {
     words[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
   }
+}
+
+// Every CTA its share of the handoff buffers, kHandoffEmpty (then
+// CountCleared: no CTA writes a handoff before all are counted).
+__device__ inline void ClearHandoffs(const Params& p) {
+  FillEmpty(p.handoffs, p.handoff_bytes / sizeof(uint4));
 }
 
 // After the CTA's clearing: counted in p.cleared.
