@@ -439,7 +439,7 @@ def test_emulated_tensor_ranks_match_the_reference(rng, monkeypatch, ranks, batc
         x = jax.device_put(random(rng, (batch, config.embed_dim), jnp.bfloat16), whole)
         with jax.set_mesh(mesh):
             got, got_caches = emulate(x, jnp.int32(pos + step), weights, caches)
-            want, _ = jax.jit(lambda *a: fused.reference(*a, config=config))(
+            want, want_caches = jax.jit(lambda *a: fused.reference(*a, config=config))(
                 x, jnp.int32(pos + step), weights, caches)
             exact, exact_caches = jax.jit(lambda *a: fused.reference(*a, config=exact_config))(
                 x.astype(jnp.float32), jnp.int32(pos + step), *f32)
@@ -449,11 +449,16 @@ def test_emulated_tensor_ranks_match_the_reference(rng, monkeypatch, ranks, batc
         bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
         assert _relative(got[0], exact) <= bound, (step, _relative(got[0], exact), bound)
         at = pos + step
-        for got_cache, exact_cache, old_cache in zip(got_caches, exact_caches, caches):
-            for g, e, o in zip(got_cache, exact_cache, old_cache):
-                g, e, o = (np.asarray(t, np.float32) for t in (g, e, o))
+        # The new rows as the output: within twice the bf16 reference's own
+        # error of float32. Not element by element: the ranks sum partials
+        # rounded to bf16 each, so a later layer's k and v stray from the
+        # bf16 reference's by a few of its roundings, ~0.02 where a dot cancels.
+        for caches_of_layer in zip(got_caches, want_caches, exact_caches, caches):
+            for g, w, e, o in zip(*caches_of_layer):
+                g, w, e, o = (np.asarray(t, np.float32) for t in (g, w, e, o))
                 np.testing.assert_array_equal(g[:, :, :at], o[:, :, :at])
-                np.testing.assert_allclose(g[:, :, at], e[:, :, at], rtol=2e-2, atol=2e-2)
+                row_bound = max(2 * _relative(w[:, :, at], e[:, :, at]), TOLERANCE["bfloat16"])
+                assert _relative(g[:, :, at], e[:, :, at]) <= row_bound, (step, row_bound)
                 np.testing.assert_array_equal(np.isnan(g[:, :, at + 1:]), True)
         caches = got_caches
         f32 = (f32[0], jax.tree.map(lambda a: a.astype(jnp.float32), caches))
