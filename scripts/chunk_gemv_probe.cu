@@ -11,8 +11,9 @@
 // kernel's), evict-first made once a CTA. Rows by in_flight: thread 0
 // tracking landed copies and keeping at most that many in flight (the
 // slots still buffer 6 chunks; in_flight = slots tracks with no cap);
-// 0 is the kernel's (no tracking). "consume_only" rows re-read slots never
-// refilled: what the instructions alone allow.
+// 0 is the kernel's (no tracking); "relaxed" rows track with a relaxed
+// test_wait in place of the acquiring one. "consume_only" rows re-read
+// slots never refilled: what the instructions alone allow.
 //
 // The round trips, alone and beside each ring (one thread, or two, on
 // another CUDA stream, next to the ring's CTAs): a chain of dependent
@@ -98,14 +99,26 @@ __device__ __forceinline__ void WgmmaCommitAndWait() {
 #endif
 }
 
-__device__ __forceinline__ bool MbarrierTestWait(uint64_t* bar, unsigned parity) {
+// Whether the copy into `bar`'s slot landed, without waiting. Acquire (the
+// default) orders this thread's later reads after the copy's writes; thread
+// 0's tracking reads nothing of the slot, so relaxed is enough for it.
+__device__ __forceinline__ bool MbarrierTestWait(uint64_t* bar, unsigned parity, bool relaxed) {
   unsigned done = 0;
-  asm volatile(
-      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      " selp.u32 %0, 1, 0, p;\n}"
-      : "=r"(done)
-      : "r"(SharedAddress(bar)), "r"(parity)
-      : "memory");
+  if (relaxed) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.relaxed.cta.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(SharedAddress(bar)), "r"(parity)
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(SharedAddress(bar)), "r"(parity)
+        : "memory");
+  }
   return done != 0;
 }
 
@@ -117,11 +130,13 @@ enum Policy { kNoPolicy = 0, kEvictFirstEachCopy = 1, kEvictFirstOnce = 2 };
 // landed (0: no tracking, as many as there are free slots, as the kernel):
 // the slots still buffer `slots` chunks, but fewer bytes wait in the memory
 // system's queues at any time. in_flight = slots tracks without a cap.
+// relaxed: the tracking's test_wait without acquire (what the tracking
+// costs thread 0 with and without the fence).
 template <Gemv G, bool kRefill>
 __global__ void __launch_bounds__(kThreads, 1)
     RingGemv(const unsigned char* src, size_t chunks, int slots, float* total,
              unsigned long long* stats, int in_flight = 0,
-             int policy = kEvictFirstEachCopy) {
+             int policy = kEvictFirstEachCopy, bool relaxed = false) {
   extern __shared__ __align__(1024) unsigned char shared[];
   auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + size_t(slots) * kSlotBytes);
   auto* bars = reinterpret_cast<uint64_t*>(reinterpret_cast<unsigned char*>(operand) +
@@ -154,7 +169,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto top_up = [&](size_t consumed) {
     landed = max(landed, consumed);
     while (in_flight > 0 && landed < issued &&
-           MbarrierTestWait(bars + landed % slots, (landed / slots) & 1)) {
+           MbarrierTestWait(bars + landed % slots, (landed / slots) & 1, relaxed)) {
       ++landed;
     }
     while (issued < mine && issued < consumed + slots && issued - landed < cap) issue(issued++);
@@ -300,6 +315,7 @@ const char* PolicyName(int policy) {
 struct Row {
   std::string name;
   int slots, in_flight, policy;
+  bool relaxed;
   double median_us, tbps, wait_share, cycles_per_chunk;
   bool checked, ok;
 };
@@ -308,7 +324,7 @@ struct Row {
 // in_flight and policy.
 struct Chase {
   int in_flight, policy;
-  bool handoff;
+  bool handoff, relaxed;
   int segments;
   double ns;
   unsigned sm[2];  // the chase's SM, or the ping-pong's two
@@ -329,13 +345,15 @@ int main() {
   CHECK_CUDA(cudaMalloc(&stats, 5 * sizeof(unsigned long long)));
   const int64_t expected = FillRandomBf16Integers(src, bytes);
   std::vector<Row> rows;
-  auto run = [&](auto kernel, const char* name, bool checked, int in_flight, int policy) {
+  auto run = [&](auto kernel, const char* name, bool checked, int in_flight, int policy,
+                 bool relaxed = false) {
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     static_cast<int>(smem)));
     auto launch = [&] {
       CHECK_CUDA(cudaMemsetAsync(total, 0, sizeof(float)));
       CHECK_CUDA(cudaMemsetAsync(stats, 0, 5 * sizeof(unsigned long long)));
-      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, policy);
+      kernel<<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, in_flight, policy,
+                                      relaxed);
     };
     const double us = MedianUs(launch, kWarmup, kPasses);
     unsigned long long st[5];
@@ -343,7 +361,7 @@ int main() {
     CHECK_CUDA(cudaMemcpy(st, stats, sizeof(st), cudaMemcpyDeviceToHost));
     CHECK_CUDA(cudaMemcpy(&got, total, sizeof(float), cudaMemcpyDeviceToHost));
     const bool ok = !checked || static_cast<double>(got) == static_cast<double>(expected);
-    rows.push_back({name, slots, in_flight, policy, us, bytes / us / 1e6,
+    rows.push_back({name, slots, in_flight, policy, relaxed, us, bytes / us / 1e6,
                     double(st[1]) / double(st[0]), double(st[0] - st[1]) / double(st[2]),
                     checked, ok});
   };
@@ -358,6 +376,10 @@ int main() {
     for (int in_flight : {slots, 2, 3, 4}) {
       run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true, in_flight, policy);
     }
+  }
+  for (int in_flight : {slots, 2, 3}) {
+    run(RingGemv<Gemv::kMmaSync, true>, "ring_mma_sync", true, in_flight, kEvictFirstEachCopy,
+        /*relaxed=*/true);
   }
   run(RingGemv<Gemv::kMmaSync, false>, "consume_only_mma_sync", false, 0, kNoPolicy);
   run(RingGemv<Gemv::kWgmma, false>, "consume_only_wgmma", false, 0, kNoPolicy);
@@ -387,7 +409,8 @@ int main() {
     CHECK_CUDA(cudaMemset(sink, 0xFF, 2 * sizeof(unsigned)));
     if (under_stream) {
       RingGemv<Gemv::kMmaSync, true>
-          <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, c->in_flight, c->policy);
+          <<<sms, kThreads, smem>>>(src, chunks, slots, total, stats, c->in_flight, c->policy,
+                                    c->relaxed);
       CHECK_CUDA(cudaGetLastError());
     }
     if (c->handoff) {
@@ -418,10 +441,11 @@ int main() {
   };
   std::vector<Chase> chases;
   for (bool handoff : {false, true}) {
-    chases.push_back({-1, kNoPolicy, handoff});
+    chases.push_back({-1, kNoPolicy, handoff, false});
     for (int policy : {kEvictFirstEachCopy, kNoPolicy}) {
-      for (int in_flight : {0, 2, 3}) chases.push_back({in_flight, policy, handoff});
+      for (int in_flight : {0, 2, 3}) chases.push_back({in_flight, policy, handoff, false});
     }
+    for (int in_flight : {2, 3}) chases.push_back({in_flight, kEvictFirstEachCopy, handoff, true});
   }
   for (Chase& c : chases) round_trip(&c);
 
@@ -435,32 +459,38 @@ int main() {
               date.c_str());
   for (const Row& r : rows) {
     std::printf("  {\"variant\": \"%s\", \"slots\": %d, \"in_flight\": %d, \"policy\": \"%s\", "
+                "\"relaxed_tracking\": %s, "
                 "\"median_us\": %.1f, \"tb_per_s\": %.3f, \"wait_share\": %.3f, "
                 "\"cycles_a_chunk_not_waiting\": %.0f, \"checked\": %s, \"ok\": %s},\n",
-                r.name.c_str(), r.slots, r.in_flight, PolicyName(r.policy), r.median_us, r.tbps,
+                r.name.c_str(), r.slots, r.in_flight, PolicyName(r.policy),
+                r.relaxed ? "true" : "false", r.median_us, r.tbps,
                 r.wait_share, r.cycles_per_chunk, r.checked ? "true" : "false",
                 r.ok ? "true" : "false");
   }
   for (size_t i = 0; i < chases.size(); ++i) {
     const Chase& c = chases[i];
     std::printf("  {\"variant\": \"%s\", \"in_flight\": %d, \"policy\": \"%s\", "
+                "\"relaxed_tracking\": %s, "
                 "\"median_ns\": %.0f, \"segments\": %d, \"trips_a_segment\": %d, "
                 "\"sm\": [%u, %u]}%s\n",
                 c.handoff ? "handoff_round_trip" : "l2_round_trip", c.in_flight,
-                c.in_flight < 0 ? "alone" : PolicyName(c.policy), c.ns, c.segments,
+                c.in_flight < 0 ? "alone" : PolicyName(c.policy), c.relaxed ? "true" : "false",
+                c.ns, c.segments,
                 kLoadsPerSegment, c.sm[0], c.sm[1], i + 1 < chases.size() ? "," : "");
   }
   std::printf("]}\n");
   for (const Row& r : rows) {
-    std::fprintf(stderr, "%-22s in flight %d policy %-21s %7.1f us %.3f TB/s wait %.2f %5.0f "
-                 "cycles/chunk %s\n", r.name.c_str(), r.in_flight, PolicyName(r.policy),
+    std::fprintf(stderr, "%-22s in flight %d%s policy %-21s %7.1f us %.3f TB/s wait %.2f %5.0f "
+                 "cycles/chunk %s\n", r.name.c_str(), r.in_flight, r.relaxed ? " relaxed" : "",
+                 PolicyName(r.policy),
                  r.median_us, r.tbps, r.wait_share, r.cycles_per_chunk,
                  !r.checked ? "unchecked" : r.ok ? "" : "MISMATCH");
   }
   for (const Chase& c : chases) {
-    std::fprintf(stderr, "%-7s round trip, %s in flight %d, policy %s: %.0f ns (%d segments, "
+    std::fprintf(stderr, "%-7s round trip, %s in flight %d%s, policy %s: %.0f ns (%d segments, "
                  "SM %u/%u)\n", c.handoff ? "handoff" : "L2 load",
                  c.in_flight < 0 ? "alone," : "beside the ring,", c.in_flight,
+                 c.relaxed ? " relaxed" : "",
                  PolicyName(c.policy), c.ns, c.segments, c.sm[0], c.sm[1]);
   }
   for (const Row& r : rows) {
