@@ -70,6 +70,13 @@ def _relative(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+def _bf16_bound(want, exact):
+    """How far (``_relative``) a bf16 result may stray from the float32
+    ``exact``: twice the bf16 reference ``want``'s own error, at least bf16's
+    tolerance."""
+    return max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+
+
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 4, 2), (128, 4, 1), (64, 2, 2)])
 def test_reference_matches_the_models_decode_in_float32(rng, head_dim, heads, kv_heads):
     """The kernel's layout and stages, in JAX, against each block's own decode."""
@@ -344,7 +351,7 @@ def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim
             got, got_caches, want, want_caches, exact = _kernel_and_references(
                 rng, config, batch, length, pos, weights, whole)
         assert np.all(np.isfinite(np.asarray(got, np.float32)))
-        bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+        bound = _bf16_bound(want, exact)
         assert _relative(got, exact) <= bound, (pos, _relative(got, exact), bound)
         for got_cache, want_cache in zip(got_caches, want_caches):
             for g, w in zip(got_cache, want_cache):
@@ -364,7 +371,7 @@ def test_a_short_ring_matches_the_reference(rng, monkeypatch, ring_slots):
     mesh, weights, whole = _prepared_on_one_device(config)
     with jax.set_mesh(mesh):
         got, _, want, _, exact = _kernel_and_references(rng, config, 2, 300, 137, weights, whole)
-    assert _relative(got, exact) <= max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+    assert _relative(got, exact) <= _bf16_bound(want, exact)
 
 
 @pytest.mark.gpu
@@ -446,7 +453,7 @@ def test_emulated_tensor_ranks_match_the_reference(rng, monkeypatch, ranks, batc
         got = np.asarray(got, np.float32)
         for rank in range(1, ranks):
             np.testing.assert_array_equal(got[rank], got[0])
-        bound = max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
+        bound = _bf16_bound(want, exact)
         assert _relative(got[0], exact) <= bound, (step, _relative(got[0], exact), bound)
         at = pos + step
         # The new rows as the output: within twice the bf16 reference's own
@@ -457,7 +464,7 @@ def test_emulated_tensor_ranks_match_the_reference(rng, monkeypatch, ranks, batc
             for g, w, e, o in zip(*caches_of_layer):
                 g, w, e, o = (np.asarray(t, np.float32) for t in (g, w, e, o))
                 np.testing.assert_array_equal(g[:, :, :at], o[:, :, :at])
-                row_bound = max(2 * _relative(w[:, :, at], e[:, :, at]), TOLERANCE["bfloat16"])
+                row_bound = _bf16_bound(w[:, :, at], e[:, :, at])
                 assert _relative(g[:, :, at], e[:, :, at]) <= row_bound, (step, row_bound)
                 np.testing.assert_array_equal(np.isnan(g[:, :, at + 1:]), True)
         caches = got_caches
