@@ -45,7 +45,12 @@ constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 // kept apart from the thread that issues copies, 128 the chunks' MMAs left
 // to warps 1-7 while thread 0 issues: no gain; 256 and 512 out's and
 // down's operands gathered, or checked, chunk by chunk: slower, each
-// chunk's polls a round trip of their own; all removed.)
+// chunk's polls a round trip of their own; all removed. Not kept either,
+// session 48 on an H100, patches in benchmarks/experiments: a cap on the
+// weight copies in flight, thread 0 counting the landed ones, 1.02-1.06x
+// slower, its issuing time doubled; the MLP's next chunks prefetched into
+// L2 during the attention, 1.005-1.06x slower, the prefetches stalling
+// their threads about as long as gate/up then saved.)
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
