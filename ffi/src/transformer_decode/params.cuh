@@ -49,7 +49,7 @@ constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 // session 48 on an H100, patches in benchmarks/experiments: a cap on the
 // weight copies in flight, thread 0 counting the landed ones, 1.02-1.06x
 // slower, its issuing time doubled; the MLP's next chunks prefetched into
-// L2 during the attention, 1.005-1.06x slower, the prefetches stalling
+// L2 during the attention, 1.005-1.07x slower, the prefetches stalling
 // their threads about as long as gate/up then saved.)
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
