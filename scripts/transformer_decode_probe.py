@@ -44,7 +44,9 @@ fused = models.transformer_decode_cuda
 # joined by per-KV-head counts).
 STAGES = ("qkv_attention", "out", "gate_up", "down")
 assert len(STAGES) == fused.BARRIERS_PER_LAYER
-HBM = 4.8e12
+# The floor's bandwidth, TB/s: the H200's datasheet HBM3e (an H100 SXM's
+# HBM3 is 3.35).
+HBM_TB_S = 4.8
 # The kernel's step against the reference in float32 (relative): within
 # twice the reference's own bf16 error, or this.
 CHECK_TOLERANCE = 2e-2
@@ -176,6 +178,8 @@ def main() -> None:
     parser.add_argument("--size", default="1b", choices=("small", "1b"))
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--hbm-tb-s", type=float, default=HBM_TB_S,
+                        help="HBM bandwidth per GPU for the floor, TB/s (default: the H200's)")
     parser.add_argument("--chunk-bytes", nargs="+", type=int, default=[None],
                         metavar="BYTES",
                         help="each of these weight slots (models.transformer_decode_cuda."
@@ -207,7 +211,8 @@ def main() -> None:
         fused.OPTIONS = options
         jax.clear_caches()
         rows.append({"chunk_bytes": fused.CHUNK_BYTES, "ring_slots": fused.RING_SLOTS,
-                     "options": options, **measure(config, x, weights, caches, args.context)})
+                     "options": options, **measure(config, x, weights, caches, args.context,
+                                                  args.hbm_tb_s)})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -239,7 +244,7 @@ def main() -> None:
                 print(f"| {name} | {timeline[name][0]:.2f} | {timeline[name][1]:.2f} |")
 
 
-def measure(config, x, weights, caches, context: int) -> dict:
+def measure(config, x, weights, caches, context: int, hbm_tb_s: float = HBM_TB_S) -> dict:
     """One row: checked, timed, and one step's stages."""
     error, bf16_error = check(config, x, weights, caches, context)
     print(f"relative error against the float32 reference: {error:.3g} (the bf16 "
@@ -251,7 +256,7 @@ def measure(config, x, weights, caches, context: int) -> dict:
     weight_bytes = sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in weights)
     cache_bytes = 2 * config.num_layers * batch * config.num_kv_heads * config.head_dim \
         * 2 * (context + 1)
-    floor_us = (weight_bytes + cache_bytes) / HBM * 1e6
+    floor_us = (weight_bytes + cache_bytes) / (hbm_tb_s * 1e12) * 1e6
     breakdown = ({**stage_breakdown(config, x, weights, caches, context),
                   "layer_timeline": layer_timeline(config, x, weights, caches, context)}
                  if jax.default_backend() == "gpu" else {})
