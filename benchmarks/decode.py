@@ -60,8 +60,7 @@ from jax_flashoverlap.cli.flags import parse_mesh_shape
 # The module, not the function the package exports under its name.
 _decode_matmul_module = importlib.import_module("jax_flashoverlap.decode_matmul")
 
-# H200 HBM3e, datasheet.
-HBM_TB_S = 4.8
+HBM_TB_S = benchmarking.H200_HBM_TB_S
 # The decode loop's logits, against a float32 forward pass over the same
 # tokens, may be off by twice the compute dtype's own forward pass (relative
 # error, norm over a row's logits), or by this much: two paths through 16-48

@@ -32,6 +32,10 @@ __all__ = ["Timing", "time_per_op", "time_interleaved", "first_devices_mesh", "l
 
 # Where the protocol above is written down, for the results' metadata.
 PROTOCOL = "jax_flashoverlap/benchmarking.py (module docstring)"
+# The HBM bandwidth the decode floors divide by, TB/s: the H200's datasheet
+# HBM3e (an H100 SXM's HBM3 is 3.35; the decode benchmark and probes take
+# another with --hbm-tb-s or say which they assumed).
+H200_HBM_TB_S = 4.8
 
 
 @dataclasses.dataclass(frozen=True)

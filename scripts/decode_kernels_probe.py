@@ -32,7 +32,7 @@ from jax_flashoverlap import benchmarking
 from jax_flashoverlap.decode_matmul import TILE_COLUMNS, _kernel_dot, _xla_dot
 
 LAYERS, D, HEADS, KV, H, F = 16, 2048, 16, 8, 128, 8192
-HBM = 4.8e12
+HBM = benchmarking.H200_HBM_TB_S * 1e12
 
 
 def gemm_chain(x, *weights, dot=_xla_dot):

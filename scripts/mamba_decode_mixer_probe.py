@@ -27,7 +27,7 @@ from jax_flashoverlap import benchmarking
 
 LAYERS, GROUPS, WIDTH = 48, 8, 4
 LAYOUT = mamba_decode_pallas.Layout(8, 64, 128)
-HBM = 4.8e12
+HBM = benchmarking.H200_HBM_TB_S * 1e12
 # A variant's first-layer state after one step may differ from XLA's step
 # by this much (relative to its largest value), or the probe stops.
 STATE_TOLERANCE = 1e-4

@@ -44,9 +44,7 @@ fused = models.transformer_decode_cuda
 # joined by per-KV-head counts).
 STAGES = ("qkv_attention", "out", "gate_up", "down")
 assert len(STAGES) == fused.BARRIERS_PER_LAYER
-# The floor's bandwidth, TB/s: the H200's datasheet HBM3e (an H100 SXM's
-# HBM3 is 3.35).
-HBM_TB_S = 4.8
+HBM_TB_S = benchmarking.H200_HBM_TB_S
 # The kernel's step against the reference in float32 (relative): within
 # twice the reference's own bf16 error, or this.
 CHECK_TOLERANCE = 2e-2
