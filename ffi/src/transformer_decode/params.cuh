@@ -50,7 +50,10 @@ constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 // weight copies in flight, thread 0 counting the landed ones, 1.02-1.06x
 // slower, its issuing time doubled; the MLP's next chunks prefetched into
 // L2 during the attention, 1.005-1.07x slower, the prefetches stalling
-// their threads about as long as gate/up then saved.)
+// their threads about as long as gate/up then saved. Session 49, on an
+// H100: the copies held back at a stage's end, so that the polls after it
+// wait behind fewer, 1.013-1.09x slower, the next stage starting with its
+// chunks still to stream.)
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
