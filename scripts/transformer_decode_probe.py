@@ -191,6 +191,9 @@ def main() -> None:
                         help="each of these bit masks of the kernel's optional paths "
                              "(models.transformer_decode_cuda.OPTIONS), a row each (with every "
                              "--chunk-bytes; default: the module's)")
+    parser.add_argument("--no-stages", action="store_true",
+                        help="time the step only: no stage clocks or trace (for a build that "
+                             "compiles them out)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "transformer_decode_probe.json"))
     args = parser.parse_args()
@@ -210,7 +213,7 @@ def main() -> None:
         jax.clear_caches()
         rows.append({"chunk_bytes": fused.CHUNK_BYTES, "ring_slots": fused.RING_SLOTS,
                      "options": options, **measure(config, x, weights, caches, args.context,
-                                                  args.hbm_tb_s)})
+                                                  args.hbm_tb_s, not args.no_stages)})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
@@ -242,8 +245,9 @@ def main() -> None:
                 print(f"| {name} | {timeline[name][0]:.2f} | {timeline[name][1]:.2f} |")
 
 
-def measure(config, x, weights, caches, context: int, hbm_tb_s: float = HBM_TB_S) -> dict:
-    """One row: checked, timed, and one step's stages."""
+def measure(config, x, weights, caches, context: int, hbm_tb_s: float = HBM_TB_S,
+            stages: bool = True) -> dict:
+    """One row: checked, timed, and (with `stages`) one step's stages."""
     error, bf16_error = check(config, x, weights, caches, context)
     print(f"relative error against the float32 reference: {error:.3g} (the bf16 "
           f"reference's: {bf16_error:.3g})", flush=True)
@@ -257,7 +261,7 @@ def measure(config, x, weights, caches, context: int, hbm_tb_s: float = HBM_TB_S
     floor_us = (weight_bytes + cache_bytes) / (hbm_tb_s * 1e12) * 1e6
     breakdown = ({**stage_breakdown(config, x, weights, caches, context),
                   "layer_timeline": layer_timeline(config, x, weights, caches, context)}
-                 if jax.default_backend() == "gpu" else {})
+                 if stages and jax.default_backend() == "gpu" else {})
     return {"batch": batch, "context": context, "check_error": error,
             "check_bf16_reference_error": bf16_error,
             "per_step_us": statistics.median(steps), "per_step_us_min": steps[0],
