@@ -16,7 +16,8 @@ The JSON's rows: each stall reason's share of the samples, the counters,
 the size of the code executed at least once and at least once a layer by
 every warp, and the instructions with the most samples stalled for want of
 an instruction (``no_inst``: a fetch that missed the SM's caches waits on
-L2 like a load, behind the weight stream). Nothing is timed here: the
+L2 like a load, behind the weight stream), for a global load or an
+mbarrier (``long_sb``) and at a CTA barrier (``barrier``). Nothing is timed here: the
 step's time comes from ``transformer_decode_probe.py``.
 
 ncu takes about 30 s a pass here; it needs no XLA autotuning
@@ -49,6 +50,9 @@ CACHE_COUNTERS = (
     "gcc__cache_requests_type_constant_lookup_hit.sum",
     "gcc__cache_requests_type_constant_lookup_miss.sum")
 SOL_METRICS = ("Duration", "SM Frequency", "DRAM Throughput", "Memory Throughput")
+# The instructions with most samples of each of these stall reasons (and
+# the three before each: a load's wait shows at the instruction that uses it).
+SITE_REASONS = ("no_inst", "long_sb", "barrier")
 TOP_SITES = 12
 
 
@@ -136,11 +140,15 @@ def summarize(sass: list[dict], details: dict, counters: dict) -> list[dict]:
         rows.append({"kind": "code", "executed": label, "instructions": len(hot),
                      "bytes": 16 * len(hot),
                      "lines_128b": len({(a - origin) // 128 for a in hot})})
-    by_no_inst = sorted(sass, key=lambda r: -_number(r["stall_no_inst"]))[:TOP_SITES]
-    rows += [{"kind": "no_inst_site", "offset": hex(int(r["Address"], 16) - origin),
-              "sass": r["Source"].strip(), "no_inst_samples": int(_number(r["stall_no_inst"])),
-              "share": _number(r["stall_no_inst"]) / samples,
-              "executed": int(_number(r["Instructions Executed"]))} for r in by_no_inst]
+    for reason in SITE_REASONS:
+        key = "stall_" + reason
+        for i in sorted(range(len(sass)), key=lambda i: -_number(sass[i][key]))[:TOP_SITES]:
+            r = sass[i]
+            rows.append({"kind": reason + "_site", "offset": hex(int(r["Address"], 16) - origin),
+                         "sass": r["Source"].strip(),
+                         "before": [p["Source"].strip() for p in sass[max(0, i - 3):i]],
+                         "samples": int(_number(r[key])), "share": _number(r[key]) / samples,
+                         "executed": int(_number(r["Instructions Executed"]))})
     return rows
 
 
