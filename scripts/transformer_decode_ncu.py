@@ -17,10 +17,10 @@ the size of the code executed at least once and at least once a layer by
 every warp, and the instructions with the most samples stalled for want of
 an instruction (``no_inst``: a fetch that missed the SM's caches waits on
 L2 like a load, behind the weight stream), for a global load or an
-mbarrier (``long_sb``) and at a CTA barrier (``barrier``). Nothing is timed here: the
-step's time comes from ``transformer_decode_probe.py``.
+mbarrier (``long_sb``) and at a CTA barrier (``barrier``). Nothing is
+timed here: the step's time comes from ``transformer_decode_probe.py``.
 
-ncu takes about 30 s a pass here; it needs no XLA autotuning
+Each profile takes about 30 s; the step needs no XLA autotuning
 (``--xla_gpu_autotune_level=0`` is set for the step) and a JAX process
 that does not preallocate the GPU's memory (so that ncu's replays save and
 restore only what the kernel touches).
@@ -134,7 +134,8 @@ def summarize(sass: list[dict], details: dict, counters: dict) -> list[dict]:
              for k in SOL_METRICS if k in details]
     executed = [(int(r["Address"], 16), _number(r["Instructions Executed"])) for r in sass]
     origin = min(a for a, _ in executed)
-    # Executed once a layer by every warp of a grid of ~132 CTAs.
+    # "every layer": by every warp of the 128 CTAs that have an item in every
+    # weight stage of the 1B model.
     for label, least in (("once", 1), ("every layer", LAYERS * 128 * WARPS_PER_CTA)):
         hot = [a for a, n in executed if n >= least]
         rows.append({"kind": "code", "executed": label, "instructions": len(hot),
@@ -187,7 +188,6 @@ def main() -> None:
     for row in rows:
         print(json.dumps(row))
     print(f"wrote {args.json}")
-
 
 
 if __name__ == "__main__":
