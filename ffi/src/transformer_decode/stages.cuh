@@ -297,6 +297,9 @@ __device__ void SwigluEpilogue(const Params& p, __nv_bfloat16* act, int u0, cons
     const float up = Bf16Round(result[b * kGateUpColumns + 2 * u + 1]);
     act[static_cast<size_t>(b) * p.mlp + u0 + u] = HandoffValue(gate / (1.f + __expf(-gate)) * up);
   }
+  // The next item's reduce barrier alone would order `result`; the CTA
+  // leaves in step because without this barrier (and ResidualEpilogue's)
+  // the step was no faster (docs/measurements.md, session 50).
   __syncthreads();
 }
 
