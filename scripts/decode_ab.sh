@@ -24,7 +24,7 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 root=$(cd "$(dirname "$0")/.." && pwd)
-usage() { sed -n '2,25p' "$0" >&2; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { print; next } NR > 1 { exit }' "$0" >&2; exit 2; }
 
 build() {  # build NAME [PATCH]
   local name=$1 patch=${2:-} pkg="$root/build/pkg_$1"
@@ -113,7 +113,7 @@ with open(os.path.join(out, "decode_ab.json"), "w") as f:
     json.dump({"meta": meta, "rows": rows}, f, indent=1)
 settings = ("options", "chunk_bytes", "ring_slots")
 keys = sorted({(row["round"], *(row[k] for k in settings)) for row in rows},
-              key=lambda key: [str(v) for v in key])
+              key=lambda key: (key[0], [str(v) for v in key[1:]]))
 step = {(row["build"], row["round"], *(row[k] for k in settings)): row["per_step_us"]
         for row in rows}
 print("| round | options, chunk bytes, ring slots | "
