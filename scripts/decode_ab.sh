@@ -16,11 +16,12 @@
 #     tests/test_transformer_decode_cuda.py run first against each build, and
 #     a build that fails them is not probed (all 26 take over 200 s a build).
 #     Then JFO_AB_ROUNDS rounds (default 2), a probe process per NAME in the
-#     order given, each with JFO_AB_PROBE_ARGS (default "--no-stages").
+#     order given, each with JFO_AB_PROBE_ARGS (default "--no-stages"), or
+#     with JFO_AB_PROBE_ARGS_NAME where set (a patch's own --options).
 #     Writes $OUT/NAME_ROUND.json per process and $OUT/decode_ab.json (every
 #     row with its build and order, meta.builds from AB_BUILD.txt), and
 #     prints each round's step per build against the first NAME's row with
-#     the same settings.
+#     the same settings (for options the first NAME lacks, its one row).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -78,11 +79,13 @@ run() {  # run NAME ...
   done
   for r in $(seq 1 "$rounds"); do
     for name in "${names[@]}"; do
-      echo "=== $name, round $r"
+      local own="JFO_AB_PROBE_ARGS_$name"
+      local probe_args=${!own:-${JFO_AB_PROBE_ARGS:---no-stages}}
+      echo "=== $name, round $r: $probe_args"
       # shellcheck disable=SC2086  # the probe's flags, split as given
       (cd /tmp && JFO_COMMIT=$(cut -d' ' -f1 "$root/build/pkg_$name/AB_BUILD.txt" | tr -d ';') \
         PYTHONPATH="$root/build/pkg_$name" python3 -P "$root/build/pkg_$name/transformer_decode_probe.py" \
-        ${JFO_AB_PROBE_ARGS:---no-stages} --json "$out/${name}_$r.json" 2>&1 \
+        $probe_args --json "$out/${name}_$r.json" 2>&1 \
         | grep -E "relative error|^slots of|off by|Error" | grep -v "^[WI]0")
     done
   done
@@ -119,8 +122,16 @@ step = {(row["build"], row["round"], *(row[k] for k in settings)): row["per_step
 print("| round | options, chunk bytes, ring slots | "
       + " | ".join(f"{n} µs (x {names[0]})" for n in names) + " |")
 print("|---" * (len(names) + 2) + "|")
+def baseline(key):
+    # The first build's row with the same settings; for a patch's own
+    # options, its only row of that round, chunk size and ring.
+    if (names[0], *key) in step:
+        return step[(names[0], *key)]
+    same = [us for (n, r, _, c, s), us in step.items()
+            if n == names[0] and (r, c, s) == (key[0], *key[2:])]
+    return same[0] if len(same) == 1 else None
 for key in keys:
-    base = step.get((names[0], *key))
+    base = baseline(key)
     cells = []
     for n in names:
         us = step.get((n, *key))
