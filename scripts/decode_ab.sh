@@ -92,7 +92,7 @@ run() {  # run NAME ...
   python3 - "$out" "$rounds" "$root/build" "${names[@]}" <<'PYEOF'
 import json, os, sys
 out, rounds, build, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-rows, meta, order = [], None, 0
+rows, meta, order, settings_by_build = [], None, 0, {}
 for r in range(1, rounds + 1):
     for name in names:
         path = os.path.join(out, f"{name}_{r}.json")
@@ -102,12 +102,15 @@ for r in range(1, rounds + 1):
         with open(path) as f:
             result = json.load(f)
         meta = meta or result["meta"]
+        settings_by_build.setdefault(name, result["meta"]["settings"])
         for row in result["rows"]:
             order += 1
             rows.append({**row, "build": name, "round": r, "order": order})
 if meta is None:
     sys.exit("no probe wrote rows")
-meta["settings"].pop("json", None)
+for settings in (meta["settings"], *settings_by_build.values()):
+    settings.pop("json", None)
+meta["settings_by_build"] = settings_by_build
 meta["builds"] = {n: open(os.path.join(build, f"pkg_{n}", "AB_BUILD.txt")).read().strip()
                   for n in names}
 meta["note"] = (f"{rounds} rounds on one device, a process per build in the order "
