@@ -7,7 +7,7 @@
 #   bash scripts/decode_ab.sh build NAME [PATCH]
 #     HEAD with PATCH applied (`git apply`; none: HEAD as it is), built for
 #     sm_90 into build/pkg_NAME, the probes beside the package, and what was
-#     built in build/pkg_NAME/AB_BUILD.txt. About 3.5 minutes a build. PYTHON
+#     built in build/pkg_NAME/AB_BUILD.txt. About 2-3.5 minutes a build. PYTHON
 #     (default .venv/bin/python, else python3) builds it: the device's Python
 #     version (3.12).
 # On the device, carrying build/pkg_NAME for every NAME:
@@ -18,10 +18,9 @@
 #     Then JFO_AB_ROUNDS rounds (default 2), a probe process per NAME in the
 #     order given, each with JFO_AB_PROBE_ARGS (default "--no-stages"), or
 #     with JFO_AB_PROBE_ARGS_NAME where set (a patch's own --options).
-#     Writes $OUT/NAME_ROUND.json per process and $OUT/decode_ab.json (every
-#     row with its build and order, meta.builds from AB_BUILD.txt), and
-#     prints each round's step per build against the first NAME's row with
-#     the same settings (for options the first NAME lacks, its one row).
+#     Writes $OUT/NAME_ROUND.json per process, then (scripts/decode_ab_summary.py)
+#     $OUT/decode_ab.json, every row with its build and order, and a table
+#     of each round's step per build against the first NAME's.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -89,58 +88,7 @@ run() {  # run NAME ...
         | grep -E "relative error|^slots of|off by|Error" | grep -v "^[WI]0")
     done
   done
-  python3 - "$out" "$rounds" "$root/build" "${names[@]}" <<'PYEOF'
-import json, os, sys
-out, rounds, build, names = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
-rows, meta, order, settings_by_build = [], None, 0, {}
-for r in range(1, rounds + 1):
-    for name in names:
-        path = os.path.join(out, f"{name}_{r}.json")
-        if not os.path.exists(path):
-            print(f"{name}, round {r}: no rows")
-            continue
-        with open(path) as f:
-            result = json.load(f)
-        meta = meta or result["meta"]
-        settings_by_build.setdefault(name, result["meta"]["settings"])
-        for row in result["rows"]:
-            order += 1
-            rows.append({**row, "build": name, "round": r, "order": order})
-if meta is None:
-    sys.exit("no probe wrote rows")
-for settings in (meta["settings"], *settings_by_build.values()):
-    settings.pop("json", None)
-meta["settings_by_build"] = settings_by_build
-meta["builds"] = {n: open(os.path.join(build, f"pkg_{n}", "AB_BUILD.txt")).read().strip()
-                  for n in names}
-meta["note"] = (f"{rounds} rounds on one device, a process per build in the order "
-                f"{', '.join(names)}; each row checked against the float32 reference first")
-with open(os.path.join(out, "decode_ab.json"), "w") as f:
-    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-settings = ("options", "chunk_bytes", "ring_slots")
-keys = sorted({(row["round"], *(row[k] for k in settings)) for row in rows},
-              key=lambda key: (key[0], [str(v) for v in key[1:]]))
-step = {(row["build"], row["round"], *(row[k] for k in settings)): row["per_step_us"]
-        for row in rows}
-print("| round | options, chunk bytes, ring slots | "
-      + " | ".join(f"{n} µs (x {names[0]})" for n in names) + " |")
-print("|---" * (len(names) + 2) + "|")
-def baseline(key):
-    # The first build's row with the same settings; for a patch's own
-    # options, its only row of that round, chunk size and ring.
-    if (names[0], *key) in step:
-        return step[(names[0], *key)]
-    same = [us for (n, r, _, c, s), us in step.items()
-            if n == names[0] and (r, c, s) == (key[0], *key[2:])]
-    return same[0] if len(same) == 1 else None
-for key in keys:
-    base = baseline(key)
-    cells = []
-    for n in names:
-        us = step.get((n, *key))
-        cells.append("-" if us is None else f"{us:.1f}" + (f" ({us / base:.3f})" if base else ""))
-    print(f"| {key[0]} | {', '.join(str(v) for v in key[1:])} | " + " | ".join(cells) + " |")
-PYEOF
+  python3 "$root/scripts/decode_ab_summary.py" "$out" "$rounds" "$root/build" "${names[@]}"
 }
 
 case "${1:-}" in

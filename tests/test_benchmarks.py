@@ -551,3 +551,52 @@ def test_train_step_speedups_need_the_same_first_loss_as_xla():
     bench._check_against_xla(dict(xla, impl="cuda", loss_first=5.55), [xla])  # 0.9%: rounding
     with pytest.raises(SystemExit, match="impl=cuda: first-step loss 5.7 differs from xla's"):
         bench._check_against_xla(dict(xla, impl="cuda", loss_first=5.7), [xla])
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def _probe_result(path, options, step_us):
+    rows = [{"options": o, "chunk_bytes": 32768, "ring_slots": 0, "per_step_us": us}
+            for o, us in zip(options, step_us)]
+    path.write_text(json.dumps({"meta": {"commit": "a77344b", "settings": {
+        "options": list(options), "json": str(path)}}, "rows": rows}))
+
+
+def test_decode_ab_summary_keeps_every_build_and_compares_with_the_first(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("decode_ab_summary",
+                                                  SCRIPTS / "decode_ab_summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    for name, built in (("main", "a77344b; sm_90"), ("cap", "a77344b with cap.patch; sm_90")):
+        (tmp_path / f"pkg_{name}").mkdir()
+        (tmp_path / f"pkg_{name}" / "AB_BUILD.txt").write_text(built + "\n")
+    for r, (main_us, cap_us) in enumerate(((700.0, (714.0, 770.0)), (710.0, (720.0, 781.0))), 1):
+        _probe_result(tmp_path / f"main_{r}.json", [93], [main_us])
+        _probe_result(tmp_path / f"cap_{r}.json", [93, 4189], list(cap_us))
+
+    summary.main([str(tmp_path), "2", str(tmp_path), "main", "cap"])
+
+    result = json.loads((tmp_path / "decode_ab.json").read_text())
+    assert [(row["build"], row["round"], row["options"]) for row in result["rows"]] == [
+        ("main", 1, 93), ("cap", 1, 93), ("cap", 1, 4189),
+        ("main", 2, 93), ("cap", 2, 93), ("cap", 2, 4189)]
+    assert [row["order"] for row in result["rows"]] == [1, 2, 3, 4, 5, 6]
+    meta = result["meta"]
+    assert meta["builds"] == {"main": "a77344b; sm_90", "cap": "a77344b with cap.patch; sm_90"}
+    assert meta["settings_by_build"]["cap"]["options"] == [93, 4189]
+    assert meta["settings_by_build"]["main"]["options"] == [93]
+    assert all("json" not in s for s in meta["settings_by_build"].values())
+    lines = capsys.readouterr().out.splitlines()
+    # Same settings: against main's row; the patch's own options: against
+    # main's one row of that round.
+    assert "| 1 | 93, 32768, 0 | 700.0 (1.000) | 714.0 (1.020) |" in lines
+    assert "| 1 | 4189, 32768, 0 | - | 770.0 (1.100) |" in lines
+    assert "| 2 | 4189, 32768, 0 | - | 781.0 (1.100) |" in lines
+
+
+def test_decode_ab_run_names_the_missing_build():
+    proc = subprocess.run(["bash", str(SCRIPTS / "decode_ab.sh"), "run", "no_such_build"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "build/pkg_no_such_build is missing: bash scripts/decode_ab.sh build" in proc.stderr
