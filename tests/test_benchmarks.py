@@ -15,18 +15,19 @@ import pytest
 import jax_flashoverlap
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 ROOT = Path(jax_flashoverlap.__file__).resolve().parents[1]
 
 
-def _load(name):
-    sys.path.insert(0, str(BENCHMARKS))
+def _load(name, folder=BENCHMARKS):
+    sys.path.insert(0, str(folder))
     try:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path.remove(str(folder))
 
 
 def test_hierarchical_benchmark_runs_in_two_processes(tmp_path):
@@ -553,9 +554,6 @@ def test_train_step_speedups_need_the_same_first_loss_as_xla():
         bench._check_against_xla(dict(xla, impl="cuda", loss_first=5.7), [xla])
 
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
 def _probe_result(path, options, step_us):
     rows = [{"options": o, "chunk_bytes": 32768, "ring_slots": 0, "per_step_us": us}
             for o, us in zip(options, step_us)]
@@ -564,10 +562,7 @@ def _probe_result(path, options, step_us):
 
 
 def test_decode_ab_summary_keeps_every_build_and_compares_with_the_first(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("decode_ab_summary",
-                                                  SCRIPTS / "decode_ab_summary.py")
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
+    summary = _load("decode_ab_summary", SCRIPTS)
     for name, built in (("main", "a77344b; sm_90"), ("cap", "a77344b with cap.patch; sm_90")):
         (tmp_path / f"pkg_{name}").mkdir()
         (tmp_path / f"pkg_{name}" / "AB_BUILD.txt").write_text(built + "\n")
