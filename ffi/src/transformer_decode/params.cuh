@@ -53,7 +53,8 @@ constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 // their threads about as long as gate/up then saved. Session 49, on an
 // H100: the copies held back at a stage's end, so that the polls after it
 // wait behind fewer, 1.013-1.09x slower, the next stage starting with its
-// chunks still to stream.)
+// chunks still to stream. On an H200, session 52, all three 1.02-1.10x
+// slower than their own builds' defaults as well.)
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
