@@ -18,12 +18,13 @@ SETTINGS = ("options", "chunk_bytes", "ring_slots")
 
 def collect(out: str, rounds: int, build_dir: str, names: list[str]) -> dict:
     """The processes' rows as one results JSON (``{"meta", "rows"}``)."""
-    rows, meta, order, settings_by_build = [], None, 0, {}
+    rows, meta, order, settings_by_build, missing = [], None, 0, {}, []
     for r in range(1, rounds + 1):
         for name in names:
             path = os.path.join(out, f"{name}_{r}.json")
             if not os.path.exists(path):
                 print(f"{name}, round {r}: no rows")
+                missing.append(f"{name} in round {r}")
                 continue
             with open(path) as f:
                 result = json.load(f)
@@ -43,6 +44,8 @@ def collect(out: str, rounds: int, build_dir: str, names: list[str]) -> dict:
             meta["builds"][name] = f.read().strip()
     meta["note"] = (f"{rounds} rounds on one device, a process per build in the order "
                     f"{', '.join(names)}; each row checked against the float32 reference first")
+    if missing:
+        meta["note"] += f"; no rows from {', '.join(missing)}"
     return {"meta": meta, "rows": rows}
 
 
@@ -52,8 +55,9 @@ def table(rows: list[dict], names: list[str]) -> str:
     lacks, its only row of that round, chunk size and ring)."""
     step = {(row["build"], row["round"], *(row[k] for k in SETTINGS)): row["per_step_us"]
             for row in rows}
+    # Numerically, a setting left to the kernel (None) after the numbers.
     keys = sorted({(row["round"], *(row[k] for k in SETTINGS)) for row in rows},
-                  key=lambda key: (key[0], [str(v) for v in key[1:]]))
+                  key=lambda key: (key[0], [(v is None, v or 0) for v in key[1:]]))
 
     def baseline(key):
         if (names[0], *key) in step:

@@ -588,6 +588,25 @@ def test_decode_ab_summary_keeps_every_build_and_compares_with_the_first(tmp_pat
     assert "| 1 | 93, 32768, 0 | 700.0 (1.000) | 714.0 (1.020) |" in lines
     assert "| 1 | 4189, 32768, 0 | - | 770.0 (1.100) |" in lines
     assert "| 2 | 4189, 32768, 0 | - | 781.0 (1.100) |" in lines
+    # Rows in numeric order of their settings within a round (93 before 4189).
+    assert lines.index("| 1 | 93, 32768, 0 | 700.0 (1.000) | 714.0 (1.020) |") < lines.index(
+        "| 1 | 4189, 32768, 0 | - | 770.0 (1.100) |")
+
+
+def test_decode_ab_summary_notes_the_processes_that_wrote_no_rows(tmp_path):
+    summary = _load("decode_ab_summary", SCRIPTS)
+    for name in ("main", "cap"):
+        (tmp_path / f"pkg_{name}").mkdir()
+        (tmp_path / f"pkg_{name}" / "AB_BUILD.txt").write_text(f"a77344b {name}; sm_90\n")
+    _probe_result(tmp_path / "main_1.json", [93], [700.0])
+    _probe_result(tmp_path / "cap_1.json", [93], [714.0])
+    _probe_result(tmp_path / "main_2.json", [93], [710.0])
+
+    result = summary.collect(str(tmp_path), 2, str(tmp_path), ["main", "cap"])
+
+    assert [(row["build"], row["round"]) for row in result["rows"]] == [
+        ("main", 1), ("cap", 1), ("main", 2)]
+    assert result["meta"]["note"].endswith("; no rows from cap in round 2")
 
 
 def test_decode_ab_run_names_the_missing_build():
