@@ -181,8 +181,20 @@ def decode_table() -> tuple[str, list]:
     return ("One H200 (TP=1), impl \"xla\" (one GPU: no communication), bf16, the models' "
             "default decode settings (the step column: what they ran). The floor is "
             "the bytes of weights and cache one token reads, at 4.8 TB/s.\n\n"
-            + "\n".join(lines) + f"\n\nFrom {_source(DECODE, doc)}\n\n"
+            + "\n".join(lines) + f"\n\nFrom {_source(DECODE, doc)}{_runs_note(doc)}\n\n"
             + packed_inputs_note()), rows
+
+
+def _runs_note(doc: dict) -> str:
+    """Which commit and date ran which rows, where a file gathers several runs."""
+    by_run: dict[tuple[str, str], list[str]] = {}
+    for run in doc["meta"].get("runs", []):
+        by_run.setdefault((run["commit"][:7], str(run["date"])[:10]), []).extend(run["rows"])
+    if len(by_run) < 2:
+        return ""
+    first = next(iter(by_run))
+    return "".join(f" At {commit}, {date}: {', '.join(rows)}."
+                   for (commit, date), rows in by_run.items() if (commit, date) != first)
 
 
 def packed_inputs_note() -> str:
