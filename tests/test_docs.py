@@ -1,5 +1,6 @@
 """The README and docs/: what they say runs, and their numbers are current."""
 
+import json
 import os
 import pathlib
 import re
@@ -49,6 +50,20 @@ def test_results_docs_are_generated_from_the_results():
     proc = subprocess.run([sys.executable, str(ROOT / "docs" / "make_results.py"), "--check"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_the_decode_table_names_the_commit_of_every_run():
+    """Rows gathered from several runs (meta.runs) each say which commit ran them."""
+    doc = json.loads((ROOT / "benchmarks" / "results" / "decode_1xh200.json").read_text())
+    results = (ROOT / "docs" / "results.md").read_text()
+    section = results[results.index("## Decoding"):results.index("### The one-kernel decode step")]
+    for run in doc["meta"]["runs"]:
+        if run["commit"] == doc["meta"]["commit"]:
+            continue  # the table's source line names it
+        named = f"At {run['commit'][:7]}, {str(run['date'])[:10]}: "
+        assert named in section, run
+        sentence = section[section.index(named):].split(".")[0]
+        assert all(f"{row}," in sentence + "," for row in run["rows"]), run
 
 
 def test_the_package_imports_whole_from_the_checkout_root(tmp_path):
