@@ -54,7 +54,9 @@ constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 // H100: the copies held back at a stage's end, so that the polls after it
 // wait behind fewer, 1.013-1.09x slower, the next stage starting with its
 // chunks still to stream. On an H200, session 52, all three 1.02-1.10x
-// slower than their own builds' defaults as well.)
+// slower than their own builds' defaults as well. Session 53, on an H100:
+// the L2 prefetch paced, n chunks after each of the attention half's four
+// steps, 1.035-1.18x slower, worse than the one point.)
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait
