@@ -186,15 +186,17 @@ def decode_table() -> tuple[str, list]:
 
 
 def _runs_note(doc: dict) -> str:
-    """Which commit and date ran which rows, where a file gathers several runs."""
+    """Which commit and date ran which rows, for the runs (meta.runs) other
+    than the one :func:`_source` names."""
+    meta = doc["meta"]
+    named = (str(meta["commit"])[:7], str(meta["date"])[:10])
     by_run: dict[tuple[str, str], list[str]] = {}
-    for run in doc["meta"].get("runs", []):
-        by_run.setdefault((run["commit"][:7], str(run["date"])[:10]), []).extend(run["rows"])
-    if len(by_run) < 2:
-        return ""
-    first = next(iter(by_run))
+    for run in meta.get("runs", []):
+        key = (run["commit"][:7], str(run["date"])[:10])
+        if key != named:
+            by_run.setdefault(key, []).extend(run["rows"])
     return "".join(f" At {commit}, {date}: {', '.join(rows)}."
-                   for (commit, date), rows in by_run.items() if (commit, date) != first)
+                   for (commit, date), rows in by_run.items())
 
 
 def packed_inputs_note() -> str:
