@@ -114,17 +114,28 @@ def all_reduce_region_bytes(workspace_mb: int | None = None,
 _AR_BLOCK_BYTES = 16 << 10  # kAllReduceMinBlockBytes (transport.h; _extension.limits())
 
 
-@functools.cache
 def process_cuda_devices() -> int:
-    """The CUDA devices the extension lays its workspace out for.
+    """The devices the extension lays its workspace out for.
 
-    The extension counts them with ``cudaGetDeviceCount`` (which honours
-    ``CUDA_VISIBLE_DEVICES``), and that count sizes its all-reduce slots. It
-    can exceed JAX's local devices, e.g. under ``jax_cuda_visible_devices``
-    or ``jax.distributed.initialize(local_device_ids=...)``. Asks the CUDA
+    Those of the node when its processes share the transport
+    (:mod:`.node_transport`). Otherwise the extension counts them with
+    ``cudaGetDeviceCount`` (which honours ``CUDA_VISIBLE_DEVICES``), and that
+    count sizes its all-reduce slots. It can exceed JAX's local devices, e.g.
+    under ``jax_cuda_visible_devices`` or
+    ``jax.distributed.initialize(local_device_ids=...)``. Asks the CUDA
     driver the same question; JAX's count where the default backend is not a
     GPU or no driver loads.
     """
+    from . import node_transport
+
+    layout = node_transport.current()
+    if layout is not None and layout.spans_processes():
+        return layout.node_size
+    return _driver_device_count()
+
+
+@functools.cache
+def _driver_device_count() -> int:
     if jax.default_backend() in ("gpu", "cuda"):
         try:
             driver = ctypes.CDLL("libcuda.so.1")

@@ -128,7 +128,8 @@ class Decision:
 
 def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
             chunks: int | None = None, device_kind: str | None = None,
-            devices: int | None = None, note_untuned: bool = True) -> Decision:
+            devices: int | None = None, note_untuned: bool = True,
+            processes: int = 1) -> Decision:
     """The one place that decides ``impl="auto"``, called when a program is lowered.
 
     It runs the implementation measured fastest for this machine (device
@@ -150,6 +151,10 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
         devices of ``platform``: their kind, and how many the process has).
       note_untuned: log, once, that nothing was measured for this machine
         (:func:`explain` prints the decision itself).
+      processes: how many processes the op's axis spans. A measurement in
+        one process does not decide for an axis across processes: there the
+        kernels reach only their peers' workspaces, not their outputs, so
+        the all-reduce stages its gathers.
     """
     from . import _primitives, tuning
 
@@ -166,9 +171,11 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
                                    f"(compiling for another platform)")
         device_kind, devices = device_kind or machine[0], devices or machine[1]
     kind, count = device_kind, devices
-    entry, why = tuning.load().lookup(op, shapes, dtype.name, n, kind, count, dtype.itemsize)
+    entry, why = tuning.load().lookup(op, shapes, dtype.name, n, kind, count, dtype.itemsize,
+                                      processes)
     if entry is None:
-        if note_untuned and (why.startswith("no tuning table") or " not tuned on " in why):
+        if (note_untuned and processes == 1
+                and (why.startswith("no tuning table") or " not tuned on " in why)):
             _say_untuned_once(kind, count, n, dtype.name)
         return Decision("xla", why)
     impls = ["xla", "decomposed"]

@@ -62,15 +62,30 @@ def reset() -> None:
     and on others after it may pair with the wrong call. A CPU-only build
     has no transport: there it does nothing.
 
+    When groups span the processes of a node (:mod:`.node_transport`), it is
+    collective: every process drains its GPUs, then all wait for each other
+    (no message of an earlier call is still on its way), clear their own
+    GPUs' transport, and wait for each other again before any runs on.
+    Each wait is bounded and names the process that did not arrive.
+
     Raises:
-      RuntimeError: a GPU reports a CUDA error (the process must restart).
+      RuntimeError: a GPU reports a CUDA error (the process must restart),
+        or another process did not reach the reset.
     """
+    from . import distributed, node_transport
+
     mod = _extension._module()
     if mod is None or not hasattr(mod, "reset"):
         return
     gpus = [d for d in jax.local_devices() if d.platform == "gpu"]
     jax.block_until_ready([jax.device_put(np.float32(0), d) + 1 for d in gpus])
+    layout = node_transport.current()
+    across = layout is not None and layout.spans_processes()
+    if across:
+        distributed.check_same("reset: drained", {}, timeout_s=node_transport.DEFAULT_TIMEOUT_S)
     mod.reset()
+    if across:
+        distributed.check_same("reset: cleared", {}, timeout_s=node_transport.DEFAULT_TIMEOUT_S)
 
 
 def inject_fault(kind: str, *, device: int, call: int = 1, stall_ms: int = 0) -> None:
@@ -82,13 +97,25 @@ def inject_fault(kind: str, *, device: int, call: int = 1, stall_ms: int = 0) ->
         "skip" (the call raises at its start and sends nothing, as a rank
         that dropped out), "stall" (the call starts ``stall_ms`` late) or
         "none" (clears an injected fault).
-      device: the CUDA ordinal (``jax.Device.local_hardware_id``).
+      device: the GPU, a local ``jax.Device`` or its CUDA ordinal
+        (``jax.Device.local_hardware_id``).
       call: the ``call``-th next call of a CUDA op on that GPU (1: the next).
       stall_ms: the delay of a "stall".
     """
+    from . import node_transport
+
     if kind not in FAULT_KINDS:
         raise ValueError(f"inject_fault: kind must be one of {FAULT_KINDS}, got {kind!r}")
+    if isinstance(device, jax.Device):
+        device = device.local_hardware_id
     if device < 0 or call < 1 or stall_ms < 0:
         raise ValueError(f"inject_fault: need device >= 0, call >= 1 and stall_ms >= 0, got "
                          f"device={device}, call={call}, stall_ms={stall_ms}")
+    layout = node_transport.current()
+    if layout is not None and layout.spans_processes():
+        # The transport names the node's devices by their ids there.
+        ids = [layout.ids[d.id] for d in jax.local_devices() if d.local_hardware_id == device]
+        if not ids:
+            raise ValueError(f"inject_fault: no GPU of this process has CUDA ordinal {device}")
+        device = ids[0]
     _ops_module("inject_fault").inject_fault(kind, device, call, stall_ms)

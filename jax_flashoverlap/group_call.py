@@ -92,7 +92,7 @@ def _abstract_eval(*avals, target_name, results, axis_name, n, aliases, attribut
 def _lower(ctx, *args, target_name, results, axis_name, n, aliases, attributes):
     del results
     try:
-        groups = _group_ordinals(ctx, target_name, axis_name, n)
+        groups = _group_ordinals(ctx, target_name, axis_name, n, across_processes=False)
     except ValueError as e:
         raise ValueError(
             f"group_ffi_call({target_name!r}): the devices of each group along "

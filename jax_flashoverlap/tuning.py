@@ -65,7 +65,8 @@ class Entry:
 
     Attributes:
       device_kind: ``jax.Device.device_kind`` ("NVIDIA H200", "cpu").
-      devices: devices in the measuring process.
+      devices: devices the measuring process's transport spans: its own, or
+        its node's when the axis spans processes.
       axis_size: ranks of the op's axis.
       dtype: operand dtype name.
       op: the op.
@@ -74,6 +75,8 @@ class Entry:
       shape: (rows per rank, k, n_out), or (bytes per rank,) for all_reduce.
       times_us: impl -> measured µs per call.
       source: where the numbers come from (a results file, or the tune run).
+      processes: processes the measured axis spans (1: one process drove
+        every rank).
     """
 
     device_kind: str
@@ -86,10 +89,11 @@ class Entry:
     shape: tuple[int, ...]
     times_us: dict
     source: str
+    processes: int = 1
 
     def key(self) -> tuple:
-        return (self.device_kind, self.devices, self.axis_size, self.dtype, self.op, self.rows,
-                self.weight)
+        return (self.device_kind, self.devices, self.processes, self.axis_size, self.dtype,
+                self.op, self.rows, self.weight)
 
     def fastest(self, impls: Iterable[str]) -> str | None:
         """The measured-fastest of ``impls`` (None: none of them measured)."""
@@ -101,7 +105,9 @@ class Entry:
                           sorted(self.times_us.items(), key=lambda kv: kv[1]))
         shape = ("x".join(map(str, self.shape)) if self.op != "all_reduce"
                  else f"{self.shape[0]} bytes")
-        return (f"measured on {self.device_kind} x{self.devices}, axis size {self.axis_size}, "
+        across = f" in {self.processes} processes" if self.processes > 1 else ""
+        return (f"measured on {self.device_kind} x{self.devices}{across}, "
+                f"axis size {self.axis_size}, "
                 f"{self.dtype} {self.op} {shape}: {times} ({self.source})")
 
     def to_json(self) -> dict:
@@ -128,20 +134,25 @@ class Table:
         """This table with ``other``'s entries replacing those of the same key."""
         return Table([*self.entries, *other.entries])
 
-    def has_machine(self, device_kind: str, devices: int) -> bool:
-        return any(e.device_kind == device_kind and e.devices == devices
+    def has_machine(self, device_kind: str, devices: int, processes: int = 1) -> bool:
+        return any((e.device_kind, e.devices, e.processes) == (device_kind, devices, processes)
                    for e in self._entries.values())
 
     def lookup(self, op: str, shapes: Shapes, dtype: str, n: int, device_kind: str,
-               devices: int, itemsize: int) -> tuple[Entry | None, str]:
-        """The entry that decides a call, or None and why there is none."""
-        if not self.has_machine(device_kind, devices):
-            return None, f"no tuning table for {device_kind} x{devices}"
+               devices: int, itemsize: int, processes: int = 1) -> tuple[Entry | None, str]:
+        """The entry that decides a call, or None and why there is none.
+
+        ``processes``: how many processes the call's axis spans; an entry
+        measured in one process does not decide for an axis across processes.
+        """
+        if not self.has_machine(device_kind, devices, processes):
+            across = f" with the axis across {processes} processes" if processes > 1 else ""
+            return None, f"no tuning table for {device_kind} x{devices}{across}"
         dtypes = [dtype] + (["bfloat16"] if dtype == "float16" else [])
         for name in dtypes:
             same = [e for e in self._entries.values()
-                    if (e.device_kind, e.devices, e.axis_size, e.dtype, e.op)
-                    == (device_kind, devices, n, name, op)]
+                    if (e.device_kind, e.devices, e.processes, e.axis_size, e.dtype, e.op)
+                    == (device_kind, devices, processes, n, name, op)]
             if same:
                 break
         else:

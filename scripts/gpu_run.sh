@@ -3,6 +3,8 @@
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
 #                                               train decode all
+#                                               ranks (only when named: the
+#                                               multi-rank tests of one GPU)
 #                                               profile, stall, nvshmem, nvlink, cutlass, mixer,
 #                                               ssd_tiling, tune, stream
 #                                               (only when named)
@@ -10,6 +12,8 @@
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
 # JFO_TRAIN_ARGS and JFO_DECODE_ARGS
 # add flags to the benchmarks (e.g. JFO_CM_ARGS="--chunks 2 4 --ops matmul_all_reduce");
+# JFO_PREBUILT_WHEEL=path installs that wheel (built elsewhere with
+# JFO_CUDA_ARCHITECTURES covering this GPU) instead of building here.
 # JFO_DEVICES=N runs everything on the first N GPUs (CUDA_VISIBLE_DEVICES) and
 # names the JSON files *_tpN.json, so runs at TP=2/4/8 can share one $OUT.
 # JFO_SAMPLE_CLOCKS=1 samples each GPU's SM clock and power every 100 ms
@@ -41,6 +45,7 @@ stages=("$@")
 want() { [[ " ${stages[*]} " == *" $1 "* || " ${stages[*]} " == *" all "* ]]; }
 JFO_DEADLINE=${JFO_DEADLINE:-$(( $(date +%s) + 570 ))}
 status=0
+summary=()  # "stage rc seconds", printed last
 # Per GPU: the range of the SM clock and power samples in file $1 (lines
 # "index, clock, power").
 clock_summary() {
@@ -85,6 +90,7 @@ step() {  # step NAME CMD...: runs CMD, logs it, remembers failures
     clock_summary "/tmp/jfo_clocks_$name.csv" | tee -a "$OUT/$name.log"
   fi
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  summary+=("$name $rc $((SECONDS - t0))")
   [ "$rc" -eq 0 ] || status=1
   return "$rc"
 }
@@ -101,8 +107,12 @@ if want build; then
   for wheel in build/wheels/nvidia_cutlass-*.whl; do
     [ -f "$wheel" ] && $PY -m pip install --no-deps -q "$wheel"
   done
-  step build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q . \
-    || exit 1
+  if [ -n "${JFO_PREBUILT_WHEEL:-}" ]; then
+    step build $PY -m pip install --no-deps --force-reinstall -q "$JFO_PREBUILT_WHEEL" || exit 1
+  else
+    step build $PY -m pip install --no-build-isolation --no-deps --force-reinstall -q . \
+      || exit 1
+  fi
   # A build without CUDA (no nvcc) would make every GPU test skip: stop here.
   $PY -P -c "import jax_flashoverlap as j, sys; i = j.build_info(); print('build_info:', i);
 sys.exit(0 if i['cuda'] else 'the build has no CUDA kernels (nvcc not found?)')" || exit 1
@@ -113,6 +123,15 @@ fi
 if want test; then
   JFO_REQUIRE_GPU=1 step test$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider --maxfail=3 \
     ${JFO_GPU_TESTS:-tests}
+fi
+# The four ops and injected faults with the ranks as processes sharing the
+# visible GPU(s) (launch --share-gpu; tests/test_node_transport.py), at 2, 4
+# and 8 ranks: correctness only, never a speed. JFO_SHARE_GPU_MPS=1 runs them
+# under a private CUDA MPS daemon; JFO_FAULT_ROUNDS: faults per kind and op
+# (default 2). Each rank count's JSON lands in $OUT.
+if [[ " ${stages[*]} " == *" ranks "* ]]; then
+  OUT="$OUT" JFO_REQUIRE_GPU=1 step ranks$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider -rA \
+    tests/test_node_transport.py
 fi
 if want demo; then
   step demo $PY -P -m jax_flashoverlap.cli.demo --json "$OUT/demo.json"
@@ -318,4 +337,6 @@ if [[ " ${stages[*]} " == *" nvshmem "* ]]; then
       ${JFO_NVSHMEM_DECODE_ARGS:---impls xla auto --batches 1 8 --contexts 512}
   fi
 fi
+echo "=== summary (stage, rc, seconds)"
+printf '%s\n' "${summary[@]}" | column -t
 exit $status

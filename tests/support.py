@@ -100,14 +100,18 @@ def poison_allocator(nbytes, devices=None):
 M_LOCAL, BATCH, K_LOCAL, N_LOCAL = 3, 5, 12, 7
 
 
-def case(op: str, n: int, rng, dtype, *, batch: bool = True):
+def case(op: str, n: int, rng, dtype, *, batch: bool = True,
+         dims: tuple[int, int, int, int] = (M_LOCAL, BATCH, K_LOCAL, N_LOCAL)):
     """Global inputs, shard_map specs and float64 reference for ``op`` on n ranks.
+
+    ``dims``: (rows per rank, batch, k per rank, columns per rank).
 
     Returns:
       (args, in_specs, out_specs, expected): ``args`` are global arrays.
     """
     from jax.sharding import PartitionSpec as P
 
+    M_LOCAL, BATCH, K_LOCAL, N_LOCAL = dims  # noqa: N806 - the module's names
     b = (BATCH,) if batch else ()
     nb = (None,) * len(b)
     if op == "all_gather_matmul":

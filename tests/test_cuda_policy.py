@@ -74,7 +74,7 @@ def test_collective_matmul_chunks(op, shapes, n, want):
 def test_process_cuda_devices_asks_the_driver_on_gpus(monkeypatch):
     """The extension sizes its slots by cudaGetDeviceCount, which can exceed
     JAX's local devices; off GPUs (or without a driver) JAX's count stands."""
-    count_devices = cuda_policy.process_cuda_devices.__wrapped__  # uncached
+    count_devices = cuda_policy._driver_device_count.__wrapped__  # uncached
     assert count_devices() == jax.local_device_count()  # CPU backend
 
     class FakeDriver:

@@ -134,7 +134,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   a.timeout_ns = static_cast<uint64_t>(timeout_ms) * 1000000ull;
   a.info.op = static_cast<int32_t>(kOp);
   a.info.rank = group->rank;
-  a.info.ordinal = ordinal;
+  a.info.ordinal = group->ids[group->rank];
   a.info.timeout_ms = timeout_ms;
   a.region = *region;
   // The peers' vector stores into y need it 16-byte aligned, whatever their
@@ -159,7 +159,7 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
     const std::string why = std::string("jax_flashoverlap all_reduce: "
                                         "launch failed: ") +
                             cudaGetErrorString(launched);
-    MarkFailed(group->ordinals, why);
+    MarkFailed(group->ids, why);
     return ffi::Error::Internal(why);
   }
   return ffi::Error::Success();

@@ -70,7 +70,7 @@ __device__ void Wait(const Args& a, int kind, const uint32_t* seq,
         TimeoutRecord info = a.info;
         info.out_of_step = ahead;
         signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
-                              a.region.ordinals[q], seq[q], seen);
+                              a.region.ids[q], seq[q], seen);
         break;
       }
     }
@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
         TimeoutRecord info = a.info;
         info.op = static_cast<int32_t>(OpId::kAllReduceAbandoned);
         signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
-                              a.region.ordinals[q], seq[q], seq[q]);
+                              a.region.ids[q], seq[q], seq[q]);
       } else if (to == kGatherIntoSlot) {
         gather_dst[q] = out(q);
       } else {

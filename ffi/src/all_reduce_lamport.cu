@@ -120,7 +120,7 @@ __device__ __forceinline__ V Poll(Load load, Ready ready, const Args& a, int q,
       TimeoutRecord info = a.info;
       info.op = static_cast<int32_t>(OpId::kAllReduceLamport);
       signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
-                            a.region.ordinals[q], expected, 0);
+                            a.region.ids[q], expected, 0);
       return v;
     }
   }

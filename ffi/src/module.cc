@@ -3,7 +3,9 @@
 // the package imports on CPU-only machines.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <optional>
 #include <stdexcept>
@@ -202,6 +204,46 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
 #endif
 }
 
+#ifdef JFO_WITH_CUBLASLT
+// An error of the node transport as the Python exception it names.
+void ThrowIfFailed(const xla::ffi::Error& error) {
+  if (error.success()) return;
+  const std::string message(error.message());
+  if (error.errc() == xla::ffi::ErrorCode::kInvalidArgument) throw nb::value_error(message.c_str());
+  throw std::runtime_error(message);
+}
+#endif
+
+void ConfigureNode(int node_size, const std::vector<std::pair<int, int>>& local,
+                   const std::vector<std::string>& labels) {
+#ifdef JFO_WITH_CUBLASLT
+  ThrowIfFailed(jfo::ConfigureNode(node_size, local, labels));
+#else
+  (void)node_size, (void)local, (void)labels;
+  throw std::runtime_error("configure_node: this build has no CUDA ops");
+#endif
+}
+
+std::pair<nb::bytes, size_t> ExportWorkspace(int id) {
+#ifdef JFO_WITH_CUBLASLT
+  auto exported = jfo::ExportWorkspace(id);
+  if (exported.has_error()) ThrowIfFailed(exported.error());
+  return {nb::bytes(exported->first.data(), exported->first.size()), exported->second};
+#else
+  (void)id;
+  throw std::runtime_error("export_workspace: this build has no CUDA ops");
+#endif
+}
+
+void ImportWorkspace(int id, nb::bytes handle, size_t bytes) {
+#ifdef JFO_WITH_CUBLASLT
+  ThrowIfFailed(jfo::ImportWorkspace(id, std::string(handle.c_str(), handle.size()), bytes));
+#else
+  (void)id, (void)handle, (void)bytes;
+  throw std::runtime_error("import_workspace: this build has no CUDA ops");
+#endif
+}
+
 void SetCublasLtPath(const std::string& path) {
 #ifdef JFO_WITH_CUBLASLT
   jfo::SetCublasLtPath(path);
@@ -254,6 +296,19 @@ NB_MODULE(_ffi, m) {
         nb::arg("expected"), nb::arg("timeout_ms"),
         "Test hook: the copy-engine wait kernel against a flag holding `flag`: "
         "'reached', 'timed out' or 'out of step'.");
+  m.def("configure_node", &ConfigureNode, nb::arg("node_size"), nb::arg("local"),
+        nb::arg("labels"),
+        "Gives the devices of a node shared by several processes their transport ids "
+        "(0..node_size-1, the same in every process): `local` lists (CUDA ordinal, id) "
+        "of this process's devices, `labels` names every id for messages. Before the "
+        "process's first CUDA op.");
+  m.def("export_workspace", &ExportWorkspace, nb::arg("id"),
+        "(CUDA IPC handle bytes, workspace bytes) of this process's device `id`, whose "
+        "workspace is allocated now if it is not yet.");
+  m.def("import_workspace", &ImportWorkspace, nb::arg("id"), nb::arg("handle"),
+        nb::arg("bytes"),
+        "Maps device `id`'s workspace from another process of the node (its "
+        "export_workspace result).");
   m.def("set_cublaslt_path", &SetCublasLtPath, nb::arg("path"),
         "dlopen cuBLASLt from this path if it is not loaded yet.");
 }

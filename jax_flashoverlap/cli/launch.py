@@ -16,6 +16,14 @@ which reads what this launcher put in its environment:
     JAX_FLASHOVERLAP_NODE_SIZE            consecutive processes that form one "node" (--node-size)
     JAX_FLASHOVERLAP_PLATFORM             ``gpu`` or ``cpu``
 
+With ``--share-gpu`` several processes share each visible GPU (rank r on GPU
+r mod G), each with an equal slice of its memory: a way to run 2, 4 or 8 ranks
+of the real kernels on one GPU, for tests; their timings mean nothing.
+Without CUDA MPS their kernels take turns on the GPU, so every wait on a
+peer lasts a time slice; ``--mps`` starts a private MPS daemon for the job
+(its kernels then run side by side, each process with an equal share of
+the SMs) and stops it at the end.
+
 Every output line is prefixed ``[rank i]``. If a process exits non-zero or is
 killed, the others get SIGTERM, then SIGKILL after ``--grace`` seconds, and the
 launcher exits non-zero naming the rank; ``--timeout`` bounds the whole run
@@ -63,6 +71,8 @@ LOOPBACK_ENV = {
 # Launcher options that take a value; everything from the program on is the
 # program's, even if it looks like a launcher option (as with `python -m`).
 _VALUE_OPTIONS = {"-n", "--nproc", "--node-size", "--timeout", "--grace"}
+# Of each shared GPU's memory, the part the processes on it split evenly.
+_SHARED_MEMORY_FRACTION = 0.8
 _EXIT_TIMEOUT = 124  # as timeout(1)
 _POLL_S = 0.05
 
@@ -143,7 +153,8 @@ def _child_pythonpath(env: Mapping[str, str]) -> str:
 
 
 def _child_env(base: Mapping[str, str], *, rank: int, nproc: int, node_size: int,
-               port: int, gpu: str | None, pythonpath: str) -> dict[str, str]:
+               port: int, gpu: str | None, pythonpath: str, per_gpu: int = 1,
+               mps_dir: str | None = None) -> dict[str, str]:
     env = dict(base)
     env.update({
         ENV["coordinator"]: f"127.0.0.1:{port}",
@@ -166,6 +177,13 @@ def _child_env(base: Mapping[str, str], *, rank: int, nproc: int, node_size: int
         env["XLA_FLAGS"] = without_cpu_device_count(env.get("XLA_FLAGS", ""))
     else:
         env["CUDA_VISIBLE_DEVICES"] = gpu
+    if per_gpu > 1:
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION",
+                       f"{_SHARED_MEMORY_FRACTION / per_gpu:.3f}")
+    if mps_dir is not None:
+        env["CUDA_MPS_PIPE_DIRECTORY"] = os.path.join(mps_dir, "pipe")
+        env["CUDA_MPS_LOG_DIRECTORY"] = os.path.join(mps_dir, "log")
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(max(100 // per_gpu, 1))
     return env
 
 
@@ -238,6 +256,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grace", type=float, default=5.0,
                    help="seconds between SIGTERM and SIGKILL when tearing down")
     p.add_argument("--cpu", action="store_true", help="CPU processes even if there are GPUs")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="allow more processes than GPUs: rank r runs on GPU r mod G, with "
+                        "an equal slice of its memory (for tests: timings mean nothing)")
+    p.add_argument("--mps", action="store_true",
+                   help="with --share-gpu: run the job under a private CUDA MPS daemon, "
+                        "started here and stopped at the end")
     return p
 
 
@@ -256,10 +280,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--node-size {node_size} must be >= 1 and divide -n {n} "
                      f"(e.g. --node-size 1 for one node per process)")
     gpus = [] if args.cpu else visible_gpus()
-    if gpus and n > len(gpus):
+    if gpus and n > len(gpus) and not args.share_gpu:
         parser.error(f"-n {n} processes but only {len(gpus)} GPUs visible "
-                     f"({','.join(gpus)}); use at most {len(gpus)} or --cpu")
+                     f"({','.join(gpus)}); use at most {len(gpus)}, --share-gpu or --cpu")
+    if args.mps and not (args.share_gpu and gpus):
+        parser.error("--mps needs --share-gpu and a visible GPU")
+    per_gpu = -(-n // len(gpus)) if gpus else 1
+    mps = _MpsDaemon.start() if args.mps else None
+    try:
+        return _run(program, args, n, node_size, gpus, per_gpu, mps)
+    finally:
+        if mps is not None:
+            mps.stop()
 
+
+def _run(program: list[str], args: argparse.Namespace, n: int, node_size: int,
+         gpus: list[str], per_gpu: int, mps: _MpsDaemon | None) -> int:
+    """Starts the n processes and supervises them; returns the launcher's status."""
     reservation, port = _reserve_port()
     cmd = [sys.executable, *program]
     lock = threading.Lock()
@@ -270,7 +307,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # safe in a single-threaded parent.
     for rank in range(n):
         env = _child_env(os.environ, rank=rank, nproc=n, node_size=node_size, port=port,
-                         gpu=gpus[rank] if gpus else None, pythonpath=pythonpath)
+                         gpu=gpus[rank % len(gpus)] if gpus else None, pythonpath=pythonpath,
+                         per_gpu=per_gpu, mps_dir=None if mps is None else mps.directory)
         children.append(subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, start_new_session=True,  # own group: kill grandchildren too
@@ -289,6 +327,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     for t in pumps:
         t.join(timeout=2.0)  # a grandchild that escaped its group may hold a pipe
     return status
+
+
+class _MpsDaemon:
+    """A private CUDA MPS control daemon (``nvidia-cuda-mps-control -d``) in its
+    own directory: only processes given that directory use it."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=os.path.join(self.directory, "pipe"),
+                    CUDA_MPS_LOG_DIRECTORY=os.path.join(self.directory, "log"))
+
+    @classmethod
+    def start(cls) -> _MpsDaemon:
+        import tempfile
+
+        daemon = cls(tempfile.mkdtemp(prefix="jfo_mps_"))
+        for sub in ("pipe", "log"):
+            os.makedirs(os.path.join(daemon.directory, sub))
+        try:
+            subprocess.run(["nvidia-cuda-mps-control", "-d"], env=daemon.env(), check=True,
+                           capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise SystemExit(f"launch: --mps: could not start nvidia-cuda-mps-control "
+                             f"({type(e).__name__}: {e}); run without --mps") from None
+        return daemon
+
+    def stop(self) -> None:
+        try:
+            subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=self.env(),
+                           capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass  # reported by nothing: the daemon exits with its last client anyway
 
 
 def _say(lock: threading.Lock, msg: str) -> None:

@@ -99,10 +99,10 @@ void LaunchFillWords(uint32_t* words, size_t count, uint32_t value,
 
 Channel::~Channel() {
   if (committed_ && !ended_) {
-    MarkFailed(group_->ordinals,
+    MarkFailed(group_->ids,
                std::string("jax_flashoverlap ") + OpName(op_) + ": rank " +
-                   std::to_string(group_->rank) + " (CUDA device " +
-                   std::to_string(ordinal()) + ") stopped in the middle of a "
+                   std::to_string(group_->rank) + " (" + DeviceLabel(id()) +
+                   ") stopped in the middle of a "
                    "call: " + (failure_.empty() ? "an error" : failure_));
     JoinSideStreams();
   }
@@ -116,8 +116,8 @@ void Channel::JoinSideStreams() {
   std::vector<cudaStream_t> side = {dev_->copy_stream};
   for (int r = 0; r < group_->n; ++r) {
     if (r == group_->rank) continue;
-    side.push_back(dev_->send_streams[group_->ordinals[r]]);
-    side.push_back(dev_->wait_streams[group_->ordinals[r]]);
+    side.push_back(dev_->send_streams[group_->ids[r]]);
+    side.push_back(dev_->wait_streams[group_->ids[r]]);
   }
   for (cudaStream_t s : side) {
     cudaEvent_t done;
@@ -166,13 +166,13 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
 
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
   int stall_ms = 0;
-  const FaultKind kind = TakeFault(group.ordinals[group.rank], &stall_ms);
+  const FaultKind kind = TakeFault(group.ids[group.rank], &stall_ms);
   if (kind == FaultKind::kStall) return Stall(stream, stall_ms);
   if (kind != FaultKind::kNone) {
     const std::string why = std::string("jax_flashoverlap ") + OpName(op) +
                             ": injected fault: rank " +
                             std::to_string(group.rank) + " did not run a call";
-    MarkFailed(group.ordinals, why);
+    MarkFailed(group.ids, why);
     return ffi::Error::Internal(why);
   }
   return ffi::Error::Success();
@@ -181,7 +181,7 @@ ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
 ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
                           cudaStream_t stream) {
   JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
-  dev_ = LookupDevice(group.ordinals[group.rank]);
+  dev_ = LookupDevice(group.ids[group.rank]);
   lock_ = std::unique_lock<std::mutex>(dev_->mu);
   JFO_RETURN_IF_ERROR(CheckGroupHealthy(op, group));
   group_ = &group;
@@ -190,7 +190,7 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
   // From here on the peers may run this call: any error is a fault.
   committed_ = true;
   int stall_ms = 0;
-  fault_ = TakeFault(ordinal(), &stall_ms);
+  fault_ = TakeFault(id(), &stall_ms);
   if (fault_ == FaultKind::kSkip) {
     failure_ = "injected fault: this call was skipped";
     return ffi::Error::Internal(std::string("jax_flashoverlap ") + OpName(op) +
@@ -208,7 +208,7 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
   sent_.assign(group.n, 0);
   parity_.assign(group.n, 0);
   for (int r = 0; r < group.n; ++r) {
-    parity_[r] = static_cast<int>(dev_->pair_calls[group.ordinals[r]] & 1);
+    parity_[r] = static_cast<int>(dev_->pair_calls[group.ids[r]] & 1);
   }
   auto start = NextEvent();
   if (start.has_error()) return start.error();
@@ -280,7 +280,7 @@ ffi::Error Channel::Refuse(ffi::Error why) {
 }
 
 char* Channel::RecvSlot(int peer_rank) const {
-  return dev_->Slot(group_->ordinals[peer_rank], parity_[peer_rank]);
+  return dev_->Slot(group_->ids[peer_rank], parity_[peer_rank]);
 }
 
 char* Channel::Staging() const { return dev_->staging; }
@@ -332,8 +332,8 @@ ffi::ErrorOr<int> Channel::SendWhen(int peer_rank, size_t offset, const void* sr
                                 std::to_string(kMaxMessagesPerCall) +
                                 " messages to one peer in a call");
   }
-  const int peer = group_->ordinals[peer_rank];
-  const int self = group_->ordinals[group_->rank];
+  const int peer = group_->ids[peer_rank];
+  const int self = group_->ids[group_->rank];
   DeviceState* dst = LookupDevice(peer);
   cudaStream_t s = dev_->send_streams[peer];
   JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(s, after ? after : start_, 0));
@@ -363,7 +363,7 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index, cudaEvent_t
     ++events_rehearsed_;  // the real pass takes one
     return start_;
   }
-  const int peer = group_->ordinals[peer_rank];
+  const int peer = group_->ids[peer_rank];
   cudaStream_t s = waits_on_xla_stream_ ? stream_ : dev_->wait_streams[peer];
   if (!waits_on_xla_stream_) {
     // A wait starts its clock with the call, not while the stream runs ahead.
@@ -381,15 +381,15 @@ ffi::ErrorOr<cudaEvent_t> Channel::Arrival(int peer_rank, int index, cudaEvent_t
 }
 
 Channel::FlagWait Channel::ArrivalFlag(int peer_rank, int index) const {
-  const int peer = group_->ordinals[peer_rank];
+  const int peer = group_->ids[peer_rank];
   TimeoutRecord info{};
   info.op = static_cast<int32_t>(op_);
   info.rank = group_->rank;
-  info.ordinal = group_->ordinals[group_->rank];
+  info.ordinal = group_->ids[group_->rank];
   info.peer_rank = peer_rank;
   info.peer_ordinal = peer;
   info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
-  // The own ordinal's pair count stays 0 (End counts peers only), so the
+  // The own id's pair count stays 0 (End counts peers only), so the
   // own flag's values are (1, copy) in every call, after its zeroing.
   return {dev_->flags + peer, ChannelFlag(dev_->pair_calls[peer] + 1, index + 1),
           {timeout_ns_, dev_->fail_call, call_id_, dev_->record, dev_->record_lock, info}};
@@ -403,7 +403,7 @@ ffi::ErrorOr<Channel::FlagWait> Channel::CopyLocalFlagged(void* dst, const void*
     if (first) ++events_rehearsed_;  // the real pass's zeroing takes one
     return wait;
   }
-  uint32_t* flag = dev_->flags + ordinal();
+  uint32_t* flag = dev_->flags + id();
   cudaStream_t s = dev_->copy_stream;
   if (first) {
     // A value left by an earlier call could pass this call's waits.
@@ -431,7 +431,7 @@ ffi::Error Channel::End(const std::vector<Output>& outputs) {
   std::vector<cudaStream_t> side = {dev_->copy_stream};
   for (int r = 0; r < group_->n; ++r) {
     if (r == group_->rank) continue;
-    const int peer = group_->ordinals[r];
+    const int peer = group_->ids[r];
     side.push_back(dev_->send_streams[peer]);
     side.push_back(dev_->wait_streams[peer]);
     dev_->pair_calls[peer] += 1;

@@ -1,5 +1,6 @@
-// Peer transport: several GPUs driven by one process (jax.shard_map on local
-// devices). Data moves on copy engines (cudaMemcpyAsync into a peer pointer),
+// Peer transport: the GPUs of a node, driven by one process (jax.shard_map on
+// local devices) or by several (node.cu maps the other processes'
+// workspaces here). Data moves on copy engines (cudaMemcpyAsync into a peer pointer),
 // signals are stream memory ops (cuStreamWriteValue32) into the receiver's
 // flag, waits are kernels of one warp at most with a timeout (one thread polls).
 //
@@ -39,14 +40,14 @@ namespace {
 
 std::mutex g_mu;
 std::condition_variable g_cv;
-std::map<int, std::unique_ptr<DeviceState>> g_devices;
+std::map<int, std::unique_ptr<DeviceState>> g_devices;  // by transport id
 std::map<std::vector<int>, std::set<int>> g_registered;  // group -> members
-std::map<int, std::string> g_failed;  // CUDA ordinal -> the first fault seen
+std::map<int, std::string> g_failed;  // transport id -> the first fault seen
 
 struct InjectedFault {
   FaultKind kind = FaultKind::kNone;
-  int ordinal = -1;
-  int calls = 0;  // calls on `ordinal` until it fires, this one included
+  int id = -1;
+  int calls = 0;  // calls on device `id` until it fires, this one included
   int stall_ms = 0;
 };
 InjectedFault g_fault;
@@ -54,14 +55,19 @@ InjectedFault g_fault;
 // armed, so the answer needs no lock.
 std::atomic<bool> g_fault_armed{false};
 
-// Marks `ordinal` failed (under g_mu): the host refuses its groups' later
+// Marks device `id` failed (under g_mu): the host refuses its groups' later
 // calls, and the word all-reduces replayed from a CUDA graph read
 // (PeerRegion::region_failed; 0 or 1, so one byte) makes those write NaN.
-void FailLocked(int ordinal, const std::string& why) {
-  if (!g_failed.emplace(ordinal, why).second) return;
-  auto it = g_devices.find(ordinal);
-  if (it == g_devices.end() || it->second->region_failed == nullptr) return;
-  DeviceGuard guard(ordinal);
+// Another process's device is only marked here: its own process learns of
+// the fault from its own waits, which time out.
+void FailLocked(int id, const std::string& why) {
+  if (!g_failed.emplace(id, why).second) return;
+  auto it = g_devices.find(id);
+  if (it == g_devices.end() || it->second->remote ||
+      it->second->region_failed == nullptr) {
+    return;
+  }
+  DeviceGuard guard(it->second->cuda_ordinal);
   // Best effort (a device in an error state fails its calls anyway), and
   // its error must not reach the next call's cudaGetLastError.
   if (cudaMemsetAsync(it->second->region_failed, 1, 1, it->second->copy_stream) != cudaSuccess) {
@@ -69,9 +75,9 @@ void FailLocked(int ordinal, const std::string& why) {
   }
 }
 
-// Frees what a DeviceState holds (any part may be missing).
+// Frees what a DeviceState of this process holds (any part may be missing).
 void Release(DeviceState* st) {
-  DeviceGuard guard(st->ordinal);
+  DeviceGuard guard(st->cuda_ordinal);
   for (cudaEvent_t e : st->events) {
     if (e) cudaEventDestroy(e);
   }
@@ -103,46 +109,41 @@ ffi::Error ClearControl(DeviceState* st) {
 
 ffi::ErrorOr<DeviceState*> AllocateDevice(DeviceState* st);
 
-// Allocates everything a device needs once; called under g_mu. A failure
-// frees what it allocated, and the next call tries again from nothing.
-ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int ordinal) {
-  auto it = g_devices.find(ordinal);
+// Allocates everything a device of this process needs once; called under
+// g_mu. A failure frees what it allocated, and the next call tries again
+// from nothing.
+ffi::ErrorOr<DeviceState*> GetOrCreateDevice(int id) {
+  auto it = g_devices.find(id);
   if (it != g_devices.end()) return it->second.get();
+  const int cuda_ordinal = CudaOrdinalOf(id);
+  if (cuda_ordinal < 0) {
+    return ffi::Error::Internal(
+        "jax_flashoverlap: " + DeviceLabel(id) + " is another process's, and its "
+        "workspace was not imported; the node transport must be set up before the "
+        "first op (jax_flashoverlap.node_transport.setup())");
+  }
   auto st = std::make_unique<DeviceState>();
-  st->ordinal = ordinal;
+  st->id = id;
+  st->cuda_ordinal = cuda_ordinal;
   auto made = AllocateDevice(st.get());
   if (made.has_error()) {
     Release(st.get());
     return made.error();
   }
-  g_devices[ordinal] = std::move(st);
+  g_devices[id] = std::move(st);
   return *made;
 }
 
 ffi::ErrorOr<DeviceState*> AllocateDevice(DeviceState* st) {
-  const int ordinal = st->ordinal;
-  DeviceGuard guard(ordinal);
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&st->num_devices));
+  DeviceGuard guard(st->cuda_ordinal);
+  auto count = TransportDeviceCount();
+  if (count.has_error()) return count.error();
+  st->num_devices = *count;
   // Validated by jax_flashoverlap/settings.py (64 MiB to 1 TiB) before it
   // reached the extension.
-  const size_t bytes = GetSettings().workspace_mb << 20;
-  JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&st->workspace, bytes));
-  char* control = st->workspace + kGemmWorkspaceBytes;
-  st->flags = reinterpret_cast<uint32_t*>(control);
-  st->fail_call = reinterpret_cast<uint32_t*>(control + kFailWordOffset);
-  st->record_lock = reinterpret_cast<uint32_t*>(control + kRecordLockOffset);
-  const size_t data = bytes - kGemmWorkspaceBytes - kControlBytes;
-  // A quarter for the all-reduce region. Of the rest, a peer needs one staged
-  // message per peer and receives two (parities): staging one third, receive
-  // slots two thirds.
-  const size_t ar_bytes = data / 4 / 256 * 256;
-  char* ar = control + kControlBytes;
-  JFO_RETURN_IF_ERROR(LayOutAllReduceRegion(st, control, ar, ar_bytes));
-  st->staging = ar + ar_bytes;
-  st->staging_bytes = (data - ar_bytes) / 3 / 256 * 256;
-  st->recv = st->staging + st->staging_bytes;
-  st->slot_bytes = (data - ar_bytes - st->staging_bytes) /
-                   (2 * SenderCount(st->num_devices)) / 256 * 256;
+  st->workspace_bytes = GetSettings().workspace_mb << 20;
+  JFO_CUDA_RETURN_IF_ERROR(cudaMalloc(&st->workspace, st->workspace_bytes));
+  JFO_RETURN_IF_ERROR(LayOutWorkspace(st));
   JFO_CUDA_RETURN_IF_ERROR(cudaHostAlloc(
       &st->record, sizeof(TimeoutRecord),
       cudaHostAllocMapped | cudaHostAllocPortable));
@@ -172,10 +173,13 @@ ffi::ErrorOr<DeviceState*> AllocateDevice(DeviceState* st) {
   return st;
 }
 
-ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
+// Peer access from CUDA device `ordinal` to the other devices of `ids` that
+// this process drives (another process's workspace is mapped with access).
+ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& ids) {
   DeviceGuard guard(ordinal);
-  for (int p : peers) {
-    if (p == ordinal) continue;
+  for (int id : ids) {
+    const int p = CudaOrdinalOf(id);
+    if (p < 0 || p == ordinal) continue;
     int can = 0;
     JFO_CUDA_RETURN_IF_ERROR(cudaDeviceCanAccessPeer(&can, ordinal, p));
     if (!can) {
@@ -196,22 +200,39 @@ ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& peers) {
 
 }  // namespace
 
+ffi::Error LayOutWorkspace(DeviceState* st) {
+  char* control = st->workspace + kGemmWorkspaceBytes;
+  st->flags = reinterpret_cast<uint32_t*>(control);
+  st->fail_call = reinterpret_cast<uint32_t*>(control + kFailWordOffset);
+  st->record_lock = reinterpret_cast<uint32_t*>(control + kRecordLockOffset);
+  const size_t data = st->workspace_bytes - kGemmWorkspaceBytes - kControlBytes;
+  // A quarter for the all-reduce region. Of the rest, a peer needs one staged
+  // message per peer and receives two (parities): staging one third, receive
+  // slots two thirds.
+  const size_t ar_bytes = data / 4 / 256 * 256;
+  char* ar = control + kControlBytes;
+  JFO_RETURN_IF_ERROR(LayOutAllReduceRegion(st, control, ar, ar_bytes));
+  st->staging = ar + ar_bytes;
+  st->staging_bytes = (data - ar_bytes) / 3 / 256 * 256;
+  st->recv = st->staging + st->staging_bytes;
+  st->slot_bytes = (data - ar_bytes - st->staging_bytes) /
+                   (2 * SenderCount(st->num_devices)) / 256 * 256;
+  return ffi::Error::Success();
+}
+
 std::string FormatTimeout(const TimeoutRecord& r) {
   const OpId op = static_cast<OpId>(r.op);
+  const std::string self = std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
+                           std::to_string(r.rank) + " (" + DeviceLabel(r.ordinal) + ")";
+  const std::string peer =
+      "rank " + std::to_string(r.peer_rank) + " (" + DeviceLabel(r.peer_ordinal) + ")";
   if (op == OpId::kAllReduceAbandoned) {
-    return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
-           std::to_string(r.rank) + " (CUDA device " +
-           std::to_string(r.ordinal) + ") found that rank " +
-           std::to_string(r.peer_rank) + " (CUDA device " +
-           std::to_string(r.peer_ordinal) + ") had given up on epoch " +
-           std::to_string(r.expected) + " after its " +
-           std::to_string(r.timeout_ms) + " ms timeout";
+    return self + " found that " + peer + " had given up on epoch " +
+           std::to_string(r.expected) + " after its " + std::to_string(r.timeout_ms) +
+           " ms timeout";
   }
   if (r.out_of_step) {
-    return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
-           std::to_string(r.rank) + " (CUDA device " + std::to_string(r.ordinal) +
-           ") found rank " + std::to_string(r.peer_rank) + " (CUDA device " +
-           std::to_string(r.peer_ordinal) + ") at least two calls ahead (flag " +
+    return self + " found " + peer + " at least two calls ahead (flag " +
            std::to_string(r.seen) + ", expected " + std::to_string(r.expected) +
            "): the ranks are out of step (a call ran on some ranks only)";
   }
@@ -222,17 +243,35 @@ std::string FormatTimeout(const TimeoutRecord& r) {
                 "jax_flashoverlap.reset())"
           : "flag value " + std::to_string(r.expected) + " (flag holds " +
                 std::to_string(r.seen) + ")";
-  return std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
-         std::to_string(r.rank) + " (CUDA device " + std::to_string(r.ordinal) +
-         ") timed out after " + std::to_string(r.timeout_ms) +
-         " ms waiting for rank " + std::to_string(r.peer_rank) +
-         " (CUDA device " + std::to_string(r.peer_ordinal) + "), " + what;
+  return self + " timed out after " + std::to_string(r.timeout_ms) + " ms waiting for " +
+         peer + ", " + what;
 }
 
-DeviceState* LookupDevice(int ordinal) {
+DeviceState* LookupDevice(int id) {
   std::lock_guard<std::mutex> lock(g_mu);
-  auto it = g_devices.find(ordinal);
+  auto it = g_devices.find(id);
   return it == g_devices.end() ? nullptr : it->second.get();
+}
+
+ffi::ErrorOr<DeviceState*> AllocatedDevice(int id) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  JFO_RETURN_IF_ERROR(LoadDriverEntryPoints());
+  return GetOrCreateDevice(id);
+}
+
+ffi::Error AdoptRemoteDevice(std::unique_ptr<DeviceState> view) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  const int id = view->id;
+  if (!g_devices.emplace(id, std::move(view)).second) {
+    return ffi::Error::Internal("jax_flashoverlap: " + DeviceLabel(id) +
+                                " already has a workspace in this process");
+  }
+  return ffi::Error::Success();
+}
+
+bool AnyDeviceState() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return !g_devices.empty();
 }
 
 // Formats before clearing `set`: a device writes the fields only while `set`
@@ -258,7 +297,8 @@ const char* OpName(OpId op) {
 }
 
 ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
-                                  int ordinal) {
+                                  int cuda_ordinal) {
+  const int self = TransportId(cuda_ordinal);
   const std::string where = std::string("jax_flashoverlap ") + OpName(op);
   if (n < 1 || group_ordinals.size() % n != 0 || group_ordinals.size() == 0) {
     return ffi::Error::InvalidArgument(
@@ -268,35 +308,44 @@ ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
   }
   for (size_t g = 0; g < group_ordinals.size(); g += n) {
     for (int r = 0; r < n; ++r) {
-      if (group_ordinals[g + r] != ordinal) continue;
+      if (group_ordinals[g + r] != self) continue;
       GroupSpec spec;
-      spec.ordinals.assign(group_ordinals.begin() + g,
-                           group_ordinals.begin() + g + n);
+      spec.ids.assign(group_ordinals.begin() + g, group_ordinals.begin() + g + n);
       spec.rank = r;
       spec.n = n;
-      std::set<int> unique(spec.ordinals.begin(), spec.ordinals.end());
+      spec.cuda_ordinal = cuda_ordinal;
+      std::set<int> unique(spec.ids.begin(), spec.ids.end());
       if (static_cast<int>(unique.size()) != n) {
-        return ffi::Error::InvalidArgument(
-            where + ": a group lists a CUDA ordinal twice");
+        return ffi::Error::InvalidArgument(where + ": a group lists a device twice");
       }
       return spec;
     }
   }
-  return ffi::Error::InvalidArgument(
-      where + ": CUDA device " + std::to_string(ordinal) +
-      " is in no group of group_ordinals");
+  if (self < 0) {
+    return ffi::Error::InvalidArgument(
+        where + ": CUDA device " + std::to_string(cuda_ordinal) +
+        " of this process is not a device of the configured node");
+  }
+  return ffi::Error::InvalidArgument(where + ": " + DeviceLabel(self) +
+                                     " is in no group of group_ordinals");
 }
 
 ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
-  const int self = group.ordinals[group.rank];
+  const int self = group.ids[group.rank];
   std::unique_lock<std::mutex> lock(g_mu);
-  auto& members = g_registered[group.ordinals];
+  auto& members = g_registered[group.ids];
   if (static_cast<int>(members.size()) == group.n) return ffi::Error::Success();
   JFO_RETURN_IF_ERROR(LoadDriverEntryPoints());
   auto st = GetOrCreateDevice(self);
   if (st.has_error()) return st.error();
-  JFO_RETURN_IF_ERROR(EnablePeerAccess(self, group.ordinals));
+  JFO_RETURN_IF_ERROR(EnablePeerAccess(group.cuda_ordinal, group.ids));
   members.insert(self);
+  // Another process's device was allocated before its workspace was
+  // exported, and imported here before any op (node.cu): it is ready.
+  for (int id : group.ids) {
+    auto it = g_devices.find(id);
+    if (it != g_devices.end() && it->second->remote) members.insert(id);
+  }
   g_cv.notify_all();
   // No device may use a peer pointer before every member has allocated.
   const bool ok = g_cv.wait_for(
@@ -305,20 +354,17 @@ ffi::Error EnsureGroupReady(OpId op, const GroupSpec& group, int timeout_ms) {
   if (ok) return ffi::Error::Success();
   // This device counts as a member from here on, so a late peer will run the
   // call and wait for it: the group has failed.
-  const std::string why = "CUDA device " + std::to_string(self) +
-                          " gave up waiting for its group to initialize";
-  for (int o : group.ordinals) FailLocked(o, why);
+  const std::string why = DeviceLabel(self) + " gave up waiting for its group to initialize";
+  for (int id : group.ids) FailLocked(id, why);
   std::string missing;
-  for (int o : group.ordinals) {
-    if (members.count(o)) continue;
-    missing += (missing.empty() ? "" : ", ") + std::to_string(o);
+  for (int id : group.ids) {
+    if (members.count(id)) continue;
+    missing += (missing.empty() ? "" : ", ") + DeviceLabel(id);
   }
   return ffi::Error::Internal(
-      std::string("jax_flashoverlap ") + OpName(op) + ": CUDA device " +
-      std::to_string(self) + " waited " + std::to_string(timeout_ms) +
-      " ms for CUDA devices {" + missing +
-      "} of its group to initialize; every device of the group must run "
-      "the op");
+      std::string("jax_flashoverlap ") + OpName(op) + ": " + DeviceLabel(self) + " waited " +
+      std::to_string(timeout_ms) + " ms for {" + missing +
+      "} of its group to initialize; every device of the group must run the op");
 }
 
 std::string WithTimeoutHint(const std::string& records) {
@@ -331,29 +377,29 @@ namespace {
 // say what they waited for), or ""; marks each record's devices failed. Under g_mu.
 std::string TakeRecords() {
   std::string all;
-  for (auto& [ordinal, st] : g_devices) {
-    if (!__atomic_load_n(&st->record->set, __ATOMIC_ACQUIRE)) continue;
+  for (auto& [id, st] : g_devices) {
+    if (st->remote || !__atomic_load_n(&st->record->set, __ATOMIC_ACQUIRE)) continue;
     const int peer = st->record->peer_ordinal;  // fixed while `set` is 1
     std::string msg = TakeRecord(st.get());
     if (msg.empty()) continue;
     all += (all.empty() ? "" : "\n") + msg;
-    FailLocked(ordinal, msg);
+    FailLocked(id, msg);
     FailLocked(peer, msg);
   }
   return all.empty() ? all : WithTimeoutHint(all);
 }
 
-// "CUDA devices {a, b}" of `ordinals` that failed, and the first fault of
-// the first of them; "" if none did. Called under g_mu.
-std::string FailedAmong(const std::vector<int>& ordinals, std::string* why) {
+// "{CUDA device a, CUDA device b}" of `ids` that failed, and the first
+// fault of the first of them; "" if none did. Called under g_mu.
+std::string FailedAmong(const std::vector<int>& ids, std::string* why) {
   std::string failed;
-  for (int o : ordinals) {
-    auto it = g_failed.find(o);
+  for (int id : ids) {
+    auto it = g_failed.find(id);
     if (it == g_failed.end()) continue;
-    failed += (failed.empty() ? "" : ", ") + std::to_string(o);
+    failed += (failed.empty() ? "" : ", ") + DeviceLabel(id);
     if (why->empty()) *why = it->second;
   }
-  return failed.empty() ? failed : "CUDA devices {" + failed + "}";
+  return failed.empty() ? failed : "{" + failed + "}";
 }
 
 }  // namespace
@@ -363,7 +409,7 @@ std::string TakePendingError() {
   std::string records = TakeRecords();
   if (!records.empty() || g_failed.empty()) return records;
   std::vector<int> all;
-  for (const auto& [ordinal, why] : g_failed) all.push_back(ordinal);
+  for (const auto& [id, why] : g_failed) all.push_back(id);
   std::string why;
   const std::string failed = FailedAmong(all, &why);
   return "jax_flashoverlap: " + failed + " failed earlier, so every call on "
@@ -371,16 +417,16 @@ std::string TakePendingError() {
          why;
 }
 
-void MarkFailed(const std::vector<int>& ordinals, const std::string& why) {
+void MarkFailed(const std::vector<int>& ids, const std::string& why) {
   std::lock_guard<std::mutex> lock(g_mu);
-  for (int o : ordinals) FailLocked(o, why);
+  for (int id : ids) FailLocked(id, why);
 }
 
 ffi::Error CheckGroupHealthy(OpId op, const GroupSpec& group) {
   std::lock_guard<std::mutex> lock(g_mu);
   const std::string records = TakeRecords();
   std::string why;
-  const std::string failed = FailedAmong(group.ordinals, &why);
+  const std::string failed = FailedAmong(group.ids, &why);
   if (failed.empty()) return ffi::Error::Success();
   return ffi::Error::Internal(
       std::string("jax_flashoverlap ") + OpName(op) + ": " + failed +
@@ -393,7 +439,11 @@ std::string ResetTransport() {
   std::vector<DeviceState*> devices;
   {
     std::lock_guard<std::mutex> lock(g_mu);
-    for (auto& [ordinal, st] : g_devices) devices.push_back(st.get());
+    // Another process's device is reset by its own process
+    // (jax_flashoverlap.reset() runs in every process between two barriers).
+    for (auto& [id, st] : g_devices) {
+      if (!st->remote) devices.push_back(st.get());
+    }
   }
   // No call in flight on any device (the same order as every caller: a
   // Channel takes its device's lock before g_mu).
@@ -401,11 +451,10 @@ std::string ResetTransport() {
   for (DeviceState* st : devices) held.emplace_back(st->mu);
   // Every wait of the transport gives up within its timeout, so this ends.
   for (DeviceState* st : devices) {
-    DeviceGuard guard(st->ordinal);
+    DeviceGuard guard(st->cuda_ordinal);
     cudaError_t err = cudaDeviceSynchronize();
     if (err != cudaSuccess) {
-      return "CUDA device " + std::to_string(st->ordinal) +
-             " reports an error (" + cudaGetErrorString(err) +
+      return DeviceLabel(st->id) + " reports an error (" + cudaGetErrorString(err) +
              "); the process must restart";
     }
   }
@@ -413,11 +462,10 @@ std::string ResetTransport() {
   // clearing or after g_failed's, never only on the device.
   std::lock_guard<std::mutex> lock(g_mu);
   for (DeviceState* st : devices) {
-    DeviceGuard guard(st->ordinal);
+    DeviceGuard guard(st->cuda_ordinal);
     ffi::Error cleared = ClearControl(st);
     if (cleared.failure()) {
-      return "clearing CUDA device " + std::to_string(st->ordinal) +
-             ": " + std::string(cleared.message());
+      return "clearing " + DeviceLabel(st->id) + ": " + std::string(cleared.message());
     }
     std::fill(st->pair_calls.begin(), st->pair_calls.end(), 0u);
     __atomic_store_n(&st->record->set, 0, __ATOMIC_RELEASE);
@@ -428,16 +476,16 @@ std::string ResetTransport() {
   return "";
 }
 
-void InjectFault(FaultKind kind, int ordinal, int calls, int stall_ms) {
+void InjectFault(FaultKind kind, int id, int calls, int stall_ms) {
   std::lock_guard<std::mutex> lock(g_mu);
-  g_fault = InjectedFault{kind, ordinal, calls, stall_ms};
+  g_fault = InjectedFault{kind, id, calls, stall_ms};
   g_fault_armed.store(kind != FaultKind::kNone);
 }
 
-FaultKind TakeFault(int ordinal, int* stall_ms) {
+FaultKind TakeFault(int id, int* stall_ms) {
   if (!g_fault_armed.load()) return FaultKind::kNone;
   std::lock_guard<std::mutex> lock(g_mu);
-  if (g_fault.kind == FaultKind::kNone || g_fault.ordinal != ordinal ||
+  if (g_fault.kind == FaultKind::kNone || g_fault.id != id ||
       --g_fault.calls > 0) {
     return FaultKind::kNone;
   }
@@ -466,13 +514,16 @@ bool PeerStoresAllowed(const void* ptr, const GroupSpec& group) {
     return reinterpret_cast<GetAttributeFn>(fn);
   }();
   if (disabled || get_attribute == nullptr) return false;
+  for (int id : group.ids) {
+    if (CudaOrdinalOf(id) < 0) return false;
+  }
   // XLA's allocators map their memory into every local GPU (virtual memory
   // with access set per device, or pools with peer access), but a user's
   // allocator need not: ask each peer's context, whose access the attribute
   // reports.
   for (int q = 0; q < group.n; ++q) {
     if (q == group.rank) continue;
-    DeviceGuard on_peer(group.ordinals[q]);
+    DeviceGuard on_peer(CudaOrdinalOf(group.ids[q]));
     unsigned int flags = 0;
     if (get_attribute(&flags, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
                       reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS ||

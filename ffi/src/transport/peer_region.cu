@@ -2,7 +2,7 @@
 // transport.h): where it sits in each device's workspace, and the pointers a
 // device's kernel needs to reach its peers' copies directly over NVLink.
 //
-// Layout, per device, all indexed by CUDA ordinal:
+// Layout, per device, all indexed by transport id (transport.h):
 //   control area (zeroed with the rest of the control words):
 //     seq  [num_devices][kArMaxBlocks]            calls of pair (this, peer)
 //     flags[kArFlagKinds][num_devices][kArMaxBlocks]   written by the sender
@@ -61,7 +61,7 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
         " GPUs are supported, got " + std::to_string(group.n));
   }
   JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
-  const int self = group.ordinals[group.rank];
+  const int self = group.ids[group.rank];
   DeviceState* me = LookupDevice(self);
   JFO_RETURN_IF_ERROR(CheckGroupHealthy(op, group));
 
@@ -70,8 +70,8 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
   const size_t kind_stride =
       static_cast<size_t>(me->num_devices) * kArMaxBlocks;
   for (int q = 0; q < group.n; ++q) {
-    const int other = group.ordinals[q];
-    r.ordinals[q] = other;
+    const int other = group.ids[q];
+    r.ids[q] = other;
     if (q == group.rank) continue;
     DeviceState* peer = LookupDevice(other);
     // Sender and receiver compute slot addresses in different devices'
@@ -79,8 +79,8 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
     if (peer->ar_slot_bytes != me->ar_slot_bytes ||
         peer->num_devices != me->num_devices) {
       return ffi::Error::Internal(
-          where + ": CUDA devices " + std::to_string(self) + " and " +
-          std::to_string(other) + " have different workspace layouts");
+          where + ": " + DeviceLabel(self) + " and " + DeviceLabel(other) +
+          " have different workspace layouts");
     }
     r.send[q] =
         peer->ar_slots + peer->SenderIndex(self) * 2 * me->ar_slot_bytes;

@@ -15,7 +15,7 @@ namespace jfo {
 // kArMaxBlocks stripes (block b of a kernel only ever touches stripe b, so a
 // block's double-buffering argument never involves another block), and per
 // block one flag word per kind in d's memory plus one call counter per pair
-// in each of s's and d's memory. Everything is indexed by CUDA ordinal, so a
+// in each of s's and d's memory. Everything is indexed by transport id, so a
 // device in several groups never shares state between two peers. Sized by
 // JAX_FLASHOVERLAP_WORKSPACE_MB (a quarter of the workspace); see
 // peer_region.cu.
@@ -61,7 +61,7 @@ struct PeerRegion {
   uint32_t* send_flag[kArMaxRanks];    // in rank q's memory: flags from us
   const uint32_t* recv_flag[kArMaxRanks];  // here: flags from rank q
   uint32_t* seq[kArMaxRanks];          // here: calls of the pair (us, q)
-  int ordinals[kArMaxRanks];           // CUDA ordinal of each rank
+  int ids[kArMaxRanks];                // transport id of each rank
   size_t parity_bytes;      // parity 1 of a slot starts this far after parity 0
   size_t stripe_bytes;      // bytes of one block's stripe in one slot parity
   size_t flag_kind_stride;  // words from kind k's flags to kind k + 1's

@@ -1,8 +1,9 @@
 // The interface the ops use to move bytes between the ranks of a group.
 // Ops say *what* goes where (a row block to a peer's receive slot, "wait for
-// peer p's i-th message"); the transport decides *how* (today: CUDA peer
-// access between GPUs of one process, copy engines + stream memory ops, see
-// peer.cu). A multi-process NVSHMEM transport would implement the same calls.
+// peer p's i-th message"); the transport decides *how*: copy engines and
+// stream memory ops into the peers' workspaces (peer.cu), which are CUDA peer
+// memory for GPUs of this process and CUDA IPC mappings for GPUs of other
+// processes of the node (node.cu). The ops never know which.
 // Single-kernel ops (all_reduce) instead get a PeerRegion (peer_region.h):
 // pointers into the peers' memory that their kernel loads and stores
 // directly, with the signal and wait primitives of signal.cuh.
@@ -31,14 +32,44 @@ enum class OpId : int32_t {
 };
 const char* OpName(OpId op);
 
+// Devices are named by transport ids. In a job of one process they are the
+// CUDA ordinals. When the ranks of a group live in several processes of a
+// node (one process per GPU, or several sharing one GPU), ConfigureNode gives
+// every device of the node an id 0..node_size-1, the same in every process,
+// and the `group_ordinals` attributes hold these ids.
+//
 // The group (from the flat `group_ordinals` attribute) containing this device.
 struct GroupSpec {
-  std::vector<int> ordinals;  // CUDA ordinals, indexed by rank
-  int rank = 0;               // position of this device inside `ordinals`
+  std::vector<int> ids;  // transport ids, indexed by rank
+  int rank = 0;          // position of this device inside `ids`
   int n = 1;
+  int cuda_ordinal = 0;  // this device's CUDA ordinal in this process
 };
 ffi::ErrorOr<GroupSpec> FindGroup(OpId op, I32Span group_ordinals, int32_t n,
-                                  int ordinal);
+                                  int cuda_ordinal);
+
+// Several processes of a node (node.cu). Once per process, before its first
+// op: `local` maps each CUDA ordinal this process drives to its id, and
+// `labels` names every id of the node for messages ("process 2, CUDA device
+// 0"). Then each process exports its devices' workspaces (allocating them)
+// and imports every other process's; the exchange itself is the caller's
+// (jax_flashoverlap/node_transport.py, through jax.distributed's store).
+ffi::Error ConfigureNode(int node_size, const std::vector<std::pair<int, int>>& local,
+                         const std::vector<std::string>& labels);
+// The CUDA IPC handle of device `id`'s workspace (allocated now if it is not
+// yet) and its size in bytes.
+ffi::ErrorOr<std::pair<std::string, size_t>> ExportWorkspace(int id);
+// Maps device `id`'s workspace from another process of the node; `bytes`
+// must equal this process's workspace size (the layouts must agree).
+ffi::Error ImportWorkspace(int id, const std::string& handle, size_t bytes);
+// The transport id of CUDA device `cuda_ordinal` of this process.
+int TransportId(int cuda_ordinal);
+// The CUDA ordinal in this process of transport id `id`, or -1 when the
+// device is another process's.
+int CudaOrdinalOf(int id);
+// How messages name device `id`: "CUDA device 3" in a one-process job, the
+// configured label across processes.
+std::string DeviceLabel(int id);
 
 // Initialize-stage setup: allocates this device's persistent workspace,
 // enables peer access and waits (bounded) until every member of the group has
@@ -56,7 +87,7 @@ std::string TakePendingError();
 // every member, until ResetTransport: a rank whose counters fell out of step
 // never runs again and so never reads a peer's stale data.
 ffi::Error CheckGroupHealthy(OpId op, const GroupSpec& group);
-void MarkFailed(const std::vector<int>& ordinals, const std::string& why);
+void MarkFailed(const std::vector<int>& ids, const std::string& why);
 
 // Waits until every device of the transport is idle, then returns it to its
 // state after allocation (flags, counters, Lamport slots zeroed or refilled,
@@ -64,13 +95,14 @@ void MarkFailed(const std::vector<int>& ordinals, const std::string& why);
 std::string ResetTransport();
 
 // The fault-injection hook for tests (off unless InjectFault is called): the
-// `calls`-th next call on CUDA device `ordinal` raises an error after its
+// `calls`-th next call on device `id` raises an error after its
 // first send ("error"), raises at its start and sends nothing ("skip", what a
-// rank that drops out does), or starts `stall_ms` late ("stall").
+// rank that drops out does), or starts `stall_ms` late ("stall"). Devices
+// are named by transport id.
 enum class FaultKind : int { kNone = 0, kError = 1, kSkip = 2, kStall = 3 };
-void InjectFault(FaultKind kind, int ordinal, int calls, int stall_ms);
-// The fault due now on `ordinal` (counting this call), or kNone.
-FaultKind TakeFault(int ordinal, int* stall_ms);
+void InjectFault(FaultKind kind, int id, int calls, int stall_ms);
+// The fault due now on device `id` (counting this call), or kNone.
+FaultKind TakeFault(int id, int* stall_ms);
 // For single-kernel ops, before their launch on `stream`: the fault due now
 // on this device. "error" and "skip" both mark the group failed and return
 // the error before the launch; "stall" enqueues the delay (captured into a
@@ -87,14 +119,15 @@ std::string ModuleLoadingMode();
 
 // Whether every other member of `group` may load and store `ptr` (this
 // device's memory) directly, as its CUDA context reports. False for all
-// pointers while JAX_FLASHOVERLAP_PEER_STORES=0 (a switch for debugging).
+// pointers while JAX_FLASHOVERLAP_PEER_STORES=0 (a switch for debugging),
+// and when a member is in another process (only workspaces are mapped there).
 bool PeerStoresAllowed(const void* ptr, const GroupSpec& group);
 
 // What a wait that failed leaves for the host (host-mapped memory, written
 // by the device under PeerRegion::record_lock, read by TakePendingError):
 // it timed out, or it saw its peer at least two calls ahead, which no
 // schedule allows (a peer leads by at most one call), so the ranks are out of
-// step.
+// step. Devices are named by transport id.
 struct TimeoutRecord {
   volatile int32_t set;
   int32_t op, rank, ordinal, peer_rank, peer_ordinal, timeout_ms;
@@ -184,7 +217,8 @@ class Channel {
 
   int rank() const { return group_->rank; }
   int n() const { return group_->n; }
-  int ordinal() const { return group_->ordinals[group_->rank]; }
+  int ordinal() const { return group_->cuda_ordinal; }  // for this device's own work
+  int id() const { return group_->ids[group_->rank]; }  // for the transport
   cudaStream_t stream() const { return stream_; }
   char* RecvSlot(int peer_rank) const;  // where peer_rank's bytes land here
   char* Staging() const;                // local scratch for outgoing data
@@ -230,7 +264,7 @@ class Channel {
   };
   FlagWait ArrivalFlag(int peer_rank, int index) const;
   // CopyLocal from the call start, then a raise of this device's own flag
-  // (the word of its own ordinal, which no peer writes; zeroed on the XLA
+  // (the word of its own id, which no peer writes; zeroed on the XLA
   // stream at the call's first such copy): a kernel can wait for the copy
   // with the returned FlagWait instead of the XLA stream waiting for it.
   ffi::ErrorOr<FlagWait> CopyLocalFlagged(void* dst, const void* src, size_t bytes);

@@ -1,0 +1,158 @@
+"""One rank of a job whose ranks are processes, run through the launcher
+(``--share-gpu``: several ranks on one GPU) by tests/test_node_transport.py.
+
+    python -m jax_flashoverlap.cli.launch -n N --share-gpu [--mps] \\
+        tests/node_ranks_child.py ops|faults [--rounds R] [--json PATH]
+
+``ops``: the four ops with impl="cuda" over an axis of all N processes, in
+three dtypes and odd shapes, on data drawn from one seed in every process,
+each shard against its float64 reference. ``faults``: R rounds per kind
+(error, skip, stall) of a fault injected into one rank's next call, on
+every op: each call returns exact rows or NaN on every rank, or raises,
+never a wrong finite number; then a collective reset() and an exact call.
+
+Prints one ``RESULT {json}`` line per rank at the end (and writes it to
+``--json`` on rank 0, with every rank's counts); exits 1 on any wrong number.
+NCCL refuses two ranks on one GPU, so nothing here uses XLA's collectives.
+"""
+
+import argparse
+import collections
+import functools
+import json
+import sys
+import time
+
+from jax_flashoverlap import distributed
+
+distributed.initialize()
+
+import jax  # noqa: E402  (after initialize, which must come first)
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from support import assert_close, case  # noqa: E402
+
+import jax_flashoverlap as jfo  # noqa: E402
+from jax_flashoverlap import settings  # noqa: E402
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce")
+DTYPES = ("float32", "bfloat16", "float16")
+# (rows per rank, batch, k per rank, columns per rank): odd sizes, and one
+# large enough for the chunked schedules and the two-shot all-reduce.
+SHAPES = ((3, 5, 12, 7), (129, 1, 200, 72))
+
+
+def parse_args():
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=("ops", "faults"))
+    p.add_argument("--rounds", type=int, default=3, help="faults per kind and op")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p.parse_args()
+
+
+def runner(mesh, op, in_specs, out_specs):
+    fn = functools.partial(getattr(jfo, op), axis_name="tensor", impl="cuda")
+    if op == "all_reduce":
+        fn = (lambda f: lambda x: f(x[0]))(fn)
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def global_arrays(mesh, args, in_specs):
+    return [jax.make_array_from_callback(a.shape, NamedSharding(mesh, s),
+                                         lambda idx, a=np.asarray(a): a[idx])
+            for a, s in zip(args, in_specs)]
+
+
+def shards(out, expected):
+    """(this process's result shard as float64, its part of ``expected``)."""
+    return [(np.asarray(s.data, np.float64), expected[s.index]) for s in out.addressable_shards]
+
+
+def run_ops(mesh, rng, counts):
+    n = mesh.size
+    for op in OPS:
+        for dtype in DTYPES:
+            for dims in SHAPES:
+                args, in_specs, out_specs, expected = case(op, n, rng, dtype, dims=dims,
+                                                           batch=dims[1] > 1)
+                f = runner(mesh, op, in_specs, out_specs)
+                for _ in range(2):  # a second call on fresh data: no stale message passes
+                    got = f(*global_arrays(mesh, args, in_specs))
+                    for y, want in shards(got, expected):
+                        assert_close(y, want, dtype)
+                    counts["checked"] += 1
+                    args, _, _, expected = case(op, n, rng, dtype, dims=dims, batch=dims[1] > 1)
+                print(f"ok {op} {dtype} dims={dims}", flush=True)
+
+
+def run_faults(mesh, rng, rounds, counts):
+    """Each round: one fault on a rank every process draws alike; three calls
+    on fresh data, each exact, NaN, or an error; reset(); one exact call."""
+    n, me = mesh.size, jax.process_index()
+    timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
+    for op in OPS:
+        args, in_specs, out_specs, _ = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+        f = runner(mesh, op, in_specs, out_specs)
+        f.lower(*global_arrays(mesh, args, in_specs)).compile()
+        for kind in ("error", "skip", "stall"):
+            for _ in range(rounds):
+                victim = int(rng.integers(n))
+                if me == victim:
+                    jfo.inject_fault(kind, device=jax.local_devices()[0], call=1,
+                                     stall_ms=3 * timeout_ms)
+                counts[f"{kind}_injected"] += me == victim
+                for _ in range(3):
+                    args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1],
+                                                batch=False)
+                    outcome = call_once(f, mesh, args, in_specs, expected)
+                    counts[f"{kind}_{outcome}"] += 1
+                jfo.reset()
+                args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+                for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
+                    assert_close(y, want, "float32")
+            print(f"ok faults {op} {kind}", flush=True)
+
+
+def call_once(f, mesh, args, in_specs, expected) -> str:
+    """"exact", "nan" (every inexact row holds a NaN), "error" (raised), or
+    "wrong" (a finite row off its reference: the outcome that must never be)."""
+    try:
+        got = shards(f(*global_arrays(mesh, args, in_specs)), expected)
+        jfo.check_device_errors()
+    except (jax.errors.JaxRuntimeError, RuntimeError):
+        return "error"
+    outcome = "exact"
+    for y, want in got:
+        rows, ref = y.reshape(-1, y.shape[-1]), want.reshape(-1, want.shape[-1])
+        finite = ~np.isnan(rows).any(axis=-1)
+        if not finite.all():
+            outcome = "nan"
+        scale = max(np.abs(ref).max(), 1e-30)
+        if (np.abs(rows[finite] - ref[finite]) > 1e-4 * scale).any():
+            return "wrong"
+    return outcome
+
+
+def main():
+    args = parse_args()
+    n, me = jax.process_count(), jax.process_index()
+    mesh = Mesh(np.asarray(jax.devices()), ("tensor",))
+    rng = np.random.default_rng(args.seed)  # the same draws in every process
+    counts = collections.Counter()
+    start = time.perf_counter()
+    if args.mode == "ops":
+        run_ops(mesh, rng, counts)
+    else:
+        run_faults(mesh, rng, args.rounds, counts)
+    result = {"mode": args.mode, "ranks": n, "rank": me, "seconds": time.perf_counter() - start,
+              "counts": dict(counts)}
+    print("RESULT " + json.dumps(result), flush=True)
+    if args.json and me == 0:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if any(k.endswith("_wrong") for k in counts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
