@@ -26,6 +26,7 @@ from jax.interpreters import mlir
 from . import (
     _cuda_limits,
     _extension,
+    _groups,
     _jax_shim,
     _module_loading,
     cuda_policy,
@@ -116,7 +117,7 @@ def _policy_choice(name: str, choices: tuple[str, ...]) -> str:
 # the "direct" schedule, whatever topology the pure-JAX path was given.
 def transport_attrs(group_ordinals: np.ndarray, n: int, timeout: int) -> dict:
     """The FFI attributes every CUDA handler binds first (the transport's):
-    the groups' transport ids [G*n] by rank (:func:`_group_ordinals`), the
+    the groups' transport ids [G*n] by rank (:mod:`._groups`), the
     ranks per group, and the bound of every wait in milliseconds."""
     return {"group_ordinals": np.asarray(group_ordinals, np.int32), "n": np.int32(n),
             "timeout_ms": np.int32(timeout)}
@@ -316,8 +317,8 @@ def _make_primitive(op: OpDef) -> Primitive:
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
         if n == 1:
             return lower_single_rank(ctx, *args)
-        if (op.spans_processes and impl in ("auto", "cuda") and _axis_is_all_processes(ctx, n)
-                and _nvshmem_started()):
+        if (op.spans_processes and impl in ("auto", "cuda")
+                and _groups.axis_is_all_processes(ctx, n) and _groups.nvshmem_started()):
             if _all_reduce_across_processes(ctx, impl, n) == "nvshmem":
                 return _lower_nvshmem_all_reduce(ctx, *args, opts=opts)
             impl = "xla"
@@ -326,10 +327,10 @@ def _make_primitive(op: OpDef) -> Primitive:
             impl = dispatch.resolve(op.name, [a.shape for a in ctx.avals_in],
                                     ctx.avals_in[0].dtype, n, platform="cuda",
                                     chunks=dict(opts).get("chunks"),
-                                    processes=_group_processes(ctx, axis_name, n)).impl
+                                    processes=_groups.group_processes(ctx, axis_name, n)).impl
             if impl == "cuda":
                 try:
-                    groups = _group_ordinals(ctx, op.name, axis_name, n)
+                    groups = _groups.group_ids(ctx, op.name, axis_name, n)
                 except ValueError:  # no concrete mesh, or groups across processes
                     impl = "xla"
         if impl != "cuda":
@@ -339,7 +340,7 @@ def _make_primitive(op: OpDef) -> Primitive:
         _extension.push_settings()
         opts = dict(opts)
         transport = transport_attrs(
-            groups if groups is not None else _group_ordinals(ctx, op.name, axis_name, n), n,
+            groups if groups is not None else _groups.group_ids(ctx, op.name, axis_name, n), n,
             opts.pop("timeout_ms", timeout_ms()))
         if op.options is not None:
             opts = op.options(ctx, n, opts)
@@ -406,35 +407,6 @@ def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):
     return mlir.lower_fun(gemm_then_all_reduce, multiple_results=True)(ctx, x, w)
 
 
-def _axis_is_all_processes(ctx, n: int) -> bool:
-    """Whether the op's ``n`` ranks are the whole mesh, one device in each of
-    ``n`` processes: the layout of the NVSHMEM all-reduce, which sums over
-    every process."""
-    mesh = _jax_shim.lowering_mesh(ctx)
-    return (mesh is not None and n > 1 and mesh.size == n == jax.process_count()
-            and len({d.process_index for d in mesh.devices.flat}) == n)
-
-
-def _nvshmem_started() -> bool:
-    from . import nvshmem
-
-    return nvshmem.is_initialized()
-
-
-def _group_processes(ctx, axis_name: str, n: int) -> int:
-    """How many processes this process's group along ``axis_name`` spans
-    (1 without a concrete mesh)."""
-    mesh = _jax_shim.lowering_mesh(ctx)
-    if mesh is None or jax.process_count() == 1:
-        return 1
-    axis = mesh.axis_names.index(axis_name)
-    rows = np.moveaxis(mesh.devices, axis, -1).reshape(-1, n)
-    mine = jax.process_index()
-    spans = [len({d.process_index for d in row}) for row in rows
-             if any(d.process_index == mine for d in row)]
-    return max(spans, default=1)
-
-
 def _all_reduce_across_processes(ctx, impl: str, n: int) -> str:
     """"nvshmem" or "xla" for an all_reduce over ``n`` processes
     (dispatch.all_reduce_across_processes, with this process's NVSHMEM state)."""
@@ -454,45 +426,6 @@ def _lower_nvshmem_all_reduce(ctx, x, *, opts):
     timeout = int(dict(opts).get("timeout_ms", timeout_ms()))
     return mlir.lower_fun(lambda x: [nvshmem.ffi_all_reduce(x, timeout_ms=timeout)],
                           multiple_results=True)(ctx, x)
-
-
-def _group_ordinals(ctx, op_name: str, axis_name: str, n: int, *,
-                    across_processes: bool = True) -> np.ndarray:
-    """Transport ids of every group along ``axis_name``, each ordered by rank.
-
-    In a job of one process the ids are CUDA ordinals. In a job of several,
-    they are the node's device ids of :mod:`.node_transport`, whose set-up
-    (collective, once) this runs: a group may then span the processes of a
-    node. With ``across_processes=False`` (kernels that reach their peers by
-    CUDA ordinal) they stay CUDA ordinals, and only groups of this process
-    are listed.
-
-    Returns:
-      int32 [groups * n]: the kernels find the row holding their own id;
-      the position within it is their rank. Only groups whose devices are
-      all reachable (this process's, or its node's) are listed.
-    """
-    mesh = _jax_shim.lowering_mesh(ctx)
-    if mesh is None:
-        raise ValueError(
-            f"{op_name}(impl='cuda') needs a concrete device mesh: use jax.shard_map with "
-            f"mesh=jax.sharding.Mesh(...) (not an AbstractMesh), or impl='auto' (which "
-            f"runs 'xla' there).")
-    axis = mesh.axis_names.index(axis_name)
-    devices = np.moveaxis(mesh.devices, axis, -1).reshape(-1, n)
-    if across_processes and jax.process_count() > 1:
-        from . import node_transport
-
-        ids = node_transport.setup().ids
-    else:
-        ids = {d.id: d.local_hardware_id for d in mesh.local_devices}
-    rows = [[ids[d.id] for d in row] for row in devices if all(d.id in ids for d in row)]
-    if not rows:
-        raise ValueError(f"{op_name}(impl='cuda'): no group along {axis_name!r} has all its "
-                         f"devices on this node (or in the NVSHMEM layout: all_reduce over an "
-                         f"axis of all processes, one GPU each); use impl='xla' or 'auto' "
-                         f"here.")
-    return np.asarray(rows, np.int32).reshape(-1)
 
 
 _PRIMITIVES = {name: _make_primitive(op) for name, op in OPS.items()}

@@ -13,7 +13,10 @@ only their own call.
 
 Under CUDA graph replay (XLA's command buffers) the all-reduce's host code
 does not run: a replayed call after a fault returns NaN, and
-:func:`~jax_flashoverlap.check_device_errors` raises.
+:func:`~jax_flashoverlap.check_device_errors` raises. XLA does not run
+again a command buffer whose run failed ("Command executor can be recorded
+into the command buffer at most once"): after a fault and :func:`reset`,
+build the program anew (a new ``jax.jit``).
 
 A copy-engine op whose wait failed fills the receive slots it computes
 from with NaN first, so that what it sends on (matmul_all_reduce's summed

@@ -28,7 +28,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
 from . import _jax_shim
-from ._primitives import _group_ordinals
+from ._groups import group_ids
 
 __all__ = ["group_ffi_call"]
 
@@ -92,7 +92,7 @@ def _abstract_eval(*avals, target_name, results, axis_name, n, aliases, attribut
 def _lower(ctx, *args, target_name, results, axis_name, n, aliases, attributes):
     del results
     try:
-        groups = _group_ordinals(ctx, target_name, axis_name, n, across_processes=False)
+        groups = group_ids(ctx, target_name, axis_name, n, across_processes=False)
     except ValueError as e:
         raise ValueError(
             f"group_ffi_call({target_name!r}): the devices of each group along "

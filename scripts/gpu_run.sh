@@ -3,8 +3,9 @@
 #
 #   bash scripts/gpu_run.sh [STAGE ...]   STAGE: info build smoke test demo cm ar kernels ssd
 #                                               train decode all
-#                                               ranks (only when named: the
-#                                               multi-rank tests of one GPU)
+#                                               ranks, ipc (only when named: the
+#                                               multi-rank tests of one GPU, and
+#                                               the IPC/MPS probe)
 #                                               profile, stall, nvshmem, nvlink, cutlass, mixer,
 #                                               ssd_tiling, tune, stream
 #                                               (only when named)
@@ -126,12 +127,32 @@ if want test; then
 fi
 # The four ops and injected faults with the ranks as processes sharing the
 # visible GPU(s) (launch --share-gpu; tests/test_node_transport.py), at 2, 4
-# and 8 ranks: correctness only, never a speed. JFO_SHARE_GPU_MPS=1 runs them
-# under a private CUDA MPS daemon; JFO_FAULT_ROUNDS: faults per kind and op
-# (default 2). Each rank count's JSON lands in $OUT.
+# and 8 ranks: correctness only, never a speed. Under a private CUDA MPS
+# daemon where the machine has nvidia-cuda-mps-control; JFO_FAULT_ROUNDS:
+# faults per kind and op (default 2). Each rank count's JSON lands in $OUT.
 if [[ " ${stages[*]} " == *" ranks "* ]]; then
   OUT="$OUT" JFO_REQUIRE_GPU=1 step ranks$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider -rA \
     tests/test_node_transport.py
+fi
+# Opt-in: CUDA IPC between two processes on GPU 0 and their flag round trip,
+# without MPS and under a private MPS daemon (scripts/ipc_probe.cu).
+ipc_probe() {
+  nvcc -O2 -arch=sm_90 -cudart static -o /tmp/jfo_ipc_probe scripts/ipc_probe.cu || return 1
+  echo "--- no MPS"; CUDA_VISIBLE_DEVICES=0 /tmp/jfo_ipc_probe 50 20 || return 1
+  local dir; dir=$(mktemp -d)
+  mkdir -p "$dir/pipe" "$dir/log"
+  export CUDA_MPS_PIPE_DIRECTORY=$dir/pipe CUDA_MPS_LOG_DIRECTORY=$dir/log
+  if nvidia-cuda-mps-control -d; then
+    echo "--- MPS"; CUDA_VISIBLE_DEVICES=0 /tmp/jfo_ipc_probe 2000 500; local rc=$?
+    echo quit | nvidia-cuda-mps-control
+  else
+    echo "--- MPS: the daemon did not start"
+  fi
+  unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  return "${rc:-0}"
+}
+if [[ " ${stages[*]} " == *" ipc "* ]]; then
+  step ipc$tag ipc_probe
 fi
 if want demo; then
   step demo $PY -P -m jax_flashoverlap.cli.demo --json "$OUT/demo.json"

@@ -29,11 +29,13 @@ distributed.initialize()
 
 import jax  # noqa: E402  (after initialize, which must come first)
 import numpy as np  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")  # as tests/conftest.py
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from support import assert_close, case  # noqa: E402
 
 import jax_flashoverlap as jfo  # noqa: E402
-from jax_flashoverlap import settings  # noqa: E402
+from jax_flashoverlap import faults, settings  # noqa: E402
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "all_reduce")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -59,9 +61,12 @@ def runner(mesh, op, in_specs, out_specs):
 
 
 def global_arrays(mesh, args, in_specs):
-    return [jax.make_array_from_callback(a.shape, NamedSharding(mesh, s),
-                                         lambda idx, a=np.asarray(a): a[idx])
-            for a, s in zip(args, in_specs)]
+    """Each process builds its shards of the global operands from the same data."""
+    def one(a, spec):
+        host = np.asarray(a)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
+                                            lambda idx: host[idx])
+    return [one(a, s) for a, s in zip(args, in_specs)]
 
 
 def shards(out, expected):
@@ -88,26 +93,31 @@ def run_ops(mesh, rng, counts):
 
 def run_faults(mesh, rng, rounds, counts):
     """Each round: one fault on a rank every process draws alike; three calls
-    on fresh data, each exact, NaN, or an error; reset(); one exact call."""
+    on fresh data, each exact, NaN, or an error; reset(); one exact call of
+    a fresh jit (XLA does not run again a command buffer whose execution
+    failed, and the all-reduce is captured into one)."""
     n, me = mesh.size, jax.process_index()
     timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
     for op in OPS:
         args, in_specs, out_specs, _ = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-        f = runner(mesh, op, in_specs, out_specs)
-        f.lower(*global_arrays(mesh, args, in_specs)).compile()
         for kind in ("error", "skip", "stall"):
             for _ in range(rounds):
+                f = runner(mesh, op, in_specs, out_specs)
+                f.lower(*global_arrays(mesh, args, in_specs)).compile()
                 victim = int(rng.integers(n))
                 if me == victim:
-                    jfo.inject_fault(kind, device=jax.local_devices()[0], call=1,
+                    faults.inject_fault(kind, device=jax.local_devices()[0], call=1,
                                      stall_ms=3 * timeout_ms)
                 counts[f"{kind}_injected"] += me == victim
+                outcomes = []
                 for _ in range(3):
                     args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1],
                                                 batch=False)
-                    outcome = call_once(f, mesh, args, in_specs, expected)
-                    counts[f"{kind}_{outcome}"] += 1
+                    outcomes.append(call_once(f, mesh, args, in_specs, expected))
+                    counts[f"{kind}_{outcomes[-1]}"] += 1
+                print(f"round {op} {kind} victim={victim}: {' '.join(outcomes)}", flush=True)
                 jfo.reset()
+                f = runner(mesh, op, in_specs, out_specs)
                 args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
                 for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
                     assert_close(y, want, "float32")

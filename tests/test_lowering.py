@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_flashoverlap as jfo
-from jax_flashoverlap import _extension, _primitives, cuda_policy, dispatch
+from jax_flashoverlap import _extension, _groups, _primitives, cuda_policy, dispatch
 
 pytestmark = pytest.mark.skipif(not _extension.cuda_ops_available(),
                                 reason="extension built without its CUDA ops")
@@ -144,7 +144,7 @@ def across_processes(monkeypatch):
     returns a switch that starts (fakes) NVSHMEM with a given capacity."""
     from jax_flashoverlap import nvshmem
 
-    monkeypatch.setattr(_primitives, "_axis_is_all_processes", lambda ctx, n: True)
+    monkeypatch.setattr(_groups, "axis_is_all_processes", lambda ctx, n: True)
 
     def start(capacity=1 << 30):
         monkeypatch.setattr(nvshmem, "is_initialized", lambda: True)
@@ -169,10 +169,14 @@ def test_all_reduce_across_processes_runs_on_nvshmem(across_processes):
     assert _custom_calls(_all_reduce_text("cuda", jnp.float32)) == ["jfo_nvshmem_all_reduce"]
 
 
-def test_all_reduce_across_processes_without_nvshmem(across_processes):
+def test_all_reduce_across_processes_without_nvshmem(across_processes, monkeypatch):
+    """Without NVSHMEM, the node transport: "cuda" runs the all-reduce kernel,
+    "auto" psum unless a measurement across processes says otherwise."""
+    monkeypatch.setattr(_groups, "group_processes", lambda ctx, axis_name, n: 2)
     assert _custom_calls(_all_reduce_text("auto", jnp.bfloat16)) == []  # psum
+    assert _custom_calls(_all_reduce_text("cuda", jnp.bfloat16)) == ["jfo_all_reduce"]
     with pytest.raises(ValueError, match=r"call jax_flashoverlap\.nvshmem\.initialize\(\) first"):
-        _all_reduce_text("cuda", jnp.bfloat16)
+        dispatch.all_reduce_across_processes(8192, jnp.bfloat16, "cuda", None)
     across_processes(capacity=1024)
     assert _custom_calls(_all_reduce_text("auto", jnp.bfloat16)) == []  # over the buffers
     with pytest.raises(ValueError, match=r"8192 bytes per process exceed the NVSHMEM buffers"):
@@ -192,7 +196,7 @@ def test_axis_of_all_processes(monkeypatch, processes_of_devices, process_count,
     mesh = SimpleNamespace(size=devices.size, devices=devices)
     monkeypatch.setattr(_primitives._jax_shim, "lowering_mesh", lambda ctx: mesh)
     monkeypatch.setattr(jax, "process_count", lambda: process_count)
-    assert _primitives._axis_is_all_processes(None, devices.size) is want
+    assert _groups.axis_is_all_processes(None, devices.size) is want
 
 
 def test_a_cuda_op_lowered_under_lazy_loading_warns(monkeypatch):

@@ -9,23 +9,25 @@ and injected faults at 2 and 4 ranks (tests/node_ranks_child.py).
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import jax_flashoverlap
 from jax_flashoverlap import dispatch, tuning
 from jax_flashoverlap.cli import launch
 
-ROOT = Path(jax_flashoverlap.__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
 
 def _launch(tmp_path, n, *args, extra=(), timeout=120, env=None):
+    """Runs the launcher; returns (the process, {rank: {key: value}} of its
+    ``key=value`` lines). The children import the installed package (with
+    its extension) and tests/support.py."""
     base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}
+            "PYTHONPATH": str(HERE)}
     proc = subprocess.run(
         [sys.executable, "-m", "jax_flashoverlap.cli.launch", "-n", str(n), *extra,
          "--timeout", str(timeout), *args],
@@ -125,14 +127,19 @@ def test_resolve_passes_the_processes_on(monkeypatch):
 
 
 def _gpu_child(tmp_path, n, mode, *args, timeout=540):
+    """The ranks as processes sharing the GPU, under CUDA MPS where the
+    machine has it (without it every wait lasts a time slice: the bounds
+    are wider)."""
+    mps = shutil.which("nvidia-cuda-mps-control") is not None
     out_dir = Path(os.environ.get("OUT", tmp_path))
     path = out_dir / f"node_ranks_{mode}_{n}.json"
-    extra = ["--share-gpu"] + (["--mps"] if os.environ.get("JFO_SHARE_GPU_MPS") == "1" else [])
+    env = {k: v for k, v in os.environ.items()
+           if k.startswith(("JAX_FLASHOVERLAP_", "CUDA_", "NCCL_", "NVSHMEM_", "LD_LIBRARY_PATH"))}
+    wait_ms = (500 if mps else 5000) if mode == "faults" else 20000
+    env["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(wait_ms)
+    extra = ["--share-gpu"] + (["--mps"] if mps else [])
     proc, _ = _launch(tmp_path, n, str(HERE / "node_ranks_child.py"), mode, "--json", str(path),
-                      *args, extra=extra, timeout=timeout,
-                      env={k: v for k, v in os.environ.items()
-                           if k.startswith(("JAX_FLASHOVERLAP_", "CUDA_", "NCCL_", "NVSHMEM_",
-                                            "LD_LIBRARY_PATH"))})
+                      *args, extra=extra, timeout=timeout, env=env)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if "RESULT " in line]
     return proc, results

@@ -1,5 +1,6 @@
 // Devices of other processes of the node: the node's table of transport ids,
-// and the workspaces exported and imported through CUDA IPC.
+// the workspaces exported and imported through CUDA IPC, and which memory
+// the peers of a group may reach.
 //
 // A workspace is one cudaMalloc allocation, so its legacy IPC handle
 // (cudaIpcGetMemHandle: 64 bytes) names it whole, and the handle travels
@@ -10,6 +11,8 @@
 // address a peer of another process exactly as one of this process. Its
 // flags, slots and counters are the owner's memory; only the owner zeroes
 // them, at allocation and in ResetTransport.
+#include <cuda.h>
+
 #include <map>
 #include <mutex>
 #include <string>
@@ -162,6 +165,45 @@ ffi::Error ImportWorkspace(int id, const std::string& handle, size_t bytes) {
     cudaGetLastError();
   }
   return laid_out;
+}
+
+bool PeerStoresAllowed(const void* ptr, const GroupSpec& group) {
+  // Latched at the first call: every later call of this process takes the
+  // same path (a setting changed mid-run does not switch protocols).
+  static const bool disabled = !GetSettings().peer_stores;
+  using GetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+  static const GetAttributeFn get_attribute = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult query;
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000,
+                                         cudaEnableDefault,
+                                         &query) != cudaSuccess ||
+        query != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      fn = nullptr;
+    }
+    return reinterpret_cast<GetAttributeFn>(fn);
+  }();
+  if (disabled || get_attribute == nullptr) return false;
+  for (int id : group.ids) {
+    if (CudaOrdinalOf(id) < 0) return false;
+  }
+  // XLA's allocators map their memory into every local GPU (virtual memory
+  // with access set per device, or pools with peer access), but a user's
+  // allocator need not: ask each peer's context, whose access the attribute
+  // reports.
+  for (int q = 0; q < group.n; ++q) {
+    if (q == group.rank) continue;
+    DeviceGuard on_peer(CudaOrdinalOf(group.ids[q]));
+    unsigned int flags = 0;
+    if (get_attribute(&flags, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
+                      reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS ||
+        flags != CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE) {
+      cudaGetLastError();
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace jfo

@@ -21,8 +21,6 @@
 //
 // The symmetric all-reduce region inside the same workspace is laid out and
 // handed out by peer_region.cu; the Channel's calls are in channel.cu.
-#include <cuda.h>
-
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -494,45 +492,6 @@ FaultKind TakeFault(int id, int* stall_ms) {
   g_fault = InjectedFault{};
   g_fault_armed.store(false);
   return kind;
-}
-
-bool PeerStoresAllowed(const void* ptr, const GroupSpec& group) {
-  // Latched at the first call: every later call of this process takes the
-  // same path (a setting changed mid-run does not switch protocols).
-  static const bool disabled = !GetSettings().peer_stores;
-  using GetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
-  static const GetAttributeFn get_attribute = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult query;
-    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &fn, 12000,
-                                         cudaEnableDefault,
-                                         &query) != cudaSuccess ||
-        query != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      fn = nullptr;
-    }
-    return reinterpret_cast<GetAttributeFn>(fn);
-  }();
-  if (disabled || get_attribute == nullptr) return false;
-  for (int id : group.ids) {
-    if (CudaOrdinalOf(id) < 0) return false;
-  }
-  // XLA's allocators map their memory into every local GPU (virtual memory
-  // with access set per device, or pools with peer access), but a user's
-  // allocator need not: ask each peer's context, whose access the attribute
-  // reports.
-  for (int q = 0; q < group.n; ++q) {
-    if (q == group.rank) continue;
-    DeviceGuard on_peer(CudaOrdinalOf(group.ids[q]));
-    unsigned int flags = 0;
-    if (get_attribute(&flags, CU_POINTER_ATTRIBUTE_ACCESS_FLAGS,
-                      reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS ||
-        flags != CU_POINTER_ATTRIBUTE_ACCESS_FLAG_READWRITE) {
-      cudaGetLastError();
-      return false;
-    }
-  }
-  return true;
 }
 
 }  // namespace jfo
