@@ -16,6 +16,7 @@ import collections
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
 from collections.abc import Iterator
@@ -37,10 +38,13 @@ __all__ = [
     "check_same",
     "exit_if_stuck",
     "STUCK_EXIT_STATUS",
+    "TERMINATED_STATUS",
 ]
 
 # The exit status of a process that :func:`exit_if_stuck` ended.
 STUCK_EXIT_STATUS = 75
+# How a launched rank that got SIGTERM exits (as the signal would end it).
+TERMINATED_STATUS = 128 + signal.SIGTERM
 
 # The variables a launcher gives each process (jax_flashoverlap.cli.launch sets them).
 ENV = settings.LAUNCHER_VARIABLES
@@ -91,6 +95,14 @@ def initialize(**kwargs) -> None:
     ``127.0.0.1:PORT``), not on every interface as ``jax.distributed``'s
     default; pass ``coordinator_bind_address`` to choose otherwise.
 
+    From then on SIGTERM, which the launcher sends when another rank
+    failed, raises ``SystemExit`` in the main thread: the program's
+    ``finally`` blocks run (an NVSHMEM finalize, a checkpoint's close), and
+    the rank exits with :data:`TERMINATED_STATUS`. (``jax.distributed``
+    takes SIGTERM for a preemption notice and runs on.) A main thread inside
+    native code sees it once that returns; the launcher's SIGKILL after
+    ``--grace`` seconds covers the rest.
+
     Args:
       **kwargs: passed on to ``jax.distributed.initialize`` (for example
         ``initialization_timeout`` or ``heartbeat_timeout_seconds``, which bound
@@ -113,6 +125,12 @@ def initialize(**kwargs) -> None:
     jax.distributed.initialize(coordinator_address=address,
                                num_processes=_env_int("num_processes"),
                                process_id=_env_int("process_id"), **kwargs)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
+
+
+def _terminate(signum, frame):
+    raise SystemExit(TERMINATED_STATUS)
 
 
 def process_id() -> int:

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,35 @@ def test_exit_if_stuck_needs_a_positive_bound():
     with pytest.raises(ValueError, match="timeout_s=0 must be positive"):
         with distributed.exit_if_stuck("x", 0):
             pass
+
+
+FAILING = Path(__file__).with_name("failing_rank_child.py")
+
+
+@pytest.mark.parametrize("how, wait, status, said", [
+    ("raise", "sleep", 1, "rank 1 exited with code 1"),
+    ("exit", "sleep", 3, "rank 1 exited with code 3"),
+    ("kill", "sleep", 137, "rank 1 was killed by signal SIGKILL"),
+    ("raise", "native", 1, "rank 1 exited with code 1"),
+])
+def test_a_failing_rank_ends_the_job_within_10_s(tmp_path, how, wait, status, said):
+    """With real jax.distributed children: the failing rank exits at once
+    (not after the 300 s shutdown barrier), the launcher exits with its
+    status and names it, and a rank waiting in Python runs its finally
+    blocks on SIGTERM."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "jax_flashoverlap.cli.launch", "--cpu", "-n", "2",
+                           "--timeout", "120", str(FAILING), how, wait],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    ended = time.time()
+    failed_at = float(next(line.split("failing at ")[1] for line in proc.stdout.splitlines()
+                           if "failing at " in line))
+    assert proc.returncode == status, proc.stdout + proc.stderr
+    first = next(line for line in proc.stderr.splitlines() if line.startswith("[launch]"))
+    assert first == f"[launch] {said}; stopping the other ranks"
+    assert ended - failed_at < 10, (ended - failed_at, proc.stderr[-3000:])
+    if how == "raise":
+        assert "[rank 1] RuntimeError: rank 1 gives up" in proc.stderr
+    if wait == "sleep":
+        assert "[rank 0] cleaned up" in proc.stdout
+        assert f"rank 0 exited with code {distributed.TERMINATED_STATUS}" in proc.stderr

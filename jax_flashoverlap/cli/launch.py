@@ -298,7 +298,9 @@ def _run(program: list[str], args: argparse.Namespace, n: int, node_size: int,
          gpus: list[str], per_gpu: int, mps: _MpsDaemon | None) -> int:
     """Starts the n processes and supervises them; returns the launcher's status."""
     reservation, port = _reserve_port()
-    cmd = [sys.executable, *program]
+    # Through _rank, so that a rank that fails exits at once with its status
+    # instead of waiting in jax.distributed's shutdown barrier.
+    cmd = [sys.executable, "-m", "jax_flashoverlap.cli._rank", *program]
     lock = threading.Lock()
     hook = _die_with_parent_hook()
     pythonpath = _child_pythonpath(os.environ)
