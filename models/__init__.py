@@ -34,6 +34,7 @@ from .config import (
     SIZES,
     SSD_IMPLS,
     MambaConfig,
+    RopeScaling,
     ShardingConfig,
     SSDTiling,
     TransformerConfig,
@@ -41,6 +42,7 @@ from .config import (
 from .decoding import Generator, generate
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
+from .pretrained import from_pretrained, llama_config, save_pretrained
 from .transformer import (
     Transformer,
     attention_implementation,
@@ -49,7 +51,7 @@ from .transformer import (
 )
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
-           "SSDTiling",
+           "SSDTiling", "RopeScaling", "from_pretrained", "save_pretrained", "llama_config",
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",

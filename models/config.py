@@ -13,7 +13,8 @@ from jax_flashoverlap import IMPLS
 from jax_flashoverlap.decode_matmul import DECODE_MATMUL_IMPLS
 from jax_flashoverlap.dispatch import AUTO_OPS
 
-__all__ = ["ShardingConfig", "TransformerConfig", "MambaConfig", "SSDTiling", "IMPLS", "SIZES",
+__all__ = ["ShardingConfig", "TransformerConfig", "RopeScaling", "MambaConfig", "SSDTiling",
+           "IMPLS", "SIZES",
            "ATTENTION_IMPLS", "SSD_IMPLS", "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS",
            "DECODE_MATMUL_IMPLS", "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS",
            "DECODE_BLOCKS"]
@@ -206,6 +207,27 @@ def _check_impl(model: str, impl: str, auto_xla_ops: tuple[str, ...]) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's stretch of the rotary frequencies for long contexts
+    (``rope_scaling`` with ``rope_type: "llama3"`` in a Hugging Face config):
+    wavelengths above ``original_max_position / low_freq_factor`` are divided
+    by ``factor``, those below ``original_max_position / high_freq_factor``
+    kept, and those between interpolated.
+    """
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    def __post_init__(self):
+        if not (self.factor > 0 and self.high_freq_factor > self.low_freq_factor > 0
+                and self.original_max_position > 0):
+            raise ValueError(f"RopeScaling: need factor > 0, high_freq_factor > "
+                             f"low_freq_factor > 0 and original_max_position > 0, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig(_Presets):
     """A Llama-style decoder.
 
@@ -219,6 +241,10 @@ class TransformerConfig(_Presets):
       head_dim: h.
       mlp_dim: f, the SwiGLU width; must divide by the tensor-parallel size.
       rope_theta: rotary embedding base.
+      rope_scaling: Llama 3.1's frequency stretch (:class:`RopeScaling`), or
+        None.
+      tie_embeddings: the LM head is the embedding's transpose (no weight of
+        its own), as in Llama 3.2 1B and 3B.
       norm_eps: RMSNorm epsilon.
       max_seq_len: the longest sequence the model takes: training's sequence
         length, and prompt plus generated tokens in
@@ -274,6 +300,8 @@ class TransformerConfig(_Presets):
     head_dim: int = 16
     mlp_dim: int = 128
     rope_theta: float = 10_000.0
+    rope_scaling: RopeScaling | None = None
+    tie_embeddings: bool = False
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
     dtype: str = "float32"

@@ -218,8 +218,10 @@ class CausalLM(nnx.Module):
                                    out_sharding=(None, None))
         self.blocks = nnx.List(make_layers(block, config.num_layers, rngs=rngs))
         self.final_norm = RMSNorm(d, eps=config.norm_eps)
-        self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, v)),
-                              out_sharding=(None, None))
+        # Tied: the logits read the embedding, transposed, and there is no head.
+        if not getattr(config, "tie_embeddings", False):
+            self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, v)),
+                                  out_sharding=(None, None))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         """tokens: [b, s] int, global. Returns logits [b, s, v] in the compute dtype."""
@@ -240,7 +242,7 @@ class CausalLM(nnx.Module):
         ``s_local`` is s/tp under sequence parallelism, else s.
         """
         x = self._apply_blocks(self._embed(tokens))
-        return jnp.dot(self.final_norm(x), self.head[...].astype(x.dtype))
+        return jnp.dot(self.final_norm(x), self._head(x.dtype))
 
     def prefill(self, tokens: jax.Array, *, length: int, cache_len: int):
         """Per device: the forward over a prompt, keeping what decoding needs.
@@ -322,8 +324,13 @@ class CausalLM(nnx.Module):
 
     def _logits(self, x: jax.Array) -> jax.Array:
         """[..., d] -> float32 [..., v]."""
-        return jnp.dot(self.final_norm(x),
-                       self.head[...].astype(x.dtype)).astype(jnp.float32)
+        return jnp.dot(self.final_norm(x), self._head(x.dtype)).astype(jnp.float32)
+
+    def _head(self, dtype) -> jax.Array:
+        """The LM head [d, v] in ``dtype``: its own weight, or the tied embedding's."""
+        if getattr(self.config, "tie_embeddings", False):
+            return self.embedding[...].T.astype(dtype)
+        return self.head[...].astype(dtype)
 
     def _position(self, x: jax.Array, index: int) -> jax.Array:
         """Per device: row ``index`` of the sequence, [b, d], on every tensor rank.

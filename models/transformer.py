@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, shard_map_apply
 
 from . import decode_attention_pallas
-from .config import TransformerConfig
+from .config import RopeScaling, TransformerConfig
 from .layers import CausalLM, RMSNorm, linear_options
 from .pallas_gpu import on_cuda
 
@@ -195,13 +195,15 @@ def resolve_scan_layers(config: TransformerConfig, attention: str) -> Transforme
     return config
 
 
-def rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.Array:
+def rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
+         scaling: RopeScaling | None = None) -> jax.Array:
     """Rotary embeddings ("rotate half" layout).
 
     Args:
       x: [s, b, heads, h].
       theta: base of the frequencies.
       positions: [s] int, the position of each row of ``x``; default 0..s-1.
+      scaling: Llama 3.1's frequency stretch, or None.
 
     Returns:
       x rotated by position, same shape and dtype.
@@ -209,11 +211,27 @@ def rope(x: jax.Array, theta: float, positions: jax.Array | None = None) -> jax.
     h = x.shape[-1]
     if positions is None:
         positions = jnp.arange(x.shape[0])
-    freq = theta ** (-jnp.arange(0, h, 2, dtype=jnp.float32) / h)        # [h/2]
+    freq = rope_frequencies(h, theta, scaling)                           # [h/2]
     angle = positions.astype(jnp.float32)[:, None] * freq                 # [s, h/2]
     cos, sin = (f(angle)[:, None, None, :] for f in (jnp.cos, jnp.sin))
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | None = None) -> jax.Array:
+    """The rotary frequencies, float32 [head_dim / 2], stretched by ``scaling``."""
+    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return freq
+    wavelength = 2 * jnp.pi / freq
+    low = scaling.original_max_position / scaling.low_freq_factor    # longest kept as is
+    high = scaling.original_max_position / scaling.high_freq_factor
+    smooth = ((scaling.original_max_position / wavelength - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    between = (1 - smooth) * freq / scaling.factor + smooth * freq
+    return jnp.where(wavelength > low, freq / scaling.factor,
+                     jnp.where(wavelength < high, freq, between))
 
 
 class KVCache(NamedTuple):
@@ -237,6 +255,7 @@ class Attention(nnx.Module):
         self.q_per_kv = config.num_heads // kv
         self.head_dim = h
         self.rope_theta = config.rope_theta
+        self.rope_scaling = config.rope_scaling
         self.implementation = attention_implementation(config)
         # Checked here, so that a "pallas" the heads rule out fails at construction.
         decode_attention_implementation(config)
@@ -258,8 +277,9 @@ class Attention(nnx.Module):
         """
         s, b = qkv.shape[:2]
         qkv = qkv.reshape(s, b, -1, self.q_per_kv + 2, self.head_dim)
-        q = rope(qkv[:, :, :, :-2].reshape(s, b, -1, self.head_dim), self.rope_theta, positions)
-        k = rope(qkv[:, :, :, -2], self.rope_theta, positions)
+        q = rope(qkv[:, :, :, :-2].reshape(s, b, -1, self.head_dim), self.rope_theta, positions,
+                 self.rope_scaling)
+        k = rope(qkv[:, :, :, -2], self.rope_theta, positions, self.rope_scaling)
         return q, k, qkv[:, :, :, -1]
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -168,6 +168,8 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
         return why_not
     if jnp.dtype(config.dtype) != jnp.dtype(jnp.bfloat16):
         return f"it computes in bfloat16 (the config's dtype is {config.dtype})"
+    if config.rope_scaling is not None:
+        return "it computes plain rotary frequencies (the config has rope_scaling)"
     if not 1 <= batch <= MAX_BATCH:
         return f"it takes 1 to {MAX_BATCH} rows per device (got {batch})"
     if h not in HEAD_DIMS:

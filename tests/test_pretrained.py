@@ -1,0 +1,145 @@
+"""Llama checkpoints in the Hugging Face layout (models/pretrained.py), on CPU."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax_flashoverlap.models import Transformer, TransformerConfig, generate
+from jax_flashoverlap.models.config import RopeScaling
+from jax_flashoverlap.models.pretrained import from_pretrained, llama_config, save_pretrained
+from jax_flashoverlap.models.transformer import rope_frequencies
+from support import cpu_mesh
+
+# Odd sizes; GQA with 2 query heads per key/value head.
+CONFIG = TransformerConfig(vocab_size=97, num_layers=2, embed_dim=48, num_heads=8,
+                           num_kv_heads=4, head_dim=12, mlp_dim=40, max_seq_len=64,
+                           attention_impl="xla", impl="xla", norm_eps=1e-6)
+
+
+def _logits(model, tokens):
+    return np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens), np.float64)
+
+
+def _params(model):
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.fixture
+def tokens(rng):
+    return jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 16)), jnp.int32)
+
+
+@pytest.mark.parametrize("config", [
+    CONFIG,
+    dataclasses.replace(CONFIG, tie_embeddings=True, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 32)),
+], ids=["untied", "tied-llama3-rope"])
+def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens, config):
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        model = Transformer(config, rngs=nnx.Rngs(3))
+        want = _logits(model, tokens)
+        save_pretrained(model, tmp_path, dtype="float32")
+        loaded = from_pretrained(tmp_path, attention_impl="xla", impl="xla")
+        assert loaded.config == model.config
+        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), _params(model)))
+        np.testing.assert_array_equal(_logits(loaded, tokens), want)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+        assert ("lm_head.weight" in f.keys()) is not config.tie_embeddings
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["tie_word_embeddings"] is config.tie_embeddings
+    for tp in (2, 4):
+        with jax.set_mesh(cpu_mesh(tp=tp)):
+            sharded = from_pretrained(tmp_path, attention_impl="xla", impl="xla")
+            got = _logits(sharded, tokens)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_bfloat16_checkpoint_round_trips_bit_for_bit(tmp_path, tokens):
+    with jax.set_mesh(cpu_mesh(tp=2)):
+        model = Transformer(CONFIG, rngs=nnx.Rngs(5))
+        save_pretrained(model, tmp_path / "a")
+        loaded = from_pretrained(tmp_path / "a", attention_impl="xla", impl="xla")
+        save_pretrained(loaded, tmp_path / "b")
+        rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32)
+                   for k, v in _params(model).items()}
+        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), rounded))
+        greedy = [np.asarray(generate(m, tokens[:, :5], max_new_tokens=8))
+                  for m in (loaded, from_pretrained(tmp_path / "b", attention_impl="xla"))]
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "model.safetensors").read_bytes()
+    np.testing.assert_array_equal(*greedy)
+
+
+def test_llama3_frequencies_follow_the_published_rule():
+    scaling = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position=8192)
+    got = np.asarray(rope_frequencies(128, 500_000.0, scaling), np.float64)
+    base = 500_000.0 ** (-np.arange(0, 128, 2) / 128)
+    for f, g in zip(base, got):
+        wavelength = 2 * math.pi / f
+        if wavelength < 8192 / 4:
+            want = f
+        elif wavelength > 8192 / 1:
+            want = f / 8
+        else:
+            smooth = (8192 / wavelength - 1) / (4 - 1)
+            want = (1 - smooth) * f / 8 + smooth * f
+        assert g == pytest.approx(want, rel=1e-6)
+
+
+HF = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+      "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+      "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+      "max_position_embeddings": 131072, "tie_word_embeddings": True,
+      "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+
+
+def test_the_llama_3_2_1b_config_maps_field_by_field():
+    config = llama_config(HF, dtype="bfloat16")
+    assert (config.vocab_size, config.num_layers, config.embed_dim, config.num_heads,
+            config.num_kv_heads, config.head_dim, config.mlp_dim) == (
+                128256, 16, 2048, 32, 8, 64, 8192)
+    assert config.tie_embeddings and config.rope_theta == 500000.0 and config.norm_eps == 1e-5
+    assert config.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+    assert config.dtype == "bfloat16"
+    # transformers 5 nests the rope settings under rope_parameters.
+    nested = {k: v for k, v in HF.items() if k not in ("rope_theta", "rope_scaling")}
+    nested["rope_parameters"] = {"rope_theta": 500000.0, **HF["rope_scaling"]}
+    assert llama_config(nested) == llama_config(HF)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mistral"}, "model_type is 'mistral'; only 'llama'"),
+    ({"attention_bias": True}, "attention_bias is true; the model has no bias terms"),
+    ({"mlp_bias": True}, "mlp_bias is true"),
+    ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling of type 'linear'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}},
+     "rope_scaling has no 'low_freq_factor'"),
+    ({"hidden_size": None}, "config.json has no 'hidden_size'"),
+])
+def test_configs_the_model_cannot_express_name_the_field(change, message):
+    hf = {k: v for k, v in {**HF, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        llama_config(hf)
+
+
+def test_a_checkpoint_that_does_not_match_its_config_is_named(tmp_path):
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        save_pretrained(Transformer(CONFIG, rngs=nnx.Rngs(0)), tmp_path)
+        hf = json.loads((tmp_path / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**hf, "intermediate_size": 48}))
+        with pytest.raises(ValueError, match=r"needs a shard of shape .* the config does not "
+                                             r"match the weights"):
+            from_pretrained(tmp_path, attention_impl="xla")
+    with pytest.raises(FileNotFoundError, match="has neither model.safetensors"):
+        (tmp_path / "model.safetensors").unlink()
+        from_pretrained(tmp_path)
