@@ -71,16 +71,18 @@ def group_ids(ctx, op_name: str, axis_name: str, n: int, *,
             f"runs 'xla' there).")
     axis = mesh.axis_names.index(axis_name)
     devices = np.moveaxis(mesh.devices, axis, -1).reshape(-1, n)
+    why = ""
     if across_processes and jax.process_count() > 1:
         from . import node_transport
 
-        ids = node_transport.setup().ids
+        layout = node_transport.setup()
+        ids, why = layout.ids, layout.local_only
     else:
         ids = {d.id: d.local_hardware_id for d in mesh.local_devices}
     rows = [[ids[d.id] for d in row] for row in devices if all(d.id in ids for d in row)]
     if not rows:
         raise ValueError(f"{op_name}(impl='cuda'): no group along {axis_name!r} has all its "
-                         f"devices on this node (or in the NVSHMEM layout: all_reduce over an "
-                         f"axis of all processes, one GPU each); use impl='xla' or 'auto' "
-                         f"here.")
+                         f"devices on this node{f' ({why})' if why else ''} (or in the "
+                         f"NVSHMEM layout: all_reduce over an axis of all processes, one GPU "
+                         f"each); use impl='xla' or 'auto' here.")
     return np.asarray(rows, np.int32).reshape(-1)

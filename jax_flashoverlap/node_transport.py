@@ -49,12 +49,15 @@ class NodeLayout:
       process_of: JAX device id -> process index, for the same devices.
       node_size: devices on the node.
       labels: transport id -> how messages name that device.
+      local_only: why groups cannot span this node's processes ("" when
+        they can, or when the node has one process).
     """
 
     ids: dict[int, int]
     process_of: dict[int, int]
     node_size: int
     labels: tuple[str, ...]
+    local_only: str = ""
 
     def spans_processes(self) -> bool:
         return len(set(self.process_of.values())) > 1
@@ -99,8 +102,7 @@ def setup(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = Non
       RuntimeError: ``jax.distributed`` is not initialised, a process did not
         arrive within ``timeout_s`` (named), or another process failed its
         part (its error is quoted).
-      ValueError: the node's processes disagree on the workspace size, or a
-        process of a multi-process node drives more than one GPU.
+      ValueError: the node's processes disagree on the workspace size.
     """
     global _LAYOUT, _GENERATION
     with _LOCK:
@@ -155,11 +157,16 @@ def _exchange(backend: Backend, prefix: str, workspace_mb: int, timeout_s: float
               for p in range(n)]
     hellos = [json.loads(h) for h in hellos]
     mine = [p for p, h in enumerate(hellos) if h["node"] == node]
-    if mine == [me]:
-        # Alone on its node: the one-process transport, with CUDA ordinals as ids.
+    _check_workspaces(hellos, mine)
+    several = {p: len(hellos[p]["devices"]) for p in mine if len(hellos[p]["devices"]) > 1}
+    if mine == [me] or several:
+        # The one-process transport, CUDA ordinals as ids: alone on the node,
+        # or next to processes of several GPUs each (mapping another
+        # process's memory into a second GPU of this one is not supported).
+        why = ("groups across processes need one GPU per process (" + ", ".join(
+            f"process {p} has {k}" for p, k in several.items()) + ")") if len(mine) > 1 else ""
         return NodeLayout({dev: cuda for dev, cuda in local}, {dev: me for dev, _ in local},
-                          len(local), tuple(f"CUDA device {cuda}" for _, cuda in local))
-    _check_node(hellos, mine)
+                          len(local), tuple(f"CUDA device {cuda}" for _, cuda in local), why)
     devices = sorted((dev, p) for p in mine for dev, _ in hellos[p]["devices"])
     ids = {dev: i for i, (dev, _) in enumerate(devices)}
     process_of = dict(devices)
@@ -196,21 +203,14 @@ def _exchange(backend: Backend, prefix: str, workspace_mb: int, timeout_s: float
     return layout
 
 
-def _check_node(hellos: Sequence[dict[str, Any]], mine: Sequence[int]) -> None:
-    """Every process of the node has the same workspace, and one GPU when there
-    are several processes."""
+def _check_workspaces(hellos: Sequence[dict[str, Any]], mine: Sequence[int]) -> None:
+    """Every process of the node has the same workspace."""
     sizes = {p: hellos[p]["workspace_mb"] for p in mine}
     if len(set(sizes.values())) > 1:
         listed = ", ".join(f"process {p}: {mb} MiB" for p, mb in sizes.items())
         raise ValueError(f"node_transport.setup: the processes of this node have different "
                          f"workspaces ({listed}); set the same JAX_FLASHOVERLAP_WORKSPACE_MB "
                          f"in every process")
-    several = {p: len(hellos[p]["devices"]) for p in mine if len(hellos[p]["devices"]) > 1}
-    if len(mine) > 1 and several:
-        listed = ", ".join(f"process {p} has {k}" for p, k in several.items())
-        raise ValueError(f"node_transport.setup: groups across processes need one GPU per "
-                         f"process ({listed}); start one process per GPU, or one process for "
-                         f"the whole node")
 
 
 def _get(client, key: str, timeout_s: float, who: str, *, what: str, raw: bool = False):

@@ -2,7 +2,7 @@
 launcher: node_transport.setup() with a fake extension, which records what it
 is asked to do. Prints ``key=value`` lines.
 
-    node_transport_child.py exchange|missing|workspace
+    node_transport_child.py exchange|missing|workspace|several
 """
 
 import json
@@ -13,6 +13,9 @@ from jax_flashoverlap import distributed
 distributed.initialize()
 
 import jax  # noqa: E402  (after initialize, which must come first)
+
+if sys.argv[1] == "several":  # two devices in each process
+    jax.config.update("jax_num_cpu_devices", 2)
 
 from jax_flashoverlap import node_transport  # noqa: E402
 
@@ -47,6 +50,7 @@ try:
                                       "node_size": layout.node_size,
                                       "labels": list(layout.labels),
                                       "spans": layout.spans_processes(),
+                                      "local_only": layout.local_only,
                                       "again": node_transport.setup(backend=fake) is layout}))
 except (RuntimeError, ValueError) as e:
     print(f"error={type(e).__name__}: {e}")

@@ -52,13 +52,27 @@ def test_every_process_maps_the_others_workspace(tmp_path):
     for me in range(2):
         layout = json.loads(out[me]["layout"])
         assert layout == {"ids": [0, 1], "node_size": 2, "labels": labels, "spans": True,
-                          "again": True}
+                          "local_only": "", "again": True}
         other = 1 - me
         assert json.loads(out[me]["calls"]) == [
             ["configure", 2, [[0, me]], labels],
             ["export", me],
             ["import", other, f"handle of {other}", 1 << 30],
         ]
+
+
+def test_processes_of_several_gpus_keep_their_groups_to_themselves(tmp_path):
+    """Mapping another process's memory into a second GPU of this one is not
+    supported: each process keeps the one-process transport (CUDA ordinals),
+    and an op over an axis across them says why."""
+    proc, out = _cpu_child(tmp_path, "several")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for me in range(2):
+        layout = json.loads(out[me]["layout"])
+        assert layout["ids"] == [0, 1] and layout["spans"] is False
+        assert layout["local_only"] == ("groups across processes need one GPU per process "
+                                        "(process 0 has 2, process 1 has 2)")
+        assert json.loads(out[me]["calls"]) == []
 
 
 def test_a_process_that_never_arrives_is_named_within_the_bound(tmp_path):

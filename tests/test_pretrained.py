@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -143,3 +144,28 @@ def test_a_checkpoint_that_does_not_match_its_config_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="has neither model.safetensors"):
         (tmp_path / "model.safetensors").unlink()
         from_pretrained(tmp_path)
+
+
+# Made with transformers (tests/data/make_llama_fixtures.py): its logits and
+# greedy tokens for small random Llamas.
+FIXTURES = Path(__file__).with_name("data") / "llama"
+PARITY = [("gqa_untied", 1), ("gqa_untied", 2), ("gqa_untied", 4),
+          ("gqa_tied_llama3_rope", 1), ("gqa_tied_llama3_rope", 2),
+          ("mha_wide_heads", 1), ("mha_wide_heads", 4)]
+
+
+@pytest.mark.parametrize("name, tp", PARITY)
+def test_logits_and_greedy_tokens_match_transformers(name, tp):
+    """float32 on CPU: the prompt's logits within 1e-4 relative of
+    transformers', and 32 greedy tokens (prefill, then the decode loop)
+    identical."""
+    expected = np.load(FIXTURES / name / "expected.npz")
+    prompts = jnp.asarray(expected["prompts"], jnp.int32)
+    with jax.set_mesh(cpu_mesh(tp=tp)):
+        model = from_pretrained(FIXTURES / name, attention_impl="xla", impl="xla")
+        logits = _logits(model, prompts)
+        tokens = np.asarray(generate(model, prompts, max_new_tokens=32))
+    want = expected["logits"].astype(np.float64)
+    err = np.linalg.norm(logits - want) / np.linalg.norm(want)
+    assert err < 1e-4, err
+    np.testing.assert_array_equal(tokens, expected["greedy"])

@@ -1,0 +1,73 @@
+"""Makes the Llama parity fixtures of tests/test_pretrained.py with `transformers`.
+
+    python tests/data/make_llama_fixtures.py [OUT_DIR]   (default: tests/data/llama)
+
+For each small random Llama (several configs: grouped-query attention,
+tied and untied embeddings, Llama 3.1's rope scaling, a head width other
+than hidden / heads), ``transformers`` initialises the model from a fixed
+seed, saves it (``config.json``, ``model.safetensors``), and records in
+``expected.npz`` its float32 logits on fixed prompts and 32 greedy tokens
+after each prompt. Needs torch and transformers (the GPU machine has both);
+runs on the CPU in float32.
+"""
+
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import transformers
+
+CONFIGS = {
+    "gqa_untied": dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False),
+    "gqa_tied_llama3_rope": dict(
+        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "mha_wide_heads": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=24,
+                           tie_word_embeddings=False, rope_theta=500000.0),
+}
+BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
+            rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=False,
+            mlp_bias=False, hidden_act="silu",
+            bos_token_id=None, eos_token_id=None)  # greedy runs all 32 tokens
+PROMPTS = 2
+PROMPT_LEN = 12
+NEW_TOKENS = 32
+
+
+def make(name: str, fields: dict, out: str) -> None:
+    torch.manual_seed(sum(map(ord, name)))
+    config = transformers.LlamaConfig(**BASE, **fields)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # weights well away from zero, as a trained model's
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+        for layer in model.model.layers:
+            for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                norm.weight.uniform_(0.5, 1.5)
+    path = os.path.join(out, name)
+    model.save_pretrained(path, safe_serialization=True)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, config.vocab_size, (PROMPTS, PROMPT_LEN))
+    with torch.no_grad():
+        tokens = torch.from_numpy(prompts)
+        logits = model(tokens).logits.numpy().astype(np.float32)
+        greedy = model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                attention_mask=torch.ones_like(tokens),
+                                pad_token_id=0).numpy()
+    np.savez(os.path.join(path, "expected.npz"), prompts=prompts, logits=logits, greedy=greedy)
+    with open(os.path.join(path, "made_with.json"), "w") as f:
+        json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f)
+    print(f"{name}: logits {logits.shape}, greedy {greedy.shape}")
+
+
+def main() -> None:
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "llama")
+    for name, fields in CONFIGS.items():
+        make(name, fields, out)
+
+
+if __name__ == "__main__":
+    main()
