@@ -169,3 +169,40 @@ def test_logits_and_greedy_tokens_match_transformers(name, tp):
     err = np.linalg.norm(logits - want) / np.linalg.norm(want)
     assert err < 1e-4, err
     np.testing.assert_array_equal(tokens, expected["greedy"])
+
+
+def test_the_generate_command_reads_a_checkpoint_and_its_tokenizer(tmp_path):
+    """jax-flashoverlap-generate --pretrained: text in through the
+    checkpoint's tokenizer.json, transformers' greedy continuation out."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jax_flashoverlap.cli import generate as generate_cli
+
+    expected = np.load(FIXTURES / "gqa_untied" / "expected.npz")
+    shutil.copytree(FIXTURES / "gqa_untied", tmp_path / "ckpt")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(CONFIG_VOCAB)}, "w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    prompt, greedy = expected["prompts"][0], expected["greedy"][0]
+    out = tmp_path / "run.json"
+    assert generate_cli.main([
+        "--model", "transformer", "--pretrained", str(tmp_path / "ckpt"), "--mesh", "1x2",
+        "--prompt", " ".join(f"w{i}" for i in prompt), "--max-new-tokens", "32",
+        "--warmup", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["prompt_tokens"] == prompt.size
+    assert result["texts"] == [" ".join(f"w{i}" for i in greedy[prompt.size:])]
+
+
+CONFIG_VOCAB = 211  # the fixtures' vocabulary (tests/data/make_llama_fixtures.py)
+
+
+def test_a_checkpoint_without_a_tokenizer_needs_a_byte_vocabulary(tmp_path):
+    from jax_flashoverlap.cli import tokens
+
+    with pytest.raises(ValueError, match=r"has no tokenizer.json, and the model's 211 ids "
+                                         r"cannot hold bytes"):
+        tokens.for_checkpoint(FIXTURES / "gqa_untied", CONFIG_VOCAB)
+    assert isinstance(tokens.for_checkpoint(None, 256), tokens.ByteTokens)

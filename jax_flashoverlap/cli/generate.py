@@ -9,6 +9,8 @@
 Byte-level tokens, as in training. ``--restore DIR`` loads the parameters of
 the latest checkpoint that ``jax-flashoverlap-train --checkpoint-dir DIR``
 wrote (same ``--model`` and ``--size``); without it the weights are random.
+``--pretrained DIR`` loads a Llama checkpoint in the Hugging Face layout
+instead (``models.from_pretrained``), with its ``tokenizer.json``.
 The prompt runs through the model in one pass (prefill), then each new token
 is one decode step, all of them in one compiled loop
 (:mod:`jax_flashoverlap.models.decoding`). It prints each row's text, then
@@ -27,6 +29,7 @@ from . import _requires_models  # noqa: F401  (first: names the extra if flax is
 # isort: split
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -46,7 +49,10 @@ from ..models import (
     MODELS,
     Generator,
     ShardingConfig,
+    from_pretrained,
+    llama_config,
 )
+from . import tokens as token_codes
 from .devices import ensure_cpu_devices
 from .flags import HelpFormatter, parse_mesh_shape
 from .kernel_flags import refuse_other_models_flags
@@ -66,9 +72,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      description=__doc__.splitlines()[0],
                                      formatter_class=HelpFormatter)
     add_model_flags(parser)
-    parser.add_argument("--restore", type=Path, default=None, metavar="DIR",
-                        help="load the latest checkpoint of jax-flashoverlap-train "
-                             "--checkpoint-dir DIR (default: random weights)")
+    weights = parser.add_mutually_exclusive_group()
+    weights.add_argument("--restore", type=Path, default=None, metavar="DIR",
+                         help="load the latest checkpoint of jax-flashoverlap-train "
+                              "--checkpoint-dir DIR (default: random weights)")
+    weights.add_argument("--pretrained", type=Path, default=None, metavar="DIR",
+                         help="a Llama checkpoint in the Hugging Face layout (config.json, "
+                              "safetensors, tokenizer.json); --size is ignored")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="a file holding the prompt")
@@ -134,6 +144,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "kernels (build_info()['cuda'] is False); use --decode-matmul xla")
     if args.restore is not None and not args.restore.is_dir():
         parser.error(f"--restore {args.restore}: no such directory")
+    if args.pretrained is not None and not (args.pretrained / "config.json").is_file():
+        parser.error(f"--pretrained {args.pretrained}: no config.json there")
+    if args.pretrained is not None and args.model != "transformer":
+        parser.error("--pretrained reads Llama checkpoints: use --model transformer")
     if args.prompt_file is not None and not args.prompt_file.is_file():
         parser.error(f"--prompt-file {args.prompt_file}: no such file")
     refuse_other_models_flags(parser, args, _MODEL_OF_FLAG)
@@ -147,12 +161,12 @@ _MODEL_OF_FLAG = {"decode_attention": "transformer", "decode_blocks": "transform
 
 def encode(text: str) -> np.ndarray:
     """Byte-level tokens of ``text`` (UTF-8), int32 [len]."""
-    return np.frombuffer(text.encode(), np.uint8).astype(np.int32)
+    return token_codes.ByteTokens().encode(text)
 
 
 def decode_text(tokens: np.ndarray) -> str:
     """The text of byte-level tokens; bytes that are not UTF-8 show as U+FFFD."""
-    return bytes(np.asarray(tokens, np.uint8).tolist()).decode(errors="replace")
+    return token_codes.ByteTokens().decode(tokens)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -162,15 +176,21 @@ def run(args: argparse.Namespace) -> dict:
         distributed.initialize()
         _start_nvshmem(args.heap_mb)
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
-    prompt = encode(text)
-    if prompt.size == 0:
-        raise SystemExit("jax-flashoverlap-generate: the prompt is empty")
     sharding = ShardingConfig(sequence_parallel=args.sequence_parallel)
     mesh = make_mesh(args.mesh or (1, min(2, jax.device_count())), sharding)
-    config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
-                          sharding=sharding, decode_matmul=args.decode_matmul,
-                          decode_attention=args.decode_attention,
-                          decode_mixer=args.decode_mixer, decode_blocks=args.decode_blocks)
+    options = dict(impl=args.impl, sharding=sharding, decode_matmul=args.decode_matmul,
+                   decode_attention=args.decode_attention, decode_blocks=args.decode_blocks)
+    if args.pretrained is not None:
+        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+        with open(args.pretrained / "config.json") as f:
+            config = llama_config(json.load(f), dtype=dtype, **options)
+    else:
+        config = model_config(args.model, args.size, dtype=args.dtype,
+                              decode_mixer=args.decode_mixer, **options)
+    codes = token_codes.for_checkpoint(args.pretrained, config.vocab_size)
+    prompt = codes.encode(text)
+    if prompt.size == 0:
+        raise SystemExit("jax-flashoverlap-generate: the prompt is empty")
     if prompt.size + args.max_new_tokens > config.max_seq_len:  # before building the model
         raise ValueError(f"the prompt's {prompt.size} tokens + --max-new-tokens "
                          f"{args.max_new_tokens} exceed the model's max_seq_len="
@@ -179,12 +199,19 @@ def run(args: argparse.Namespace) -> dict:
     prompts = np.tile(prompt, (args.batch, 1))
     lead = jax.process_index() == 0
     with jax.set_mesh(mesh):
-        model = nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(args.seed)))()
+        if args.pretrained is not None:
+            model = from_pretrained(args.pretrained, **{
+                f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+                if f.name in options or f.name == "dtype"})
+            _say(lead, f"loaded {args.pretrained}")
+        else:
+            model = nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(args.seed)))()
         if args.restore is not None:
             step = restore_model_state(args.restore, model)
             _say(lead, f"restored step {step} from {args.restore}")
         data, tensor = mesh.devices.shape
-        _say(lead, f"{args.model}/{args.size} on mesh {data}x{tensor} (data x tensor) of "
+        name = args.pretrained or f"{args.model}/{args.size}"
+        _say(lead, f"{name} on mesh {data}x{tensor} (data x tensor) of "
                    f"{len(jax.devices())} {jax.devices()[0].platform.upper()} device(s)"
                    f"{f' in {jax.process_count()} processes' if multi_process else ''}; "
                    f"impl {args.impl}, dtype {config.dtype}; compiling...")
@@ -217,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
         "time_to_first_token_ms": prefill_s * 1e3,
         "per_token_ms": decode_s / steps * 1e3 if steps else None,
         "tokens_per_s": args.batch * steps / decode_s if steps else None,
-        "texts": [decode_text(row[prompt.size:]) for row in tokens],
+        "texts": [codes.decode(row[prompt.size:]) for row in tokens],
     }
     if lead:
         for i, continuation in enumerate(result["texts"]):
