@@ -206,3 +206,42 @@ def test_a_checkpoint_without_a_tokenizer_needs_a_byte_vocabulary(tmp_path):
                                          r"cannot hold bytes"):
         tokens.for_checkpoint(FIXTURES / "gqa_untied", CONFIG_VOCAB)
     assert isinstance(tokens.for_checkpoint(None, 256), tokens.ByteTokens)
+
+
+def test_training_from_a_checkpoint_and_saving_it_back(tmp_path):
+    """jax-flashoverlap-train --init-from DIR --save-pretrained OUT: the
+    checkpoint's tokenizer reads the data, the first loss is the loaded
+    model's, and OUT loads back with the trained weights."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from jax_flashoverlap.cli import train as train_cli
+
+    shutil.copytree(FIXTURES / "gqa_untied", tmp_path / "ckpt")
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(CONFIG_VOCAB)}, "w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    ids = np.random.default_rng(0).integers(0, CONFIG_VOCAB, 400)
+    (tmp_path / "data.txt").write_text(" ".join(f"w{i}" for i in ids))
+    args = train_cli.parse_args([
+        "--init-from", str(tmp_path / "ckpt"), "--save-pretrained", str(tmp_path / "out"),
+        "--data", str(tmp_path / "data.txt"), "--steps", "3", "--batch", "2", "--seq-len", "16",
+        "--mesh", "1x2", "--no-progress", "--lr", "1e-2"])
+    result = train_cli.train(args)
+    # Step 0's batch, through the loaded model (transformers' weights).
+    first = train_cli.batch_at(ids, 0, batch=2, seq_len=16, seed=0)
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        loaded = from_pretrained(tmp_path / "ckpt", attention_impl="xla")
+        logits = _logits(loaded, jnp.asarray(first[:, :-1]))
+    logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
+                                                                          keepdims=True)) \
+        - logits.max(-1, keepdims=True)
+    want = -np.take_along_axis(logp, first[:, 1:, None], -1).mean()
+    assert result.losses[0] == pytest.approx(want, rel=1e-4)
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == \
+        (tmp_path / "ckpt" / "tokenizer.json").read_bytes()
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        trained = from_pretrained(tmp_path / "out", attention_impl="xla")
+    before, after = _params(loaded), _params(trained)
+    assert not np.allclose(before[("head",)], after[("head",)])  # it trained

@@ -21,6 +21,8 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,9 +46,13 @@ from ..models import (
     SSDTiling,
     TransformerConfig,
     attention_implementation,
+    from_pretrained,
+    llama_config,
     resolve_scan_layers,
+    save_pretrained,
 )
 from ..models.mamba import resolve_scan_layers as resolve_mamba_scan_layers
+from . import tokens
 from .checkpoints import checkpoint_manager, does_not_fit, first_line, restore_model_state
 from .data import batch_at, load_corpus
 from .devices import ensure_cpu_devices
@@ -116,6 +122,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         metavar="DIR",
                         help="resume from the latest checkpoint in DIR (alone: in "
                              "--checkpoint-dir), and keep checkpointing there")
+    parser.add_argument("--init-from", type=Path, default=None, metavar="DIR",
+                        help="start from a Llama checkpoint in the Hugging Face layout "
+                             "(config.json, safetensors, tokenizer.json; --size is ignored), "
+                             "its tokenizer reading --data")
+    parser.add_argument("--save-pretrained", type=Path, default=None, metavar="DIR",
+                        help="also write the final model here in the Hugging Face layout "
+                             "(with --init-from's tokenizer.json)")
     parser.add_argument("--profile", type=Path, default=None, metavar="DIR",
                         help=f"write a jax.profiler trace of {PROFILE_STEPS} steps here")
     parser.add_argument("--no-progress", dest="progress", action="store_false",
@@ -132,6 +145,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.residuals != "named" and args.remat:
         parser.error(f"--residuals {args.residuals} and --remat exclude each other (keep "
                      f"residuals, or recompute every block)")
+    if args.init_from is not None and not (args.init_from / "config.json").is_file():
+        parser.error(f"--init-from {args.init_from}: no config.json there")
+    if (args.init_from or args.save_pretrained) and args.model != "transformer":
+        parser.error("--init-from and --save-pretrained take Llama checkpoints: use "
+                     "--model transformer")
+    if args.init_from is not None and args.restore:
+        parser.error("--init-from starts a run, --restore resumes one: give one of them")
     if args.data is not None and not args.data.is_file():
         parser.error(f"--data {args.data}: no such file")
     if args.steps < 1:
@@ -176,6 +196,7 @@ class Trainer:
       platform: where it runs, in words.
       attention: the Transformer's attention implementation ("cudnn" or
         "xla"); None for a model without attention.
+      graphdef: what ``nnx.merge(graphdef, state)`` makes the modules of.
     """
 
     args: argparse.Namespace
@@ -188,6 +209,7 @@ class Trainer:
     peak_flops: float | None
     platform: str
     attention: str | None = None
+    graphdef: Any = None
 
     def tokens(self, corpus: np.ndarray, step: int) -> jax.Array:
         """Step ``step``'s batch on the mesh, split over the data axis."""
@@ -221,7 +243,8 @@ def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sh
                              (sharding.data, sharding.tensor))
 
 
-def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None = None,
+def model_config(model: str, size: str | TransformerConfig, *, impl: str = "auto",
+                 dtype: str | None = None,
                  sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
                  conv: str = "xla", norm_backward: str = "auto",
@@ -239,13 +262,16 @@ def model_config(model: str, size: str, *, impl: str = "auto", dtype: str | None
     the Transformer's (``TransformerConfig.decode_attention``), likewise
     ``decode_blocks``;
     ``decode_mixer``: Mamba-2's (``MambaConfig.decode_mixer``); ``ssd_tiling``
-    None: the SSD kernels' defaults (``MambaConfig.ssd_tiling``).
+    None: the SSD kernels' defaults (``MambaConfig.ssd_tiling``). ``size``
+    may be a Transformer config (a checkpoint's) in place of a preset's name.
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
     on_gpu = jax.default_backend() == "gpu"
-    config = config_cls.preset(
-        size, dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
+    make = (functools.partial(dataclasses.replace, size) if isinstance(size, TransformerConfig)
+            else functools.partial(config_cls.preset, size))
+    config = make(
+        dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
         sharding=sharding or ShardingConfig(), decode_matmul=decode_matmul,
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention, "decode_attention": decode_attention,
@@ -268,7 +294,10 @@ def build(args: argparse.Namespace) -> Trainer:
     mesh = make_mesh(args.mesh, sharding)
     data, tensor = mesh.devices.shape
     _, model_cls = MODELS[args.model]
-    config = model_config(args.model, args.size, impl=args.impl, dtype=args.dtype,
+    base = args.size
+    if args.init_from is not None:
+        base = llama_config(json.loads((args.init_from / "config.json").read_text()))
+    config = model_config(args.model, base, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
                           attention=args.attention, ssd=args.ssd, conv=args.conv,
                           norm_backward=args.norm_backward, residuals=args.residuals,
@@ -290,7 +319,12 @@ def build(args: argparse.Namespace) -> Trainer:
             model = model_cls(config, rngs=nnx.Rngs(args.seed))
             return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
-        graphdef, state = nnx.split(create())
+        if args.init_from is None:
+            graphdef, state = nnx.split(create())
+        else:  # each device reads its shards from the files: no jit around it
+            model = from_pretrained(args.init_from, rngs=nnx.Rngs(args.seed), **{
+                f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+            graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
     shardings = nnx.get_named_sharding(state, mesh)
 
     @functools.partial(jax.jit, donate_argnums=0, out_shardings=(shardings, None, None))
@@ -309,7 +343,7 @@ def build(args: argparse.Namespace) -> Trainer:
                    flops_per_step=config.flops_per_token(args.seq_len) * args.batch
                    * args.seq_len,
                    peak_flops=PEAK_FLOPS_PER_GPU * data * tensor if on_gpu else None,
-                   platform=platform, attention=attention)
+                   platform=platform, attention=attention, graphdef=graphdef)
 
 
 @dataclasses.dataclass
@@ -344,8 +378,15 @@ def train(args: argparse.Namespace) -> TrainResult:
 def _train(args: argparse.Namespace, manager: ocp.CheckpointManager | None) -> TrainResult:
     trainer = build(args)
     corpus = load_corpus(args.data, args.seq_len)
+    if args.init_from is not None:  # the checkpoint's tokens, not bytes
+        codes = tokens.for_checkpoint(args.init_from, trainer.config.vocab_size)
+        corpus = codes.encode(corpus.tobytes().decode(errors="replace"))
+        if corpus.size <= args.seq_len + 1:
+            raise ValueError(f"--data: {corpus.size} tokens, need more than --seq-len + 1 = "
+                             f"{args.seq_len + 1}")
     data, tensor = trainer.mesh.devices.shape
-    print(f"{args.model}/{args.size} ({trainer.num_params / 1e6:,.1f}M parameters) on mesh "
+    name = args.init_from or f"{args.model}/{args.size}"
+    print(f"{name} ({trainer.num_params / 1e6:,.1f}M parameters) on mesh "
           f"{data}x{tensor} (data x tensor) of {trainer.platform}; impl {args.impl}, dtype "
           f"{trainer.config.dtype}, {'with' if args.sequence_parallel else 'without'} "
           f"sequence parallelism"
@@ -406,9 +447,21 @@ def _train(args: argparse.Namespace, manager: ocp.CheckpointManager | None) -> T
         if start < args.steps and saved != args.steps:  # this run's final state
             manager.save(args.steps, args=ocp.args.StandardSave(trainer.state), force=True)
         manager.wait_until_finished()
+    if args.save_pretrained is not None:
+        _save_pretrained(trainer, args)
     summary = progress.summary()
     print(_format_summary(trainer, summary), flush=True)
     return TrainResult(progress.losses, progress.times, start, trainer.state, summary)
+
+
+def _save_pretrained(trainer: Trainer, args: argparse.Namespace) -> None:
+    """The final model in the Hugging Face layout, with --init-from's tokenizer."""
+    model, _ = nnx.merge(trainer.graphdef, trainer.state)
+    save_pretrained(model, args.save_pretrained)
+    if args.init_from is not None and (args.init_from / "tokenizer.json").is_file():
+        shutil.copyfile(args.init_from / "tokenizer.json",
+                        args.save_pretrained / "tokenizer.json")
+    print(f"saved the model to {args.save_pretrained} (Hugging Face layout)", flush=True)
 
 
 def _format_summary(trainer: Trainer, s: dict[str, Any]) -> str:
