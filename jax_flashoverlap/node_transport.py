@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import socket
 import threading
 from collections.abc import Sequence
@@ -119,13 +118,6 @@ def setup(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: Backend | None = Non
         return layout
 
 
-def _reset_for_tests() -> None:
-    """Forgets the layout (the extension keeps its mappings): CPU tests only."""
-    global _LAYOUT
-    with _LOCK:
-        _LAYOUT = None
-
-
 def _extension_backend() -> Backend:
     from . import _extension
 
@@ -152,7 +144,7 @@ def _exchange(backend: Backend, prefix: str, workspace_mb: int, timeout_s: float
     node = f"{_host_key()}/{distributed.node_rank() if distributed.is_launched() else 0}"
     local = [(d.id, d.local_hardware_id) for d in jax.local_devices()]
     client.key_value_set(f"{prefix}/hello/{me}", json.dumps(
-        {"node": node, "devices": local, "workspace_mb": workspace_mb, "pid": os.getpid()}))
+        {"node": node, "devices": local, "workspace_mb": workspace_mb}))
     hellos = [_get(client, f"{prefix}/hello/{p}", timeout_s, f"process {p}", what="its devices")
               for p in range(n)]
     hellos = [json.loads(h) for h in hellos]
@@ -174,7 +166,6 @@ def _exchange(backend: Backend, prefix: str, workspace_mb: int, timeout_s: float
     labels = tuple(f"process {process_of[dev]}, CUDA device {cuda_of[dev]}"
                    for dev, _ in devices)
     layout = NodeLayout(ids, process_of, len(devices), labels)
-    error = ""
     try:
         backend.configure_node(layout.node_size, [(cuda, ids[dev]) for dev, cuda in local],
                                list(labels))
@@ -190,8 +181,7 @@ def _exchange(backend: Backend, prefix: str, workspace_mb: int, timeout_s: float
                        what=f"the workspace of {labels[ids[dev]]}", raw=True)
             backend.import_workspace(ids[dev], raw[8:], int.from_bytes(raw[:8], "little"))
     except Exception as e:  # noqa: BLE001 - reported to every process, then raised
-        error = f"{type(e).__name__}: {e}"
-        client.key_value_set(f"{prefix}/done/{me}", error)
+        client.key_value_set(f"{prefix}/done/{me}", f"{type(e).__name__}: {e}")
         raise
     client.key_value_set(f"{prefix}/done/{me}", "")
     for p in mine:

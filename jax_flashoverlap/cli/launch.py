@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -358,11 +359,17 @@ class _MpsDaemon:
         return daemon
 
     def stop(self) -> None:
+        """Asks the daemon to quit, then removes its directory."""
         try:
             subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", env=self.env(),
-                           capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.SubprocessError):
-            pass  # reported by nothing: the daemon exits with its last client anyway
+                           check=True, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as e:
+            print(f"[launch] --mps: the MPS daemon did not stop ({type(e).__name__}: {e}); "
+                  f"stop it with `echo quit | CUDA_MPS_PIPE_DIRECTORY="
+                  f"{self.env()['CUDA_MPS_PIPE_DIRECTORY']} nvidia-cuda-mps-control`",
+                  file=sys.stderr, flush=True)
+            return
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _say(lock: threading.Lock, msg: str) -> None:
