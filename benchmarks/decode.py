@@ -160,7 +160,7 @@ def split_positions_set(positions: int | None):
     return _module_setting(models.decode_attention_pallas, "MIN_SPLIT_POSITIONS", positions)
 
 
-def build_model(name: str, size: str, impl: str, mesh, dtype: str | None, attention: str,
+def build_model(name: str, size, impl: str, mesh, dtype: str | None, attention: str,
                 decode_matmul: str = "xla", decode_attention: str = "model",
                 decode_mixer: str = "xla", decode_blocks: str = "auto"):
     config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
@@ -434,6 +434,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["transformer", "mamba"],
                         choices=tuple(models.MODELS))
     parser.add_argument("--size", default="1b", choices=tuple(models.SIZES))
+    parser.add_argument("--config", default=None,
+                        help=f"a published model's shape on random weights, one of "
+                             f"{', '.join(models.shapes.NAMES)} (its real vocabulary, heads "
+                             f"and rope), or a Llama checkpoint directory's config.json; "
+                             f"replaces --models and --size")
     parser.add_argument("--mesh", type=parse_mesh_shape, default=(1, 2),
                         metavar="DATAxTENSOR")
     parser.add_argument("--impls", nargs="+", default=["xla", "auto", "cuda:lamport",
@@ -532,6 +537,10 @@ def main(argv: list[str] | None = None) -> int:
     # Cases as they ran: "auto" and an explicit choice can resolve to the same step.
     measured = set()
     rng = np.random.default_rng(0)
+    shape = None
+    if args.config is not None:
+        model_kind, shape = models.shapes.config_of(args.config)
+        args.models, args.size = [model_kind], args.config
     for model_name in args.models:
         exact = None  # one float32 reference per model: every impl has the same parameters
         transformer = model_name == "transformer"
@@ -545,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         for (label, impl, algorithm), decode_matmul, (decode_attention, decode_mixer,
                                                       decode_blocks) in (
                 itertools.product(impls, args.decode_matmuls, variants)):
-            model = build_model(model_name, args.size, impl, mesh, args.dtype, args.attention,
+            model = build_model(model_name, shape or args.size, impl, mesh, args.dtype,
+                                args.attention,
                                 decode_matmul, decode_attention, decode_mixer, decode_blocks)
             mixer_ran = None if transformer else decode_mixer
             if exact is None:

@@ -19,6 +19,7 @@ from . import (  # noqa: F401
     decode_attention_pallas,
     mamba_decode_pallas,
     norm_pallas,
+    shapes,
     transformer_decode_cuda,
 )
 from .config import (

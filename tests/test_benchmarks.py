@@ -614,3 +614,17 @@ def test_decode_ab_run_names_the_missing_build():
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "build/pkg_no_such_build is missing: bash scripts/decode_ab.sh build" in proc.stderr
+
+
+def test_decode_benchmark_takes_a_checkpoints_shape(tmp_path, capsys):
+    """--config DIR: the checkpoint's shape (its vocabulary, heads) on random
+    weights, its rows named after it."""
+    bench = _load("decode")
+    out = tmp_path / "d.json"
+    config = Path(__file__).with_name("data") / "llama" / "gqa_untied"
+    assert bench.main(["--json", str(out), "--config", str(config), "--mesh", "1x2",
+                       "--impls", "xla", "--batches", "2", "--contexts", "32",
+                       "--steps", "2", "6", "--reps", "2"]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["size"]) for r in rows] == [("transformer", str(config))]
+    assert rows[0]["check_error"] < 1e-4

@@ -245,3 +245,22 @@ def test_training_from_a_checkpoint_and_saving_it_back(tmp_path):
         trained = from_pretrained(tmp_path / "out", attention_impl="xla")
     before, after = _params(loaded), _params(trained)
     assert not np.allclose(before[("head",)], after[("head",)])  # it trained
+
+
+def test_published_shapes_are_the_checkpoints_configs():
+    from jax_flashoverlap.models import shapes
+
+    kind, llama = shapes.config_of("llama-3.2-1b")
+    assert kind == "transformer"
+    assert (llama.vocab_size, llama.embed_dim, llama.num_layers, llama.num_heads,
+            llama.num_kv_heads, llama.head_dim, llama.mlp_dim, llama.tie_embeddings) == (
+                128256, 2048, 16, 32, 8, 64, 8192, True)
+    assert llama.rope_scaling == RopeScaling(32.0, 1.0, 4.0, 8192)
+    _, big = shapes.config_of("llama-3.1-8b")
+    assert (big.embed_dim, big.num_layers, big.head_dim, big.mlp_dim, big.tie_embeddings) == (
+        4096, 32, 128, 14336, False)
+    kind, mamba = shapes.config_of("mamba2-1.3b")
+    assert (kind, mamba.vocab_size, mamba.num_groups, mamba.num_layers) == ("mamba", 50288, 1, 48)
+    assert shapes.config_of(str(FIXTURES / "gqa_untied"))[1].vocab_size == CONFIG_VOCAB
+    with pytest.raises(ValueError, match="is neither one of"):
+        shapes.config_of("llama-9")

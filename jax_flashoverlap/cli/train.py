@@ -42,6 +42,7 @@ from ..models import (
     IMPLS,
     MODELS,
     SIZES,
+    MambaConfig,
     ShardingConfig,
     SSDTiling,
     TransformerConfig,
@@ -243,7 +244,8 @@ def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sh
                              (sharding.data, sharding.tensor))
 
 
-def model_config(model: str, size: str | TransformerConfig, *, impl: str = "auto",
+def model_config(model: str, size: str | TransformerConfig | MambaConfig, *,
+                 impl: str = "auto",
                  dtype: str | None = None,
                  sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
@@ -263,12 +265,13 @@ def model_config(model: str, size: str | TransformerConfig, *, impl: str = "auto
     ``decode_blocks``;
     ``decode_mixer``: Mamba-2's (``MambaConfig.decode_mixer``); ``ssd_tiling``
     None: the SSD kernels' defaults (``MambaConfig.ssd_tiling``). ``size``
-    may be a Transformer config (a checkpoint's) in place of a preset's name.
+    may be a config (a checkpoint's, or a published shape's) in place of a
+    preset's name.
     """
     config_cls, _ = MODELS[model]
     has_attention = config_cls is TransformerConfig
     on_gpu = jax.default_backend() == "gpu"
-    make = (functools.partial(dataclasses.replace, size) if isinstance(size, TransformerConfig)
+    make = (functools.partial(dataclasses.replace, size) if isinstance(size, config_cls)
             else functools.partial(config_cls.preset, size))
     config = make(
         dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
