@@ -39,10 +39,8 @@ def group_processes(ctx, axis_name: str, n: int) -> int:
     mesh = _jax_shim.lowering_mesh(ctx)
     if mesh is None or jax.process_count() == 1:
         return 1
-    axis = mesh.axis_names.index(axis_name)
-    rows = np.moveaxis(mesh.devices, axis, -1).reshape(-1, n)
     mine = jax.process_index()
-    spans = [len({d.process_index for d in row}) for row in rows
+    spans = [len({d.process_index for d in row}) for row in _groups_along(mesh, axis_name, n)
              if any(d.process_index == mine for d in row)]
     return max(spans, default=1)
 
@@ -69,8 +67,7 @@ def group_ids(ctx, op_name: str, axis_name: str, n: int, *,
             f"{op_name}(impl='cuda') needs a concrete device mesh: use jax.shard_map with "
             f"mesh=jax.sharding.Mesh(...) (not an AbstractMesh), or impl='auto' (which "
             f"runs 'xla' there).")
-    axis = mesh.axis_names.index(axis_name)
-    devices = np.moveaxis(mesh.devices, axis, -1).reshape(-1, n)
+    devices = _groups_along(mesh, axis_name, n)
     why = ""
     if across_processes and jax.process_count() > 1:
         from . import node_transport
@@ -86,3 +83,8 @@ def group_ids(ctx, op_name: str, axis_name: str, n: int, *,
                          f"NVSHMEM layout: all_reduce over an axis of all processes, one GPU "
                          f"each); use impl='xla' or 'auto' here.")
     return np.asarray(rows, np.int32).reshape(-1)
+
+
+def _groups_along(mesh, axis_name: str, n: int) -> np.ndarray:
+    """The mesh's devices as [groups, n]: each row one group along ``axis_name``, by rank."""
+    return np.moveaxis(mesh.devices, mesh.axis_names.index(axis_name), -1).reshape(-1, n)

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -33,7 +34,8 @@ from .transformer import Transformer
 
 __all__ = ["llama_config", "from_pretrained", "save_pretrained"]
 
-_FLOAT_DTYPES = {"float32": np.float32, "bfloat16": "bfloat16", "float16": np.float16}
+# save_pretrained's dtype names -> the files' numpy dtypes.
+_FILE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def llama_config(hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
@@ -119,9 +121,6 @@ class _Checkpoint:
         self._open = {}
         self._safe_open = safe_open
 
-    def has(self, name: str) -> bool:
-        return name in self.files
-
     def slice(self, name: str):
         if name not in self.files:
             raise ValueError(f"from_pretrained: the checkpoint has no weight {name!r}")
@@ -129,9 +128,6 @@ class _Checkpoint:
         if file not in self._open:
             self._open[file] = self._safe_open(os.path.join(self.path, file), "numpy")
         return self._open[file].get_slice(name)
-
-    def dtype(self, name: str) -> str:
-        return self.slice(name).get_dtype()
 
     def read(self, name: str, *index: slice) -> np.ndarray:
         """Rows and columns ``index`` of weight ``name``, float32."""
@@ -205,8 +201,8 @@ def _builders(config: TransformerConfig, ckpt: _Checkpoint) -> dict[tuple, Calla
     return out
 
 
-def from_pretrained(path: str | os.PathLike, *, rngs: nnx.Rngs | None = None,
-                    **overrides: Any) -> Transformer:
+def from_pretrained(path: str | os.PathLike, *, config: TransformerConfig | None = None,
+                    rngs: nnx.Rngs | None = None, **overrides: Any) -> Transformer:
     """A Llama checkpoint in the Hugging Face layout as a :class:`Transformer`.
 
     Call it under the mesh the model runs on (``with jax.set_mesh(mesh):``,
@@ -214,6 +210,9 @@ def from_pretrained(path: str | os.PathLike, *, rngs: nnx.Rngs | None = None,
 
     Args:
       path: the checkpoint directory (``config.json``, safetensors files).
+      config: the model's config, where the caller built it already from
+        :func:`llama_config` of the same ``config.json`` (then ``overrides``
+        must be empty); default: that, with ``overrides``.
       rngs: for the parameters that are then overwritten (default
         ``nnx.Rngs(0)``).
       **overrides: :class:`TransformerConfig` fields, e.g. ``dtype="bfloat16"``
@@ -228,13 +227,16 @@ def from_pretrained(path: str | os.PathLike, *, rngs: nnx.Rngs | None = None,
         of another shape than the config implies, named.
     """
     path = os.fspath(path)
-    with open(os.path.join(path, "config.json")) as f:
-        config = llama_config(json.load(f), **overrides)
+    if config is None:
+        with open(os.path.join(path, "config.json")) as f:
+            config = llama_config(json.load(f), **overrides)
+    elif overrides:
+        raise TypeError(f"from_pretrained: pass either config or overrides "
+                        f"({sorted(overrides)}), not both")
     ckpt = _Checkpoint(path)
     model = Transformer(config, rngs=rngs or nnx.Rngs(0))
     builders = _builders(config, ckpt)
-    state = nnx.state(model, nnx.Param)
-    flat = dict(nnx.to_flat_state(state))
+    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     missing = set(builders) - set(flat)
     if missing:
         raise ValueError(f"from_pretrained: the model has no parameters {sorted(missing)}")
@@ -254,7 +256,6 @@ def from_pretrained(path: str | os.PathLike, *, rngs: nnx.Rngs | None = None,
             return block.astype(current.dtype)
 
         param[...] = jax.make_array_from_callback(current.shape, current.sharding, shard)
-    nnx.update(model, nnx.from_flat_state(flat))
     return model
 
 
@@ -273,12 +274,10 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     """
     from safetensors.numpy import save_file
 
-    if dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"save_pretrained: dtype must be one of {list(_FLOAT_DTYPES)}, "
+    if dtype not in _FILE_DTYPES:
+        raise ValueError(f"save_pretrained: dtype must be one of {list(_FILE_DTYPES)}, "
                          f"got {dtype!r}")
-    import ml_dtypes
-
-    np_dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else _FLOAT_DTYPES[dtype]
+    np_dtype = _FILE_DTYPES[dtype]
     config = model.config
     h, kv = config.head_dim, config.num_kv_heads
     q_per_kv, d = config.num_heads // kv, config.embed_dim

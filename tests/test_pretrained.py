@@ -141,6 +141,8 @@ def test_a_checkpoint_that_does_not_match_its_config_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"needs a shard of shape .* the config does not "
                                              r"match the weights"):
             from_pretrained(tmp_path, attention_impl="xla")
+    with pytest.raises(TypeError, match=r"pass either config or overrides \(\['dtype'\]\)"):
+        from_pretrained(tmp_path, config=CONFIG, dtype="float32")
     with pytest.raises(FileNotFoundError, match="has neither model.safetensors"):
         (tmp_path / "model.safetensors").unlink()
         from_pretrained(tmp_path)
@@ -174,17 +176,10 @@ def test_logits_and_greedy_tokens_match_transformers(name, tp):
 def test_the_generate_command_reads_a_checkpoint_and_its_tokenizer(tmp_path):
     """jax-flashoverlap-generate --pretrained: text in through the
     checkpoint's tokenizer.json, transformers' greedy continuation out."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from jax_flashoverlap.cli import generate as generate_cli
 
     expected = np.load(FIXTURES / "gqa_untied" / "expected.npz")
-    shutil.copytree(FIXTURES / "gqa_untied", tmp_path / "ckpt")
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(CONFIG_VOCAB)}, "w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    _with_word_tokenizer(tmp_path / "ckpt")
     prompt, greedy = expected["prompts"][0], expected["greedy"][0]
     out = tmp_path / "run.json"
     assert generate_cli.main([
@@ -197,6 +192,19 @@ def test_the_generate_command_reads_a_checkpoint_and_its_tokenizer(tmp_path):
 
 
 CONFIG_VOCAB = 211  # the fixtures' vocabulary (tests/data/make_llama_fixtures.py)
+
+
+def _with_word_tokenizer(directory):
+    """The gqa_untied fixture copied to ``directory``, with a tokenizer.json
+    whose word "w<i>" is token i."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shutil.copytree(FIXTURES / "gqa_untied", directory)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(CONFIG_VOCAB)}, "w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(directory / "tokenizer.json"))
 
 
 def test_a_checkpoint_without_a_tokenizer_needs_a_byte_vocabulary(tmp_path):
@@ -212,16 +220,9 @@ def test_training_from_a_checkpoint_and_saving_it_back(tmp_path):
     """jax-flashoverlap-train --init-from DIR --save-pretrained OUT: the
     checkpoint's tokenizer reads the data, the first loss is the loaded
     model's, and OUT loads back with the trained weights."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     from jax_flashoverlap.cli import train as train_cli
 
-    shutil.copytree(FIXTURES / "gqa_untied", tmp_path / "ckpt")
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(CONFIG_VOCAB)}, "w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.save(str(tmp_path / "ckpt" / "tokenizer.json"))
+    _with_word_tokenizer(tmp_path / "ckpt")
     ids = np.random.default_rng(0).integers(0, CONFIG_VOCAB, 400)
     (tmp_path / "data.txt").write_text(" ".join(f"w{i}" for i in ids))
     args = train_cli.parse_args([

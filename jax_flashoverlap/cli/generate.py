@@ -29,7 +29,6 @@ from . import _requires_models  # noqa: F401  (first: names the extra if flax is
 # isort: split
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -178,15 +177,13 @@ def run(args: argparse.Namespace) -> dict:
     text = args.prompt if args.prompt is not None else args.prompt_file.read_text()
     sharding = ShardingConfig(sequence_parallel=args.sequence_parallel)
     mesh = make_mesh(args.mesh or (1, min(2, jax.device_count())), sharding)
-    options = dict(impl=args.impl, sharding=sharding, decode_matmul=args.decode_matmul,
-                   decode_attention=args.decode_attention, decode_blocks=args.decode_blocks)
+    base = args.size
     if args.pretrained is not None:
-        dtype = args.dtype or ("bfloat16" if jax.default_backend() == "gpu" else "float32")
-        with open(args.pretrained / "config.json") as f:
-            config = llama_config(json.load(f), dtype=dtype, **options)
-    else:
-        config = model_config(args.model, args.size, dtype=args.dtype,
-                              decode_mixer=args.decode_mixer, **options)
+        base = llama_config(json.loads((args.pretrained / "config.json").read_text()))
+    config = model_config(args.model, base, impl=args.impl, dtype=args.dtype,
+                          sharding=sharding, decode_matmul=args.decode_matmul,
+                          decode_attention=args.decode_attention,
+                          decode_mixer=args.decode_mixer, decode_blocks=args.decode_blocks)
     codes = token_codes.for_checkpoint(args.pretrained, config.vocab_size)
     prompt = codes.encode(text)
     if prompt.size == 0:
@@ -200,9 +197,7 @@ def run(args: argparse.Namespace) -> dict:
     lead = jax.process_index() == 0
     with jax.set_mesh(mesh):
         if args.pretrained is not None:
-            model = from_pretrained(args.pretrained, **{
-                f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-                if f.name in options or f.name == "dtype"})
+            model = from_pretrained(args.pretrained, config=config)
             _say(lead, f"loaded {args.pretrained}")
         else:
             model = nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(args.seed)))()

@@ -325,8 +325,7 @@ def build(args: argparse.Namespace) -> Trainer:
         if args.init_from is None:
             graphdef, state = nnx.split(create())
         else:  # each device reads its shards from the files: no jit around it
-            model = from_pretrained(args.init_from, rngs=nnx.Rngs(args.seed), **{
-                f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+            model = from_pretrained(args.init_from, config=config, rngs=nnx.Rngs(args.seed))
             graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
     shardings = nnx.get_named_sharding(state, mesh)
 
