@@ -129,10 +129,11 @@ fi
 # visible GPU(s) (launch --share-gpu; tests/test_node_transport.py), at 2, 4
 # and 8 ranks: correctness only, never a speed. Under a private CUDA MPS
 # daemon where the machine has nvidia-cuda-mps-control; JFO_FAULT_ROUNDS:
-# faults per kind and op (default 2). Each rank count's JSON lands in $OUT.
+# faults per kind and op (default 2); JFO_RANKS_SELECT: a pytest -k
+# expression (e.g. "faults and 4"). Each rank count's JSON lands in $OUT.
 if [[ " ${stages[*]} " == *" ranks "* ]]; then
   OUT="$OUT" JFO_REQUIRE_GPU=1 step ranks$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider -rA \
-    tests/test_node_transport.py
+    -k "${JFO_RANKS_SELECT:-}" tests/test_node_transport.py
 fi
 # Opt-in: CUDA IPC between two processes on GPU 0 and their flag round trip,
 # without MPS and under a private MPS daemon (scripts/ipc_probe.cu).
