@@ -430,7 +430,9 @@ def emulate_tensor_ranks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     exchange where one GPU is all there is; not a way to decode faster. The
     ranks poll each other, so they must run side by side: with
     ``CUDA_LAUNCH_BLOCKING=1``, under a profiler that serializes kernels, or
-    beside other work on the GPU, their polls time out and trap.
+    beside other work on the GPU, their polls time out: the step's outputs
+    are NaN, and :func:`jax_flashoverlap.check_device_errors` raises, naming
+    the ranks, until :func:`jax_flashoverlap.reset`.
 
     Args:
       x: [b, d] bf16, every rank's input.

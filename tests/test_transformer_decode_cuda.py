@@ -414,8 +414,9 @@ def _kernel_and_references(rng, config, batch, length, pos, weights, whole):
     return got, got_caches, want, want_caches, exact
 
 
-# The tensor ranks' tests last: a rank that waits in vain traps, and a trap
-# ends the CUDA context for every test after it in the process.
+# The tensor ranks' tests last: a wait inside a GPU that times out traps
+# (a wait for another rank ends in NaN instead), and a trap ends the CUDA
+# context for every test after it in the process.
 
 
 @pytest.mark.gpu
@@ -431,7 +432,7 @@ def test_emulated_tensor_ranks_match_the_reference(rng, monkeypatch, ranks, batc
     within bf16 rounding of the float32 reference, and each step's k and v
     rows land in the rank's KV heads. At width 2048, out and down have 128
     items, more than a rank's CTAs: a CTA exchanges several in turn. A
-    wrong exchange traps after 2 s."""
+    wrong exchange ends in NaN after 2 s."""
     monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT_MS", "2000")
     config = dataclasses.replace(_config("bfloat16", head_dim, heads=8, kv_heads=4, layers=3),
                                  embed_dim=width, mlp_dim=2 * width)
@@ -471,6 +472,49 @@ def test_emulated_tensor_ranks_match_the_reference(rng, monkeypatch, ranks, batc
         f32 = (f32[0], jax.tree.map(lambda a: a.astype(jnp.float32), caches))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(os.environ.get("CUDA_LAUNCH_BLOCKING") == "1",
+                    reason="emulated ranks must run side by side")
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_rank_that_starts_too_late_makes_the_step_nan_and_an_error(rng, monkeypatch, ranks):
+    """The last emulated rank starts 1 s late (an injected stall), after its
+    peers' 200 ms bound: the step still ends, with NaN in every rank's
+    output; check_device_errors() names the rank that waited and the one it
+    waited for; the next step fails on the host; after reset() a fresh step
+    is right again."""
+    monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT_MS", "200")
+    config = _config("bfloat16", 128, heads=8, kv_heads=4)
+    mesh, weights, whole = _prepared_on_one_device(config)
+    batch, length, pos = 2, 64, 37
+    caches = jax.device_put(_caches(rng, config, batch, length, pos, jnp.bfloat16), whole)
+    x = jax.device_put(random(rng, (batch, config.embed_dim), jnp.bfloat16), whole)
+
+    def step():  # a fresh program: XLA does not run one again after it failed
+        with jax.set_mesh(mesh):
+            emulate = jax.jit(lambda *a: fused.emulate_tensor_ranks(*a, config, ranks))
+            return emulate(x, jnp.int32(pos), weights, caches)[0]
+
+    jax_flashoverlap.reset()
+    jax_flashoverlap.faults.inject_fault("stall", device=jax.devices()[0], stall_ms=1000)
+    assert np.isnan(np.asarray(step(), np.float32)).all()
+    with pytest.raises(RuntimeError, match=rf"tensor rank \d \(CUDA device 0\) timed out in "
+                                           rf"layer 0 waiting for tensor rank {ranks - 1}'s "
+                                           rf"partial sums"):
+        jax_flashoverlap.check_device_errors()
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match="every step of the group fails until jax_flashoverlap.reset"):
+        np.asarray(step())
+    jax_flashoverlap.reset()
+    jax_flashoverlap.check_device_errors()  # nothing left to report
+    got = np.asarray(step(), np.float32)
+    with jax.set_mesh(mesh):
+        want = jax.jit(lambda *a: fused.reference(*a, config=config))(
+            x, jnp.int32(pos), weights, caches)[0]
+    for rank in range(ranks):
+        np.testing.assert_array_equal(got[rank], got[0])
+    assert _relative(got[0], want) < 4 * TOLERANCE["bfloat16"]
+
+
 @pytest.mark.parametrize("layout", [
     pytest.param("in_order", marks=pytest.mark.gpus(2)),
     pytest.param("reversed", marks=pytest.mark.gpus(2)),
@@ -481,8 +525,7 @@ def test_generate_on_tensor_ranks_follows_the_layers(rng, monkeypatch, layout):
     model's forward pass over the tokens it chose (test_emulated_tensor_ranks_
     match_the_reference checks that the ranks' outputs agree). With the
     devices reversed a rank is not its GPU's number; on 2 x 2 each GPU finds
-    its own group of two. A wrong exchange traps after 2 s (the CUDA context
-    is then lost for the rest of the process)."""
+    its own group of two. A wrong exchange ends in NaN after 2 s."""
     monkeypatch.setattr(fused, "TENSOR_PARALLEL", True)
     monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT_MS", "2000")
     config = _config("bfloat16", 128, heads=8, kv_heads=4)

@@ -1,6 +1,8 @@
 // The XLA FFI handler symbols the Python module registers.
 #pragma once
 
+#include <string>
+
 #include "common.h"
 
 namespace jfo {
@@ -8,6 +10,11 @@ namespace jfo {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoScale);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoDecodeMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoTransformerDecode);
+// The decode kernel's tensor groups: the timeouts their ranks reported, one
+// line each, or "" (until ResetTransformerDecode); and their receive areas
+// as made, once each device is idle: "" or why not.
+std::string TransformerDecodeFailures();
+std::string ResetTransformerDecode();
 
 #ifdef JFO_WITH_CUBLASLT
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoAllGatherMatmulInitialize);

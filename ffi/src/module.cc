@@ -119,10 +119,15 @@ nb::dict Limits() {
 }
 
 std::optional<std::string> PendingError() {
+  std::string msg;
 #ifdef JFO_WITH_CUBLASLT
-  std::string msg = jfo::TakePendingError();
-  if (!msg.empty()) return msg;
+  msg = jfo::TakePendingError();
 #endif
+#ifdef JFO_WITH_CUDA
+  const std::string decode = jfo::TransformerDecodeFailures();
+  msg += (msg.empty() || decode.empty() ? "" : "\n") + decode;
+#endif
+  if (!msg.empty()) return msg;
   return std::nullopt;
 }
 
@@ -162,16 +167,19 @@ nb::dict Settings() {
 }
 
 void Reset() {
-#ifdef JFO_WITH_CUBLASLT
   std::string why;
   {
     // It waits for every GPU (up to a wait's timeout): XLA's threads may
     // need the GIL meanwhile.
     nb::gil_scoped_release release;
+#ifdef JFO_WITH_CUBLASLT
     why = jfo::ResetTransport();
+#endif
+#ifdef JFO_WITH_CUDA
+    if (why.empty()) why = jfo::ResetTransformerDecode();
+#endif
   }
   if (!why.empty()) throw std::runtime_error("jax_flashoverlap.reset: " + why);
-#endif
 }
 
 void InjectFault(const std::string& kind, int ordinal, int call, int stall_ms) {
@@ -267,7 +275,8 @@ NB_MODULE(_ffi, m) {
   m.def("pending_error", &PendingError,
         "Returns and clears the recorded wait timeouts of every device (one "
         "per line); else, while GPUs of the transport have failed, a line "
-        "naming them and the first fault; else None.");
+        "naming them and the first fault; then the decode kernel's tensor "
+        "groups' timeouts, until reset(); else None.");
   m.def("module_loading_mode", &ModuleLoadingMode,
         "The CUDA driver's module loading mode: 'lazy', 'eager' or 'unknown' "
         "(no driver, or CUDA not initialised).");
@@ -286,7 +295,7 @@ NB_MODULE(_ffi, m) {
   m.def("reset", &Reset,
         "Waits until every GPU of the transport is idle and returns the "
         "transport to its state before the first call (no failed group, no "
-        "injected fault).");
+        "injected fault), and the decode kernel's tensor groups to theirs.");
   m.def("inject_fault", &InjectFault, nb::arg("kind"), nb::arg("ordinal"),
         nb::arg("call"), nb::arg("stall_ms"),
         "Test hook: the call-th next call on CUDA device `ordinal` fails "

@@ -39,9 +39,13 @@
 // (emulated_ranks: each a launch of its own on a share of the SMs, the
 // operands stacked by rank). Neither has run on a GPU yet.
 //
-// Every wait is bounded: a poll, a count, a grid barrier or a copy that does
-// not complete within timeout_ms prints which CTA and layer waited and
-// traps, so the step ends in a CUDA error, never in wrong numbers.
+// Every wait is bounded. A wait for another tensor rank that times out
+// turns the step's outputs to NaN on every rank and fails the group's later
+// steps on the host, naming the ranks (exchange.cuh). A wait inside the
+// GPU (a poll, a count, a grid barrier or a copy) that does not complete
+// within timeout_ms prints which CTA and layer waited and traps: no peer
+// is missing there, so the kernel itself is wrong, and the step ends in a
+// CUDA error, never in wrong numbers.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -53,6 +57,9 @@
 #include "handlers.h"
 #include "transformer_decode/host.cuh"
 #include "transformer_decode/params.cuh"
+#ifdef JFO_WITH_CUBLASLT
+#include "transport/transport.h"
+#endif
 
 namespace jfo {
 namespace {
@@ -173,7 +180,10 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   p.options = a.options;
   p.eps = a.eps;
   p.rope_theta = a.rope_theta;
-  p.timeout_ns = static_cast<uint64_t>(a.timeout_ms) * 1000000ull;
+  // A wait inside the GPU may be behind one for a peer's partials, which
+  // may take its whole bound before it gives up: twice the bound there.
+  p.exchange.timeout_ns = static_cast<uint64_t>(a.timeout_ms) * 1000000ull;
+  p.timeout_ns = p.exchange.timeout_ns * (group.ranks > 1 ? 2 : 1);
   p.x_in = static_cast<const __nv_bfloat16*>(x.untyped_data());
   p.pos = static_cast<const int32_t*>(pos.untyped_data());
   p.attn_norm = static_cast<const float*>(attn_norm.untyped_data());
@@ -245,9 +255,11 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
     for (int q = 0; q < group.ranks; ++q) {
       JFO_ASSIGN_OR_RETURN(const ExchangeArea area, ExchangeAreaOf(group, q, layers, batch, d));
       p.exchange.ordinals[q] = group.ordinals[q];
+      p.exchange.failed[q] = area.failed;
       if (q == group.rank) {
         p.exchange.recv = area.recv;
         p.exchange.launches = area.launches;
+        p.exchange.report = area.report;
       } else {
         p.exchange.send[q] = area.recv;
       }
@@ -311,6 +323,25 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   return launch;
 }
 
+// The test hook jax_flashoverlap.faults.inject_fault, where the build has
+// the transport: a fault due now on `device` makes the rank that `stream`
+// runs start late ("stall", enqueued here), or not run at all (true).
+ffi::ErrorOr<bool> InjectedFault(int device, cudaStream_t stream) {
+#ifdef JFO_WITH_CUBLASLT
+  int stall_ms = 0;
+  const FaultKind kind = TakeFault(TransportId(device), &stall_ms);
+  if (kind == FaultKind::kStall) JFO_RETURN_IF_ERROR(Stall(stream, stall_ms));
+  return kind == FaultKind::kError || kind == FaultKind::kSkip;
+#else
+  return false;
+#endif
+}
+
+ffi::Error SkippedRank(int rank) {
+  return ffi::Error::Internal("jax_flashoverlap transformer_decode: injected fault: tensor rank " +
+                              std::to_string(rank) + " did not run");
+}
+
 ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
                                  ffi::AnyBuffer attn_norm, ffi::AnyBuffer mlp_norm,
                                  ffi::AnyBuffer w_qkv, ffi::AnyBuffer w_out,
@@ -337,6 +368,12 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   if (n > 1) {
     JFO_ASSIGN_OR_RETURN(group, TensorGroupOf(group_ordinals, n, device));
   }
+  if (emulated_ranks > 1) group = EmulatedGroup(0, emulated_ranks, device);
+  if (group.ranks > 1) {
+    const Ordinals ordinals = OrdinalsOf(group);
+    const std::string failed = ExchangeFailures(&ordinals);
+    if (!failed.empty()) return ffi::Error::Internal(failed);
+  }
   const ffi::AnyBuffer weights[kStages] = {w_qkv, w_out, w_gate_up, w_down};
   RankLaunch launches[kMaxTensorRanks];
   for (int rank = 0; rank < emulated_ranks; ++rank) {
@@ -346,6 +383,10 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
                                   weights, caches_in, *x_out, *workspace, caches_out));
   }
   if (emulated_ranks == 1) {
+    if (group.ranks > 1) {
+      JFO_ASSIGN_OR_RETURN(const bool skip, InjectedFault(device, stream));
+      if (skip) return SkippedRank(group.rank);
+    }
     const RankLaunch& only = launches[0];
     return Launch(stream, device, only.p, only.grid, only.shared, /*cooperative=*/true);
   }
@@ -354,16 +395,19 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   // every rank that was launched, even when a later launch failed (they
   // write into this call's buffers until they end). The ranks poll each
   // other, so they must run side by side: not under CUDA_LAUNCH_BLOCKING or
-  // a profiler that serializes kernels (then the polls time out and trap).
+  // a profiler that serializes kernels (then their polls time out, and the
+  // step's outputs are NaN). An injected fault hits the last rank.
   std::lock_guard<std::mutex> one_step(EmulationLock(device));
   JFO_ASSIGN_OR_RETURN(const RankStreams side, RankStreamsOf(device));
   JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(side.start, stream));
   for (int rank = 1; rank < emulated_ranks; ++rank) {
     JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(side.streams[rank], side.start, 0));
   }
+  const int last = emulated_ranks - 1;
+  JFO_ASSIGN_OR_RETURN(const bool skip_last, InjectedFault(device, side.streams[last]));
   ffi::Error launched = ffi::Error::Success();
   int side_ranks = 0;  // ranks 1.. launched
-  for (int rank = 0; rank < emulated_ranks && !launched.failure(); ++rank) {
+  for (int rank = 0; rank < emulated_ranks - skip_last && !launched.failure(); ++rank) {
     const RankLaunch& launch = launches[rank];
     launched = Launch(rank ? side.streams[rank] : stream, device, launch.p, launch.grid,
                       launch.shared, /*cooperative=*/false);
@@ -373,10 +417,15 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
     JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(side.done[rank], side.streams[rank]));
     JFO_CUDA_RETURN_IF_ERROR(cudaStreamWaitEvent(stream, side.done[rank], 0));
   }
+  if (skip_last && !launched.failure()) return SkippedRank(last);
   return launched;
 }
 
 }  // namespace
+
+std::string TransformerDecodeFailures() { return ExchangeFailures(nullptr); }
+
+std::string ResetTransformerDecode() { return ResetExchangeAreas(); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JfoTransformerDecode, TransformerDecodeImpl,

@@ -14,13 +14,22 @@
 // their launch n + 1 only after they read this launch's partials, which this
 // rank stores after its emptying (fenced at system scope). The peers'
 // values are polled like the handoffs (handoff.cuh: kHandoffEmpty until
-// stored), each poll bounded, its timeout naming the rank and its device.
+// stored), each poll bounded.
+//
+// A poll that times out does not end the launch: a trap would end the CUDA
+// context, and its message, printed from the device, may never reach the
+// host. It reports the rank, the peer and the layer to the host
+// (ExchangeFailure), marks every rank of the group failed, and stands NaN
+// for the partial. A failed rank takes every later partial as NaN without
+// waiting, so the launch runs to its end with NaN in every row that depends
+// on a missing sum, on every rank, and so do its later launches (graph
+// replays included) until jax_flashoverlap.reset(). The host refuses the
+// group's steps meanwhile (transformer_decode.cu).
 #pragma once
 
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstdio>
 
 #include "handoff.cuh"
 #include "params.cuh"
@@ -58,12 +67,25 @@ __device__ inline void EmptyNextExchange(const Params& p, unsigned parity) {
   __threadfence_system();
 }
 
+__device__ __forceinline__ bool GroupFailed(const Params& p) {
+  return *reinterpret_cast<volatile unsigned*>(p.exchange.failed[p.exchange.rank]) != 0u;
+}
+
+// The first timed-out poll of this rank reports; every one marks the group.
 __device__ __noinline__ inline void PeerTimedOut(const Params& p, int peer, int layer) {
-  printf("jax_flashoverlap transformer_decode: tensor rank %d, CTA %d timed out waiting for "
-         "tensor rank %d's partial sums (CUDA device %d) in layer %d; trapping so that the "
-         "step fails instead of returning wrong data\n",
-         p.exchange.rank, static_cast<int>(blockIdx.x), peer, p.exchange.ordinals[peer], layer);
-  __trap();
+  const Exchange& e = p.exchange;
+  if (atomicCAS(e.failed[e.rank], 0u, 1u) == 0u) {
+    ExchangeFailure* r = e.report;
+    r->rank = e.rank;
+    r->peer = peer;
+    r->peer_device = e.ordinals[peer];
+    r->layer = layer;
+    __threadfence_system();  // the fields before `set`
+    r->set = 1;
+  }
+  for (int q = 0; q < e.ranks; ++q) {
+    if (q != e.rank) atomicExch_system(e.failed[q], 1u);
+  }
 }
 
 __device__ __forceinline__ uint4 LoadSystem(const __nv_bfloat16* src) {
@@ -78,7 +100,8 @@ __device__ __forceinline__ void StoreSystem(__nv_bfloat16* dst, __nv_bfloat16 va
   asm volatile("st.relaxed.sys.global.b16 [%0], %1;" ::"l"(dst), "h"(bits) : "memory");
 }
 
-// Rank `peer`'s partial at src (this rank's receive area), polled until stored.
+// Rank `peer`'s partial at src (this rank's receive area), polled until
+// stored; NaN once the group failed.
 __device__ inline float PeerPartial(const Params& p, const __nv_bfloat16* src, int peer,
                                     int layer) {
   const __nv_bfloat16* vector = VectorOf(src);
@@ -86,7 +109,11 @@ __device__ inline float PeerPartial(const Params& p, const __nv_bfloat16* src, i
   if (HasEmpty(v)) {
     const uint64_t start = GlobalTimerNs();
     do {
-      if (GlobalTimerNs() - start > p.timeout_ns) PeerTimedOut(p, peer, layer);
+      if (GroupFailed(p)) return __int_as_float(0x7FFFFFFF);
+      if (GlobalTimerNs() - start > p.exchange.timeout_ns) {
+        PeerTimedOut(p, peer, layer);
+        return __int_as_float(0x7FFFFFFF);
+      }
       v = LoadSystem(vector);
     } while (HasEmpty(v));
   }
@@ -108,6 +135,8 @@ __device__ inline float SummedOverRanks(const Params& p, float own, unsigned par
                          : PeerPartial(p, e.recv + ExchangeAt(p, parity, layer, stage, q, b, column),
                                        q, layer);
   }
+  // A failed group's partials may be a call out of step: none is used.
+  if (GroupFailed(p)) return __int_as_float(0x7FFFFFFF);
   return __bfloat162float(__float2bfloat16(total));
 }
 

@@ -203,51 +203,87 @@ inline TensorGroup EmulatedGroup(int rank, int ranks, int device) {
 // and only that area's lock is held meanwhile.
 struct ExchangeArea {
   __nv_bfloat16* recv = nullptr;
-  unsigned* launches = nullptr;
+  size_t bytes = 0;         // recv's
+  unsigned* launches = nullptr;  // after recv, then the failure word
+  unsigned* failed = nullptr;
+  ExchangeFailure* report = nullptr;  // host-mapped
 };
 
-inline ffi::ErrorOr<ExchangeArea> MakeExchangeArea(int device, size_t bytes) {
-  DeviceGuard on(device);
-  std::vector<unsigned char> filled(bytes + 256, 0xFF);
-  std::fill(filled.begin() + bytes, filled.end(), 0);
-  void* memory = nullptr;
+// recv filled with kHandoffEmpty, the launch count and failure word zeroed,
+// no failure reported: as made, and after a reset.
+inline cudaError_t FillExchangeArea(const ExchangeArea& area) {
+  std::vector<unsigned char> filled(area.bytes + 256, 0xFF);
+  std::fill(filled.begin() + area.bytes, filled.end(), 0);
   cudaStream_t fill = nullptr;
-  cudaError_t err = cudaMalloc(&memory, filled.size());
-  if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&fill, cudaStreamNonBlocking);
+  cudaError_t err = cudaStreamCreateWithFlags(&fill, cudaStreamNonBlocking);
   if (err == cudaSuccess) {
-    err = cudaMemcpyAsync(memory, filled.data(), filled.size(), cudaMemcpyHostToDevice, fill);
+    err = cudaMemcpyAsync(area.recv, filled.data(), filled.size(), cudaMemcpyHostToDevice, fill);
   }
   if (err == cudaSuccess) err = cudaStreamSynchronize(fill);
   if (fill) cudaStreamDestroy(fill);
+  if (err == cudaSuccess) *area.report = ExchangeFailure{};
+  return err;
+}
+
+inline ffi::ErrorOr<ExchangeArea> MakeExchangeArea(int device, size_t bytes) {
+  DeviceGuard on(device);
+  ExchangeArea area;
+  area.bytes = bytes;
+  void* memory = nullptr;
+  void* report = nullptr;
+  cudaError_t err = cudaMalloc(&memory, bytes + 256);
+  if (err == cudaSuccess) {
+    err = cudaHostAlloc(&report, sizeof(ExchangeFailure), cudaHostAllocMapped | cudaHostAllocPortable);
+  }
+  if (err == cudaSuccess) {
+    area.recv = static_cast<__nv_bfloat16*>(memory);
+    area.launches = reinterpret_cast<unsigned*>(static_cast<char*>(memory) + bytes);
+    area.failed = area.launches + 1;
+    area.report = static_cast<ExchangeFailure*>(report);
+    err = FillExchangeArea(area);
+  }
   if (err != cudaSuccess) {
     if (memory) cudaFree(memory);
+    if (report) cudaFreeHost(report);
     return ffi::Error::Internal(std::string("jax_flashoverlap transformer_decode: making a "
                                             "tensor rank's receive area on CUDA device ") +
                                 std::to_string(device) + " failed: " + cudaGetErrorString(err));
   }
-  ExchangeArea area;
-  area.recv = static_cast<__nv_bfloat16*>(memory);
-  area.launches = reinterpret_cast<unsigned*>(static_cast<char*>(memory) + bytes);
   return area;
 }
 
-inline ffi::ErrorOr<ExchangeArea> ExchangeAreaOf(const TensorGroup& group, int rank,
-                                                 int64_t layers, int64_t batch, int64_t d) {
-  using Ordinals = std::array<int, kMaxTensorRanks>;
+// Every receive area of the process: one per group (its ranks' devices),
+// rank and shape.
+using Ordinals = std::array<int, kMaxTensorRanks>;
+struct ExchangeAreas {
   using Key = std::tuple<Ordinals, int, int, int64_t, int64_t, int64_t>;
   struct Entry {
     std::mutex mu;
     ExchangeArea area;
   };
-  static std::mutex mu;
-  static std::map<Key, std::shared_ptr<Entry>> entries;
-  std::shared_ptr<Entry> entry;
+  std::mutex mu;
+  std::map<Key, std::shared_ptr<Entry>> entries;
+};
+
+inline ExchangeAreas& AllExchangeAreas() {
+  static ExchangeAreas* areas = new ExchangeAreas;  // never destroyed: used at exit
+  return *areas;
+}
+
+inline Ordinals OrdinalsOf(const TensorGroup& group) {
+  Ordinals ordinals{};
+  std::copy(group.ordinals, group.ordinals + group.ranks, ordinals.begin());
+  return ordinals;
+}
+
+inline ffi::ErrorOr<ExchangeArea> ExchangeAreaOf(const TensorGroup& group, int rank,
+                                                 int64_t layers, int64_t batch, int64_t d) {
+  ExchangeAreas& areas = AllExchangeAreas();
+  std::shared_ptr<ExchangeAreas::Entry> entry;
   {
-    Ordinals ordinals{};
-    std::copy(group.ordinals, group.ordinals + group.ranks, ordinals.begin());
-    std::lock_guard<std::mutex> lock(mu);
-    std::shared_ptr<Entry>& slot = entries[Key{ordinals, group.ranks, rank, layers, batch, d}];
-    if (!slot) slot = std::make_shared<Entry>();
+    std::lock_guard<std::mutex> lock(areas.mu);
+    auto& slot = areas.entries[{OrdinalsOf(group), group.ranks, rank, layers, batch, d}];
+    if (!slot) slot = std::make_shared<ExchangeAreas::Entry>();
     entry = slot;
   }
   std::lock_guard<std::mutex> lock(entry->mu);
@@ -257,6 +293,46 @@ inline ffi::ErrorOr<ExchangeArea> ExchangeAreaOf(const TensorGroup& group, int r
                                                                      group.ranks)));
   }
   return entry->area;
+}
+
+// The reported timeouts of the groups whose devices are `ordinals` (every
+// group when null), one line each, or "".
+inline std::string ExchangeFailures(const Ordinals* ordinals) {
+  ExchangeAreas& areas = AllExchangeAreas();
+  std::lock_guard<std::mutex> lock(areas.mu);
+  std::string lines;
+  for (const auto& [key, entry] : areas.entries) {
+    std::lock_guard<std::mutex> area_lock(entry->mu);
+    const ExchangeFailure* r = entry->area.report;
+    if (!r || !r->set || (ordinals && std::get<0>(key) != *ordinals)) continue;
+    const int device = std::get<0>(key)[r->rank];
+    lines += (lines.empty() ? "" : "\n") + std::string("jax_flashoverlap transformer_decode: "
+             "tensor rank ") + std::to_string(r->rank) + " (CUDA device " +
+             std::to_string(device) + ") timed out in layer " + std::to_string(r->layer) +
+             " waiting for tensor rank " + std::to_string(r->peer) + "'s partial sums (CUDA "
+             "device " + std::to_string(r->peer_device) + "); that step's outputs are NaN, and "
+             "every step of the group fails until jax_flashoverlap.reset()";
+  }
+  return lines;
+}
+
+// Every receive area as made, once its device is idle; "" or why not.
+inline std::string ResetExchangeAreas() {
+  ExchangeAreas& areas = AllExchangeAreas();
+  std::lock_guard<std::mutex> lock(areas.mu);
+  for (const auto& [key, entry] : areas.entries) {
+    std::lock_guard<std::mutex> area_lock(entry->mu);
+    if (!entry->area.recv) continue;
+    const int device = std::get<0>(key)[std::get<2>(key)];
+    DeviceGuard on(device);
+    cudaError_t err = cudaDeviceSynchronize();
+    if (err == cudaSuccess) err = FillExchangeArea(entry->area);
+    if (err != cudaSuccess) {
+      return "clearing the decode kernel's receive area on CUDA device " +
+             std::to_string(device) + ": " + cudaGetErrorString(err);
+    }
+  }
+  return "";
 }
 
 // The streams that run emulated ranks 1.. beside XLA's stream, and the

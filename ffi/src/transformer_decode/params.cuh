@@ -101,6 +101,12 @@ constexpr int kMaxTraceCtas = 256;
 // Tensor parallelism (exchange.cuh): this rank's place and the receive
 // areas of out's and down's partial sums. One rank: ranks 1, the rest unused.
 constexpr int kMaxTensorRanks = 8;
+// A rank's first wait for a peer's partials that timed out, for the host's
+// error (host-mapped memory; `set` written last).
+struct ExchangeFailure {
+  volatile int set;
+  int rank, peer, peer_device, layer;
+};
 struct Exchange {
   int rank, ranks;
   // This rank's receive area, bf16 [2 parities][layers][2 stages][ranks][batch][d]
@@ -108,6 +114,12 @@ struct Exchange {
   __nv_bfloat16* recv;
   __nv_bfloat16* send[kMaxTensorRanks];
   unsigned* launches;  // this rank's launches so far, kept across launches
+  // Non-zero once a wait of this rank's group timed out, kept across
+  // launches until jax_flashoverlap.reset(): every rank's, so that a timed
+  // out rank marks them all.
+  unsigned* failed[kMaxTensorRanks];
+  ExchangeFailure* report;  // this rank's
+  uint64_t timeout_ns;      // of a wait for a peer's partials
   int ordinals[kMaxTensorRanks];  // each rank's CUDA device, for the timeout's message
 };
 

@@ -25,14 +25,13 @@ using StreamValue32Fn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t,
 StreamValue32Fn g_write_value32 = nullptr;
 StreamValue32Fn g_wait_value32 = nullptr;
 
-// The injected "stall": `stream` idles `ms` before the call's work.
+}  // namespace
+
 ffi::Error Stall(cudaStream_t stream, int ms) {
   SleepKernel<<<1, 1, 0, stream>>>(static_cast<uint64_t>(ms) * 1000000ull);
   JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   return ffi::Error::Success();
 }
-
-}  // namespace
 
 ffi::Error WriteFlag(cudaStream_t stream, uint32_t* flag, uint32_t value) {
   JFO_RETURN_IF_ERROR(LoadDriverEntryPoints());

@@ -108,6 +108,8 @@ FaultKind TakeFault(int id, int* stall_ms);
 // the error before the launch; "stall" enqueues the delay (captured into a
 // CUDA graph with the op).
 ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream);
+// The injected "stall": `stream` idles `ms` before the work enqueued after.
+ffi::Error Stall(cudaStream_t stream, int ms);
 // Test hook: runs the Channel's wait kernel on CUDA device `ordinal` against
 // a flag holding `flag` and returns "reached", "timed out" or "out of step".
 std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
