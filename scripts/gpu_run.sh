@@ -125,9 +125,9 @@ if want test; then
   JFO_REQUIRE_GPU=1 step test$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider --maxfail=3 \
     ${JFO_GPU_TESTS:-tests}
 fi
-# The four ops and injected faults with the ranks as processes sharing the
-# visible GPU(s) (launch --share-gpu; tests/test_node_transport.py), at 2, 4
-# and 8 ranks: correctness only, never a speed. Under a private CUDA MPS
+# The four ops, injected faults and NVSHMEM's all-reduce with the ranks as
+# processes sharing the visible GPU(s) (launch --share-gpu;
+# tests/test_node_transport.py), at 2 to 8 ranks: correctness only, never a speed. Under a private CUDA MPS
 # daemon where the machine has nvidia-cuda-mps-control; JFO_FAULT_ROUNDS:
 # faults per kind and op (default 2); JFO_RANKS_SELECT: a pytest -k
 # expression (e.g. "faults and 4"). Each rank count's JSON lands in $OUT.

@@ -4,7 +4,8 @@ On CPU: the set-up's exchange through jax.distributed between real
 processes, with a fake extension (its bounds and messages), the launcher's
 shared-GPU layout, and "auto" across processes. On one GPU: the four ops
 with impl="cuda" at 2, 4 and 8 ranks, each rank a process sharing the GPU,
-and injected faults at 2 and 4 ranks (tests/node_ranks_child.py).
+injected faults at 2 and 4 ranks (tests/node_ranks_child.py), and NVSHMEM's
+all-reduce at 2 and 4 PEs (tests/nvshmem_child.py).
 """
 
 import json
@@ -140,20 +141,25 @@ def test_resolve_passes_the_processes_on(monkeypatch):
     assert (one_process.impl, one_process.reason) == ("xla", "no tuning table for NVIDIA H200 x2")
 
 
-def _gpu_child(tmp_path, n, mode, *args, timeout=540):
-    """The ranks as processes sharing the GPU, under CUDA MPS where the
-    machine has it (without it every wait lasts a time slice: the bounds
-    are wider)."""
+def _shared_gpu():
+    """(whether CUDA MPS runs the ranks side by side, the launcher's flags,
+    the children's environment): the ranks as processes sharing the GPU,
+    under MPS where the machine has it (without it every wait lasts a time
+    slice: the bounds are wider)."""
     mps = shutil.which("nvidia-cuda-mps-control") is not None
-    out_dir = Path(os.environ.get("OUT", tmp_path))
-    path = out_dir / f"node_ranks_{mode}_{n}.json"
     env = {k: v for k, v in os.environ.items()
            if k.startswith(("JAX_FLASHOVERLAP_", "CUDA_", "NCCL_", "NVSHMEM_", "LD_LIBRARY_PATH"))}
+    return mps, ["--share-gpu"] + (["--mps"] if mps else []), env
+
+
+def _gpu_child(tmp_path, n, mode, *args, timeout=540):
+    mps, extra, env = _shared_gpu()
+    out_dir = Path(os.environ.get("OUT", tmp_path))
+    path = out_dir / f"node_ranks_{mode}_{n}.json"
     # A fault's peers wait out the whole bound: short under MPS, where a
     # healthy wait takes microseconds, so that hundreds of faults fit a run.
     wait_ms = (200 if mps else 5000) if mode == "faults" else 20000
     env["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(wait_ms)
-    extra = ["--share-gpu"] + (["--mps"] if mps else [])
     proc, _ = _launch(tmp_path, n, str(HERE / "node_ranks_child.py"), mode, *args, extra=extra,
                       timeout=timeout, env=env)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
@@ -187,6 +193,25 @@ def test_injected_faults_across_processes_end_in_errors_or_nan(tmp_path, n):
     injected = {k: sum(r["counts"].get(f"{k}_injected", 0) for r in results)
                 for k in ("error", "skip", "stall")}
     assert injected == {k: 4 * rounds for k in injected}  # 4 ops, one victim a round
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_nvshmem_all_reduce_with_its_pes_sharing_one_gpu(tmp_path, n):
+    """NVSHMEM's hierarchical all-reduce with node size 1 (each PE its own
+    node: the recursive doubling between nodes) at n PEs on one GPU, against
+    float64 (tests/nvshmem_child.py --shared-gpu)."""
+    from jax_flashoverlap import nvshmem
+
+    if not nvshmem.is_built():
+        pytest.skip("built without JFO_ENABLE_NVSHMEM=ON")
+    _, extra, env = _shared_gpu()
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # room for the NVSHMEM heaps
+    proc, _ = _launch(tmp_path, n, str(HERE / "nvshmem_child.py"), "--shared-gpu", "256",
+                      extra=[*extra, "--node-size", "1"], timeout=300, env=env)
+    # The child exits 0 only once every all-reduce matched its reference.
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "NVSHMEM_ALL_REDUCE_OK" in proc.stdout
 
 
 def test_mps_that_cannot_start_is_an_error_naming_it(monkeypatch):
