@@ -43,7 +43,13 @@ from .config import (
 from .decoding import Generator, generate
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
-from .pretrained import from_pretrained, llama_config, save_pretrained
+from .pretrained import (
+    from_pretrained,
+    llama_config,
+    mamba2_config,
+    pretrained_config,
+    save_pretrained,
+)
 from .transformer import (
     Transformer,
     attention_implementation,
@@ -53,6 +59,7 @@ from .transformer import (
 
 __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "ShardingConfig",
            "SSDTiling", "RopeScaling", "from_pretrained", "save_pretrained", "llama_config",
+           "mamba2_config", "pretrained_config",
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",

@@ -393,6 +393,8 @@ class MambaConfig(_Presets):
         padded inside the scan).
       dt_min, dt_max: range of the initial time steps.
       norm_eps: RMSNorm epsilon.
+      tie_embeddings: the LM head is the embedding's transpose (no weight of
+        its own), as in state-spaces' Mamba-2 checkpoints.
       max_seq_len: the longest sequence the model takes: training's sequence
         length, and prompt plus generated tokens in
         :func:`~jax_flashoverlap.models.generate`.
@@ -467,6 +469,7 @@ class MambaConfig(_Presets):
     dt_min: float = 1e-3
     dt_max: float = 1e-1
     norm_eps: float = 1e-5
+    tie_embeddings: bool = False
     max_seq_len: int = 8192
     dtype: str = "float32"
     impl: str = "auto"

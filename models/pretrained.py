@@ -1,15 +1,14 @@
-"""Llama checkpoints in the Hugging Face layout: read into a sharded
-:class:`~jax_flashoverlap.models.Transformer`, and written back.
+"""Checkpoints in the Hugging Face layout: read into a sharded
+:class:`~jax_flashoverlap.models.Transformer` (Llama) or
+:class:`~jax_flashoverlap.models.Mamba2` (Mamba-2), and written back.
 
 A checkpoint directory holds ``config.json`` and ``model.safetensors`` (or
-shards named by ``model.safetensors.index.json``). Each device reads only
-the rows and columns of its own shard of every weight, straight from the
-files (``safetensors`` slices): no process ever holds a whole weight it
-does not need. The model's fused layouts are built per shard: the attention
-projection ``qkv`` holds, per key/value head g, that group's query heads,
-then its key head, then its value head; ``gate_up`` interleaves gate and up
-per hidden unit. Both rotary layouts agree (Hugging Face's Llama weights are
-already in the "rotate half" order the model uses).
+shards named by ``model.safetensors.index.json``); its ``model_type``
+("llama" or "mamba2") picks the model. Each device reads only the rows and
+columns of its own shard of every weight, straight from the files
+(``safetensors`` slices): no process ever holds a whole weight it does not
+need. How each architecture's weights map onto the model's fused layouts:
+:mod:`.pretrained_llama`, :mod:`.pretrained_mamba2`.
 
 Memory: :func:`from_pretrained` builds the model (random parameters) and
 then replaces every parameter with the loaded one, so each device briefly
@@ -18,10 +17,9 @@ holds its shard of the parameters twice.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
-from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 import jax
@@ -29,198 +27,77 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from .config import RopeScaling, TransformerConfig
+from . import pretrained_llama, pretrained_mamba2
+from ._checkpoint import Checkpoint
+from .config import MambaConfig, TransformerConfig
+from .mamba import Mamba2
+from .pretrained_llama import llama_config
+from .pretrained_mamba2 import mamba2_config
 from .transformer import Transformer
 
-__all__ = ["llama_config", "from_pretrained", "save_pretrained"]
+__all__ = ["llama_config", "mamba2_config", "pretrained_config", "from_pretrained",
+           "save_pretrained"]
 
 # save_pretrained's dtype names -> the files' numpy dtypes.
 _FILE_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+# model_type -> (its config reader, the model, the config's type, the layout's module).
+_ARCHITECTURES = {
+    "llama": (llama_config, Transformer, TransformerConfig, pretrained_llama),
+    "mamba2": (mamba2_config, Mamba2, MambaConfig, pretrained_mamba2),
+}
 
 
-def llama_config(hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
-    """The :class:`TransformerConfig` of a Hugging Face Llama ``config.json``.
+def pretrained_config(path: str | os.PathLike, **overrides: Any
+                      ) -> TransformerConfig | MambaConfig:
+    """The model config of checkpoint directory ``path`` (its ``config.json``).
 
     Args:
-      hf: the parsed ``config.json``.
-      **overrides: fields of the result to set (``dtype``, ``impl``,
-        ``max_seq_len``, ``sharding``, ...).
+      path: the checkpoint directory.
+      **overrides: fields of the result to set (``dtype``, ``impl``, ...).
 
     Raises:
-      ValueError: a field the model cannot express (another architecture,
-        bias terms, an activation other than SiLU, a rope scaling other than
-        Llama 3's), or a missing one; the message names it.
+      ValueError: a ``model_type`` other than "llama" and "mamba2", or a
+        config the model cannot express; the message names the field.
     """
-    def need(name: str) -> Any:
-        if name not in hf:
-            raise ValueError(f"llama_config: config.json has no {name!r}")
-        return hf[name]
-
+    with open(os.path.join(os.fspath(path), "config.json")) as f:
+        hf = json.load(f)
     model_type = hf.get("model_type")
-    if model_type != "llama":
-        raise ValueError(f"llama_config: model_type is {model_type!r}; only 'llama' "
-                         f"checkpoints load into Transformer")
-    for name in ("attention_bias", "mlp_bias"):
-        if hf.get(name):
-            raise ValueError(f"llama_config: {name} is true; the model has no bias terms")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"llama_config: hidden_act is {hf['hidden_act']!r}; the model's "
-                         f"MLP is SwiGLU (silu)")
-    heads = need("num_attention_heads")
-    embed_dim = need("hidden_size")
-    head_dim = hf.get("head_dim") or embed_dim // heads
-    rope = dict(hf.get("rope_parameters") or {})  # transformers 5 nests them here
-    theta = rope.get("rope_theta", hf.get("rope_theta", 10_000.0))
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                         else None)
-    fields = dict(
-        vocab_size=need("vocab_size"), num_layers=need("num_hidden_layers"),
-        embed_dim=embed_dim, num_heads=heads,
-        num_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim,
-        mlp_dim=need("intermediate_size"), rope_theta=float(theta),
-        rope_scaling=_rope_scaling(scaling), tie_embeddings=bool(hf.get("tie_word_embeddings")),
-        norm_eps=float(need("rms_norm_eps")),
-        max_seq_len=int(hf.get("max_position_embeddings", 8192)))
-    return dataclasses.replace(TransformerConfig(**fields), **overrides)
+    if model_type not in _ARCHITECTURES:
+        raise ValueError(f"from_pretrained: model_type is {model_type!r}; the models load "
+                         f"{sorted(_ARCHITECTURES)} checkpoints")
+    return _ARCHITECTURES[model_type][0](hf, **overrides)
 
 
-def _rope_scaling(scaling: dict[str, Any] | None) -> RopeScaling | None:
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind != "llama3":
-        raise ValueError(f"llama_config: rope_scaling of type {kind!r}; the model takes "
-                         f"'llama3' or none")
-    try:
-        return RopeScaling(factor=float(scaling["factor"]),
-                           low_freq_factor=float(scaling["low_freq_factor"]),
-                           high_freq_factor=float(scaling["high_freq_factor"]),
-                           original_max_position=int(
-                               scaling["original_max_position_embeddings"]))
-    except KeyError as e:
-        raise ValueError(f"llama_config: rope_scaling has no {e.args[0]!r}") from None
+def _layout(config: TransformerConfig | MambaConfig) -> tuple[type, ModuleType]:
+    for _, model, config_type, layout in _ARCHITECTURES.values():
+        if isinstance(config, config_type):
+            return model, layout
+    raise TypeError(f"from_pretrained: a {type(config).__name__} has no Hugging Face layout; "
+                    f"pass a TransformerConfig or MambaConfig")
 
 
-class _Checkpoint:
-    """The safetensors files of a checkpoint directory, read by slices."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                self.files = dict(json.load(f)["weight_map"])
-        elif os.path.exists(os.path.join(path, "model.safetensors")):
-            with safe_open(os.path.join(path, "model.safetensors"), "numpy") as f:
-                self.files = {name: "model.safetensors" for name in f.keys()}
-        else:
-            raise FileNotFoundError(f"from_pretrained: {path} has neither model.safetensors "
-                                    f"nor model.safetensors.index.json")
-        self.path = path
-        self._open = {}
-        self._safe_open = safe_open
-
-    def slice(self, name: str):
-        if name not in self.files:
-            raise ValueError(f"from_pretrained: the checkpoint has no weight {name!r}")
-        file = self.files[name]
-        if file not in self._open:
-            self._open[file] = self._safe_open(os.path.join(self.path, file), "numpy")
-        return self._open[file].get_slice(name)
-
-    def read(self, name: str, *index: slice) -> np.ndarray:
-        """Rows and columns ``index`` of weight ``name``, float32."""
-        return np.asarray(self.slice(name)[index], np.float32)
-
-
-def _span(index: slice, size: int, unit: int) -> tuple[int, int, int]:
-    """Units [first, last) of width ``unit`` covering ``index`` of ``size``,
-    and the offset of ``index``'s start in the first one."""
-    start, stop, _ = index.indices(size)
-    return start // unit, -(-stop // unit), start % unit
-
-
-def _builders(config: TransformerConfig, ckpt: _Checkpoint) -> dict[tuple, Callable]:
-    """Our parameter path -> ``f(index)`` building that shard (float32) from
-    the checkpoint's weights."""
-    h, kv = config.head_dim, config.num_kv_heads
-    q_per_kv, f = config.num_heads // kv, config.mlp_dim
-
-    def transposed(name):  # our [in, out] from torch's [out, in]
-        return lambda idx: ckpt.read(name, idx[1], idx[0]).T
-
-    def plain(name):
-        return lambda idx: ckpt.read(name, *idx)
-
-    def qkv(prefix):
-        width = (q_per_kv + 2) * h  # one key/value group's columns
-
-        def build(idx):
-            rows, cols = idx
-            total = kv * width
-            g0, g1, skip = _span(cols, total, width)
-            q = ckpt.read(f"{prefix}.q_proj.weight", slice(g0 * q_per_kv * h, g1 * q_per_kv * h),
-                          rows)
-            k = ckpt.read(f"{prefix}.k_proj.weight", slice(g0 * h, g1 * h), rows)
-            v = ckpt.read(f"{prefix}.v_proj.weight", slice(g0 * h, g1 * h), rows)
-            groups = g1 - g0
-            block = np.concatenate([q.reshape(groups, q_per_kv, h, -1),
-                                    k.reshape(groups, 1, h, -1), v.reshape(groups, 1, h, -1)],
-                                   axis=1)                       # [groups, q_per_kv+2, h, in]
-            block = block.reshape(groups * width, -1).T           # [in, groups * width]
-            start, stop, _ = cols.indices(total)
-            return block[:, skip:skip + stop - start]
-        return build
-
-    def gate_up(prefix):
-        def build(idx):
-            rows, cols = idx
-            u0, u1, skip = _span(cols, 2 * f, 2)
-            gate = ckpt.read(f"{prefix}.gate_proj.weight", slice(u0, u1), rows)
-            up = ckpt.read(f"{prefix}.up_proj.weight", slice(u0, u1), rows)
-            block = np.stack([gate.T, up.T], axis=-1).reshape(gate.shape[1], -1)
-            start, stop, _ = cols.indices(2 * f)
-            return block[:, skip:skip + stop - start]
-        return build
-
-    out = {("embedding",): plain("model.embed_tokens.weight"),
-           ("final_norm", "weight"): plain("model.norm.weight")}
-    if not config.tie_embeddings:
-        out[("head",)] = transposed("lm_head.weight")
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}"
-        out |= {
-            ("blocks", i, "attn_norm", "weight"): plain(f"{p}.input_layernorm.weight"),
-            ("blocks", i, "mlp_norm", "weight"): plain(f"{p}.post_attention_layernorm.weight"),
-            ("blocks", i, "attn", "qkv", "kernel"): qkv(f"{p}.self_attn"),
-            ("blocks", i, "attn", "out", "kernel"): transposed(f"{p}.self_attn.o_proj.weight"),
-            ("blocks", i, "mlp", "gate_up", "kernel"): gate_up(f"{p}.mlp"),
-            ("blocks", i, "mlp", "down", "kernel"): transposed(f"{p}.mlp.down_proj.weight"),
-        }
-    return out
-
-
-def from_pretrained(path: str | os.PathLike, *, config: TransformerConfig | None = None,
-                    rngs: nnx.Rngs | None = None, **overrides: Any) -> Transformer:
-    """A Llama checkpoint in the Hugging Face layout as a :class:`Transformer`.
+def from_pretrained(path: str | os.PathLike, *,
+                    config: TransformerConfig | MambaConfig | None = None,
+                    rngs: nnx.Rngs | None = None, **overrides: Any) -> Transformer | Mamba2:
+    """A checkpoint in the Hugging Face layout as a :class:`Transformer`
+    (Llama) or :class:`Mamba2` (Mamba-2).
 
     Call it under the mesh the model runs on (``with jax.set_mesh(mesh):``,
     a (data, tensor) mesh); each device reads its own shards.
 
     Args:
       path: the checkpoint directory (``config.json``, safetensors files).
-      config: the model's config, where the caller built it already from
-        :func:`llama_config` of the same ``config.json`` (then ``overrides``
-        must be empty); default: that, with ``overrides``.
+      config: the model's config, where the caller built it already with
+        :func:`pretrained_config` from the same ``config.json`` (then
+        ``overrides`` must be empty); default: that, with ``overrides``.
       rngs: for the parameters that are then overwritten (default
         ``nnx.Rngs(0)``).
-      **overrides: :class:`TransformerConfig` fields, e.g. ``dtype="bfloat16"``
+      **overrides: config fields, e.g. ``dtype="bfloat16"``
         (the compute dtype; parameters are float32, as the checkpoint's
         values widened exactly), ``impl``, ``max_seq_len``.
 
     Returns:
-      The model, its ``config`` built by :func:`llama_config`.
+      The model, its ``config`` built by :func:`pretrained_config`.
 
     Raises:
       ValueError: a config the model cannot express, or a weight missing or
@@ -228,14 +105,14 @@ def from_pretrained(path: str | os.PathLike, *, config: TransformerConfig | None
     """
     path = os.fspath(path)
     if config is None:
-        with open(os.path.join(path, "config.json")) as f:
-            config = llama_config(json.load(f), **overrides)
+        config = pretrained_config(path, **overrides)
     elif overrides:
         raise TypeError(f"from_pretrained: pass either config or overrides "
                         f"({sorted(overrides)}), not both")
-    ckpt = _Checkpoint(path)
-    model = Transformer(config, rngs=rngs or nnx.Rngs(0))
-    builders = _builders(config, ckpt)
+    model_class, layout = _layout(config)
+    ckpt = Checkpoint(path)
+    model = model_class(config, rngs=rngs or nnx.Rngs(0))
+    builders = layout.builders(config, ckpt)
     flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
     missing = set(builders) - set(flat)
     if missing:
@@ -259,15 +136,15 @@ def from_pretrained(path: str | os.PathLike, *, config: TransformerConfig | None
     return model
 
 
-def save_pretrained(model: Transformer, path: str | os.PathLike, *,
+def save_pretrained(model: Transformer | Mamba2, path: str | os.PathLike, *,
                     dtype: str = "bfloat16") -> None:
-    """Writes ``model`` in the Hugging Face Llama layout (``config.json`` and
-    ``model.safetensors``), which :func:`from_pretrained` and ``transformers``
-    read. Weights are gathered to this process: call it from one process of
-    a job, on a model that fits in its memory.
+    """Writes ``model`` in the Hugging Face layout of its architecture
+    (``config.json`` and ``model.safetensors``), which :func:`from_pretrained`
+    and ``transformers`` read. Weights are gathered to this process: call it
+    from one process of a job, on a model that fits in its memory.
 
     Args:
-      model: a :class:`Transformer`.
+      model: a :class:`Transformer` (written as Llama) or :class:`Mamba2`.
       path: the directory (created).
       dtype: the weights' dtype in the file: "bfloat16" (default),
         "float16" or "float32".
@@ -277,48 +154,13 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *,
     if dtype not in _FILE_DTYPES:
         raise ValueError(f"save_pretrained: dtype must be one of {list(_FILE_DTYPES)}, "
                          f"got {dtype!r}")
-    np_dtype = _FILE_DTYPES[dtype]
-    config = model.config
-    h, kv = config.head_dim, config.num_kv_heads
-    q_per_kv, d = config.num_heads // kv, config.embed_dim
+    _, layout = _layout(model.config)
     flat = {key: np.asarray(jax.device_get(p[...]), np.float32)
             for key, p in nnx.to_flat_state(nnx.state(model, nnx.Param))}
-    out = {"model.embed_tokens.weight": flat[("embedding",)],
-           "model.norm.weight": flat[("final_norm", "weight")]}
-    if not config.tie_embeddings:
-        out["lm_head.weight"] = flat[("head",)].T
-    for i in range(config.num_layers):
-        p, b = f"model.layers.{i}", ("blocks", i)
-        qkv = flat[(*b, "attn", "qkv", "kernel")].T.reshape(kv, q_per_kv + 2, h, d)
-        gate_up = flat[(*b, "mlp", "gate_up", "kernel")].reshape(d, -1, 2)
-        out |= {
-            f"{p}.input_layernorm.weight": flat[(*b, "attn_norm", "weight")],
-            f"{p}.post_attention_layernorm.weight": flat[(*b, "mlp_norm", "weight")],
-            f"{p}.self_attn.q_proj.weight": qkv[:, :q_per_kv].reshape(-1, d),
-            f"{p}.self_attn.k_proj.weight": qkv[:, q_per_kv].reshape(-1, d),
-            f"{p}.self_attn.v_proj.weight": qkv[:, q_per_kv + 1].reshape(-1, d),
-            f"{p}.self_attn.o_proj.weight": flat[(*b, "attn", "out", "kernel")].T,
-            f"{p}.mlp.gate_proj.weight": gate_up[..., 0].T,
-            f"{p}.mlp.up_proj.weight": gate_up[..., 1].T,
-            f"{p}.mlp.down_proj.weight": flat[(*b, "mlp", "down", "kernel")].T,
-        }
+    out = layout.tensors(model.config, flat)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
-    save_file({k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in out.items()},
+    save_file({k: np.ascontiguousarray(v.astype(_FILE_DTYPES[dtype])) for k, v in out.items()},
               os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
-          "vocab_size": config.vocab_size, "hidden_size": d,
-          "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
-          "num_attention_heads": config.num_heads, "num_key_value_heads": kv, "head_dim": h,
-          "rope_theta": config.rope_theta, "rms_norm_eps": config.norm_eps,
-          "max_position_embeddings": config.max_seq_len,
-          "tie_word_embeddings": config.tie_embeddings, "hidden_act": "silu",
-          "attention_bias": False, "mlp_bias": False, "torch_dtype": dtype}
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
-        hf["rope_scaling"] = {"rope_type": "llama3", "factor": s.factor,
-                              "low_freq_factor": s.low_freq_factor,
-                              "high_freq_factor": s.high_freq_factor,
-                              "original_max_position_embeddings": s.original_max_position}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+        json.dump(layout.hf_config(model.config, dtype), f, indent=2)

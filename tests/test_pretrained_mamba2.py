@@ -1,0 +1,137 @@
+"""Mamba-2 checkpoints in the Hugging Face layout (models/pretrained_mamba2.py), on CPU."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+from jax_flashoverlap.models import Mamba2, MambaConfig, generate
+from jax_flashoverlap.models.pretrained import (
+    from_pretrained,
+    mamba2_config,
+    pretrained_config,
+    save_pretrained,
+)
+from support import cpu_mesh
+
+# Two B/C groups of two heads each, a chunk that does not divide the sequence.
+CONFIG = MambaConfig(vocab_size=97, num_layers=2, embed_dim=24, state_dim=8, head_dim=12,
+                     num_groups=2, expand=2, chunk_size=5, max_seq_len=64, impl="xla")
+FIXTURES = Path(__file__).with_name("data") / "mamba2"
+
+
+def _logits(model, tokens):
+    return np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens), np.float64)
+
+
+def _params(model):
+    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+@pytest.fixture
+def tokens(rng):
+    return jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 10)), jnp.int32)
+
+
+@pytest.mark.parametrize("config", [CONFIG, dataclasses.replace(CONFIG, tie_embeddings=True)],
+                         ids=["untied", "tied"])
+def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens, config):
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        model = Mamba2(config, rngs=nnx.Rngs(3))
+        want = _logits(model, tokens)
+        save_pretrained(model, tmp_path, dtype="float32")
+        loaded = from_pretrained(tmp_path, max_seq_len=64, impl="xla")
+        assert isinstance(loaded, Mamba2)
+        assert loaded.config == model.config
+        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), _params(model)))
+        np.testing.assert_array_equal(_logits(loaded, tokens), want)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
+        assert ("lm_head.weight" in f.keys()) is not config.tie_embeddings
+        assert f.get_tensor("backbone.layers.0.mixer.in_proj.weight").shape == (
+            2 * 48 + 2 * 2 * 8 + 4, 24)  # z, x, B, C of every group, dt of every head
+    with jax.set_mesh(cpu_mesh(tp=2)):  # each rank reads one group
+        got = _logits(from_pretrained(tmp_path, max_seq_len=64, impl="xla"), tokens)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_bfloat16_checkpoint_round_trips_bit_for_bit(tmp_path, tokens):
+    with jax.set_mesh(cpu_mesh(tp=2)):
+        model = Mamba2(CONFIG, rngs=nnx.Rngs(5))
+        save_pretrained(model, tmp_path / "a")
+        loaded = from_pretrained(tmp_path / "a", impl="xla")
+        save_pretrained(loaded, tmp_path / "b")
+        rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32)
+                   for k, v in _params(model).items()}
+        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), rounded))
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+HF = {"model_type": "mamba2", "vocab_size": 97, "hidden_size": 24, "state_size": 8,
+      "num_hidden_layers": 2, "num_heads": 4, "head_dim": 12, "n_groups": 2, "expand": 2,
+      "conv_kernel": 4, "chunk_size": 5, "layer_norm_epsilon": 1e-5,
+      "time_step_limit": [0.0, {"__float__": "Infinity"}]}
+
+
+def test_the_config_maps_field_by_field():
+    config = mamba2_config(HF, impl="xla", max_seq_len=64)
+    assert config == CONFIG
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"model_type": "mamba"}, r"model_type is 'mamba'; only 'mamba2' checkpoints load"),
+    ({"use_bias": True}, r"use_bias is true; the model's projections have no bias terms"),
+    ({"use_conv_bias": False}, r"use_conv_bias is false; the model's convolution has a bias"),
+    ({"hidden_act": "gelu"}, r"hidden_act is 'gelu'; the model activates with silu"),
+    ({"rms_norm": False}, r"rms_norm is false; the model's norms are RMSNorm"),
+    ({"time_step_limit": [0.0, 0.1]}, r"time_step_limit is \[0.0, 0.1\]; the model does not "
+                                      r"clamp its step sizes"),
+    ({"num_heads": 3}, r"num_heads=3 x head_dim=12 must be the inner width expand x "
+                       r"hidden_size = 48"),
+    ({"state_size": None}, r"config.json has no 'state_size'"),
+    ({"d_model": 24, "hidden_size": None}, r"mamba_ssm's layout \(d_model, n_layer\); convert "
+                                           r"the checkpoint"),
+])
+def test_configs_the_model_cannot_express_name_the_field(change, message):
+    hf = {k: v for k, v in {**HF, **change}.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        mamba2_config(hf)
+
+
+def test_an_unknown_architecture_names_the_ones_that_load(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"model_type is 'gpt2'; the models load "
+                                         r"\['llama', 'mamba2'\] checkpoints"):
+        pretrained_config(tmp_path)
+    with pytest.raises(TypeError, match="a dict has no Hugging Face layout"):
+        from_pretrained(tmp_path, config={})
+
+
+# Made with transformers (tests/data/make_mamba2_fixtures.py): its logits and
+# greedy tokens for small random Mamba-2s.
+PARITY = [("groups2_untied", 1), ("groups2_untied", 2), ("groups1_tied", 1),
+          ("groups4_odd_chunk", 1), ("groups4_odd_chunk", 4)]
+
+
+@pytest.mark.parametrize("name, tp", PARITY)
+def test_logits_and_greedy_tokens_match_transformers(name, tp):
+    """float32 on CPU: the prompt's logits within 1e-4 relative of
+    transformers', and 32 greedy tokens (prefill, then the recurrent decode
+    loop) identical."""
+    expected = np.load(FIXTURES / name / "expected.npz")
+    prompts = jnp.asarray(expected["prompts"], jnp.int32)
+    with jax.set_mesh(cpu_mesh(tp=tp)):
+        model = from_pretrained(FIXTURES / name, impl="xla", max_seq_len=64)
+        logits = _logits(model, prompts)
+        tokens = np.asarray(generate(model, prompts, max_new_tokens=32))
+    want = expected["logits"].astype(np.float64)
+    err = np.linalg.norm(logits - want) / np.linalg.norm(want)
+    assert err < 1e-4, err
+    np.testing.assert_array_equal(tokens, expected["greedy"])
