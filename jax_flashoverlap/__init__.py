@@ -35,4 +35,28 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-settings.check_all()  # a bad environment variable fails here, naming itself
+
+def _cli_command() -> str | None:
+    """The package's command this process runs (jax-flashoverlap-train, ...), or None."""
+    import os
+    import sys
+
+    if os.path.basename(sys.argv[0] if sys.argv else "").startswith("jax-flashoverlap-"):
+        return os.path.basename(sys.argv[0])
+    args = getattr(sys, "orig_argv", [])  # `python -m jax_flashoverlap.cli.X`: argv[0] is "-m" yet
+    for flag, module in zip(args, args[1:]):
+        if flag == "-m" and module.startswith("jax_flashoverlap.cli."):
+            return "jax-flashoverlap-" + module.rsplit(".", 1)[1]
+    return None
+
+
+try:
+    settings.check_all()  # a bad environment variable fails here, naming itself
+except ValueError as e:
+    # Under one of the commands: their one-line error, not a traceback of this import.
+    if _command := _cli_command():
+        import sys
+
+        print(f"{_command}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise

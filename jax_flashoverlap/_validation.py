@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 from typing import Any
 
 import jax
@@ -31,6 +32,22 @@ def axis_size(op: str, axis_name: Any) -> int:
 def check_impl(op: str, impl: str) -> None:
     if impl not in IMPLS:
         raise ValueError(f"{op}: impl must be one of {IMPLS}, got {impl!r}")
+
+
+_WARNED_UNUSED: set[tuple[str, str]] = set()
+
+
+def warn_unused_under_xla(op: str, impl: str, **options: Any) -> None:
+    """Warns once per op and option when impl="xla" (XLA's own collective,
+    which takes none of them) is given an option set away from its default
+    (``None`` passed for one left at it)."""
+    if impl != "xla":
+        return
+    for name, value in options.items():
+        if value is not None and (op, name) not in _WARNED_UNUSED:
+            _WARNED_UNUSED.add((op, name))
+            warnings.warn(f"{op}: {name}={value!r} has no effect under impl='xla' (XLA's own "
+                          f"collective); it applies to impl='cuda' and 'auto'", stacklevel=3)
 
 
 # Row chunks the CUDA kernels take per block (CheckCommon, ffi/src/ops_common.cu).

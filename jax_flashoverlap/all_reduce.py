@@ -51,6 +51,7 @@ def all_reduce(x: jax.Array, axis_name: str, *, impl: str = "auto",
     if algorithm is not None and algorithm not in cuda_policy.ALL_REDUCE_ALGORITHMS:
         raise ValueError(f"{_OP}: algorithm must be None (chosen by message size) or one "
                          f"of {cuda_policy.ALL_REDUCE_ALGORITHMS}, got {algorithm!r}")
+    _validation.warn_unused_under_xla(_OP, impl, algorithm=algorithm)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_dtypes(_OP, x=x)
     _validation.check_not_empty(_OP, x=x)

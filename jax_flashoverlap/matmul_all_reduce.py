@@ -12,10 +12,11 @@ from . import _layout, _primitives, _validation
 __all__ = ["matmul_all_reduce"]
 
 _OP = "matmul_all_reduce"
+_DEFAULT_CHUNKS = 2
 
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
-                      impl: str = "auto", chunks: int = 2) -> jax.Array:
+                      impl: str = "auto", chunks: int = _DEFAULT_CHUNKS) -> jax.Array:
     """Returns ``psum(x @ w, axis_name)``.
 
     The row-parallel linear layer without sequence parallelism. The rows are
@@ -45,6 +46,8 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: str, *,
     """
     _validation.check_impl(_OP, impl)
     chunks = _validation.check_chunks(_OP, chunks, picked_by_shape=False)
+    _validation.warn_unused_under_xla(_OP, impl,
+                                      chunks=None if chunks == _DEFAULT_CHUNKS else chunks)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     varying = (_layout.varying(x), _layout.varying(w))

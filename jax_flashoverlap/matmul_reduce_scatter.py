@@ -47,6 +47,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: str, *,
     """
     _validation.check_impl(_OP, impl)
     chunks = _validation.check_chunks(_OP, chunks)
+    _validation.warn_unused_under_xla(_OP, impl, chunks=chunks)
     n = _validation.axis_size(_OP, axis_name)
     _validation.check_matmul_operands(_OP, x, w)
     scatter_dimension = _validation.normalize_axis(_OP, "scatter_dimension",

@@ -29,8 +29,10 @@ name that is not listed, so these tables are the whole list.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -157,6 +159,19 @@ def get(name: str) -> Any:
 
 
 def check_all() -> None:
-    """Parses every set variable of :data:`SETTINGS`; raises on the first bad one."""
+    """Parses every set variable of :data:`SETTINGS`; raises on the first bad
+    one. Warns about a set ``JAX_FLASHOVERLAP_*`` variable that is no setting
+    (a misspelled name would otherwise be ignored in silence), naming the
+    closest setting."""
     for name in SETTINGS:
         get(name)
+    known = sorted({*SETTINGS, *LAUNCHER_VARIABLES.values()})
+    for name in sorted(os.environ):
+        if name.startswith("JAX_FLASHOVERLAP_") and name not in known:
+            prefix = "JAX_FLASHOVERLAP_"  # shared by every name: compare what follows
+            close = difflib.get_close_matches(name.removeprefix(prefix),
+                                              [k.removeprefix(prefix) for k in known], n=1)
+            hint = (f"did you mean {prefix}{close[0]}?" if close
+                    else f"the settings are {', '.join(sorted(SETTINGS))}")
+            warnings.warn(f"{name} is set, but jax_flashoverlap has no such setting; {hint}",
+                          stacklevel=2)

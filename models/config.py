@@ -151,15 +151,19 @@ class ShardingConfig:
         """The residual stream (and logits), [seq, batch, d]."""
         return P(*self.tokens_sb, None)
 
-    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int | None,
-              model: str) -> None:
-        """Clear errors for a mesh or a batch shape that cannot be split
-        (``seq_len`` None: the batch alone)."""
+    def check_axes(self, mesh_shape: dict[str, int], *, model: str) -> None:
+        """A clear error for a mesh without the data and tensor axes."""
         missing = [a for a in (self.data, self.tensor) if a not in mesh_shape]
         if missing:
             raise ValueError(f"{model}: the mesh has axes {tuple(mesh_shape)} but the "
                              f"sharding config needs {missing}; build it as "
                              f"jax.make_mesh((data, tensor), ({self.data!r}, {self.tensor!r}))")
+
+    def check(self, mesh_shape: dict[str, int], *, batch: int, seq_len: int | None,
+              model: str) -> None:
+        """Clear errors for a mesh or a batch shape that cannot be split
+        (``seq_len`` None: the batch alone)."""
+        self.check_axes(mesh_shape, model=model)
         tp, dp = mesh_shape[self.tensor], mesh_shape[self.data]
         if batch % dp:
             raise ValueError(f"{model}: batch {batch} does not divide by the {dp} ranks of "

@@ -27,6 +27,7 @@ import functools
 import math
 import numbers
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -148,6 +149,13 @@ class Generator:
         of different lengths share a cache size (benchmarks).
       compiler_options: XLA options for the decode loop (as
         ``jax.stages.Lowered.compile`` takes them), for experiments.
+      on_token: called on the host as the decode loop makes each token, with
+        the int32 tokens [batch] (numpy) and which new token they are (1 for
+        the first decode step's; prefill's token 0 is :meth:`prefill`'s):
+        for streaming text. Calls may come out of order (JAX orders host
+        callbacks on one device only), so use the step number, and
+        ``jax.effects_barrier()`` waits for the last. One host callback a
+        step, so the decode loop is slower; None (default): no callback.
 
     Attributes:
       compile_s: seconds spent compiling the two programs.
@@ -160,7 +168,8 @@ class Generator:
     def __init__(self, model: CausalLM, *, batch: int, prompt_len: int, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int | None = None,
                  return_logits: bool = False, cache_len: int | None = None,
-                 compiler_options: dict | None = None):
+                 compiler_options: dict | None = None,
+                 on_token: Callable[[np.ndarray, int], None] | None = None):
         mesh = _mesh()
         config = model.config
         _check_count("max_new_tokens", max_new_tokens, 1)
@@ -210,6 +219,7 @@ class Generator:
         self._decode = {}
         self._decode_args = (self._prefill.out_info, key)
         self._compiler_options = compiler_options
+        self._on_token = on_token
         self.decode_steps(max_new_tokens - 1)  # compiles the full loop
         self.compile_s = time.perf_counter() - start
 
@@ -258,7 +268,7 @@ class Generator:
             prefilled, key = self._decode_args
             self._decode[steps] = _DECODE_LOOP.lower(
                 self._graphdef, self.shape, self.params, prefilled, key, steps,
-                self.decode_weights).compile(self._compiler_options or None)
+                self.decode_weights, self._on_token).compile(self._compiler_options or None)
         return self._decode[steps]
 
     def __call__(self, prompt: jax.Array, rng: jax.Array | None = None):
@@ -348,9 +358,9 @@ def _prefill(graphdef, shape: _Shape, params, prompt, rng) -> Prefilled:
 
 
 def _decode_loop(graphdef, shape: _Shape, params, prefilled: Prefilled, rng,
-                 steps: int, decode_weights=None) -> Prefilled:
+                 steps: int, decode_weights=None, on_token=None) -> Prefilled:
     """``steps`` decode steps from ``prefilled``; ``decode_weights`` as the
-    model's ``decode_weights`` returns them."""
+    model's ``decode_weights`` returns them; ``on_token`` as Generator's."""
     model = nnx.merge(graphdef, params)
     data = model.config.sharding.data
     extra, extra_specs = (), ()
@@ -364,6 +374,8 @@ def _decode_loop(graphdef, shape: _Shape, params, prefilled: Prefilled, rng,
             in_specs=(P(data), model.cache_specs(), P(), *extra_specs),
             out_specs=(P(data, None), model.cache_specs()))
         token = sample(logits, rng, i + 1, temperature=shape.temperature, top_k=shape.top_k)
+        if on_token is not None:
+            jax.debug.callback(lambda t, n: on_token(np.asarray(t), int(n)), token, i + 1)
         tokens = jax.lax.dynamic_update_slice(carry.tokens, token[:, None], (0, pos + 1))
         all_logits = carry.logits
         if all_logits is not None:
@@ -378,7 +390,7 @@ def _decode_loop(graphdef, shape: _Shape, params, prefilled: Prefilled, rng,
 # Module-level, so that generators of one model and shape share jax's caches
 # of traces and compiled programs.
 _PREFILL = jax.jit(_prefill, static_argnums=(0, 1))
-_DECODE_LOOP = jax.jit(_decode_loop, static_argnums=(0, 1, 5), donate_argnums=3)
+_DECODE_LOOP = jax.jit(_decode_loop, static_argnums=(0, 1, 5, 7), donate_argnums=3)
 
 
 def _mesh() -> jax.sharding.Mesh:

@@ -213,6 +213,9 @@ class CausalLM(nnx.Module):
 
     def __init__(self, config, block: Callable[..., nnx.Module], *, rngs: nnx.Rngs):
         d, v = config.embed_dim, config.vocab_size
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty:  # the parameters are placed by these axes' names
+            config.sharding.check_axes(dict(mesh.shape), model=type(self).__name__)
         self.config = config
         self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (v, d)),
                                    out_sharding=(None, None))

@@ -9,11 +9,10 @@ works too.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from .config import MambaConfig, TransformerConfig
-from .pretrained import llama_config
+from .pretrained import llama_config, pretrained_config
 
 __all__ = ["NAMES", "config_of"]
 
@@ -37,7 +36,8 @@ NAMES = (*_LLAMA, "mamba2-1.3b")
 
 def config_of(name: str) -> tuple[str, TransformerConfig | MambaConfig]:
     """(model name for ``models.MODELS``, config) of a published shape in
-    :data:`NAMES`, or of a checkpoint directory's ``config.json`` (Llama).
+    :data:`NAMES`, or of a checkpoint directory's ``config.json`` (Llama or
+    Mamba-2).
 
     Raises:
       ValueError: neither a known name nor a directory with a config.json.
@@ -45,10 +45,12 @@ def config_of(name: str) -> tuple[str, TransformerConfig | MambaConfig]:
     if name in _LLAMA:
         return "transformer", llama_config({**_LLAMA_COMMON, **_LLAMA[name]}, dtype="bfloat16")
     if name == "mamba2-1.3b":
-        # state-spaces/mamba2-1.3b: one B/C group, its 50,277 tokens padded to 50,288.
-        return "mamba", dataclasses.replace(MambaConfig.b1(), vocab_size=50288, num_groups=1)
-    path = Path(name) / "config.json"
-    if path.is_file():
-        return "transformer", llama_config(json.loads(path.read_text()))
+        # state-spaces/mamba2-1.3b: one B/C group, its 50,277 tokens padded to
+        # 50,288, the LM head tied to the embedding.
+        return "mamba", dataclasses.replace(MambaConfig.b1(), vocab_size=50288, num_groups=1,
+                                            tie_embeddings=True)
+    if (Path(name) / "config.json").is_file():
+        config = pretrained_config(name)
+        return ("transformer" if isinstance(config, TransformerConfig) else "mamba"), config
     raise ValueError(f"config_of: {name!r} is neither one of {NAMES} nor a directory with a "
                      f"config.json")

@@ -206,3 +206,24 @@ def data_parallel_grad_lowered_for_h200(monkeypatch, kernel, args, in_specs):
 
     traced = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))))).trace(*args)
     return traced, traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def with_word_tokenizer(fixture, directory, vocab: int) -> None:
+    """The checkpoint ``fixture`` copied to ``directory``, with a
+    tokenizer.json whose word "w<i>" is token i (i < ``vocab``)."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    shutil.copytree(fixture, directory)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, "w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    words.save(str(directory / "tokenizer.json"))
+
+
+def missing_path_in(argv: list[str], message: str, tmp_path) -> tuple[list[str], str]:
+    """``argv`` and ``message`` with MISSING replaced by a path under
+    ``tmp_path`` that does not exist (a fixed one such as /nonexistent may
+    exist on a shared machine)."""
+    missing = str(tmp_path / "missing")
+    return [a.replace("MISSING", missing) for a in argv], message.replace("MISSING", missing)

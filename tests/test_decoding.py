@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from model_support import build
-from support import assert_as_accurate, assert_close, cpu_mesh, f64, random
+from support import assert_as_accurate, assert_close, cpu_mesh, f64, missing_path_in, random
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import models
@@ -425,6 +425,37 @@ def test_generator_bounds_its_cache_and_steps(tiny):
             generator.decode_steps(4)
 
 
+def test_on_token_sees_every_decode_step_in_order(tiny):
+    """Generator(on_token=...): one host call a decode step, with the step's
+    number and the tokens the loop returns."""
+    model, mesh = tiny
+    seen = []
+    with jax.set_mesh(mesh):
+        generator = models.Generator(model, batch=2, prompt_len=8, max_new_tokens=5,
+                                     on_token=lambda tokens, step: seen.append((step, tokens)))
+        seen.clear()  # nothing runs while it compiles, but be sure
+        tokens, _ = generator(_prompt(0, length=8))
+        jax.block_until_ready(tokens)
+        jax.effects_barrier()  # the host callbacks have all run
+    seen.sort(key=lambda call: call[0])
+    assert [step for step, _ in seen] == [1, 2, 3, 4]
+    np.testing.assert_array_equal(np.stack([t for _, t in seen], axis=1),
+                                  np.asarray(tokens)[:, 9:])
+
+
+def test_generate_command_streams_what_it_prints_at_the_end(capsys):
+    """--stream prints the text as it decodes: the same text the command
+    prints at the end without it."""
+    argv = ["--prompt", "def f(", "--mesh", "1x1", "--max-new-tokens", "6", "--warmup", "1"]
+    assert generate_cli.main(argv) == 0
+    whole = capsys.readouterr().out
+    assert generate_cli.main([*argv, "--stream"]) == 0
+    streamed = capsys.readouterr().out
+    block = whole[whole.index("--- row 0:"):].split("\ntime to first token")[0]
+    assert block in streamed
+    assert "(streamed: a host callback each step)" in streamed
+
+
 def test_generate_needs_the_mesh(tiny):
     model, _ = tiny
     with pytest.raises(ValueError, match=r"call it under `with jax.set_mesh\(mesh\):`"):
@@ -433,13 +464,15 @@ def test_generate_needs_the_mesh(tiny):
 
 @pytest.mark.parametrize("argv, message", [
     (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
-    (["--prompt", "x", "--max-new-tokens", "2", "--restore", "/nonexistent"],
-     "--restore /nonexistent: no such directory"),
-    (["--prompt-file", "/nonexistent", "--max-new-tokens", "2"], "no such file"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--restore", "MISSING"],
+     "--restore MISSING: no such directory"),
+    (["--prompt-file", "MISSING", "--max-new-tokens", "2"], "MISSING: no such file"),
     (["--max-new-tokens", "2"], "one of the arguments --prompt --prompt-file is required"),
     (["--prompt", "x", "--max-new-tokens", "2", "--mesh", "3"], "expected DATAxTENSOR"),
     (["--prompt", "x", "--max-new-tokens", "2", "--warmup", "-1"], "--warmup must be >= 0"),
     (["--prompt", "x", "--max-new-tokens", "2", "--batch", "0"], "--batch must be at least 1"),
+    (["--prompt", "x", "--max-new-tokens", "2", "--batch", "2", "--stream"],
+     "--stream prints one row as it decodes: use --batch 1, not 2"),
     (["--prompt", "x", "--max-new-tokens", "2", "--temperature", "-0.5"],
      "--temperature must be >= 0"),
     (["--prompt", "x", "--max-new-tokens", "2", "--heap-mb", "0"],
@@ -455,7 +488,8 @@ def test_generate_needs_the_mesh(tiny):
     (["--prompt", "x", "--max-new-tokens", "2", "--decode-mixer", "pallas"],
      "--decode-mixer applies to --model mamba, not transformer"),
 ])
-def test_generate_command_rejects_bad_flags(argv, message, capsys):
+def test_generate_command_rejects_bad_flags(argv, message, capsys, tmp_path):
+    argv, message = missing_path_in(argv, message, tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         generate_cli.parse_args(argv)
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -485,9 +519,11 @@ def test_generate_command_names_why_the_decode_kernel_cannot_run(capsys):
     assert "Use decode_blocks='layers'" in err and "Traceback" not in err
 
 
-def test_generate_command_refuses_an_empty_prompt():
-    with pytest.raises(SystemExit, match="jax-flashoverlap-generate: the prompt is empty"):
-        generate_cli.run(generate_cli.parse_args(["--prompt", "", "--max-new-tokens", "2"]))
+def test_generate_command_refuses_an_empty_prompt(capsys):
+    """As every other input error: status 2, one line with the command's "error:" prefix."""
+    assert generate_cli.main(["--prompt", "", "--max-new-tokens", "2", "--mesh", "1x1"]) == 2
+    assert capsys.readouterr().err == ("jax-flashoverlap-generate: error: the prompt is empty: "
+                                       "give text to continue (--prompt or --prompt-file)\n")
 
 
 def test_generate_command_reports_errors_in_one_line(capsys):

@@ -3,6 +3,8 @@
 import json
 import math
 
+import pytest
+
 from jax_flashoverlap.cli import demo
 
 
@@ -27,3 +29,10 @@ def test_demo_runs_every_op_and_reports_the_impl(tmp_path, capsys):
     auto_lines = [line for line in printed.splitlines()
                   if line.startswith(("all_reduce ", "matmul_all_reduce ")) and " auto " in line]
     assert auto_lines and all(line.rstrip().endswith("same") for line in auto_lines)
+
+
+def test_no_repetitions_is_a_flag_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--reps", "0"])
+    assert exit_info.value.code == 2
+    assert "--reps must be at least 1 (the median of the timings), got 0" in capsys.readouterr().err

@@ -15,20 +15,13 @@ from jax_flashoverlap.models import Transformer, TransformerConfig, generate
 from jax_flashoverlap.models.config import RopeScaling
 from jax_flashoverlap.models.pretrained import from_pretrained, llama_config, save_pretrained
 from jax_flashoverlap.models.transformer import rope_frequencies
-from support import cpu_mesh
+from model_support import check_matches_transformers, logits_of, params_of
+from support import cpu_mesh, with_word_tokenizer
 
 # Odd sizes; GQA with 2 query heads per key/value head.
 CONFIG = TransformerConfig(vocab_size=97, num_layers=2, embed_dim=48, num_heads=8,
                            num_kv_heads=4, head_dim=12, mlp_dim=40, max_seq_len=64,
                            attention_impl="xla", impl="xla", norm_eps=1e-6)
-
-
-def _logits(model, tokens):
-    return np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens), np.float64)
-
-
-def _params(model):
-    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 @pytest.fixture
@@ -43,12 +36,12 @@ def tokens(rng):
 def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens, config):
     with jax.set_mesh(cpu_mesh(tp=1)):
         model = Transformer(config, rngs=nnx.Rngs(3))
-        want = _logits(model, tokens)
+        want = logits_of(model, tokens)
         save_pretrained(model, tmp_path, dtype="float32")
         loaded = from_pretrained(tmp_path, attention_impl="xla", impl="xla")
         assert loaded.config == model.config
-        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), _params(model)))
-        np.testing.assert_array_equal(_logits(loaded, tokens), want)
+        assert jax.tree.all(jax.tree.map(np.array_equal, params_of(loaded), params_of(model)))
+        np.testing.assert_array_equal(logits_of(loaded, tokens), want)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
@@ -58,7 +51,7 @@ def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens,
     for tp in (2, 4):
         with jax.set_mesh(cpu_mesh(tp=tp)):
             sharded = from_pretrained(tmp_path, attention_impl="xla", impl="xla")
-            got = _logits(sharded, tokens)
+            got = logits_of(sharded, tokens)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -69,8 +62,8 @@ def test_a_bfloat16_checkpoint_round_trips_bit_for_bit(tmp_path, tokens):
         loaded = from_pretrained(tmp_path / "a", attention_impl="xla", impl="xla")
         save_pretrained(loaded, tmp_path / "b")
         rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32)
-                   for k, v in _params(model).items()}
-        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), rounded))
+                   for k, v in params_of(model).items()}
+        assert jax.tree.all(jax.tree.map(np.array_equal, params_of(loaded), rounded))
         greedy = [np.asarray(generate(m, tokens[:, :5], max_new_tokens=8))
                   for m in (loaded, from_pretrained(tmp_path / "b", attention_impl="xla"))]
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
@@ -161,16 +154,7 @@ def test_logits_and_greedy_tokens_match_transformers(name, tp):
     """float32 on CPU: the prompt's logits within 1e-4 relative of
     transformers', and 32 greedy tokens (prefill, then the decode loop)
     identical."""
-    expected = np.load(FIXTURES / name / "expected.npz")
-    prompts = jnp.asarray(expected["prompts"], jnp.int32)
-    with jax.set_mesh(cpu_mesh(tp=tp)):
-        model = from_pretrained(FIXTURES / name, attention_impl="xla", impl="xla")
-        logits = _logits(model, prompts)
-        tokens = np.asarray(generate(model, prompts, max_new_tokens=32))
-    want = expected["logits"].astype(np.float64)
-    err = np.linalg.norm(logits - want) / np.linalg.norm(want)
-    assert err < 1e-4, err
-    np.testing.assert_array_equal(tokens, expected["greedy"])
+    check_matches_transformers(FIXTURES / name, tp, attention_impl="xla")
 
 
 def test_the_generate_command_reads_a_checkpoint_and_its_tokenizer(tmp_path):
@@ -195,16 +179,7 @@ CONFIG_VOCAB = 211  # the fixtures' vocabulary (tests/data/make_llama_fixtures.p
 
 
 def _with_word_tokenizer(directory):
-    """The gqa_untied fixture copied to ``directory``, with a tokenizer.json
-    whose word "w<i>" is token i."""
-    import shutil
-
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    shutil.copytree(FIXTURES / "gqa_untied", directory)
-    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(CONFIG_VOCAB)}, "w0"))
-    words.pre_tokenizer = pre_tokenizers.Whitespace()
-    words.save(str(directory / "tokenizer.json"))
+    with_word_tokenizer(FIXTURES / "gqa_untied", directory, CONFIG_VOCAB)
 
 
 def test_a_checkpoint_without_a_tokenizer_needs_a_byte_vocabulary(tmp_path):
@@ -234,7 +209,7 @@ def test_training_from_a_checkpoint_and_saving_it_back(tmp_path):
     first = train_cli.batch_at(ids, 0, batch=2, seq_len=16, seed=0)
     with jax.set_mesh(cpu_mesh(tp=1)):
         loaded = from_pretrained(tmp_path / "ckpt", attention_impl="xla")
-        logits = _logits(loaded, jnp.asarray(first[:, :-1]))
+        logits = logits_of(loaded, jnp.asarray(first[:, :-1]))
     logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
                                                                           keepdims=True)) \
         - logits.max(-1, keepdims=True)
@@ -244,7 +219,7 @@ def test_training_from_a_checkpoint_and_saving_it_back(tmp_path):
         (tmp_path / "ckpt" / "tokenizer.json").read_bytes()
     with jax.set_mesh(cpu_mesh(tp=1)):
         trained = from_pretrained(tmp_path / "out", attention_impl="xla")
-    before, after = _params(loaded), _params(trained)
+    before, after = params_of(loaded), params_of(trained)
     assert not np.allclose(before[("head",)], after[("head",)])  # it trained
 
 
@@ -261,7 +236,10 @@ def test_published_shapes_are_the_checkpoints_configs():
     assert (big.embed_dim, big.num_layers, big.head_dim, big.mlp_dim, big.tie_embeddings) == (
         4096, 32, 128, 14336, False)
     kind, mamba = shapes.config_of("mamba2-1.3b")
-    assert (kind, mamba.vocab_size, mamba.num_groups, mamba.num_layers) == ("mamba", 50288, 1, 48)
+    assert (kind, mamba.vocab_size, mamba.num_groups, mamba.num_layers,
+            mamba.tie_embeddings) == ("mamba", 50288, 1, 48, True)
     assert shapes.config_of(str(FIXTURES / "gqa_untied"))[1].vocab_size == CONFIG_VOCAB
+    kind, fixture = shapes.config_of(str(FIXTURES.parent / "mamba2" / "groups4_odd_chunk"))
+    assert (kind, fixture.num_groups, fixture.chunk_size) == ("mamba", 4, 7)
     with pytest.raises(ValueError, match="is neither one of"):
         shapes.config_of("llama-9")

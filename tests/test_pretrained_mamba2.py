@@ -10,27 +10,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from jax_flashoverlap.models import Mamba2, MambaConfig, generate
+from jax_flashoverlap.models import Mamba2, MambaConfig
 from jax_flashoverlap.models.pretrained import (
     from_pretrained,
     mamba2_config,
     pretrained_config,
     save_pretrained,
 )
-from support import cpu_mesh
+from model_support import check_matches_transformers, logits_of, params_of
+from support import cpu_mesh, with_word_tokenizer
 
 # Two B/C groups of two heads each, a chunk that does not divide the sequence.
 CONFIG = MambaConfig(vocab_size=97, num_layers=2, embed_dim=24, state_dim=8, head_dim=12,
                      num_groups=2, expand=2, chunk_size=5, max_seq_len=64, impl="xla")
 FIXTURES = Path(__file__).with_name("data") / "mamba2"
-
-
-def _logits(model, tokens):
-    return np.asarray(nnx.jit(lambda m, t: m(t))(model, tokens), np.float64)
-
-
-def _params(model):
-    return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
 @pytest.fixture
@@ -43,13 +36,13 @@ def tokens(rng):
 def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens, config):
     with jax.set_mesh(cpu_mesh(tp=1)):
         model = Mamba2(config, rngs=nnx.Rngs(3))
-        want = _logits(model, tokens)
+        want = logits_of(model, tokens)
         save_pretrained(model, tmp_path, dtype="float32")
         loaded = from_pretrained(tmp_path, max_seq_len=64, impl="xla")
         assert isinstance(loaded, Mamba2)
         assert loaded.config == model.config
-        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), _params(model)))
-        np.testing.assert_array_equal(_logits(loaded, tokens), want)
+        assert jax.tree.all(jax.tree.map(np.array_equal, params_of(loaded), params_of(model)))
+        np.testing.assert_array_equal(logits_of(loaded, tokens), want)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "model.safetensors"), "numpy") as f:
@@ -57,7 +50,7 @@ def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens,
         assert f.get_tensor("backbone.layers.0.mixer.in_proj.weight").shape == (
             2 * 48 + 2 * 2 * 8 + 4, 24)  # z, x, B, C of every group, dt of every head
     with jax.set_mesh(cpu_mesh(tp=2)):  # each rank reads one group
-        got = _logits(from_pretrained(tmp_path, max_seq_len=64, impl="xla"), tokens)
+        got = logits_of(from_pretrained(tmp_path, max_seq_len=64, impl="xla"), tokens)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
@@ -68,8 +61,8 @@ def test_a_bfloat16_checkpoint_round_trips_bit_for_bit(tmp_path, tokens):
         loaded = from_pretrained(tmp_path / "a", impl="xla")
         save_pretrained(loaded, tmp_path / "b")
         rounded = {k: v.astype(ml_dtypes.bfloat16).astype(np.float32)
-                   for k, v in _params(model).items()}
-        assert jax.tree.all(jax.tree.map(np.array_equal, _params(loaded), rounded))
+                   for k, v in params_of(model).items()}
+        assert jax.tree.all(jax.tree.map(np.array_equal, params_of(loaded), rounded))
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
         (tmp_path / "b" / "model.safetensors").read_bytes()
 
@@ -125,13 +118,67 @@ def test_logits_and_greedy_tokens_match_transformers(name, tp):
     """float32 on CPU: the prompt's logits within 1e-4 relative of
     transformers', and 32 greedy tokens (prefill, then the recurrent decode
     loop) identical."""
-    expected = np.load(FIXTURES / name / "expected.npz")
-    prompts = jnp.asarray(expected["prompts"], jnp.int32)
-    with jax.set_mesh(cpu_mesh(tp=tp)):
-        model = from_pretrained(FIXTURES / name, impl="xla", max_seq_len=64)
-        logits = _logits(model, prompts)
-        tokens = np.asarray(generate(model, prompts, max_new_tokens=32))
-    want = expected["logits"].astype(np.float64)
-    err = np.linalg.norm(logits - want) / np.linalg.norm(want)
-    assert err < 1e-4, err
-    np.testing.assert_array_equal(tokens, expected["greedy"])
+    check_matches_transformers(FIXTURES / name, tp, max_seq_len=64)
+
+
+VOCAB = 211  # the fixtures' (tests/data/make_mamba2_fixtures.py)
+
+
+def test_the_generate_command_reads_a_mamba2_checkpoint_and_its_tokenizer(tmp_path):
+    """jax-flashoverlap-generate --pretrained on a Mamba-2 checkpoint (its
+    model_type picks --model mamba): transformers' greedy continuation."""
+    from jax_flashoverlap.cli import generate as generate_cli
+
+    expected = np.load(FIXTURES / "groups2_untied" / "expected.npz")
+    with_word_tokenizer(FIXTURES / "groups2_untied", tmp_path / "ckpt", VOCAB)
+    prompt, greedy = expected["prompts"][0], expected["greedy"][0]
+    out = tmp_path / "run.json"
+    assert generate_cli.main([
+        "--pretrained", str(tmp_path / "ckpt"), "--mesh", "1x2",
+        "--prompt", " ".join(f"w{i}" for i in prompt), "--max-new-tokens", "32",
+        "--warmup", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["model"] == "mamba"
+    assert result["texts"] == [" ".join(f"w{i}" for i in greedy[prompt.size:])]
+
+
+def test_another_model_than_the_checkpoints_is_an_error_naming_both(capsys):
+    from jax_flashoverlap.cli import generate as generate_cli
+    from jax_flashoverlap.cli import train as train_cli
+
+    with pytest.raises(SystemExit):
+        generate_cli.parse_args(["--model", "transformer", "--prompt", "x", "--max-new-tokens",
+                                 "4", "--pretrained",
+                                 str(FIXTURES / "groups1_tied")])
+    assert ("holds a mamba2 checkpoint, which --model mamba reads, not --model transformer"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        train_cli.parse_args(["--init-from", str(FIXTURES.parent)])
+    assert "no config.json there" in capsys.readouterr().err
+
+
+def test_training_a_mamba2_checkpoint_and_saving_it_back(tmp_path):
+    """jax-flashoverlap-train --init-from DIR --save-pretrained OUT on a
+    Mamba-2 checkpoint: the first loss is the loaded model's, and OUT loads
+    back with the trained weights."""
+    from jax_flashoverlap.cli import train as train_cli
+
+    with_word_tokenizer(FIXTURES / "groups2_untied", tmp_path / "ckpt", VOCAB)
+    ids = np.random.default_rng(0).integers(0, VOCAB, 400)
+    (tmp_path / "data.txt").write_text(" ".join(f"w{i}" for i in ids))
+    args = train_cli.parse_args([
+        "--init-from", str(tmp_path / "ckpt"), "--save-pretrained", str(tmp_path / "out"),
+        "--data", str(tmp_path / "data.txt"), "--steps", "2", "--batch", "2", "--seq-len", "16",
+        "--mesh", "1x2", "--no-progress", "--lr", "1e-2"])
+    assert args.model == "mamba"
+    result = train_cli.train(args)
+    first = train_cli.batch_at(ids, 0, batch=2, seq_len=16, seed=0)
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        loaded = from_pretrained(tmp_path / "ckpt", impl="xla")
+        logits = logits_of(loaded, jnp.asarray(first[:, :-1]))
+        trained = from_pretrained(tmp_path / "out", impl="xla")
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    want = -np.take_along_axis(logp, first[:, 1:, None], -1).mean()
+    assert result.losses[0] == pytest.approx(want, rel=1e-4)
+    assert not np.allclose(params_of(loaded)[("head",)], params_of(trained)[("head",)])

@@ -54,6 +54,31 @@ def test_import_fails_on_a_bad_variable(tmp_path):
         proc.stderr)
 
 
+def test_a_command_says_a_bad_variable_in_one_line(tmp_path):
+    """Under a command, the same error as its other input errors: status 2,
+    one line, no traceback of the package's import."""
+    env = dict(os.environ, JAX_FLASHOVERLAP_TIMEOUT_MS="soon")
+    proc = subprocess.run([sys.executable, "-m", "jax_flashoverlap.cli.demo", "--reps", "1"],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr == ("jax-flashoverlap-demo: error: JAX_FLASHOVERLAP_TIMEOUT_MS='soon': "
+                           "expected an integer number of milliseconds from 1 to 2147483647; "
+                           "unset it for the default (10000)\n")
+
+
+def test_a_misspelled_variable_is_named_with_the_closest_setting(monkeypatch):
+    monkeypatch.setenv("JAX_FLASHOVERLAP_TIMEOUT", "5")
+    monkeypatch.setenv("JAX_FLASHOVERLAP_QQQ", "1")
+    with pytest.warns(UserWarning) as record:
+        settings.check_all()
+    messages = sorted(str(w.message) for w in record)
+    assert messages[0].startswith("JAX_FLASHOVERLAP_QQQ is set, but "
+                                  "jax_flashoverlap has no such setting; the settings are "
+                                  "JAX_FLASHOVERLAP_GEMM_AUTOTUNE, ")
+    assert messages[1] == ("JAX_FLASHOVERLAP_TIMEOUT is set, but jax_flashoverlap has no such "
+                           "setting; did you mean JAX_FLASHOVERLAP_TIMEOUT_MS?")
+
+
 def test_the_extension_gets_the_parsed_values(monkeypatch):
     """push_settings hands the extension what settings.py parsed; the
     extension itself reads no environment variable (tests/test_layering.py)."""

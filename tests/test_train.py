@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from support import missing_path_in
 
 from jax_flashoverlap import dispatch, models
 from jax_flashoverlap.cli import train
@@ -281,7 +282,7 @@ def test_checkpoint_every_saves_on_schedule(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--mesh", "3x3"], "jax-flashoverlap-train: error: --mesh 3x3 needs 9 devices; there are 8"),
-    (["--data", "/nonexistent"], "--data /nonexistent: no such file"),
+    (["--data", "MISSING"], "--data MISSING: no such file"),
     (["--mesh", "0x2"], "--mesh '0x2': sizes must be positive"),
     (["--mesh", "2by4"], "--mesh '2by4': expected DATAxTENSOR, e.g. 4x2"),
     (["--restore"], "--restore needs a directory: --restore DIR, or --checkpoint-dir DIR"),
@@ -292,7 +293,8 @@ def test_checkpoint_every_saves_on_schedule(tmp_path, capsys):
     (["--model", "mamba", "--attention", "xla"], "--attention applies to --model transformer, "
                                                  "not mamba"),
 ])
-def test_bad_flags_and_files_get_one_line_errors(argv, message, capsys):
+def test_bad_flags_and_files_get_one_line_errors(argv, message, capsys, tmp_path):
+    argv, message = missing_path_in(argv, message, tmp_path)
     try:
         status = train.main([*RUN, "--steps", "1", *argv])
     except SystemExit as e:  # argparse's own errors
@@ -313,6 +315,25 @@ def test_help_shows_the_defaults(capsys):
     assert "no progress bar (the summary still prints)" in text
     assert "still prints) (default" not in text
     assert "(default: True)" not in text and "(default: False)" not in text
+    for phrase in ("tokens per training sequence (default: 256)",
+                   "implementation of the overlap ops (default: auto)",
+                   "AdamW's decoupled weight decay (default: 0.1)",
+                   "the batches' order (default: 0)", "a preset (default: tiny;",
+                   "default: transformer, or the model of a Hugging Face checkpoint"):
+        assert phrase in text, phrase
+
+
+def test_every_command_documents_its_options(capsys):
+    """Each option of generate and tune says what it is (and so its default)."""
+    from jax_flashoverlap.cli import generate, tune
+
+    for parse in (generate.parse_args, tune.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "tokens to generate after the prompt (at least 1)" in text
+    assert "the ops to measure (default:" in text
+    assert "timed runs of each shape and impl (their median counts) (default: 3)" in text
 
 
 def test_without_pydoc_data_the_corpus_names_data(monkeypatch):

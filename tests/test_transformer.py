@@ -134,6 +134,18 @@ def test_a_mesh_without_the_configs_axes():
         CONFIG.check({"x": 1, "y": 2}, batch=1, seq_len=32)
 
 
+@pytest.mark.parametrize("model_cls, config", [(Transformer, CONFIG),
+                                               (models.Mamba2, models.MambaConfig())])
+def test_building_under_a_mesh_without_the_axes_names_them(model_cls, config):
+    """Not JAX's "Resource axis: tensor ... is not found in mesh" from deep
+    inside the first parameter's placement."""
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("cpu")[:1])
+    with jax.set_mesh(mesh), pytest.raises(
+            ValueError, match=rf"{model_cls.__name__}: the mesh has axes \('x',\) but the "
+                              rf"sharding config needs \['data', 'tensor'\]"):
+        model_cls(config, rngs=nnx.Rngs(0))
+
+
 @pytest.mark.parametrize("dtype, head_dim, platform, capability, reason", [
     ("bfloat16", 128, "cuda", "9.0", None),
     ("float16", 256, "cuda", "9.0", None),

@@ -1,6 +1,7 @@
 """The errors users hit, each naming the fix."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +78,25 @@ def test_bad_chunks_name_the_choices(op, chunks, rng):
     with pytest.raises(ValueError, match=r"chunks must be None \(picked by shape\) or an int "
                                          r"from 1 to 64, got"):
         _in_shard_map(op, x, w, (P("tensor"), P()), chunks=chunks)
+
+
+def test_options_xla_ignores_are_named_once(rng, monkeypatch):
+    from jax_flashoverlap import _validation
+
+    monkeypatch.setattr(_validation, "_WARNED_UNUSED", set())
+    x, w = random(rng, (8, 4), "float32"), random(rng, (4, 4), "float32")
+    with pytest.warns(UserWarning, match=r"all_gather_matmul: chunks=4 has no effect under "
+                                         r"impl='xla' \(XLA's own collective\)"):
+        _in_shard_map(jfo.all_gather_matmul, x, w, (P("tensor"), P()), chunks=4, impl="xla")
+    with pytest.warns(UserWarning, match=r"all_reduce: algorithm='one_shot' has no effect"):
+        jax.jit(jax.shard_map(functools.partial(jfo.all_reduce, axis_name="tensor", impl="xla",
+                                                algorithm="one_shot"),
+                              mesh=cpu_mesh(4), in_specs=P("tensor"), out_specs=P("tensor")))(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once only, and none at the defaults
+        _in_shard_map(jfo.all_gather_matmul, x, w, (P("tensor"), P()), chunks=4, impl="xla")
+        _in_shard_map(jfo.matmul_all_reduce, x, w.T, (P(None, "tensor"), P("tensor")),
+                      impl="xla")
 
 
 def test_numpy_int_chunks_are_taken(rng):

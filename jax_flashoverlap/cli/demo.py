@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results to this file")
     parser.add_argument("--reps", type=int, default=5, help="timing repetitions")
     args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error(f"--reps must be at least 1 (the median of the timings), got {args.reps}")
     ensure_cpu_devices(8)
 
     import jax

@@ -9,8 +9,9 @@
 Byte-level tokens, as in training. ``--restore DIR`` loads the parameters of
 the latest checkpoint that ``jax-flashoverlap-train --checkpoint-dir DIR``
 wrote (same ``--model`` and ``--size``); without it the weights are random.
-``--pretrained DIR`` loads a Llama checkpoint in the Hugging Face layout
-instead (``models.from_pretrained``), with its ``tokenizer.json``.
+``--pretrained DIR`` loads a Llama or Mamba-2 checkpoint in the Hugging
+Face layout instead (``models.from_pretrained``; its ``model_type`` sets
+``--model``), with its ``tokenizer.json``.
 The prompt runs through the model in one pass (prefill), then each new token
 is one decode step, all of them in one compiled loop
 (:mod:`jax_flashoverlap.models.decoding`). It prints each row's text, then
@@ -31,6 +32,7 @@ from . import _requires_models  # noqa: F401  (first: names the extra if flax is
 import argparse
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,15 +51,15 @@ from ..models import (
     Generator,
     ShardingConfig,
     from_pretrained,
-    llama_config,
+    pretrained_config,
 )
 from . import tokens as token_codes
 from .devices import ensure_cpu_devices
 from .flags import HelpFormatter, parse_mesh_shape
 from .kernel_flags import refuse_other_models_flags
+from .model_flags import add_model_flags, resolve_model
 from .train import (
     CPU_DEVICES,
-    add_model_flags,
     make_mesh,
     model_config,
     restore_model_state,
@@ -76,12 +78,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          help="load the latest checkpoint of jax-flashoverlap-train "
                               "--checkpoint-dir DIR (default: random weights)")
     weights.add_argument("--pretrained", type=Path, default=None, metavar="DIR",
-                         help="a Llama checkpoint in the Hugging Face layout (config.json, "
-                              "safetensors, tokenizer.json); --size is ignored")
+                         help="a Llama or Mamba-2 checkpoint in the Hugging Face layout "
+                              "(config.json, safetensors, tokenizer.json); --size is ignored")
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the prompt text")
     prompt.add_argument("--prompt-file", type=Path, help="a file holding the prompt")
-    parser.add_argument("--max-new-tokens", type=int, required=True)
+    parser.add_argument("--max-new-tokens", type=int, required=True,
+                        help="tokens to generate after the prompt (at least 1)")
     parser.add_argument("--batch", type=int, default=1,
                         help="rows, each continuing the same prompt")
     parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
@@ -122,11 +125,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "carries one-time costs)")
     parser.add_argument("--json", type=Path, default=None,
                         help="write the text and the timings here")
+    parser.add_argument("--stream", action="store_true",
+                        help="print the text as it decodes (--batch 1; a host callback each "
+                             "step, so the timings are slower)")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     if args.batch < 1:
         parser.error(f"--batch must be at least 1, got {args.batch}")
+    if args.stream and args.batch != 1:
+        parser.error(f"--stream prints one row as it decodes: use --batch 1, not {args.batch}")
+    if args.stream and distributed.is_launched():
+        parser.error("--stream prints from one process: run it without the launcher")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if args.temperature < 0:
@@ -143,10 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "kernels (build_info()['cuda'] is False); use --decode-matmul xla")
     if args.restore is not None and not args.restore.is_dir():
         parser.error(f"--restore {args.restore}: no such directory")
-    if args.pretrained is not None and not (args.pretrained / "config.json").is_file():
-        parser.error(f"--pretrained {args.pretrained}: no config.json there")
-    if args.pretrained is not None and args.model != "transformer":
-        parser.error("--pretrained reads Llama checkpoints: use --model transformer")
+    resolve_model(parser, args, args.pretrained, "--pretrained")
     if args.prompt_file is not None and not args.prompt_file.is_file():
         parser.error(f"--prompt-file {args.prompt_file}: no such file")
     refuse_other_models_flags(parser, args, _MODEL_OF_FLAG)
@@ -179,7 +186,7 @@ def run(args: argparse.Namespace) -> dict:
     mesh = make_mesh(args.mesh or (1, min(2, jax.device_count())), sharding)
     base = args.size
     if args.pretrained is not None:
-        base = llama_config(json.loads((args.pretrained / "config.json").read_text()))
+        base = pretrained_config(args.pretrained)
     config = model_config(args.model, base, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, decode_matmul=args.decode_matmul,
                           decode_attention=args.decode_attention,
@@ -187,7 +194,8 @@ def run(args: argparse.Namespace) -> dict:
     codes = token_codes.for_checkpoint(args.pretrained, config.vocab_size)
     prompt = codes.encode(text)
     if prompt.size == 0:
-        raise SystemExit("jax-flashoverlap-generate: the prompt is empty")
+        raise ValueError("the prompt is empty: give text to continue (--prompt or "
+                         "--prompt-file)")
     if prompt.size + args.max_new_tokens > config.max_seq_len:  # before building the model
         raise ValueError(f"the prompt's {prompt.size} tokens + --max-new-tokens "
                          f"{args.max_new_tokens} exceed the model's max_seq_len="
@@ -210,18 +218,25 @@ def run(args: argparse.Namespace) -> dict:
                    f"{len(jax.devices())} {jax.devices()[0].platform.upper()} device(s)"
                    f"{f' in {jax.process_count()} processes' if multi_process else ''}; "
                    f"impl {args.impl}, dtype {config.dtype}; compiling...")
+        stream = _Stream(codes, text) if args.stream else None
         generator = Generator(model, batch=args.batch, prompt_len=prompt.size,
                               max_new_tokens=args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k)
+                              temperature=args.temperature, top_k=args.top_k,
+                              on_token=stream)
         rng = jax.random.key(args.seed)
         for _ in range(args.warmup):
             jax.block_until_ready(generator(prompts, rng))
         start = time.perf_counter()
         prefilled = jax.block_until_ready(generator.prefill(prompts, rng))
         prefill_s = time.perf_counter() - start
+        if stream:
+            stream.start(prefilled.token)
         start = time.perf_counter()
         tokens, _ = jax.block_until_ready(generator.decode(prefilled, rng))
         decode_s = time.perf_counter() - start
+        if stream:
+            jax.effects_barrier()  # every step's callback has run
+            stream.end()
     tokens = _to_host(tokens)
     steps = args.max_new_tokens - 1
     result = {
@@ -235,16 +250,18 @@ def run(args: argparse.Namespace) -> dict:
         "decode_blocks": "layers" if generator.decode_weights is None else "cuda",
         "decode_mixer": args.decode_mixer, "batch": args.batch, "prompt_tokens": int(prompt.size),
         "new_tokens": args.max_new_tokens, "compile_s": generator.compile_s,
-        "warmup_runs": args.warmup,
+        "warmup_runs": args.warmup, "streamed": args.stream,
         "time_to_first_token_ms": prefill_s * 1e3,
         "per_token_ms": decode_s / steps * 1e3 if steps else None,
         "tokens_per_s": args.batch * steps / decode_s if steps else None,
         "texts": [codes.decode(row[prompt.size:]) for row in tokens],
     }
-    if lead:
+    if lead and not args.stream:
         for i, continuation in enumerate(result["texts"]):
             print(f"--- row {i}:\n{text}{continuation}")
+    if lead:
         kernel = " (the blocks in one CUDA kernel)" if result["decode_blocks"] == "cuda" else ""
+        kernel += " (streamed: a host callback each step)" if args.stream else ""
         per_token = (f"{result['per_token_ms']:.3f} ms per token{kernel} over {steps} decode "
                      f"steps, {result['tokens_per_s']:,.0f} tokens/s" if steps
                      else "no decode step (--max-new-tokens 1)")
@@ -255,6 +272,49 @@ def run(args: argparse.Namespace) -> dict:
         if args.json is not None:
             args.json.write_text(json.dumps(result, indent=1))
     return result
+
+
+class _Stream:
+    """Prints a row's text as the decode loop makes its tokens (the
+    generator's ``on_token``), from :meth:`start` to :meth:`end` (the
+    untimed runs before stay silent): each time what the tokens so far, in
+    step order, decode to beyond what it printed, holding back a partial
+    character."""
+
+    def __init__(self, codes: token_codes.Tokens, prompt: str):
+        self.codes, self.prompt = codes, prompt
+        self.ids: dict[int, int] | None = None
+        self.shown = ""
+        self.lock = threading.Lock()  # callbacks may come from several threads
+
+    def start(self, first: jax.Array) -> None:
+        print(f"--- row 0:\n{self.prompt}", end="", flush=True)
+        self.ids, self.shown = {}, ""
+        self(_to_host(first), 0)
+
+    def __call__(self, tokens: np.ndarray, step: int) -> None:
+        with self.lock:
+            if self.ids is None:
+                return
+            self.ids[step] = int(tokens[0])
+            self._show(self._text().rstrip("\ufffd"))
+
+    def end(self) -> None:
+        with self.lock:
+            self._show(self._text())
+            print(flush=True)
+            self.ids = None
+
+    def _text(self) -> str:
+        ready = []  # the steps from 0 without a gap
+        while len(ready) in self.ids:
+            ready.append(self.ids[len(ready)])
+        return self.codes.decode(np.asarray(ready, np.int32))
+
+    def _show(self, text: str) -> None:
+        if text.startswith(self.shown):
+            print(text[len(self.shown):], end="", flush=True)
+            self.shown = text
 
 
 def _start_nvshmem(heap_mb: int) -> None:

@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import shutil
 import sys
 from collections.abc import Callable, Sequence
@@ -41,14 +40,13 @@ from .. import dispatch
 from ..models import (
     IMPLS,
     MODELS,
-    SIZES,
     MambaConfig,
     ShardingConfig,
     SSDTiling,
     TransformerConfig,
     attention_implementation,
     from_pretrained,
-    llama_config,
+    pretrained_config,
     resolve_scan_layers,
     save_pretrained,
 )
@@ -59,6 +57,7 @@ from .data import batch_at, load_corpus
 from .devices import ensure_cpu_devices
 from .flags import HelpFormatter, parse_mesh_shape
 from .kernel_flags import add_kernel_flags, check_kernel_flags
+from .model_flags import add_model_flags, resolve_model
 from .progress import TrainingProgress
 
 __all__ = ["main", "train", "parse_args", "make_mesh", "model_config",
@@ -70,13 +69,6 @@ PEAK_FLOPS_PER_GPU = 989e12
 PROFILE_STEPS = 3
 
 
-def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """--model and --size, the same for every command that builds a model
-    (a checkpoint restores into the model the same flags build)."""
-    parser.add_argument("--model", choices=tuple(MODELS), default="transformer")
-    parser.add_argument("--size", choices=tuple(SIZES), default="tiny")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-train",
                                      description=__doc__.splitlines()[0],
@@ -85,10 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mesh", type=parse_mesh_shape, default=None, metavar="DATAxTENSOR",
                         help="mesh shape, e.g. 4x2; None: tensor 2, data the rest")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per training sequence")
     parser.add_argument("--steps", type=int, default=100,
                         help="total steps (the schedule's length; --restore continues)")
-    parser.add_argument("--impl", choices=IMPLS, default="auto")
+    parser.add_argument("--impl", choices=IMPLS, default="auto",
+                        help="implementation of the overlap ops")
     add_kernel_flags(parser)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (None: bfloat16 on GPU, float32 on CPU); "
@@ -109,9 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up steps (None: 5%% of --steps)")
-    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--weight-decay", type=float, default=0.1,
+                        help="AdamW's decoupled weight decay")
     parser.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the parameters' initialisation and the batches' order")
     parser.add_argument("--data", type=Path, default=None,
                         help="a file of training text (None: Python's pydoc topics)")
     parser.add_argument("--checkpoint-dir", type=Path, default=None,
@@ -124,9 +119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="resume from the latest checkpoint in DIR (alone: in "
                              "--checkpoint-dir), and keep checkpointing there")
     parser.add_argument("--init-from", type=Path, default=None, metavar="DIR",
-                        help="start from a Llama checkpoint in the Hugging Face layout "
-                             "(config.json, safetensors, tokenizer.json; --size is ignored), "
-                             "its tokenizer reading --data")
+                        help="start from a Llama or Mamba-2 checkpoint in the Hugging Face "
+                             "layout (config.json, safetensors, tokenizer.json; --size is "
+                             "ignored), its tokenizer reading --data")
     parser.add_argument("--save-pretrained", type=Path, default=None, metavar="DIR",
                         help="also write the final model here in the Hugging Face layout "
                              "(with --init-from's tokenizer.json)")
@@ -142,15 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.checkpoint_dir, args.restore = args.restore, True
     if args.restore and args.checkpoint_dir is None:
         parser.error("--restore needs a directory: --restore DIR, or --checkpoint-dir DIR")
+    resolve_model(parser, args, args.init_from, "--init-from")
     check_kernel_flags(parser, args)
     if args.residuals != "named" and args.remat:
         parser.error(f"--residuals {args.residuals} and --remat exclude each other (keep "
                      f"residuals, or recompute every block)")
-    if args.init_from is not None and not (args.init_from / "config.json").is_file():
-        parser.error(f"--init-from {args.init_from}: no config.json there")
-    if (args.init_from or args.save_pretrained) and args.model != "transformer":
-        parser.error("--init-from and --save-pretrained take Llama checkpoints: use "
-                     "--model transformer")
     if args.init_from is not None and args.restore:
         parser.error("--init-from starts a run, --restore resumes one: give one of them")
     if args.data is not None and not args.data.is_file():
@@ -299,7 +290,7 @@ def build(args: argparse.Namespace) -> Trainer:
     _, model_cls = MODELS[args.model]
     base = args.size
     if args.init_from is not None:
-        base = llama_config(json.loads((args.init_from / "config.json").read_text()))
+        base = pretrained_config(args.init_from)
     config = model_config(args.model, base, impl=args.impl, dtype=args.dtype,
                           sharding=sharding, remat=args.remat, scan_layers=args.scan_layers,
                           attention=args.attention, ssd=args.ssd, conv=args.conv,

@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="jax-flashoverlap-tune",
                                      description=__doc__.splitlines()[0],
                                      formatter_class=HelpFormatter)
-    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS),
+                        help="the ops to measure")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="operand dtype (default: bfloat16 on GPUs, float32 on CPUs)")
     parser.add_argument("--axis-size", type=int, default=None,
@@ -72,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=1,
                         help="the model's rows per data rank (training and decoding)")
     parser.add_argument("--no-grid", action="store_true", help="only the --model shapes")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3,
+                        help="timed runs of each shape and impl (their median counts)")
     parser.add_argument("--budget-s", type=float, default=300.0,
                         help="stop measuring after this many seconds, checked between "
                              "shapes (what ran is kept)")

@@ -11,13 +11,11 @@ after each prompt. Needs torch and transformers (the GPU machine has both);
 runs on the CPU in float32.
 """
 
-import json
 import os
-import sys
 
-import numpy as np
 import torch
 import transformers
+from hf_fixtures import output_dir, save_with_expectations
 
 CONFIGS = {
     "gqa_untied": dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False),
@@ -32,9 +30,6 @@ BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=88, num_hidden_lay
             rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=False,
             mlp_bias=False, hidden_act="silu",
             bos_token_id=None, eos_token_id=None)  # greedy runs all 32 tokens
-PROMPTS = 2
-PROMPT_LEN = 12
-NEW_TOKENS = 32
 
 
 def make(name: str, fields: dict, out: str) -> None:
@@ -47,24 +42,11 @@ def make(name: str, fields: dict, out: str) -> None:
         for layer in model.model.layers:
             for norm in (layer.input_layernorm, layer.post_attention_layernorm):
                 norm.weight.uniform_(0.5, 1.5)
-    path = os.path.join(out, name)
-    model.save_pretrained(path, safe_serialization=True)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, config.vocab_size, (PROMPTS, PROMPT_LEN))
-    with torch.no_grad():
-        tokens = torch.from_numpy(prompts)
-        logits = model(tokens).logits.numpy().astype(np.float32)
-        greedy = model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                attention_mask=torch.ones_like(tokens),
-                                pad_token_id=0).numpy()
-    np.savez(os.path.join(path, "expected.npz"), prompts=prompts, logits=logits, greedy=greedy)
-    with open(os.path.join(path, "made_with.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f)
-    print(f"{name}: logits {logits.shape}, greedy {greedy.shape}")
+    save_with_expectations(name, model, config.vocab_size, out)
 
 
 def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "llama")
+    out = output_dir(os.path.join(os.path.dirname(__file__), "llama"))
     for name, fields in CONFIGS.items():
         make(name, fields, out)
 

@@ -11,14 +11,12 @@ Needs torch and transformers; runs on the CPU in float32 (transformers'
 own PyTorch path, not the CUDA kernels).
 """
 
-import json
 import math
 import os
-import sys
 
-import numpy as np
 import torch
 import transformers
+from hf_fixtures import output_dir, save_with_expectations
 
 CONFIGS = {
     "groups2_untied": dict(n_groups=2, num_heads=8, head_dim=8, hidden_size=32, state_size=8,
@@ -31,9 +29,6 @@ CONFIGS = {
 BASE = dict(vocab_size=211, num_hidden_layers=2, expand=2, conv_kernel=4,
             layer_norm_epsilon=1e-5, use_bias=False, use_conv_bias=True, hidden_act="silu",
             bos_token_id=None, eos_token_id=None, pad_token_id=None)  # greedy runs all 32 tokens
-PROMPTS = 2
-PROMPT_LEN = 12
-NEW_TOKENS = 32
 
 
 def make(name: str, fields: dict, out: str) -> None:
@@ -52,24 +47,11 @@ def make(name: str, fields: dict, out: str) -> None:
             mixer.D.uniform_(0.5, 1.5)
             mixer.dt_bias.uniform_(-2.0, 0.0)
         model.backbone.norm_f.weight.uniform_(0.5, 1.5)
-    path = os.path.join(out, name)
-    model.save_pretrained(path, safe_serialization=True)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(0, config.vocab_size, (PROMPTS, PROMPT_LEN))
-    with torch.no_grad():
-        tokens = torch.from_numpy(prompts)
-        logits = model(tokens).logits.numpy().astype(np.float32)
-        greedy = model.generate(tokens, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                attention_mask=torch.ones_like(tokens),
-                                pad_token_id=0).numpy()
-    np.savez(os.path.join(path, "expected.npz"), prompts=prompts, logits=logits, greedy=greedy)
-    with open(os.path.join(path, "made_with.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "transformers": transformers.__version__}, f)
-    print(f"{name}: logits {logits.shape}, greedy {greedy.shape}")
+    save_with_expectations(name, model, config.vocab_size, out)
 
 
 def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "mamba2")
+    out = output_dir(os.path.join(os.path.dirname(__file__), "mamba2"))
     for name, fields in CONFIGS.items():
         make(name, fields, out)
 
