@@ -36,6 +36,7 @@ from . import (
     settings,
     xla_baseline,
 )
+from ._ffi_targets import FFI_TARGETS
 
 __all__ = ["OpDef", "bind", "OPS"]
 
@@ -244,7 +245,7 @@ def _baseline(fn):
 
 OPS: dict[str, OpDef] = {
     "all_gather_matmul": OpDef(
-        "all_gather_matmul", "jfo_all_gather_matmul",
+        "all_gather_matmul", FFI_TARGETS["all_gather_matmul"],
         # x_gathered (the backward residual) is [0, k] unless asked for.
         lambda xs, ws, n, opts: ((n * xs[0], ws[1]),
                                  (n * xs[0] if opts.get("gathered") else 0, xs[1])), False,
@@ -253,20 +254,20 @@ OPS: dict[str, OpDef] = {
         lambda x, w: (_local_dot(x, w), x),
         cuda_options=_collective_matmul_options("all_gather_matmul")),
     "matmul_reduce_scatter": OpDef(
-        "matmul_reduce_scatter", "jfo_matmul_reduce_scatter",
+        "matmul_reduce_scatter", FFI_TARGETS["matmul_reduce_scatter"],
         lambda xs, ws, n, opts: ((xs[0] // n, ws[1]),), False,
         _as_tuple(_baseline(xla_baseline.matmul_reduce_scatter)),
         _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs,
         _as_tuple(_local_dot), cuda_options=_collective_matmul_options("matmul_reduce_scatter")),
     "matmul_all_reduce": OpDef(
-        "matmul_all_reduce", "jfo_matmul_all_reduce",
+        "matmul_all_reduce", FFI_TARGETS["matmul_all_reduce"],
         lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
         _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
         _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs,
         _as_tuple(_local_dot), options=_mar_options, cuda_options=_mar_cuda_options,
         cuda_lowering=_mar_lowering),
     "all_reduce": OpDef(
-        "all_reduce", "jfo_all_reduce",
+        "all_reduce", FFI_TARGETS["all_reduce"],
         lambda xs, n, opts: (xs,), True,
         _as_tuple(_baseline(xla_baseline.all_reduce)),
         _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs, lambda x: (x,),

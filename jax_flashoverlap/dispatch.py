@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from . import _extension, cuda_policy
+from ._ffi_targets import FFI_TARGETS
 
 __all__ = ["resolve", "explain", "Decision", "prefer_xla", "AUTO_OPS",
            "all_reduce_across_processes"]
@@ -156,7 +157,7 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
         kernels reach only their peers' workspaces, not their outputs, so
         the all-reduce stages its gathers.
     """
-    from . import _primitives, tuning
+    from . import tuning
 
     dtype = np.dtype(dtype)
     if n == 1:
@@ -180,7 +181,7 @@ def resolve(op: str, shapes: Shapes, dtype, n: int, *, platform: str,
         return Decision("xla", why)
     impls = ["xla", "decomposed"]
     unfit = _cuda_unfit(op, shapes, dtype, n, chunks, entry) if gpu else "not a CUDA platform"
-    if gpu and not _extension.cuda_ops_available(_primitives.OPS[op].ffi_target):
+    if gpu and not _extension.cuda_ops_available(FFI_TARGETS[op]):
         unfit = "the CUDA build lacks this op"
     if not unfit:
         impls.append("cuda")

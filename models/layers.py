@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from flax import nnx
 
 from jax_flashoverlap.nn import same_variance, shard_map_apply
 
-from .config import NORM_BACKWARDS
+from .config import NORM_BACKWARDS, RopeScaling
 
 __all__ = ["RMSNorm", "CausalLM", "linear_options", "make_layers", "rms_norm",
            "same_variance"]
@@ -393,3 +393,55 @@ class CausalLM(nnx.Module):
             body = jax.checkpoint(body, policy=recompute)
         x, outs = jax.lax.scan(body, x, stacked)
         return x, [jax.tree.map(lambda a, i=i: a[i], outs) for i in range(len(self.blocks))]
+
+
+def rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
+         scaling: RopeScaling | None = None) -> jax.Array:
+    """Rotary embeddings ("rotate half" layout).
+
+    Args:
+      x: [s, b, heads, h].
+      theta: base of the frequencies.
+      positions: [s] int, the position of each row of ``x``; default 0..s-1.
+      scaling: Llama 3.1's frequency stretch, or None.
+
+    Returns:
+      x rotated by position, same shape and dtype.
+    """
+    h = x.shape[-1]
+    if positions is None:
+        positions = jnp.arange(x.shape[0])
+    freq = rope_frequencies(h, theta, scaling)                           # [h/2]
+    angle = positions.astype(jnp.float32)[:, None] * freq                 # [s, h/2]
+    cos, sin = (f(angle)[:, None, None, :] for f in (jnp.cos, jnp.sin))
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float,
+                     scaling: RopeScaling | None = None) -> jax.Array:
+    """The rotary frequencies, float32 [head_dim / 2], stretched by ``scaling``."""
+    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        return freq
+    wavelength = 2 * jnp.pi / freq
+    low = scaling.original_max_position / scaling.low_freq_factor    # longest kept as is
+    high = scaling.original_max_position / scaling.high_freq_factor
+    smooth = ((scaling.original_max_position / wavelength - scaling.low_freq_factor)
+              / (scaling.high_freq_factor - scaling.low_freq_factor))
+    between = (1 - smooth) * freq / scaling.factor + smooth * freq
+    return jnp.where(wavelength > low, freq / scaling.factor,
+                     jnp.where(wavelength < high, freq, between))
+
+
+class KVCache(NamedTuple):
+    """One layer's keys and values for decoding, per device.
+
+    ``k``, ``v``: [b, kv, L, h] in the compute dtype, this rank's key/value
+    heads (split over the tensor axis), rotary embeddings applied to ``k``;
+    L is the cache length, fixed when the prompt fills it. Positions past
+    the current one hold nothing the attention reads.
+    """
+
+    k: jax.Array
+    v: jax.Array

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,9 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear, shard_map_apply
 
-from . import decode_attention_pallas
-from .config import RopeScaling, TransformerConfig
-from .layers import CausalLM, RMSNorm, linear_options
+from . import decode_attention_pallas, transformer_decode_cuda
+from .config import TransformerConfig
+from .layers import CausalLM, KVCache, RMSNorm, linear_options, rope
 from .pallas_gpu import on_cuda
 
 __all__ = ["Transformer", "Block", "Attention", "MLP", "KVCache", "rope",
@@ -145,7 +144,6 @@ def decode_blocks_implementation(config: TransformerConfig, *, batch: int, tenso
     """
     if config.decode_blocks == "layers":
         return "layers"
-    from . import transformer_decode_cuda  # it imports this module
     why_not = transformer_decode_cuda.unsupported_reason(config, tensor_size=tensor_size,
                                                          batch=batch)
     if config.decode_blocks == "auto":
@@ -193,58 +191,6 @@ def resolve_scan_layers(config: TransformerConfig, attention: str) -> Transforme
                       "scan_layers=None (unrolled with cuDNN) or attention_impl='xla' avoid "
                       "it.", stacklevel=2)
     return config
-
-
-def rope(x: jax.Array, theta: float, positions: jax.Array | None = None,
-         scaling: RopeScaling | None = None) -> jax.Array:
-    """Rotary embeddings ("rotate half" layout).
-
-    Args:
-      x: [s, b, heads, h].
-      theta: base of the frequencies.
-      positions: [s] int, the position of each row of ``x``; default 0..s-1.
-      scaling: Llama 3.1's frequency stretch, or None.
-
-    Returns:
-      x rotated by position, same shape and dtype.
-    """
-    h = x.shape[-1]
-    if positions is None:
-        positions = jnp.arange(x.shape[0])
-    freq = rope_frequencies(h, theta, scaling)                           # [h/2]
-    angle = positions.astype(jnp.float32)[:, None] * freq                 # [s, h/2]
-    cos, sin = (f(angle)[:, None, None, :] for f in (jnp.cos, jnp.sin))
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
-
-
-def rope_frequencies(head_dim: int, theta: float,
-                     scaling: RopeScaling | None = None) -> jax.Array:
-    """The rotary frequencies, float32 [head_dim / 2], stretched by ``scaling``."""
-    freq = theta ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    if scaling is None:
-        return freq
-    wavelength = 2 * jnp.pi / freq
-    low = scaling.original_max_position / scaling.low_freq_factor    # longest kept as is
-    high = scaling.original_max_position / scaling.high_freq_factor
-    smooth = ((scaling.original_max_position / wavelength - scaling.low_freq_factor)
-              / (scaling.high_freq_factor - scaling.low_freq_factor))
-    between = (1 - smooth) * freq / scaling.factor + smooth * freq
-    return jnp.where(wavelength > low, freq / scaling.factor,
-                     jnp.where(wavelength < high, freq, between))
-
-
-class KVCache(NamedTuple):
-    """One layer's keys and values for decoding, per device.
-
-    ``k``, ``v``: [b, kv, L, h] in the compute dtype, this rank's key/value
-    heads (split over the tensor axis), rotary embeddings applied to ``k``;
-    L is the cache length, fixed when the prompt fills it. Positions past
-    the current one hold nothing the attention reads.
-    """
-
-    k: jax.Array
-    v: jax.Array
 
 
 class Attention(nnx.Module):
@@ -452,7 +398,6 @@ class Transformer(CausalLM):
         """
         if self.decode_blocks_implementation(batch=batch, tensor_size=tensor_size) == "layers":
             return None
-        from . import transformer_decode_cuda  # it imports this module
         # Each rank lays out its own shards (transformer_decode_cuda.weight_specs).
         return shard_map_apply(
             lambda model: transformer_decode_cuda.prepare_weights(model.blocks, model.config),
@@ -460,7 +405,6 @@ class Transformer(CausalLM):
 
     def decode_weights_specs(self):
         """:meth:`decode_weights`' ``PartitionSpec`` s (global view)."""
-        from . import transformer_decode_cuda  # it imports this module
         return transformer_decode_cuda.weight_specs(self.config)
 
     def decode_blocks_implementation(self, *, batch: int, tensor_size: int) -> str:
@@ -474,7 +418,6 @@ class Transformer(CausalLM):
                                             weight_bytes=weight_bytes)
 
     def _decode_layers_with(self, weights, x, caches, pos):
-        from . import transformer_decode_cuda
         y, caches = transformer_decode_cuda.decode_blocks(x[0], pos, weights, caches, self.config)
         return y[None], caches
 

@@ -47,8 +47,8 @@ from jax_flashoverlap.group_call import group_ffi_call
 from jax_flashoverlap.nn import same_variance
 
 from .config import TransformerConfig
+from .layers import KVCache, rope
 from .pallas_gpu import on_cuda
-from .transformer import KVCache, rope
 
 __all__ = ["AUTO_MAX_BATCH", "DecodeWeights", "HEAD_DIMS", "MAX_BATCH", "MAX_TENSOR_SIZE",
            "TENSOR_PARALLEL", "decode_blocks", "emulate_tensor_ranks", "prepare_weights",
@@ -297,7 +297,7 @@ def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
       pos: int32 scalar, the token's position; the caches hold 0..pos-1.
       weights: :func:`prepare_weights`' result (a rank's shard at a tensor
         size t above 1, :func:`weight_specs`).
-      caches: a :class:`~models.transformer.KVCache` per layer, [b, KV / t,
+      caches: a :class:`~models.layers.KVCache` per layer, [b, KV / t,
         L, h] each; donate them and they are updated in place.
       config: the model's.
 

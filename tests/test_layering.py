@@ -76,3 +76,55 @@ def test_the_package_touches_the_environment_only_through_settings():
                for i, line in enumerate(p.read_text().splitlines(), 1)
                if "os.environ" in line or "getenv(" in line]
     assert not readers, readers
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports, anywhere in it (deferred
+    and type-checking imports too), packages' __init__ left out."""
+    files = {}
+    for path in (ROOT / "jax_flashoverlap").rglob("*.py"):
+        files[".".join(path.relative_to(ROOT).with_suffix("").parts)] = path
+    for path in (ROOT / "models").glob("*.py"):
+        files["jax_flashoverlap.models." + path.stem] = path
+    modules = {name for name in files if not name.endswith("__init__")}
+    graph = {}
+    for name in modules:
+        package = name.rsplit(".", 1)[0]
+        edges = set()
+        for node in ast.walk(ast.parse(files[name].read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1],
+                                     *([base] if base else [])])
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def test_no_import_cycles():
+    graph = _module_graph()
+    assert len(graph) > 60, len(graph)
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module):
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target]
+                raise AssertionError("import cycle: " + " -> ".join(cycle))
+            if target not in state:
+                visit(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)

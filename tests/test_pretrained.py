@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 from jax_flashoverlap.models import Transformer, TransformerConfig, generate
 from jax_flashoverlap.models.config import RopeScaling
+from jax_flashoverlap.models.layers import rope_frequencies
 from jax_flashoverlap.models.pretrained import from_pretrained, llama_config, save_pretrained
-from jax_flashoverlap.models.transformer import rope_frequencies
 from model_support import check_matches_transformers, logits_of, params_of
 from support import cpu_mesh, with_word_tokenizer
 

@@ -3,25 +3,32 @@ and the numbers of its final summary."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
 import statistics
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 
-if TYPE_CHECKING:
-    from .train import Trainer
-
 __all__ = ["TrainingProgress"]
+
+
+class TrainingRun(Protocol):
+    """What the progress reads of a run (:class:`~jax_flashoverlap.cli.train.Trainer`)."""
+
+    args: argparse.Namespace  # the training command's flags
+    num_params: int
+    flops_per_step: float
+    peak_flops: float | None
 
 
 class TrainingProgress:
     """Per-step loss and timing, the tqdm bar, and the final numbers."""
 
-    def __init__(self, trainer: Trainer, start: int, untimed=()):
+    def __init__(self, trainer: TrainingRun, start: int, untimed=()):
         self.trainer = trainer
         self.start = start
         self.untimed = set(untimed)  # steps left out of the summary's step time
