@@ -138,8 +138,7 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
     alike. Compare two ops by the median of
     their per-repetition ratios (:func:`median_ratio`): on 8 CPU devices that share cores, "auto"
     timed by its own :func:`time_per_op` calls came out 0.81 to 1.37 times
-    the fastest impl although it compiles to one of their programs
-    (docs/measurements.md, session 18).
+    the fastest impl although it compiles to one of their programs.
 
     Args:
       ops: name -> ``op(*per_device_args)``, as :func:`time_per_op` takes it.

@@ -10,7 +10,7 @@ dimension in thread-block clusters that sum their parts on chip.
 The kernel is an experiment, off by default: on one H200 the 1B
 Transformer's 64 decode matmuls took 0.82-0.97 ms with it at one row against
 0.70-0.72 ms as XLA's GEMMs, which also take in the neighbouring residual
-adds and activations (docs/measurements.md, session 23).
+adds and activations.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def _xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
     0.11.2 on an H200, [2048, 4096] and smaller weights were reduced
     unpadded, [8192, 2048] and [2048, 16384] stayed GEMMs, and the 1B
     Transformer's decode step was 1.015x faster padding only the smaller
-    ones than padding all (docs/measurements.md, session 35).
+    ones than padding all.
     """
     if math.prod(x.shape[:-1]) != 1 or w.size >= ONE_ROW_PAD_BELOW:
         return jnp.dot(x, w)

@@ -40,7 +40,7 @@ DECODE_BLOCKS = ("auto", "layers", "cuda")
 # MambaConfig.decode_mixer, a decode step's work between in_proj and the
 # gated norm (convolution, SSM state update, skip): "xla" is XLA's ops,
 # "pallas" one kernel a layer (models.mamba_decode_pallas; opt-in: slower
-# than XLA's fusions on one H200, docs/measurements.md session 29).
+# than XLA's fusions on one H200).
 DECODE_MIXER_IMPLS = ("xla", "pallas")
 # The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
 # kernels where they can run (models.mamba.ssd).
@@ -415,18 +415,17 @@ class MambaConfig(_Presets):
         that writes in_proj's output gradient (:mod:`models.conv_pallas`);
         "xla", XLA's ops; "auto" (default), the kernel on CUDA GPUs (at the
         1.4B size and sequence 8192 on one H200: a step 241.1 ms against
-        247.3 with "xla", docs/measurements.md session 33), XLA's ops
+        247.3 with "xla"), XLA's ops
         elsewhere. The forward is XLA's either way.
       norm_backward: the gated norm's backward, one of
         :data:`NORM_BACKWARDS` (see :func:`models.layers.rms_norm`). "auto"
         (default): fused Pallas kernels on GPUs (at the 1.4B size and
         sequence 8192 on one H200: a step 257.2 ms against 264.1 with
-        "autodiff", docs/measurements.md session 25), XLA's ops elsewhere.
+        "autodiff"), XLA's ops elsewhere.
       fuse_skip: the SSD adds the D skip and writes y in the compute dtype
         (inside its output kernel on the Pallas path; default) instead of the
         model adding it to a float32 y. At the 1.4B size and sequence 8192 on
-        one H200: a step 265.9 ms against 274.7 without, the same peak memory
-        (docs/measurements.md, session 22).
+        one H200: a step 265.9 ms against 274.7 without, the same peak memory.
       ssd_tiling: the Pallas SSD kernels' tiles, warps and pipeline
         stages (:class:`SSDTiling`; the default leaves each at the kernels'
         own).
@@ -442,22 +441,20 @@ class MambaConfig(_Presets):
         :func:`models.mamba.decode_mixer_implementation`): "xla" (default)
         or "pallas", one Pallas GPU kernel a layer
         (:mod:`models.mamba_decode_pallas`; on one H200 3.79 µs a layer for
-        XLA's ops against 4.10 for the kernel at batch 1, docs/measurements.md
-        session 29).
+        XLA's ops against 4.10 for the kernel at batch 1).
       residuals: what a block keeps for the backward, one of
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
         "all" keeps every residual (measured at the 1.4B size and sequence
         8192 on one H200: a step 254.0 ms against the default's 270.5, about
-        0.6 GB more per layer; docs/measurements.md, session 21).
+        0.6 GB more per layer).
       sharding: how it maps onto the mesh.
       auto_xla_ops: ops that ``impl="auto"`` leaves to XLA in this model's
         training step (``jax_flashoverlap.dispatch.prefer_xla``, entered by
         ``jax_flashoverlap.cli.train``). matmul_reduce_scatter by default: the
         1b step on 2 H200s (scanned blocks, bf16, sequence 8192) took 455.5
         ms with it fused against 416.6 under impl="xla" in one process, and
-        389.0 with it left to XLA against 416.4 in another
-        (docs/measurements.md, session 14), although the fused op alone beats
+        389.0 with it left to XLA against 416.4 in another, although the fused op alone beats
         XLA at the block's shape. Why is not known yet.
     """
 

@@ -18,7 +18,7 @@ k shifts the transposed convolution needs, and writes in_proj's output
 gradient whole, with z's and dt's gradients copied into it, plus the
 weight's and bias's partial sums (kept elementwise across its tiles,
 summed once). At that shape the step took 241.1 ms with it against 247.3
-with XLA's ops (docs/measurements.md, session 33): ``conv_impl="auto"``,
+with XLA's ops: ``conv_impl="auto"``,
 the default, runs it on CUDA GPUs.
 
 Each program reads only rows at and after its block's (the shifts the
@@ -123,7 +123,7 @@ def _forward(zxbcdt, weight, bias, layout: Layout):
     groups = zxbcdt.shape[2]
     # One convolution per part, each written where its consumer reads it: a
     # convolution over all channels made XLA copy x, B and C out of its
-    # output (docs/measurements.md, session 23).
+    # output.
     pre = [checkpoint_name(causal_conv1d(*part), CONV_NAME) for part in zip(
         layout.parts(xbc), layout.parts(weight.reshape(-1, groups, layout.conv_channels)),
         layout.parts(bias.reshape(groups, layout.conv_channels)))]

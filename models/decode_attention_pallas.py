@@ -39,8 +39,7 @@ _BLOCK = 64
 # kernel is traced. The 1B Transformer's decode step on one H200 at batch 1,
 # context 512, one process: 64 positions 0.883 ms [0.878, 0.890], 128 0.896
 # [0.876, 0.899], 256 0.918 [0.914, 0.925] (benchmarks/decode.py
-# --split-positions, docs/measurements.md session 35; session 28's rows had
-# all run one trace). 64 and 128 overlap: 128 stays.
+# --split-positions). 64 and 128 overlap: 128 stays.
 MIN_SPLIT_POSITIONS = 128
 # The largest batch per device at which decode_attention="auto" runs this
 # kernel: at batch 1 it measured 1.077x cuDNN's step, at 8 0.994x and at 32
@@ -56,12 +55,12 @@ _ROWS = 16
 # Whether the kernel takes q, k and v as one array [b, kv, rows, h] (the
 # query rows, then the key, the value and zero rows; rows a power of two
 # from _ROWS) instead of q padded to _ROWS rows, k and v apart. XLA wrote
-# each of the three in a kernel of its own (with the rotary embeddings;
-# docs/measurements.md, session 35): one array can be one such kernel. Its
+# each of the three in a kernel of its own (with the rotary embeddings):
+# one array can be one such kernel. Its
 # rows past the queries are attended too and dropped. Read where the kernel
 # is traced. On: the 1B model's step at batch 1 ran 1.023-1.042x faster
 # than with the inputs apart, at contexts 512 and 2048, with two XLA
-# kernels a layer fewer (docs/measurements.md, session 39).
+# kernels a layer fewer.
 PACKED_INPUTS = True
 # A finite "minus infinity": exp(_NEG - _NEG) is 1, not NaN, for a split
 # that reads nothing, and masked scores are dropped by a select, not by it.

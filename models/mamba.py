@@ -549,8 +549,7 @@ class Mamba2Block(nnx.Module):
     """Pre-norm residual block around the mixer."""
 
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):
-        # XLA's ops: through the norm kernels the 1.4B step was no faster
-        # (docs/measurements.md, session 25).
+        # XLA's ops: through the norm kernels the 1.4B step was no faster.
         self.norm = RMSNorm(config.embed_dim, eps=config.norm_eps)
         self.mixer = Mamba2Mixer(config, rngs=rngs)
 
@@ -596,8 +595,7 @@ class Mamba2(CausalLM):
     # (the gated norm's input). On one H200 (1.4B, sequence 8192) keeping the
     # convolution's output cost 4.7 GB and saved 5.9 ms of a 276.4 ms step;
     # keeping every residual (config.residuals="all") took 254.0 ms against
-    # that 270.5, at a peak of 64.5 GB against 35.8 (docs/measurements.md,
-    # session 21).
+    # that 270.5, at a peak of 64.5 GB against 35.8.
     saved_in_backward = ("mamba_in_proj", conv_pallas.CONV_NAME, "mamba_ssd")
 
     def __init__(self, config: MambaConfig, *, rngs: nnx.Rngs):

@@ -5,7 +5,7 @@ From in_proj's output to the SSD's y, a decode step is the convolution over
 the last k positions, its SiLU, the step size's softplus, the SSM state's
 update and its product with C, and the skip. XLA runs that as about seven
 kernels a layer of 1-2.5 µs each, a third of the 1.4B model's time per token
-on one H200 (docs/measurements.md, session 28's profile), while the state
+on one H200 (a profile of the decode loop), while the state
 it reads and writes is 2 MiB a layer at batch 1, well under a microsecond
 of HBM. Here one kernel does it all: each program takes one (batch row,
 head, block of the head's channels), reads its channels of in_proj's output
@@ -16,8 +16,7 @@ y with the skip added and its channels of the next convolution state.
 Opt-in (``MambaConfig.decode_mixer="pallas"``): correct on an H200, but
 slower than XLA's fusions of the same step. 48 layers' steps at batch 1,
 states carried and donated: XLA 3.79 µs a layer, the kernel 4.10 with 16
-channels a program, 4.40 with 64 (scripts/mamba_decode_mixer_probe.py,
-docs/measurements.md session 29); in the 1.4B model's decode loop the
+channels a program, 4.40 with 64; in the 1.4B model's decode loop the
 first version lost 3-8% a token.
 
 The convolution state is a ring of k rows, position t's input in row

@@ -33,7 +33,7 @@ __all__ = ["AUTO_MIN_ROWS", "Tiling", "gated_rms_norm", "gated_rms_norm_or",
            "unsupported_reason"]
 
 # Rows (tokens) from which norm_backward="auto" runs the kernels: training and
-# prefill, with thousands, gained (docs/measurements.md, session 24); a decode
+# prefill, with thousands, gained; a decode
 # step's few rows keep XLA's ops, which fuse the norm with its neighbours, as
 # they ran when the decode loop was measured. The crossover is not measured.
 AUTO_MIN_ROWS = 1024
@@ -41,7 +41,7 @@ AUTO_MIN_ROWS = 1024
 # Rows of a group per program and warps, by default: of rows 4-32 x 4 or 8
 # warps at Mamba-2 1.4B's gated norm (groups of 512) on one H200, 4 rows
 # with 8 warps had the fastest forward + backward in two sweeps, about 8%
-# faster than 16 rows (docs/measurements.md, session 25).
+# faster than 16 rows.
 _ROWS = 4
 _NUM_WARPS = 8
 

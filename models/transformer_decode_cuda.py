@@ -3,8 +3,8 @@
 XLA runs a decode step's block as 15-17 kernels (norms, four weight GEMMs,
 the rotary embeddings, attention, residual adds), and at one token per step
 each kernel boundary leaves HBM idle while the next starts: on one H200 the
-1B model's step took about twice the time its weights take to read
-(docs/measurements.md, session 35). ``jfo_transformer_decode``
+1B model's step took about twice the time its weights take to read.
+``jfo_transformer_decode``
 (``ffi/src/transformer_decode.cu``) runs all blocks of a step as one
 persistent kernel, one CTA per SM, each stage polling the outputs it
 needs from the previous one, its weights streamed by TMA bulk copies that
@@ -24,7 +24,7 @@ the kernel's arithmetic in JAX on the same layout.
 :data:`AUTO_MAX_BATCH` rows per device: on one H200 (the 1B model, context
 512, one process) it took 0.726 ms a token against 0.884 through XLA's
 kernels at batch 1 (1.70x the HBM floor), 0.796 against 0.923 at batch 2
-and 0.940 against 0.920 at batch 4 (docs/measurements.md, session 40).
+and 0.940 against 0.920 at batch 4.
 What still separates it from the floor is the chain of dependent loads in
 each layer (norms, attention, handoffs) and each chunk's sync and copy
 issue; ``scripts/transformer_decode_probe.py`` times its stages and
@@ -58,7 +58,7 @@ TARGET = "jfo_transformer_decode"
 MAX_BATCH = 4
 # decode_blocks="auto" runs the kernel up to this many rows per device: on
 # one H200 (1B, context 512) it was 1.22x the layers' step at batch 1, 1.16x
-# at 2 and 0.98x at 4 (docs/measurements.md, session 40).
+# at 2 and 0.98x at 4.
 AUTO_MAX_BATCH = 2
 HEAD_DIMS = (64, 128)
 MAX_LAYERS = 64
@@ -78,13 +78,13 @@ CHUNK_BYTES = 32768
 # The ring's slots: 0 takes as many as fit in shared memory (up to 16; 6 at
 # batch 1 of the 1B model). Fewer leave fewer bytes in flight per SM when a
 # stage polls another's outputs: its gathers were shorter and its weight
-# streams slower, the step no faster (docs/measurements.md, session 39).
+# streams slower, the step no faster.
 # Read where the kernel is traced.
 RING_SLOTS = 0
 # The kernel's optional paths, bit flags (read where the kernel is traced;
 # ffi/src/transformer_decode/params.cuh), all on by default: together they
 # took the 1B model's step from 814 to 730 us on one H200 (batch 1,
-# context 512; docs/measurements.md, session 38). 0 is the kernel with grid
+# context 512). 0 is the kernel with grid
 # barriers between its stages and fences before its counts, for comparison.
 # EVICT_FIRST_WEIGHTS marks the weights' copies evict-first in L2,
 # RESIDUAL_AHEAD reads the residual adds' inputs before their GEMVs,

@@ -1,7 +1,8 @@
-"""The library apart from its applications: what imports what."""
+"""The library apart from its applications: what imports what, and what its sources say."""
 
 import ast
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -128,3 +129,15 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+def test_source_comments_give_reasons_not_history():
+    """No session numbers and no pointers into lab notes in the library, the
+    models or the kernels: a choice made by measurement says what was
+    measured, where it is made."""
+    history = re.compile(r"[Ss]essions? \d+|measurements\.md|NOTES\.md|benchmarks/experiments")
+    sources = [*(ROOT / "jax_flashoverlap").rglob("*.py"), *(ROOT / "models").glob("*.py"),
+               *(p for p in (ROOT / "ffi" / "src").rglob("*") if p.is_file())]
+    found = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in sources
+             for i, line in enumerate(p.read_text().splitlines(), 1) if history.search(line)]
+    assert not found, "\n".join(found)

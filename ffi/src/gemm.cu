@@ -50,9 +50,8 @@ std::map<PlanKey, Plan> g_plans;
 // Autotuning (on unless JAX_FLASHOVERLAP_GEMM_AUTOTUNE=0): the heuristic's
 // first choices, each timed on the call's own operands when a problem is
 // first seen. The fused ops run GEMMs of a fraction of the rows XLA's dot
-// would see, whose best tile can differ from the heuristic's pick (measured
-// in benchmarks/NOTES.md: 643 -> 625 us of GEMM kernels in all_gather_matmul
-// at 2048x8192x7168).
+// would see, whose best tile can differ from the heuristic's pick (on
+// all_gather_matmul at 2048x8192x7168: 643 -> 625 us of GEMM kernels).
 constexpr int kHeuristicCandidates = 8;
 constexpr int kTimedRuns = 3;
 struct TimingEvents {

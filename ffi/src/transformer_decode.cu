@@ -28,8 +28,7 @@
 // chunk's GEMV is a few mma.sync a warp. Each CTA copies its chunks with TMA
 // bulk copies into a ring of shared-memory slots that runs ahead of the
 // arithmetic across stage and layer boundaries: while a CTA waits or
-// attends, its next weights are in flight. Measurements:
-// docs/measurements.md (sessions 36-38).
+// attends, its next weights are in flight.
 //
 // Across tensor ranks each rank runs the kernel on its share of the heads
 // and of the MLP's units, and out's and down's partial sums are exchanged in

@@ -249,7 +249,7 @@ def _verify(entries, mesh, dtype, rng, reps, out) -> float:
     picked the fastest. Else auto is timed among them. The fastest impl is
     the one of least median time. Timing identical programs apart would
     measure only the machine's spread: on 8 CPU devices that share cores
-    they came out 0.81 to 1.93 times each other (docs/measurements.md).
+    they came out 0.81 to 1.93 times each other.
     """
     if not entries:
         print("verify: no tuned shapes to verify", file=out)

@@ -6,8 +6,7 @@
 // the launch's start, and the next stage polls the values themselves until
 // none is kHandoffEmpty: no fence, no grid barrier, and a CTA starts as soon
 // as what it reads is there (a fence before a count waited ~1.5-3 us for
-// the SM's writes while the weights streamed: docs/measurements.md, session
-// 38). No value a stage writes is kHandoffEmpty (HandoffValue). A poll that
+// the SM's writes while the weights streamed). No value a stage writes is kHandoffEmpty (HandoffValue). A poll that
 // waits past the timeout traps. Without it, the stages write buffers every
 // layer reuses (the residual stream in place in x_out), and a grid barrier
 // between stages makes the writes visible.

@@ -39,24 +39,9 @@ constexpr int kStages = 4;  // weight stages a layer: QKV, out, gate/up, down
 
 // The kernel's optional paths (Params::options, bit flags;
 // models.transformer_decode_cuda.OPTIONS): all on by default, measured
-// faster together (docs/measurements.md, session 38); 0 is the kernel of
-// session 37, grid barriers and fences, kept for comparison.
-// (2 and 32 were the norms' weights prefetched into L1 and the counts
-// kept apart from the thread that issues copies, 128 the chunks' MMAs left
-// to warps 1-7 while thread 0 issues: no gain; 256 and 512 out's and
-// down's operands gathered, or checked, chunk by chunk: slower, each
-// chunk's polls a round trip of their own; all removed. Not kept either,
-// session 48 on an H100, patches in benchmarks/experiments: a cap on the
-// weight copies in flight, thread 0 counting the landed ones, 1.02-1.06x
-// slower, its issuing time doubled; the MLP's next chunks prefetched into
-// L2 during the attention, 1.005-1.07x slower, the prefetches stalling
-// their threads about as long as gate/up then saved. Session 49, on an
-// H100: the copies held back at a stage's end, so that the polls after it
-// wait behind fewer, 1.013-1.09x slower, the next stage starting with its
-// chunks still to stream. On an H200, session 52, all three 1.02-1.10x
-// slower than their own builds' defaults as well. Session 53, on an H100:
-// the L2 prefetch paced, n chunks after each of the attention half's four
-// steps, 1.035-1.18x slower, worse than the one point.)
+// faster together; 0 is the kernel with grid barriers and fences between
+// stages, kept for comparison. Paths tried and removed: docs/design.md,
+// "The one-kernel decode step".
 constexpr int kEvictFirstWeights = 1;  // the weights' copies marked evict-first in L2
 constexpr int kResidualAhead = 4;      // the residual adds' inputs loaded before the GEMV
 constexpr int kKvBeforeCount = 8;      // an attention item's cache rows loaded before its wait

@@ -299,7 +299,7 @@ __device__ void SwigluEpilogue(const Params& p, __nv_bfloat16* act, int u0, cons
   }
   // The next item's reduce barrier alone would order `result`; the CTA
   // leaves in step because without this barrier (and ResidualEpilogue's)
-  // the step was no faster (docs/measurements.md, session 50).
+  // the step was no faster.
   __syncthreads();
 }
 

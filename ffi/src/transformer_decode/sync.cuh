@@ -310,8 +310,7 @@ struct Ring {
 
   // Every thread is done with the chunk it waited for: its slot takes the
   // chunk `count` ahead. A CTA barrier: an mbarrier arrival per warp, thread
-  // 0 waiting for the slot's, was 1.04-1.06x slower (docs/measurements.md,
-  // session 50).
+  // 0 waiting for the slot's, was 1.04-1.06x slower.
   __device__ void Release(const Params& p) {
     __syncthreads();
     const uint64_t traced = p.trace && threadIdx.x == 0 ? GlobalTimerNs() : 0;
