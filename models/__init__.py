@@ -20,29 +20,33 @@ from . import (  # noqa: F401
     mamba_decode_pallas,
     norm_pallas,
     shapes,
+    ssd,
     transformer_decode_cuda,
+    transformer_decode_weights,
 )
 from .config import (
     ATTENTION_IMPLS,
-    CONV_IMPLS,
     DECODE_ATTENTION_IMPLS,
     DECODE_BLOCKS,
     DECODE_MATMUL_IMPLS,
-    DECODE_MIXER_IMPLS,
     IMPLS,
     NORM_BACKWARDS,
-    RESIDUALS,
     SIZES,
-    SSD_IMPLS,
-    MambaConfig,
     RopeScaling,
     ShardingConfig,
-    SSDTiling,
     TransformerConfig,
 )
 from .decoding import Generator, generate
 from .layers import CausalLM, RMSNorm
 from .mamba import Mamba2
+from .mamba_config import (
+    CONV_IMPLS,
+    DECODE_MIXER_IMPLS,
+    RESIDUALS,
+    SSD_IMPLS,
+    MambaConfig,
+    SSDTiling,
+)
 from .pretrained import (
     from_pretrained,
     llama_config,

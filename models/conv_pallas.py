@@ -37,8 +37,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from .config import CONV_IMPLS
 from .layers import same_variance
+from .mamba_config import CONV_IMPLS
 from .pallas_gpu import plgpu, require_runnable
 
 __all__ = ["CONV_NAME", "Layout", "causal_conv1d", "split_conv_silu", "unsupported_reason"]

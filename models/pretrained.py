@@ -29,8 +29,9 @@ from flax import nnx
 
 from . import pretrained_llama, pretrained_mamba2
 from ._checkpoint import Checkpoint
-from .config import MambaConfig, TransformerConfig
+from .config import TransformerConfig
 from .mamba import Mamba2
+from .mamba_config import MambaConfig
 from .pretrained_llama import llama_config
 from .pretrained_mamba2 import mamba2_config
 from .transformer import Transformer

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from ._checkpoint import Checkpoint, span
-from .config import MambaConfig
+from .mamba_config import MambaConfig
 
 __all__ = ["mamba2_config"]
 

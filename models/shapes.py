@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .config import MambaConfig, TransformerConfig
+from .config import TransformerConfig
+from .mamba_config import MambaConfig
 from .pretrained import llama_config, pretrained_config
 
 __all__ = ["NAMES", "config_of"]

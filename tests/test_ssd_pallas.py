@@ -11,7 +11,7 @@ from support import assert_as_accurate, assert_close, f64, random
 
 from jax_flashoverlap import models
 
-mamba = models.mamba
+scan = models.ssd
 
 
 def _inputs(rng, s, heads, p, n, dtype, batch=1, groups=2):
@@ -36,7 +36,7 @@ def _check_against_xla(inputs, chunk_size, dtype, rng):
     probe_h = random(rng, inputs[0].shape[1:] + (inputs[3].shape[-1],), "float32")
 
     def loss(impl, *t):
-        y, h = mamba.ssd(*t, chunk_size, return_final_state=True, impl=impl)
+        y, h = scan.ssd(*t, chunk_size, return_final_state=True, impl=impl)
         return jnp.sum(y * probe) + jnp.sum(h * probe_h), (y, h)
 
     def outputs(impl, args):
@@ -64,13 +64,13 @@ def _check_against_xla(inputs, chunk_size, dtype, rng):
 def interpreted(monkeypatch):
     """impl="pallas" runs the kernels in Pallas's interpreter (on CPU); the
     other impls stay what they are (the reference is XLA's SSD)."""
-    chunked_for = mamba._chunked_ssd_for
+    chunked_for = scan._chunked_ssd_for
 
     def interpreted_for(impl, *args, tiling=None):
         if impl == "pallas":
-            return functools.partial(mamba._chunked_ssd_pallas, interpret=True, tiling=tiling)
+            return functools.partial(scan._chunked_ssd_pallas, interpret=True, tiling=tiling)
         return chunked_for(impl, *args)
-    monkeypatch.setattr(mamba, "_chunked_ssd_for", interpreted_for)
+    monkeypatch.setattr(scan, "_chunked_ssd_for", interpreted_for)
 
 
 @pytest.mark.parametrize("s, chunk_size", [(64, 16), (64, 32), (40, 16), (256, 128)],
@@ -92,11 +92,11 @@ def test_interpreted_outer_product_decays_at_extreme_decays(a_scale, monkeypatch
     x, dt, a, b, c = _inputs(rng, 256, heads=2, p=16, n=16, dtype="float32")
     inputs = (x, dt, a_scale * jnp.exp(0.1 * random(rng, a.shape, "float32")), b, c)
     probe = random(rng, x.shape, "float32")
-    chunked = functools.partial(mamba._chunked_ssd_pallas, interpret=True)
+    chunked = functools.partial(scan._chunked_ssd_pallas, interpret=True)
 
     def outputs():
         def loss(*t):
-            y = mamba._ssd(*t, None, 128, chunked)[0]
+            y = scan._ssd(*t, None, 128, chunked)[0]
             return jnp.sum(y * probe), y
         (_, y), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)),
                                                    has_aux=True))(*inputs)
@@ -125,7 +125,7 @@ def test_interpreted_kernels_keeping_the_chunk_states_give_the_same_gradients(in
 
     def grads(keep):
         def loss(*t):
-            return jnp.sum(mamba.ssd(*t, 32, impl="pallas", keep_chunk_states=keep) * probe)
+            return jnp.sum(scan.ssd(*t, 32, impl="pallas", keep_chunk_states=keep) * probe)
         return jax.jit(jax.grad(loss, argnums=tuple(range(5))))(*inputs)
 
     for kept, recomputed in zip(grads(True), grads(False)):
@@ -141,11 +141,11 @@ def _check_skip_against_xla(inputs, chunk_size, dtype, rng):
     probe = random(rng, x.shape, "float32")
 
     def fused(*t):
-        y = mamba.ssd(*t[:5], chunk_size, impl="pallas", d_skip=t[5])
+        y = scan.ssd(*t[:5], chunk_size, impl="pallas", d_skip=t[5])
         return jnp.sum(y.astype(jnp.float32) * probe), y
 
     def reference(*t):
-        y = mamba.ssd(*t[:5], chunk_size, impl="xla") + t[5][..., None] * t[0].astype(
+        y = scan.ssd(*t[:5], chunk_size, impl="xla") + t[5][..., None] * t[0].astype(
             jnp.float32)
         return jnp.sum(y * probe), y
 
@@ -209,7 +209,7 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
     inputs += (random(rng, inputs[2].shape, "float32"),)  # D, added inside the output kernel
 
     def grads(*t):
-        return jax.grad(lambda *u: jnp.sum(mamba._ssd(*u, chunk, mamba._chunked_ssd_pallas)[0]
+        return jax.grad(lambda *u: jnp.sum(scan._ssd(*u, chunk, scan._chunked_ssd_pallas)[0]
                                            .astype(jnp.float32)),
                         argnums=tuple(range(6)))(*t)
 
@@ -224,9 +224,9 @@ def test_without_the_triton_backend_auto_runs_xla(monkeypatch):
     """jax 0.11 marks Pallas's Triton backend deprecated: where a jax lacks
     it, "auto" runs the einsums and "pallas" says why it cannot."""
     monkeypatch.setattr(models.ssd_pallas, "plgpu", None)
-    assert mamba._chunked_ssd_for("auto", 64, 64, 8, 128) is mamba._chunked_ssd_xla
+    assert scan._chunked_ssd_for("auto", 64, 64, 8, 128) is scan._chunked_ssd_xla
     with pytest.raises(ValueError, match="this jax has no Pallas Triton backend"):
-        mamba._chunked_ssd_for("pallas", 64, 64, 8, 128)
+        scan._chunked_ssd_for("pallas", 64, 64, 8, 128)
 
 
 def test_tile_side_errors():
@@ -269,11 +269,11 @@ GPU_TILINGS = [models.SSDTiling(128, 64, 8, 2), models.SSDTiling(64, 32, 4, 2),
 def test_kernels_at_rectangular_tilings_equal_xla_on_gpu(tiling, dtype, monkeypatch, rng):
     """The kernels compiled at the tilings benchmarks/ssd.py sweeps, at the
     1.4B layer's heads (chunk 256, 8 heads of 64 a group, state 128)."""
-    chunked_for, asked = mamba._chunked_ssd_for, tiling
+    chunked_for, asked = scan._chunked_ssd_for, tiling
 
     def at_tiling(impl, *args, tiling=None):
         return chunked_for(impl, *args, tiling=asked if impl == "pallas" else tiling)
-    monkeypatch.setattr(mamba, "_chunked_ssd_for", at_tiling)
+    monkeypatch.setattr(scan, "_chunked_ssd_for", at_tiling)
     _check_against_xla(_inputs(rng, 1024, heads=8, p=64, n=128, dtype=dtype), 256, dtype, rng)
 
 
@@ -376,11 +376,11 @@ def test_interpreted_ssd_runs_its_kernels_at_the_tiling_asked(interpreted, monke
     inputs = _inputs(rng, 64, heads=2, p=16, n=16, dtype="float32")
     tiling = models.SSDTiling(block=16, block_cols=32, num_warps=8, num_stages=2)
     with jax.default_matmul_precision("highest"):
-        got = jax.jit(lambda *t: mamba.ssd(*t, 32, impl="pallas", tiling=tiling))(*inputs)
+        got = jax.jit(lambda *t: scan.ssd(*t, 32, impl="pallas", tiling=tiling))(*inputs)
         assert seen == {"chunk_output": dict(block=16, block_cols=32, num_warps=8, num_stages=2),
                         "chunk_states": dict(block=16, block_cols=None, num_warps=8,
                                              num_stages=2)}
-        want = jax.jit(lambda *t: mamba.ssd(*t, 32, impl="pallas"))(*inputs)
+        want = jax.jit(lambda *t: scan.ssd(*t, 32, impl="pallas"))(*inputs)
     assert seen["chunk_output"] == dict(block=None, block_cols=None, num_warps=None,
                                         num_stages=None)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -396,7 +396,7 @@ def test_auto_ssd_lowers_its_kernels_at_the_tiling_asked(monkeypatch):
     inputs = [jax.ShapeDtypeStruct(t.shape, t.dtype) for t in
               _inputs(np.random.default_rng(0), 512, heads=8, p=64, n=128, dtype="bfloat16")]
     tiling = models.SSDTiling(block=128, block_cols=64, num_warps=8, num_stages=2)
-    text = jax.jit(lambda *t: mamba.ssd(*t, 256, impl="auto", tiling=tiling)).trace(
+    text = jax.jit(lambda *t: scan.ssd(*t, 256, impl="auto", tiling=tiling)).trace(
         *inputs).lower(lowering_platforms=("cuda",)).as_text()
     assert "ssd_chunk_output" in text
     assert "num_warps = 8" in text and "num_stages = 2" in text

@@ -19,6 +19,7 @@ from jax_flashoverlap import models
 from jax_flashoverlap.nn import shard_map_apply
 
 fused = models.transformer_decode_cuda
+layout = models.transformer_decode_weights
 
 
 def _config(dtype, head_dim=64, heads=4, kv_heads=2, layers=2, **overrides):
@@ -142,7 +143,7 @@ def test_reference_splits_over_the_tensor_axis_as_the_layers(rng, tp, dp):
 def test_prepared_layout_inverts_to_the_models_weights(rng):
     """Item i of the QKV layout holds channels j0..j0+15 of its head's two halves."""
     w = jnp.asarray(rng.standard_normal((128, 2 * (2 + 2) * 64)), jnp.float32)
-    items = np.asarray(fused._qkv_items(w, 4, 64))        # [2 * 4 * 2, 128, 32]
+    items = np.asarray(layout._qkv_items(w, 4, 64))        # [2 * 4 * 2, 128, 32]
     w = np.asarray(w).reshape(128, 2, 4, 64)                # [d, kv, role, h]
     for item in range(items.shape[0]):
         g, role, block = item // 8, item % 8 // 2, item % 2
@@ -157,7 +158,7 @@ def test_items_are_stored_as_the_tensor_cores_fragments(rng):
     at k + 8: mma.m16n8k16's A fragment for the tile transposed (PTX ISA).
     Tiles run k-tile major, so a chunk of rows is a run of whole tiles."""
     items = rng.standard_normal((3, 48, 32)).astype(np.float32)   # 3 k-tiles x 2 column tiles
-    stored = np.asarray(fused._fragment_order(jnp.asarray(items))).reshape(3, 3, 2, 32, 8)
+    stored = np.asarray(layout._fragment_order(jnp.asarray(items))).reshape(3, 3, 2, 32, 8)
     for kt in range(3):
         for ct in range(2):
             for lane in range(32):
@@ -166,7 +167,7 @@ def test_items_are_stored_as_the_tensor_cores_fragments(rng):
                 want = [items[1, k + 8 * half + pair, c + 8 * col]
                         for half in (0, 1) for col in (0, 1) for pair in (0, 1)]
                 np.testing.assert_array_equal(stored[1, kt, ct, lane], want)
-    np.testing.assert_array_equal(np.asarray(fused._item_order(jnp.asarray(stored.reshape(
+    np.testing.assert_array_equal(np.asarray(layout.item_order(jnp.asarray(stored.reshape(
         3, 48, 32)))), items)
 
 
