@@ -13,7 +13,7 @@ import sys
 _package = sys.modules[__package__]
 _here = pathlib.Path(_package.__file__).resolve().parent
 
-if not (any(_here.glob("_ffi*")) or (_here / "models").is_dir()):  # a source folder
+if not (any(_here.glob("_ffi*.so")) or (_here / "models").is_dir()):  # a source folder
     for _entry in sys.path:
         _candidate = pathlib.Path(_entry or ".").resolve() / __package__
         if _candidate != _here and (_candidate / "__init__.py").is_file():

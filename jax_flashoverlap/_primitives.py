@@ -36,7 +36,7 @@ from . import (
     settings,
     xla_baseline,
 )
-from ._ffi_targets import FFI_TARGETS
+from ._op_handlers import FFI_TARGETS
 
 __all__ = ["OpDef", "bind", "OPS"]
 

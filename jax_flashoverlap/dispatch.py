@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from . import _extension, cuda_policy
-from ._ffi_targets import FFI_TARGETS
+from ._op_handlers import FFI_TARGETS
 
 __all__ = ["resolve", "explain", "Decision", "prefer_xla", "AUTO_OPS",
            "all_reduce_across_processes"]

@@ -223,7 +223,7 @@ def test_kernels_lower_to_triton_without_a_gpu(monkeypatch):
 def test_without_the_triton_backend_auto_runs_xla(monkeypatch):
     """jax 0.11 marks Pallas's Triton backend deprecated: where a jax lacks
     it, "auto" runs the einsums and "pallas" says why it cannot."""
-    monkeypatch.setattr(models.ssd_pallas, "plgpu", None)
+    monkeypatch.setattr(models.ssd_tiles, "plgpu", None)
     assert scan._chunked_ssd_for("auto", 64, 64, 8, 128) is scan._chunked_ssd_xla
     with pytest.raises(ValueError, match="this jax has no Pallas Triton backend"):
         scan._chunked_ssd_for("pallas", 64, 64, 8, 128)
