@@ -1,12 +1,22 @@
-"""The safetensors files of a Hugging Face checkpoint directory, read by
-slices: each device reads only the rows and columns of its own shard."""
+"""A Hugging Face checkpoint directory: its safetensors files, read by
+slices (each device reads only the rows and columns of its own shard), and
+the fields of its ``config.json``."""
 
 from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import numpy as np
+
+
+def required(hf: dict[str, Any], name: str, reader: str) -> Any:
+    """Field ``name`` of a parsed ``config.json``, or a ValueError from
+    ``reader`` (the config reader, for the message) naming it."""
+    if name not in hf:
+        raise ValueError(f"{reader}: config.json has no {name!r}")
+    return hf[name]
 
 
 class Checkpoint:

@@ -12,12 +12,13 @@ the "rotate half" order the model uses).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ._checkpoint import Checkpoint, span
+from ._checkpoint import Checkpoint, required, span
 from .config import RopeScaling, TransformerConfig
 
 __all__ = ["llama_config"]
@@ -36,10 +37,7 @@ def llama_config(hf: dict[str, Any], **overrides: Any) -> TransformerConfig:
         bias terms, an activation other than SiLU, a rope scaling other than
         Llama 3's), or a missing one; the message names it.
     """
-    def need(name: str) -> Any:
-        if name not in hf:
-            raise ValueError(f"llama_config: config.json has no {name!r}")
-        return hf[name]
+    need = functools.partial(required, hf, reader="llama_config")
 
     model_type = hf.get("model_type")
     if model_type != "llama":

@@ -19,13 +19,14 @@ them with ``transformers``' Mamba-2 conversion script first.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ._checkpoint import Checkpoint, span
+from ._checkpoint import Checkpoint, required, span
 from .mamba_config import MambaConfig
 
 __all__ = ["mamba2_config"]
@@ -45,10 +46,7 @@ def mamba2_config(hf: dict[str, Any], **overrides: Any) -> MambaConfig:
         clamped step sizes, heads that do not fill the inner width), or a
         missing one; the message names it.
     """
-    def need(name: str) -> Any:
-        if name not in hf:
-            raise ValueError(f"mamba2_config: config.json has no {name!r}")
-        return hf[name]
+    need = functools.partial(required, hf, reader="mamba2_config")
 
     if "d_model" in hf and "hidden_size" not in hf:
         raise ValueError("mamba2_config: config.json is in mamba_ssm's layout (d_model, "

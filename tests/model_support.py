@@ -102,3 +102,42 @@ def check_matches_transformers(fixture, tp: int, **overrides) -> None:
     err = np.linalg.norm(logits - want) / np.linalg.norm(want)
     assert err < 1e-4, err
     np.testing.assert_array_equal(tokens, expected["greedy"])
+
+
+def fine_tune_checkpoint(checkpoint, tmp_path, *, steps: int, **load):
+    """``jax-flashoverlap-train --init-from checkpoint --save-pretrained
+    tmp_path/out`` for ``steps`` steps (batch 2 of 16 tokens, mesh 1x2) on
+    400 random words "w<i>" of its tokenizer (tests/support.py's
+    with_word_tokenizer). ``load``: from_pretrained's overrides for the
+    checks at tensor size 1.
+
+    Returns a namespace: ``args`` (parsed), ``first_loss`` (the run's step
+    0), ``loaded_loss`` (step 0's batch through the checkpoint as loaded),
+    ``loaded`` and ``trained`` (params_of the checkpoint and of out).
+    """
+    import types
+
+    import jax.numpy as jnp
+    from jax_flashoverlap.models import from_pretrained, pretrained_config
+
+    from jax_flashoverlap.cli import train as train_cli
+
+    vocab = pretrained_config(checkpoint).vocab_size
+    ids = np.random.default_rng(0).integers(0, vocab, 400)
+    (tmp_path / "data.txt").write_text(" ".join(f"w{i}" for i in ids))
+    args = train_cli.parse_args([
+        "--init-from", str(checkpoint), "--save-pretrained", str(tmp_path / "out"),
+        "--data", str(tmp_path / "data.txt"), "--steps", str(steps), "--batch", "2",
+        "--seq-len", "16", "--mesh", "1x2", "--no-progress", "--lr", "1e-2"])
+    result = train_cli.train(args)
+    first = train_cli.batch_at(ids, 0, batch=2, seq_len=16, seed=0)
+    with jax.set_mesh(cpu_mesh(tp=1)):
+        loaded = from_pretrained(checkpoint, **load)
+        logits = logits_of(loaded, jnp.asarray(first[:, :-1]))
+        trained = from_pretrained(tmp_path / "out", **load)
+    top = logits.max(-1, keepdims=True)
+    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+    return types.SimpleNamespace(
+        args=args, first_loss=result.losses[0],
+        loaded_loss=-np.take_along_axis(logp, first[:, 1:, None], -1).mean(),
+        loaded=params_of(loaded), trained=params_of(trained))

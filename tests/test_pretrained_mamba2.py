@@ -17,7 +17,7 @@ from jax_flashoverlap.models.pretrained import (
     pretrained_config,
     save_pretrained,
 )
-from model_support import check_matches_transformers, logits_of, params_of
+from model_support import check_matches_transformers, fine_tune_checkpoint, logits_of, params_of
 from support import cpu_mesh, with_word_tokenizer
 
 # Two B/C groups of two heads each, a chunk that does not divide the sequence.
@@ -161,24 +161,8 @@ def test_training_a_mamba2_checkpoint_and_saving_it_back(tmp_path):
     """jax-flashoverlap-train --init-from DIR --save-pretrained OUT on a
     Mamba-2 checkpoint: the first loss is the loaded model's, and OUT loads
     back with the trained weights."""
-    from jax_flashoverlap.cli import train as train_cli
-
     with_word_tokenizer(FIXTURES / "groups2_untied", tmp_path / "ckpt", VOCAB)
-    ids = np.random.default_rng(0).integers(0, VOCAB, 400)
-    (tmp_path / "data.txt").write_text(" ".join(f"w{i}" for i in ids))
-    args = train_cli.parse_args([
-        "--init-from", str(tmp_path / "ckpt"), "--save-pretrained", str(tmp_path / "out"),
-        "--data", str(tmp_path / "data.txt"), "--steps", "2", "--batch", "2", "--seq-len", "16",
-        "--mesh", "1x2", "--no-progress", "--lr", "1e-2"])
-    assert args.model == "mamba"
-    result = train_cli.train(args)
-    first = train_cli.batch_at(ids, 0, batch=2, seq_len=16, seed=0)
-    with jax.set_mesh(cpu_mesh(tp=1)):
-        loaded = from_pretrained(tmp_path / "ckpt", impl="xla")
-        logits = logits_of(loaded, jnp.asarray(first[:, :-1]))
-        trained = from_pretrained(tmp_path / "out", impl="xla")
-    top = logits.max(-1, keepdims=True)
-    logp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-    want = -np.take_along_axis(logp, first[:, 1:, None], -1).mean()
-    assert result.losses[0] == pytest.approx(want, rel=1e-4)
-    assert not np.allclose(params_of(loaded)[("head",)], params_of(trained)[("head",)])
+    run = fine_tune_checkpoint(tmp_path / "ckpt", tmp_path, steps=2, impl="xla")
+    assert run.args.model == "mamba"
+    assert run.first_loss == pytest.approx(run.loaded_loss, rel=1e-4)
+    assert not np.allclose(run.loaded[("head",)], run.trained[("head",)])

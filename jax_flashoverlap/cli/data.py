@@ -1,6 +1,6 @@
-"""Training data: byte-level tokens from a file, or from a corpus that
-ships with Python (so that training runs offline), in random windows that
-are a function of the step alone."""
+"""Training data: byte-level tokens (or a checkpoint tokenizer's) from a
+file, or from a corpus that ships with Python (so that training runs
+offline), in random windows that are a function of the step alone."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+
+from .tokens import Tokens
 
 __all__ = ["default_corpus", "load_corpus", "batch_at"]
 
@@ -20,12 +22,17 @@ def default_corpus() -> Path:
     return Path(spec.origin)
 
 
-def load_corpus(path: Path | None, seq_len: int) -> np.ndarray:
-    """The training bytes, uint8 (byte-level tokens: vocabulary 256)."""
+def load_corpus(path: Path | None, seq_len: int, codes: Tokens | None = None) -> np.ndarray:
+    """The training tokens: the file's bytes, uint8 (byte-level tokens:
+    vocabulary 256), or with ``codes`` (a checkpoint's tokenizer) its text
+    through them, int32."""
     path = path or default_corpus()
-    corpus = np.frombuffer(path.read_bytes(), np.uint8)
+    if codes is None:
+        corpus, unit = np.frombuffer(path.read_bytes(), np.uint8), "bytes"
+    else:
+        corpus, unit = codes.encode(path.read_bytes().decode(errors="replace")), "tokens"
     if corpus.size <= seq_len + 1:
-        raise ValueError(f"--data {path}: {corpus.size} bytes, need more than "
+        raise ValueError(f"--data {path}: {corpus.size} {unit}, need more than "
                          f"--seq-len + 1 = {seq_len + 1}")
     return corpus
 

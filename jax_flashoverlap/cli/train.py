@@ -370,13 +370,10 @@ def train(args: argparse.Namespace) -> TrainResult:
 
 def _train(args: argparse.Namespace, manager: ocp.CheckpointManager | None) -> TrainResult:
     trainer = build(args)
-    corpus = load_corpus(args.data, args.seq_len)
-    if args.init_from is not None:  # the checkpoint's tokens, not bytes
-        codes = tokens.for_checkpoint(args.init_from, trainer.config.vocab_size)
-        corpus = codes.encode(corpus.tobytes().decode(errors="replace"))
-        if corpus.size <= args.seq_len + 1:
-            raise ValueError(f"--data: {corpus.size} tokens, need more than --seq-len + 1 = "
-                             f"{args.seq_len + 1}")
+    # A checkpoint's own tokens; else bytes.
+    codes = (tokens.for_checkpoint(args.init_from, trainer.config.vocab_size)
+             if args.init_from is not None else None)
+    corpus = load_corpus(args.data, args.seq_len, codes)
     data, tensor = trainer.mesh.devices.shape
     name = args.init_from or f"{args.model}/{args.size}"
     print(f"{name} ({trainer.num_params / 1e6:,.1f}M parameters) on mesh "

@@ -34,6 +34,9 @@ def save_with_expectations(name: str, model, vocab_size: int, out: str) -> None:
     print(f"{name}: logits {logits.shape}, greedy {greedy.shape}")
 
 
-def output_dir(default: str) -> str:
-    """The directory the command line names, else ``default``."""
-    return sys.argv[1] if len(sys.argv) > 1 else default
+def make_all(make, configs: dict, default_dir: str) -> None:
+    """``make(name, fields, out)`` for each of ``configs``, into the directory
+    the command line names, else ``default_dir``."""
+    out = sys.argv[1] if len(sys.argv) > 1 else default_dir
+    for name, fields in configs.items():
+        make(name, fields, out)

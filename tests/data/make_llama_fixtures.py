@@ -15,7 +15,7 @@ import os
 
 import torch
 import transformers
-from hf_fixtures import output_dir, save_with_expectations
+from hf_fixtures import make_all, save_with_expectations
 
 CONFIGS = {
     "gqa_untied": dict(num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False),
@@ -45,11 +45,5 @@ def make(name: str, fields: dict, out: str) -> None:
     save_with_expectations(name, model, config.vocab_size, out)
 
 
-def main() -> None:
-    out = output_dir(os.path.join(os.path.dirname(__file__), "llama"))
-    for name, fields in CONFIGS.items():
-        make(name, fields, out)
-
-
 if __name__ == "__main__":
-    main()
+    make_all(make, CONFIGS, os.path.join(os.path.dirname(__file__), "llama"))

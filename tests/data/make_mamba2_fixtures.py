@@ -16,7 +16,7 @@ import os
 
 import torch
 import transformers
-from hf_fixtures import output_dir, save_with_expectations
+from hf_fixtures import make_all, save_with_expectations
 
 CONFIGS = {
     "groups2_untied": dict(n_groups=2, num_heads=8, head_dim=8, hidden_size=32, state_size=8,
@@ -50,11 +50,5 @@ def make(name: str, fields: dict, out: str) -> None:
     save_with_expectations(name, model, config.vocab_size, out)
 
 
-def main() -> None:
-    out = output_dir(os.path.join(os.path.dirname(__file__), "mamba2"))
-    for name, fields in CONFIGS.items():
-        make(name, fields, out)
-
-
 if __name__ == "__main__":
-    main()
+    make_all(make, CONFIGS, os.path.join(os.path.dirname(__file__), "mamba2"))
