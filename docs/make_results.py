@@ -34,29 +34,12 @@ DECODE = "decode_1xh200.json"
 # The attention kernel's inputs packed (its default) against apart.
 DECODE_PACKED = "decode_attention_packed_inputs_contexts_1xh200.json"
 # decode_blocks "layers" against "cuda" (what "auto" runs up to 2 rows per
-# device), each file one process; the first is the kernel as it is now.
-DECODE_BLOCKS = ["decode_blocks_cuda_batches_1xh200.json", "decode_blocks_cuda_ring_1xh200.json",
-                 "decode_blocks_cuda_handoffs_1xh200.json",
-                 "decode_blocks_cuda_counts_1xh200.json", "decode_blocks_cuda_mma_1xh200.json"]
+# device), in one process.
+DECODE_BLOCKS = "decode_blocks_cuda_batches_1xh200.json"
 SSD = "ssd_decay_outer_1xh200.json"
-# The processes whose row of that variant ran today's defaults: the headline
-# gives their range.
-MAMBA_AT_DEFAULTS = [("train_step_mamba_decay_outer_1xh200.json", "default")]
-MAMBA_STEPS = ["train_step_mamba_decay_outer_1xh200.json",
-               "train_step_mamba_conv_auto_1xh200.json",
-               "train_step_mamba_conv_kernel_1xh200.json",
-               "train_step_mamba_keeps_states_1xh200.json",
-               "train_step_mamba_keeps_states_rerun_1xh200.json",
-               "train_step_mamba_bf16_operands_1xh200.json",
-               "train_step_mamba_bf16_operands_rerun_1xh200.json",
-               "train_step_mamba_norm_rows4_1xh200.json", "train_step_mamba_1xh200.json",
-               "train_step_mamba_scanned_1xh200.json", "train_step_mamba_ssd_xla_1xh200.json"]
-# Mamba-2's options, each file one process whose rows compare against its first.
-MAMBA_OPTIONS = ["train_step_mamba_residuals_1xh200.json", "train_step_mamba_norm_1xh200.json",
-                 "train_step_mamba_conv_1xh200.json", "train_step_mamba_variants_1xh200.json",
-                 "train_step_mamba_conv_parts_1xh200.json",
-                 "train_step_mamba_norm_pallas_1xh200.json",
-                 "train_step_mamba_norm_kernels_1xh200.json"]
+# The Mamba-2 1.4B step at the defaults against the Transformer 1B step of
+# the same process.
+MAMBA_STEP = "train_step_mamba_decay_outer_1xh200.json"
 
 
 def _load(name: str) -> dict:
@@ -213,123 +196,64 @@ def packed_inputs_note() -> str:
             f"{_source(DECODE_PACKED, doc)}")
 
 
-def decode_blocks_table() -> tuple[str, list]:
-    """The one-kernel decode step against the layers, each file one process."""
-    lines = ["| file | batch | context | layers ms | one kernel ms | one kernel × floor | "
-             "speed-up |", "|---|---|---|---|---|---|---|"]
-    sources, gains = [], []
-    for name in DECODE_BLOCKS:
-        doc = _load(name)
-        sources.append(_source(name, doc, 'decode_blocks "layers" or "cuda" as each row says'))
-        by = {(r["decode_blocks"], r["batch"], r["context"]): r for r in doc["rows"]}
-        for (blocks, batch, context), r in sorted(by.items()):
-            layers = by.get(("layers", batch, context))
-            if blocks != "cuda" or layers is None:
-                continue
-            gain = layers["per_token_ms"] / r["per_token_ms"]
-            gains.append({"file": name, "batch": batch, "gain": gain, "row": r})
-            lines.append(f"| `{name}` | {batch} | {context} | {layers['per_token_ms']:.3f} | "
-                         f"{r['per_token_ms']:.3f} | {r['per_token_ms'] / r['hbm_floor_ms']:.2f}"
-                         f" | {gain:.3f}× |")
+def decode_blocks_table() -> tuple[str, dict]:
+    """The one-kernel decode step against the layers, in one process."""
+    lines = ["| batch | context | layers ms | one kernel ms | one kernel × floor | speed-up |",
+             "|---|---|---|---|---|---|"]
+    doc = _load(DECODE_BLOCKS)
+    gains = {}
+    by = {(r["decode_blocks"], r["batch"], r["context"]): r for r in doc["rows"]}
+    for (blocks, batch, context), r in sorted(by.items()):
+        layers = by.get(("layers", batch, context))
+        if blocks != "cuda" or layers is None:
+            continue
+        gains[batch] = layers["per_token_ms"] / r["per_token_ms"]
+        lines.append(f"| {batch} | {context} | {layers['per_token_ms']:.3f} | "
+                     f"{r['per_token_ms']:.3f} | {r['per_token_ms'] / r['hbm_floor_ms']:.2f} | "
+                     f"{gains[batch]:.3f}× |")
+    source = _source(DECODE_BLOCKS, doc, 'decode_blocks "layers" or "cuda" as each row says')
     return ("One H200, the 1B Transformer, bf16: `decode_blocks=\"cuda\"` (every block of a "
             "step as one CUDA kernel, what the default \"auto\" runs up to 2 rows per device) "
-            "against \"layers\" in the same process. The first file is the newest measurement "
-            "(its meta names the commit); the others are earlier versions.\n\n"
-            + "\n".join(lines) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources)), gains
+            "against \"layers\" in the same process.\n\n"
+            + "\n".join(lines) + f"\n\nFrom {source}"), gains
 
 
 def mamba_tables() -> tuple[str, dict]:
     """The SSD per layer (XLA, Pallas, cuDNN attention for scale) and the
-    one-GPU training steps of Mamba-2 next to the Transformer's."""
+    one-GPU training step of Mamba-2 next to the Transformer's."""
     doc = _load(SSD)
     by = {(r["what"], r["phase"]): r for r in doc["rows"] if "shape" in r}
     attention = by[("cudnn attention", "forward+backward")]["ms"]
     ssd = ["| per layer | forward ms | forward + backward ms | fwd + bwd vs cuDNN attention |",
            "|---|---|---|---|"]
     for what in ("ssd xla", "ssd pallas", "ssd pallas keeps states", "cudnn attention"):
-        if (what, "forward") not in by:  # an option timed only since 04bc786
-            continue
         fwd, both = by[(what, "forward")], by[(what, "forward+backward")]
         ssd.append(f"| {what} | {fwd['ms']:.3f} | {both['ms']:.3f} | "
                    f"{both['ms'] / attention:.2f}× |")
     shapes = (f"SSD: {by[('ssd pallas', 'forward')]['shape']}; attention: "
               f"{by[('cudnn attention', 'forward')]['shape']}.")
-    steps = ["| model | SSD | layers | commit | step ms, median [min, max] | "
-             "× Transformer step | MFU | peak memory GB |", "|---|---|---|---|---|---|---|---|"]
-    sources = [_source(SSD, doc)]
-    ratios = {}
-    for name in MAMBA_STEPS:
-        step_doc = _load(name)
-        sources.append(_source(name, step_doc))
-        # The Transformer of the same process, where it ran: the baseline.
-        baseline = next((r for r in step_doc["rows"] if r["model"] == "transformer"), None)
-        for i, r in enumerate(step_doc["rows"]):
-            # A process's peak: a row's own only where it ran first.
-            peak = f"{r['peak_memory_gb']:.1f}" if i == 0 else "–"
-            ratio = r["step_ms"] / baseline["step_ms"] if baseline else None
-            variant = r.get("variant") or "default"
-            ratios[(name, r["model"], variant)] = ratio
-            label = f"{r['model']} {r['size']}" + ("" if variant == "default" else f" ({variant})")
-            steps.append(f"| {label} | {r.get('ssd') or '–'} | "
-                         f"{'scanned' if r['scan_layers'] else 'unrolled'} | "
-                         f"{step_doc['meta']['commit'][:7]} | "
-                         f"{r['step_ms']:.1f} [{r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}] | "
-                         f"{'–' if ratio is None else f'{ratio:.2f}×'} | "
-                         f"{100 * r['mfu']:.1f}% | {peak} |")
-    # A process's peak so far: at its row of today's defaults, that row's or an earlier one's.
-    name, variant = MAMBA_AT_DEFAULTS[0]
-    mamba = next(r for r in _load(name)["rows"]
-                 if r["model"] == "mamba" and (r.get("variant") or "default") == variant)
+    step_doc = _load(MAMBA_STEP)
+    rows = step_doc["rows"]
+    transformer = next(r for r in rows if r["model"] == "transformer")
+    mamba = next(r for r in rows if r["model"] == "mamba")
+    steps = ["| model | step ms, median [min, max] | × Transformer step | MFU |",
+             "|---|---|---|---|"]
+    for r in rows:
+        steps.append(f"| {r['model']} {r['size']} | {r['step_ms']:.1f} [{r['step_ms_min']:.1f}, "
+                     f"{r['step_ms_max']:.1f}] | {r['step_ms'] / transformer['step_ms']:.2f}× | "
+                     f"{100 * r['mfu']:.1f}% |")
     numbers = {"ssd_speedup": by[("ssd xla", "forward+backward")]["ms"]
                / by[("ssd pallas", "forward+backward")]["ms"],
                "ssd_vs_attention": by[("ssd pallas", "forward+backward")]["ms"] / attention,
-               "step_ratios": [ratios[(name, "mamba", variant)]
-                               for name, variant in MAMBA_AT_DEFAULTS],
+               "step_ratio": mamba["step_ms"] / transformer["step_ms"],
                "peak_gb": mamba["peak_memory_gb"]}
     text = (f"One H200, bf16, batch 1, sequence 8192. {shapes}\n\n" + "\n".join(ssd)
-            + "\n\nTraining steps (mesh 1x1, no `--remat`; each ratio against the Transformer "
-            "of the same process; the peak memory of the process, whose first row each is; SSD "
-            "\"auto\" runs the Pallas kernels; layers unrolled is the GPU default; the \"xla\" "
-            "row ran before the SSD's states were multiplied in bf16 and before the saved "
-            "residual became the norm's bf16 input; the first process ran today's defaults; "
-            "in the second (7613ba9) the default row ran the convolution's backward kernel "
-            "and `conv=xla` XLA's ops; in the third (11d62f2) the default row ran XLA's "
-            "convolution backward and `conv=pallas` the kernel):\n\n"
-            + "\n".join(steps) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources))
+            + "\n\nTraining steps at the defaults (mesh 1x1, impl \"xla\", no `--remat`, "
+            "layers unrolled; Mamba-2's SSD, convolution backward and gated norm at \"auto\": "
+            "the Pallas kernels), both models in one process; the process's peak memory "
+            f"{mamba['peak_memory_gb']:.1f} GB:\n\n" + "\n".join(steps)
+            + f"\n\nFrom {_source(SSD, doc)}\nFrom {_source(MAMBA_STEP, step_doc)}")
     return text, numbers
-
-
-def mamba_options_table() -> str:
-    """Mamba-2 1.4B step per option, each against the first row of its process."""
-    lines = ["| process (commit) | variant | step ms, median [min, max] | vs the first row | "
-             "× the process's Transformer step | peak memory GB so far |",
-             "|---|---|---|---|---|---|"]
-    sources = []
-    for name in MAMBA_OPTIONS:
-        doc = _load(name)
-        sources.append(_source(name, doc))
-        first = doc["rows"][0]["step_ms"]
-        transformer = next((r["step_ms"] for r in doc["rows"] if r["model"] == "transformer"),
-                           None)
-        for r in (r for r in doc["rows"] if r["model"] == "mamba"):
-            variant = r.get("variant") or f"conv {r['conv']}"
-            ratio = f"{r['step_ms'] / transformer:.2f}×" if transformer else "–"
-            lines.append(f"| {name.removesuffix('_1xh200.json')} ({doc['meta']['commit'][:7]}) | "
-                         f"{variant} | {r['step_ms']:.1f} [{r['step_ms_min']:.1f}, "
-                         f"{r['step_ms_max']:.1f}] | {first / r['step_ms']:.3f}× | {ratio} | "
-                         f"{r['peak_memory_gb']:.1f} |")
-    return ("Mamba-2 1.4B, one H200, mesh 1x1, batch 1, sequence 8192, impl \"xla\". In "
-            "`residuals` the rows set what a block keeps for the backward: base (in_proj's "
-            "output and the gated norm's input, the default until fb5dd71), conv (also "
-            "the convolution's output: the default now), xbc (the SiLU's output instead), none "
-            "(every residual: `residuals=\"all\"`). In `variants`, \"default\" is the defaults "
-            "of its commit, without the fused skip (`fuse-skip`, the default since); "
-            "`residuals=computed` was an option since removed. In `conv_parts`, \"default\" "
-            "convolves x, B and C part by part (6ee1220, the default since). In `norm_pallas`, "
-            "\"default\" is the gated norm by autodiff, the default until `norm_backward=\"auto\"` "
-            "(the fused kernels on GPUs). Peak memory is "
-            "the process's so far, so a row's own only where it grows.\n\n"
-            + "\n".join(lines) + "\n\n" + "\n".join(f"From {s_}" for s_ in sources))
 
 
 def results_md() -> str:
@@ -366,10 +290,6 @@ values.
 
 {mamba}
 
-### Mamba-2's options (not at the defaults where a row says so)
-
-{mamba_options_table()}
-
 ## Decoding
 
 {dec}
@@ -380,20 +300,10 @@ values.
 
 {decode_blocks_table()[0]}
 
-Plots of earlier runs (the first of each benchmark, before the tuning of
-[measurements.md](measurements.md)): collective matmuls
-(`collective_matmul_2xh200.png`) and all-reduce (`all_reduce_2xh200.png`),
-both in `benchmarks/results/`.
+What was tried instead, and why not: [design.md](design.md); the models'
+options: [models.md](models.md). The earlier runs those pages quote are in
+the git history of `benchmarks/results/`.
 """
-
-
-def _span(values: list[float]) -> str:
-    low, high = f"{min(values):.2f}", f"{max(values):.2f}"
-    return low if low == high else f"{low}–{high}"
-
-
-def _processes(count: int) -> str:
-    return f"{count} process" + ("es" if count != 1 else "")
 
 
 def headline() -> str:
@@ -408,8 +318,7 @@ def headline() -> str:
                    for op, v in sorted(speedups.items()))
     shapes = len(next(iter(speedups.values())))
     tf = next(r for r in decode if r["model"] == "transformer" and r["batch"] == 1)
-    _, blocks = decode_blocks_table()
-    gain = {g["batch"]: g["gain"] for g in blocks if g["file"] == DECODE_BLOCKS[0]}
+    _, gain = decode_blocks_table()
     lines = [
         "| what (bf16) | measured | |",
         "|---|---|---|",
@@ -424,8 +333,8 @@ def headline() -> str:
         f"| Mamba-2 1.4B training, one H200, sequence 8192 | SSD layer forward + backward "
         f"{mamba['ssd_speedup']:.2f}× faster with the Pallas kernels, "
         f"{mamba['ssd_vs_attention']:.2f}× the time of cuDNN attention's at the 1B "
-        f"Transformer layer; step {_span(mamba['step_ratios'])}× "
-        f"the Transformer 1B step ({_processes(len(mamba['step_ratios']))}) | no `--remat`, peak "
+        f"Transformer layer; step {mamba['step_ratio']:.2f}× "
+        f"the Transformer 1B step of the same process | no `--remat`, peak "
         f"{mamba['peak_gb']:.1f} GB |",
         f"| Transformer 1B decode, one H200, batch 1 | {tf['per_token_ms']:.3f} ms per token, "
         f"{tf['per_token_ms'] / tf['hbm_floor_ms']:.2f}× the HBM floor | every block in one "

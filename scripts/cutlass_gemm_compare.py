@@ -9,13 +9,28 @@ from CUTLASS without losing throughput.
 """
 
 import json
-import os
+import statistics
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gemm_lanes_probe import median_us  # noqa: E402
+
+def median_us(fn, reps=7, iters=10):
+    """Median over ``reps`` batches of ``iters`` back-to-back calls, µs a call
+    (CUDA events, after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        stop.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(stop) * 1000 / iters)
+    return statistics.median(times)
 
 
 def main(path: str) -> int:

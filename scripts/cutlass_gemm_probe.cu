@@ -1,10 +1,11 @@
 // Can a GEMM of our own match cuBLASLt at the fused ops' shapes? FlashOverlap
 // needs one GEMM over the whole problem that signals each finished row chunk
-// (benchmarks/NOTES.md, "Next measurements" 1); CUTLASS's Hopper kernels are
-// where such a GEMM would start. This times plain CUTLASS 3 warp-specialized
-// bf16 GEMMs (row-major A [M, K], B [K, N], D [M, N], fp32 accumulation, as
-// the extension's GEMMs) in a few tile configurations, after checking 256
-// random outputs of each against a float64 dot on the host.
+// (cutting it into row blocks costs throughput: docs/design.md); CUTLASS's
+// Hopper kernels are where such a GEMM would start. This times plain
+// CUTLASS 3 warp-specialized bf16 GEMMs (row-major A [M, K], B [K, N],
+// D [M, N], fp32 accumulation, as the extension's GEMMs) in a few tile
+// configurations, after checking 256 random outputs of each against a
+// float64 dot on the host.
 //
 // The "signalling" configurations are issue 24's tile GEMM: after each output
 // tile's stores, its epilogue adds 1 to a counter of the tile's row block
@@ -28,8 +29,8 @@
 // with <cutlass> the headers of the pinned wheel: `pip download --no-deps
 // nvidia-cutlass==4.2.0.0`, unzipped, cutlass_library/source.
 //   build/cutlass_gemm_probe > cutlass_gemm_probe.json   # on the GPU
-// Compare with cuBLAS at the same shapes in the same call, e.g. torch.matmul
-// (scripts/gemm_lanes_probe.py times it as "whole").
+// Compare with cuBLAS at the same shapes in the same call:
+// scripts/cutlass_gemm_compare.py (torch.matmul, the same timing).
 //
 // Timing: CUDA events around 20 back-to-back launches, median of 7 such
 // batches after one warm-up batch; fresh random data, one set per shape.

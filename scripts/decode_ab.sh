@@ -44,7 +44,7 @@ build() {  # build NAME [PATCH]
   (cd "$tree" && "$python" -m pip wheel --no-deps -q -w "$wheels" \
      -C cmake.define.JFO_CUDA_ARCHITECTURES=90 .) || exit 1
   rm -rf "$pkg" && mkdir -p "$pkg" && (cd "$pkg" && "$python" -m zipfile -e "$wheels"/*.whl .)
-  cp "$root/scripts/transformer_decode_probe.py" "$root/scripts/transformer_decode_ncu.py" "$pkg/"
+  cp "$root/scripts/transformer_decode_probe.py" "$pkg/"
   local head; head=$(git -C "$root" rev-parse --short=7 HEAD)
   if [ -n "$patch" ]; then
     echo "$head with $(basename "$patch") (sha256 $(sha256sum "$patch" | cut -c1-12)); sm_90" \

@@ -217,7 +217,8 @@ def test_axis_of_one_rank_is_the_plain_dot(op, impl, rng):
     platform) compiles to the local dot, or nothing for all_reduce: no
     collective, no kernel call; its gradient too. The program is impl="xla"'s
     very one, names aside: the same kernels, so any time measured between
-    them is the measurement's spread (docs/measurements.md, session 27)."""
+    them is the measurement's spread (on one H200, timed in turn at the
+    45-50 µs shapes, "cuda" and "auto" were 0.980-1.036x "xla")."""
     from support import case
 
     from jax_flashoverlap.benchmarking import comparable_hlo
