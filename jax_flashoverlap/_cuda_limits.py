@@ -2,7 +2,8 @@
 
 Each check mirrors a refusal of the extension's (ffi/src), so that a call it
 would refuse at run time, on every GPU and after XLA compiled the program,
-is a ValueError naming the fix at compile time instead.
+is a ValueError naming the fix at compile time instead. The cuda_policy
+settings a user may set are checked here too, when an op reads them.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 from . import _extension, cuda_policy
 
 __all__ = ["EVENTS_PER_CALL", "check_copy_engine_size", "check_event_budget",
-           "check_lamport_size", "check_tile_signalled"]
+           "check_lamport_size", "check_tile_signalled", "policy_choice"]
 
 # CUDA events one call of a fused op may record (kEventsPerCall of
 # ffi/src/transport/transport.h; _extension.limits() has the compiled value).
@@ -73,3 +74,11 @@ def check_tile_signalled(x, w, policy: str) -> None:
         raise ValueError(f"{what} takes "
                          f"bf16 x and w with K and N multiples of 8, got x {x.dtype} {x.shape} "
                          f"and w {w.dtype} {w.shape}" + fix)
+
+
+def policy_choice(name: str, choices: tuple[str, ...]) -> str:
+    """cuda_policy.<name>, checked against its choices (users may set it)."""
+    value = getattr(cuda_policy, name)
+    if value not in choices:
+        raise ValueError(f"cuda_policy.{name} must be one of {choices}, got {value!r}")
+    return value

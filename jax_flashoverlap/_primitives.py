@@ -6,14 +6,17 @@ invariant over the axis, like ``psum``), ``impl="auto"`` is resolved at
 lowering time for the platform the program is compiled for, and the CUDA
 lowering can read the device mesh to tell each GPU who its peers are.
 
-All primitives take 2-D operands; the public ops reshape around them.
+What is here is the same for every op. Each op's own definition (its
+:class:`OpDef`: result shapes, FFI attributes, options, kernel choice and
+other lowerings) is in its module, ``jax_flashoverlap/<op>.py``, which
+registers it with :func:`define`. The matmuls' primitives take 2-D operands
+(the public ops reshape around them); all_reduce's takes x as it comes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -23,22 +26,10 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-from . import (
-    _cuda_limits,
-    _extension,
-    _groups,
-    _jax_shim,
-    _module_loading,
-    cuda_policy,
-    decomposed,
-    dispatch,
-    schedule,
-    settings,
-    xla_baseline,
-)
-from ._op_handlers import FFI_TARGETS
+from . import _extension, _groups, _jax_shim, _module_loading, dispatch, settings
 
-__all__ = ["OpDef", "bind", "OPS"]
+__all__ = ["OpDef", "define", "bind", "OPS", "transport_attrs", "timeout_ms", "as_tuple",
+           "local_dot", "decomposed_with", "baseline"]
 
 TIMEOUT_ENV = "JAX_FLASHOVERLAP_TIMEOUT_MS"
 DEFAULT_TIMEOUT_MS = settings.SETTINGS[TIMEOUT_ENV].default
@@ -78,8 +69,9 @@ class OpDef:
         lowering.
       cuda_lowering: ``(ctx, args, transport, n, opts) -> lowering or None``:
         another CUDA lowering for some shapes (None: the op's own kernel).
-      spans_processes: over an axis of one GPU per process with NVSHMEM
-        started, impl "cuda" and "auto" may run the NVSHMEM all-reduce.
+      across_processes: ``(ctx, args, impl, n, opts) -> lowering or None``:
+        over an axis of one GPU per process with NVSHMEM started, how impl
+        "cuda" and "auto" run (None: XLA's collective).
     """
 
     name: str
@@ -93,29 +85,9 @@ class OpDef:
     options: Callable[..., dict] | None = None
     cuda_options: Callable[..., dict] | None = None
     cuda_lowering: Callable[..., Any] | None = None
-    spans_processes: bool = False
+    across_processes: Callable[..., Any] | None = None
 
 
-def _as_tuple(fn):
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
-    return wrapped
-
-
-def _policy_choice(name: str, choices: tuple[str, ...]) -> str:
-    """cuda_policy.<name>, checked against its choices (users may set it)."""
-    value = getattr(cuda_policy, name)
-    if value not in choices:
-        raise ValueError(f"cuda_policy.{name} must be one of {choices}, got {value!r}")
-    return value
-
-
-
-
-# The CUDA kernels send straight to every peer over NVLink: they always run
-# the "direct" schedule, whatever topology the pure-JAX path was given.
 def transport_attrs(group_ordinals: np.ndarray, n: int, timeout: int) -> dict:
     """The FFI attributes every CUDA handler binds first (the transport's):
     the groups' transport ids [G*n] by rank (:mod:`._groups`), the
@@ -124,155 +96,50 @@ def transport_attrs(group_ordinals: np.ndarray, n: int, timeout: int) -> dict:
             "timeout_ms": np.int32(timeout)}
 
 
-def _ag_attrs(n, opts):
-    sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
-    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
-            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla"),
-            "tile_signalled": np.int32(opts["gemm"] == "tile_signalled")}
+def as_tuple(fn):
+    """``fn`` with its result, one array or several, returned as a tuple."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    return wrapped
 
 
-def _rs_attrs(n, opts):
-    sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
-    return {"order": sched.order().reshape(-1), "chunks": np.int32(sched.chunks),
-            "add_after": np.int32(opts["fold"] == "add_after"),
-            "waits_on_xla_stream": np.int32(opts["peer_wait_stream"] == "xla"),
-            "tile_signalled": np.int32(opts["gemm"] == "tile_signalled")}
-
-
-def _mar_attrs(n, opts):
-    return {"chunk_rows": np.asarray(opts["chunk_rows"], np.int32),
-            "tile_signalled": np.int32(opts["gemm"] == "tile_signalled")}
-
-
-def _ar_attrs(n, opts):
-    return {"algorithm": np.int32(cuda_policy.ALL_REDUCE_KERNELS.index(opts["algorithm"]))}
-
-
-def _collective_matmul_options(op_name: str):
-    """cuda_options of the collective matmuls, every kernel choice decided here
-    from cuda_policy: chunks=None picked by shape, where peer waits run, the
-    GEMM, and matmul_reduce_scatter's fold."""
-    def options(ctx, n, opts):
-        if opts.get("chunks") is None:
-            opts["chunks"] = cuda_policy.collective_matmul_chunks(
-                op_name, [a.shape for a in ctx.avals_in], n)
-        opts["peer_wait_stream"] = _policy_choice("PEER_WAIT_STREAM",
-                                                  cuda_policy.PEER_WAIT_STREAMS)
-        policy = {"all_gather_matmul": "ALL_GATHER_GEMM",
-                  "matmul_reduce_scatter": "REDUCE_SCATTER_GEMM"}[op_name]
-        opts["gemm"] = _policy_choice(policy, getattr(cuda_policy, policy + "S"))
-        if opts["gemm"] == "tile_signalled":
-            _cuda_limits.check_tile_signalled(*ctx.avals_in, policy=policy)
-            if op_name == "all_gather_matmul" and n != 2:
-                raise ValueError(f"the tile-signalled GEMM (cuda_policy.{policy}) runs on an "
-                                 f"axis of 2 devices, got {n}; set cuda_policy.{policy} = "
-                                 f"'row_blocks'")
-        if op_name == "matmul_reduce_scatter":
-            opts["fold"] = _policy_choice("REDUCE_SCATTER_FOLD", cuda_policy.REDUCE_SCATTER_FOLDS)
-        return opts
-    return options
-
-
-def _ar_options(ctx, n, opts):
-    """algorithm=None picked by message size, decided here with the impl."""
-    aval = ctx.avals_in[0]
-    if opts["algorithm"] is None:
-        opts["algorithm"] = cuda_policy.all_reduce_algorithm(
-            math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
-    _cuda_limits.check_lamport_size(aval, opts["algorithm"])
-    return opts
-
-
-COPY_ENGINE_ALL_REDUCE_TARGET = "jfo_all_reduce_copy_engine"
-
-
-def _ar_lowering(ctx, args, transport, n, opts):
-    """algorithm="copy_engine": its own handler, the message within one
-    receive slot of the transport; the kernels: None (jfo_all_reduce)."""
-    if opts["algorithm"] != "copy_engine":
-        return None
-    _cuda_limits.check_copy_engine_size(ctx.avals_in[0])
-    _extension.require_cuda_ops("all_reduce", COPY_ENGINE_ALL_REDUCE_TARGET)
-    return jax.ffi.ffi_lowering(COPY_ENGINE_ALL_REDUCE_TARGET)(
-        ctx, *args, **transport, chunks=np.int32(cuda_policy.COPY_ENGINE_ALL_REDUCE_CHUNKS))
-
-
-def _mar_options(ctx, n, opts):
-    """The row chunks of ``chunks``: shrinking, each rank's part of every chunk
-    but the first a multiple of MATMUL_ALL_REDUCE_PART_ALIGN rows."""
-    rows = ctx.avals_in[0].shape[0]
-    opts["chunk_rows"] = schedule.all_reduce_chunk_rows(
-        rows, opts.pop("chunks"), align=n * cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN)
-    return opts
-
-
-def _mar_cuda_options(ctx, n, opts):
-    """The kernel by result size, and the fused kernel's GEMMs (checked)."""
-    out = ctx.avals_out[0]
-    opts["kernel"] = cuda_policy.matmul_all_reduce_kernel(math.prod(out.shape) * out.dtype.itemsize)
-    opts["gemm"] = _policy_choice("MATMUL_ALL_REDUCE_GEMM", cuda_policy.MATMUL_ALL_REDUCE_GEMMS)
-    if opts["kernel"] == "fused" and opts["gemm"] == "tile_signalled":
-        _cuda_limits.check_tile_signalled(*ctx.avals_in, policy="MATMUL_ALL_REDUCE_GEMM")
-    return opts
-
-
-def _mar_lowering(ctx, args, transport, n, opts):
-    """XLA's dot and the all-reduce kernel for small results; else the fused
-    kernel (None), within its event budget."""
-    if opts["kernel"] == "gemm_then_all_reduce":
-        return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
-    _cuda_limits.check_event_budget(len(opts["chunk_rows"]), n)
-    return None
-
-
-def _local_dot(x, w):
+def local_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [m, k] @ w [k, n_out] in x's dtype: a collective matmul on one rank."""
     return jnp.dot(x, w, preferred_element_type=x.dtype)
 
 
-def _decomposed_with(fn, *keys):
-    """Passes only the options ``fn`` understands."""
+def decomposed_with(fn: Callable[..., Any], *keys: str) -> Callable[..., Any]:
+    """An ``impl="decomposed"`` function ``(*args, axis_name, **opts)`` that
+    passes ``fn`` only the options it understands (``keys``)."""
     def call(*args, axis_name, **opts):
         return fn(*args, axis_name, **{k: opts[k] for k in keys if k in opts})
     return call
 
 
-def _baseline(fn):
+def baseline(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """An ``impl="xla"`` function ``(*args, axis_name, **opts)`` from XLA's
+    collective ``fn(*args, axis_name)``."""
     def call(*args, axis_name, **opts):
         del opts  # XLA's collectives have no schedule options.
         return fn(*args, axis_name)
     return call
 
 
-OPS: dict[str, OpDef] = {
-    "all_gather_matmul": OpDef(
-        "all_gather_matmul", FFI_TARGETS["all_gather_matmul"],
-        # x_gathered (the backward residual) is [0, k] unless asked for.
-        lambda xs, ws, n, opts: ((n * xs[0], ws[1]),
-                                 (n * xs[0] if opts.get("gathered") else 0, xs[1])), False,
-        _as_tuple(_baseline(xla_baseline.all_gather_matmul)),
-        _as_tuple(_decomposed_with(decomposed.all_gather_matmul, "topology")), _ag_attrs,
-        lambda x, w: (_local_dot(x, w), x),
-        cuda_options=_collective_matmul_options("all_gather_matmul")),
-    "matmul_reduce_scatter": OpDef(
-        "matmul_reduce_scatter", FFI_TARGETS["matmul_reduce_scatter"],
-        lambda xs, ws, n, opts: ((xs[0] // n, ws[1]),), False,
-        _as_tuple(_baseline(xla_baseline.matmul_reduce_scatter)),
-        _as_tuple(_decomposed_with(decomposed.matmul_reduce_scatter, "topology")), _rs_attrs,
-        _as_tuple(_local_dot), cuda_options=_collective_matmul_options("matmul_reduce_scatter")),
-    "matmul_all_reduce": OpDef(
-        "matmul_all_reduce", FFI_TARGETS["matmul_all_reduce"],
-        lambda xs, ws, n, opts: ((xs[0], ws[1]),), True,
-        _as_tuple(_baseline(xla_baseline.matmul_all_reduce)),
-        _as_tuple(_decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")), _mar_attrs,
-        _as_tuple(_local_dot), options=_mar_options, cuda_options=_mar_cuda_options,
-        cuda_lowering=_mar_lowering),
-    "all_reduce": OpDef(
-        "all_reduce", FFI_TARGETS["all_reduce"],
-        lambda xs, n, opts: (xs,), True,
-        _as_tuple(_baseline(xla_baseline.all_reduce)),
-        _as_tuple(_decomposed_with(decomposed.all_reduce)), _ar_attrs, lambda x: (x,),
-        cuda_options=_ar_options, cuda_lowering=_ar_lowering, spans_processes=True),
-}
+# Every op's definition and primitive by name, filled by the op's own module
+# (jax_flashoverlap/<op>.py) through define(); the package imports all four,
+# so an op's gradient can bind its mirror by name.
+OPS: dict[str, OpDef] = {}
+_PRIMITIVES: dict[str, Primitive] = {}
+
+
+def define(op: OpDef) -> OpDef:
+    """Makes ``op``'s primitive, typed and lowered for every platform, and
+    registers both under ``op.name`` for :func:`bind`; returns ``op``."""
+    OPS[op.name] = op
+    _PRIMITIVES[op.name] = _make_primitive(op)
+    return op
 
 
 def _make_primitive(op: OpDef) -> Primitive:
@@ -318,10 +185,11 @@ def _make_primitive(op: OpDef) -> Primitive:
     def lower_cuda(ctx, *args, axis_name, n, impl, opts):
         if n == 1:
             return lower_single_rank(ctx, *args)
-        if (op.spans_processes and impl in ("auto", "cuda")
+        if (op.across_processes is not None and impl in ("auto", "cuda")
                 and _groups.axis_is_all_processes(ctx, n) and _groups.nvshmem_started()):
-            if _all_reduce_across_processes(ctx, impl, n) == "nvshmem":
-                return _lower_nvshmem_all_reduce(ctx, *args, opts=opts)
+            other = op.across_processes(ctx, args, impl, n, dict(opts))
+            if other is not None:
+                return other
             impl = "xla"
         groups = None
         if impl == "auto":
@@ -389,47 +257,6 @@ def _widened_16_bit(fn):
 
 def _is_16_bit_float(dtype) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2
-
-
-def _lower_gemm_then_all_reduce(ctx, x, w, *, transport):
-    """matmul_all_reduce for small messages: XLA's dot, then the all-reduce
-    kernel on the same stream (see cuda_policy.matmul_all_reduce_kernel)."""
-    _extension.require_cuda_ops("matmul_all_reduce", OPS["all_reduce"].ffi_target)
-
-    def gemm_then_all_reduce(x, w):
-        y = jnp.dot(x, w, preferred_element_type=x.dtype)
-        nbytes = y.size * y.dtype.itemsize
-        call = jax.ffi.ffi_call(OPS["all_reduce"].ffi_target,
-                                jax.ShapeDtypeStruct(y.shape, y.dtype))
-        n = int(transport["n"])
-        return [call(y, **transport, **_ar_attrs(
-            n, {"algorithm": cuda_policy.all_reduce_algorithm(nbytes, n, y.dtype)}))]
-
-    return mlir.lower_fun(gemm_then_all_reduce, multiple_results=True)(ctx, x, w)
-
-
-def _all_reduce_across_processes(ctx, impl: str, n: int) -> str:
-    """"nvshmem" or "xla" for an all_reduce over ``n`` processes
-    (dispatch.all_reduce_across_processes, with this process's NVSHMEM state)."""
-    from . import distributed, nvshmem
-
-    aval = ctx.avals_in[0]
-    capacity = nvshmem.max_message_bytes() if nvshmem.is_initialized() else None
-    nbytes = math.prod(aval.shape) * aval.dtype.itemsize
-    return dispatch.all_reduce_across_processes(nbytes, aval.dtype, impl, capacity,
-                                                processes=n, node_size=distributed.node_size())
-
-
-def _lower_nvshmem_all_reduce(ctx, x, *, opts):
-    """NVSHMEM's hierarchical all-reduce over every process."""
-    from . import nvshmem
-
-    timeout = int(dict(opts).get("timeout_ms", timeout_ms()))
-    return mlir.lower_fun(lambda x: [nvshmem.ffi_all_reduce(x, timeout_ms=timeout)],
-                          multiple_results=True)(ctx, x)
-
-
-_PRIMITIVES = {name: _make_primitive(op) for name, op in OPS.items()}
 
 
 def bind(name: str, *args: jax.Array, axis_name: str, n: int, impl: str,

@@ -6,8 +6,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _layout, _primitives, _validation
+from . import (
+    _collective_matmul,
+    _layout,
+    _primitives,
+    _validation,
+    decomposed,
+    schedule,
+    xla_baseline,
+)
+from ._op_handlers import FFI_TARGETS
 from .schedule import Topology
 
 __all__ = ["all_gather_matmul"]
@@ -90,3 +100,47 @@ def _backward(static, residuals, dy):
 
 
 _all_gather_matmul.defvjp(_forward, _backward)
+
+
+# The op's definition: how its primitive is typed and lowered.
+
+_GEMM_POLICY = "ALL_GATHER_GEMM"
+
+
+def _out_shapes(x_shape: tuple[int, int], w_shape: tuple[int, int], n: int,
+                opts: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """y [n*m, n_out], and x_gathered [n*m, k] (the backward's residual),
+    [0, k] unless asked for; x [m, k], w [k, n_out]."""
+    return ((n * x_shape[0], w_shape[1]),
+            (n * x_shape[0] if opts.get("gathered") else 0, x_shape[1]))
+
+
+def _single_rank(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """On an axis of one rank: x @ w, and x is all that gathers."""
+    return _primitives.local_dot(x, w), x
+
+
+def _cuda_options(ctx, n: int, opts: dict) -> dict:
+    """The choices the collective matmuls share (_collective_matmul), and
+    that the tile-signalled GEMM gathers on 2 ranks only."""
+    opts = _collective_matmul.cuda_options(_OP, _GEMM_POLICY, ctx, n, opts)
+    if opts["gemm"] == "tile_signalled" and n != 2:
+        raise ValueError(f"the tile-signalled GEMM (cuda_policy.{_GEMM_POLICY}) runs on an "
+                         f"axis of 2 devices, got {n}; set cuda_policy.{_GEMM_POLICY} = "
+                         f"'row_blocks'")
+    return opts
+
+
+def _cuda_attrs(n: int, opts: dict) -> dict[str, np.ndarray | np.int32]:
+    """The handler's attributes after the transport's: the shards' order, chunks
+    per shard, where waits run, the GEMM."""
+    sched = schedule.all_gather_schedule(n, "direct", opts.get("chunks", 1))
+    return _collective_matmul.cuda_attrs(sched, opts)
+
+
+_DEFINITION = _primitives.define(_primitives.OpDef(
+    name=_OP, ffi_target=FFI_TARGETS[_OP], out_shapes=_out_shapes, reduces=False,
+    xla=_primitives.as_tuple(_primitives.baseline(xla_baseline.all_gather_matmul)),
+    decomposed=_primitives.as_tuple(
+        _primitives.decomposed_with(decomposed.all_gather_matmul, "topology")),
+    cuda_attrs=_cuda_attrs, single_rank=_single_rank, cuda_options=_cuda_options))

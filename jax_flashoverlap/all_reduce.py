@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import numpy as np
+from jax.interpreters import mlir
 
-from . import _layout, _primitives, _validation, cuda_policy
+from . import (
+    _cuda_limits,
+    _extension,
+    _layout,
+    _primitives,
+    _validation,
+    cuda_policy,
+    decomposed,
+    dispatch,
+    xla_baseline,
+)
+from ._op_handlers import FFI_TARGETS
 
 __all__ = ["all_reduce"]
 
@@ -77,3 +91,71 @@ def _backward(static, _, dy):
 
 
 _all_reduce.defvjp(_forward, _backward)
+
+
+# The op's definition: how its primitive is typed and lowered.
+
+# algorithm="copy_engine" runs a handler of its own; the other algorithms are
+# kernels of FFI_TARGETS["all_reduce"].
+_COPY_ENGINE_TARGET = "jfo_all_reduce_copy_engine"
+
+
+def _out_shapes(x_shape: tuple[int, ...], n: int, opts: dict) -> tuple[tuple[int, ...]]:
+    """The sum has x's shape (any: this op's primitive takes x as it comes)."""
+    del n, opts
+    return (x_shape,)
+
+
+def kernel_attrs(n: int, opts: dict) -> dict[str, np.int32]:
+    """The kernels' attributes after the transport's: ``algorithm``, the
+    kernel's index in cuda_policy.ALL_REDUCE_KERNELS (matmul_all_reduce's
+    small results run them too)."""
+    del n
+    return {"algorithm": np.int32(cuda_policy.ALL_REDUCE_KERNELS.index(opts["algorithm"]))}
+
+
+def _cuda_options(ctx, n: int, opts: dict) -> dict:
+    """algorithm=None picked by message size, decided here with the impl."""
+    aval = ctx.avals_in[0]
+    if opts["algorithm"] is None:
+        opts["algorithm"] = cuda_policy.all_reduce_algorithm(
+            math.prod(aval.shape) * aval.dtype.itemsize, n, aval.dtype)
+    _cuda_limits.check_lamport_size(aval, opts["algorithm"])
+    return opts
+
+
+def _cuda_lowering(ctx, args, transport: dict, n: int, opts: dict):
+    """algorithm="copy_engine": its own handler, the message within one
+    receive slot of the transport; the kernels: None (jfo_all_reduce)."""
+    del n
+    if opts["algorithm"] != "copy_engine":
+        return None
+    _cuda_limits.check_copy_engine_size(ctx.avals_in[0])
+    _extension.require_cuda_ops(_OP, _COPY_ENGINE_TARGET)
+    return jax.ffi.ffi_lowering(_COPY_ENGINE_TARGET)(
+        ctx, *args, **transport, chunks=np.int32(cuda_policy.COPY_ENGINE_ALL_REDUCE_CHUNKS))
+
+
+def _across_processes(ctx, args, impl: str, n: int, opts: dict):
+    """Over an axis of one GPU per process: NVSHMEM's hierarchical all-reduce
+    where dispatch.all_reduce_across_processes picks it (with this process's
+    NVSHMEM state), else None (psum)."""
+    from . import distributed, nvshmem  # only an axis across processes needs them
+
+    aval = ctx.avals_in[0]
+    capacity = nvshmem.max_message_bytes() if nvshmem.is_initialized() else None
+    nbytes = math.prod(aval.shape) * aval.dtype.itemsize
+    if dispatch.all_reduce_across_processes(nbytes, aval.dtype, impl, capacity, processes=n,
+                                            node_size=distributed.node_size()) != "nvshmem":
+        return None
+    timeout = int(opts.get("timeout_ms", _primitives.timeout_ms()))
+    return mlir.lower_fun(lambda x: [nvshmem.ffi_all_reduce(x, timeout_ms=timeout)],
+                          multiple_results=True)(ctx, *args)
+
+
+_DEFINITION = _primitives.define(_primitives.OpDef(
+    name=_OP, ffi_target=FFI_TARGETS[_OP], out_shapes=_out_shapes, reduces=True,
+    xla=_primitives.as_tuple(_primitives.baseline(xla_baseline.all_reduce)),
+    decomposed=_primitives.as_tuple(_primitives.decomposed_with(decomposed.all_reduce)),
+    cuda_attrs=kernel_attrs, single_rank=lambda x: (x,), cuda_options=_cuda_options,
+    cuda_lowering=_cuda_lowering, across_processes=_across_processes))

@@ -206,19 +206,23 @@ def _machine(platform: str) -> tuple[str, int] | None:
 def _cuda_unfit(op: str, shapes: Shapes, dtype: np.dtype, n: int, chunks: int | None,
                 entry) -> str:
     """Why impl="cuda" would run outside what ``entry`` measured ("" if it would not)."""
+    kernel = None
     if op == "matmul_all_reduce":
-        kernels = [cuda_policy.matmul_all_reduce_kernel(rows * cols * dtype.itemsize)
-                   for rows, cols in ((shapes[0][0], shapes[1][1]),
-                                      (entry.shape[0], entry.shape[2]))]
-        if kernels[0] != kernels[1]:
-            return f"it would run the {kernels[0]} kernel, the measurement ran {kernels[1]}"
+        # The kernel the op's lowering will pick for this call (by result
+        # size), and the one the measurement ran.
+        kernel, measured = (cuda_policy.matmul_all_reduce_kernel(rows * cols * dtype.itemsize)
+                            for rows, cols in ((shapes[0][0], shapes[1][1]),
+                                               (entry.shape[0], entry.shape[2])))
+        if kernel != measured:
+            return f"it would run the {kernel} kernel, the measurement ran {measured}"
     needs = cuda_policy.transport_needs(op, shapes, dtype.itemsize, n)
     slot, staging = cuda_policy.transport_capacity()
-    if op != "all_reduce" and not (needs[0] <= slot and needs[1] <= staging):
-        if not (op == "matmul_all_reduce" and cuda_policy.matmul_all_reduce_kernel(
-                shapes[0][0] * shapes[1][1] * dtype.itemsize) == "gemm_then_all_reduce"):
-            return (f"it needs {needs[0]} bytes per receive slot and {needs[1]} of staging, "
-                    f"the workspace has {slot} and {staging} (JAX_FLASHOVERLAP_WORKSPACE_MB)")
+    # gemm_then_all_reduce sends through the all-reduce kernel's region (which
+    # matmul_all_reduce_kernel checked), not the fused kernel's slot and staging.
+    if (op != "all_reduce" and kernel != "gemm_then_all_reduce"
+            and not (needs[0] <= slot and needs[1] <= staging)):
+        return (f"it needs {needs[0]} bytes per receive slot and {needs[1]} of staging, "
+                f"the workspace has {slot} and {staging} (JAX_FLASHOVERLAP_WORKSPACE_MB)")
     if op == "all_reduce":
         nbytes = math.prod(shapes[0]) * dtype.itemsize
         if nbytes > cuda_policy.all_reduce_region_bytes():

@@ -3,11 +3,26 @@
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.interpreters import mlir
 
-from . import _layout, _primitives, _validation
+from . import (
+    _cuda_limits,
+    _extension,
+    _layout,
+    _primitives,
+    _validation,
+    cuda_policy,
+    decomposed,
+    schedule,
+    xla_baseline,
+)
+from ._op_handlers import FFI_TARGETS
+from .all_reduce import kernel_attrs as _all_reduce_attrs
 
 __all__ = ["matmul_all_reduce"]
 
@@ -76,3 +91,78 @@ def _backward(static, residuals, dy):
 
 
 _matmul_all_reduce.defvjp(_forward, _backward)
+
+
+# The op's definition: how its primitive is typed and lowered.
+
+
+def _out_shapes(x_shape: tuple[int, int], w_shape: tuple[int, int], n: int,
+                opts: dict) -> tuple[tuple[int, int]]:
+    """x [m, k] @ w [k, n_out], summed: [m, n_out]."""
+    del n, opts
+    return ((x_shape[0], w_shape[1]),)
+
+
+def _options(ctx, n: int, opts: dict) -> dict:
+    """The row chunks of ``chunks`` (every impl): shrinking, each rank's part
+    of every chunk but the first a multiple of MATMUL_ALL_REDUCE_PART_ALIGN rows."""
+    rows = ctx.avals_in[0].shape[0]
+    opts["chunk_rows"] = schedule.all_reduce_chunk_rows(
+        rows, opts.pop("chunks"), align=n * cuda_policy.MATMUL_ALL_REDUCE_PART_ALIGN)
+    return opts
+
+
+def _cuda_options(ctx, n: int, opts: dict) -> dict:
+    """The kernel by result size (the one place the lowering picks it), and
+    the fused kernel's GEMM (checked)."""
+    del n
+    out = ctx.avals_out[0]
+    opts["kernel"] = cuda_policy.matmul_all_reduce_kernel(math.prod(out.shape) * out.dtype.itemsize)
+    opts["gemm"] = _cuda_limits.policy_choice("MATMUL_ALL_REDUCE_GEMM",
+                                              cuda_policy.MATMUL_ALL_REDUCE_GEMMS)
+    if opts["kernel"] == "fused" and opts["gemm"] == "tile_signalled":
+        _cuda_limits.check_tile_signalled(*ctx.avals_in, policy="MATMUL_ALL_REDUCE_GEMM")
+    return opts
+
+
+def _cuda_attrs(n: int, opts: dict) -> dict[str, np.ndarray | np.int32]:
+    """The fused handler's attributes after the transport's: the rows of each
+    chunk [chunks], and the GEMM."""
+    del n
+    return {"chunk_rows": np.asarray(opts["chunk_rows"], np.int32),
+            "tile_signalled": np.int32(opts["gemm"] == "tile_signalled")}
+
+
+def _cuda_lowering(ctx, args, transport: dict, n: int, opts: dict):
+    """XLA's dot and the all-reduce kernel for small results; else the fused
+    kernel (None), within its event budget."""
+    if opts["kernel"] == "gemm_then_all_reduce":
+        return _lower_gemm_then_all_reduce(ctx, *args, transport=transport)
+    _cuda_limits.check_event_budget(len(opts["chunk_rows"]), n)
+    return None
+
+
+def _lower_gemm_then_all_reduce(ctx, x, w, *, transport: dict):
+    """For small messages: XLA's dot of x [m, k] and w [k, n_out], then the
+    all-reduce kernel on the same stream (see cuda_policy.matmul_all_reduce_kernel)."""
+    target = FFI_TARGETS["all_reduce"]
+    _extension.require_cuda_ops(_OP, target)
+
+    def gemm_then_all_reduce(x, w):
+        y = jnp.dot(x, w, preferred_element_type=x.dtype)
+        nbytes = y.size * y.dtype.itemsize
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(y.shape, y.dtype))
+        n = int(transport["n"])
+        return [call(y, **transport, **_all_reduce_attrs(
+            n, {"algorithm": cuda_policy.all_reduce_algorithm(nbytes, n, y.dtype)}))]
+
+    return mlir.lower_fun(gemm_then_all_reduce, multiple_results=True)(ctx, x, w)
+
+
+_DEFINITION = _primitives.define(_primitives.OpDef(
+    name=_OP, ffi_target=FFI_TARGETS[_OP], out_shapes=_out_shapes, reduces=True,
+    xla=_primitives.as_tuple(_primitives.baseline(xla_baseline.matmul_all_reduce)),
+    decomposed=_primitives.as_tuple(
+        _primitives.decomposed_with(decomposed.matmul_all_reduce, "chunk_rows")),
+    cuda_attrs=_cuda_attrs, single_rank=_primitives.as_tuple(_primitives.local_dot),
+    options=_options, cuda_options=_cuda_options, cuda_lowering=_cuda_lowering))

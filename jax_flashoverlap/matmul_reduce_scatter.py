@@ -6,8 +6,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from . import _layout, _primitives, _validation
+from . import (
+    _collective_matmul,
+    _cuda_limits,
+    _layout,
+    _primitives,
+    _validation,
+    cuda_policy,
+    decomposed,
+    schedule,
+    xla_baseline,
+)
+from ._op_handlers import FFI_TARGETS
 from .schedule import Topology
 
 __all__ = ["matmul_reduce_scatter"]
@@ -89,3 +101,39 @@ def _backward(static, residuals, dy):
 
 
 _matmul_reduce_scatter.defvjp(_forward, _backward)
+
+
+# The op's definition: how its primitive is typed and lowered.
+
+
+def _out_shapes(x_shape: tuple[int, int], w_shape: tuple[int, int], n: int,
+                opts: dict) -> tuple[tuple[int, int]]:
+    """This rank's block [m / n, n_out] of x [m, k] @ w [k, n_out]."""
+    del opts
+    return ((x_shape[0] // n, w_shape[1]),)
+
+
+def _cuda_options(ctx, n: int, opts: dict) -> dict:
+    """The choices the collective matmuls share (_collective_matmul), and
+    where the peers' partials are added (cuda_policy.REDUCE_SCATTER_FOLD)."""
+    opts = _collective_matmul.cuda_options(_OP, "REDUCE_SCATTER_GEMM", ctx, n, opts)
+    opts["fold"] = _cuda_limits.policy_choice("REDUCE_SCATTER_FOLD",
+                                              cuda_policy.REDUCE_SCATTER_FOLDS)
+    return opts
+
+
+def _cuda_attrs(n: int, opts: dict) -> dict[str, np.ndarray | np.int32]:
+    """The handler's attributes after the transport's: the blocks' order,
+    chunks per block, the fold, where waits run, the GEMM."""
+    sched = schedule.reduce_scatter_schedule(n, "direct", opts.get("chunks", 1))
+    return _collective_matmul.cuda_attrs(sched, opts,
+                                         add_after=np.int32(opts["fold"] == "add_after"))
+
+
+_DEFINITION = _primitives.define(_primitives.OpDef(
+    name=_OP, ffi_target=FFI_TARGETS[_OP], out_shapes=_out_shapes, reduces=False,
+    xla=_primitives.as_tuple(_primitives.baseline(xla_baseline.matmul_reduce_scatter)),
+    decomposed=_primitives.as_tuple(
+        _primitives.decomposed_with(decomposed.matmul_reduce_scatter, "topology")),
+    cuda_attrs=_cuda_attrs, single_rank=_primitives.as_tuple(_primitives.local_dot),
+    cuda_options=_cuda_options))
