@@ -2,7 +2,7 @@
 (``--share-gpu``: several ranks on one GPU) by tests/test_node_transport.py.
 
     python -m jax_flashoverlap.cli.launch -n N --share-gpu [--mps] \\
-        tests/node_ranks_child.py ops|faults [--rounds R] [--json PATH]
+        tests/node_ranks_child.py ops|faults|mismatch [--rounds R] [--json PATH]
 
 ``ops``: the four ops with impl="cuda" over an axis of all N processes, in
 three dtypes and odd shapes, on data drawn from one seed in every process,
@@ -10,6 +10,10 @@ each shard against its float64 reference. ``faults``: R rounds per kind
 (error, skip, stall) of a fault injected into one rank's next call, on
 every op: each call returns exact rows or NaN on every rank, or raises,
 never a wrong finite number; then a collective reset() and an exact call.
+``mismatch``: R rounds per kind (shape, dtype) and op in which one rank
+calls the op with other shapes or another dtype than its peers: every rank
+gets NaN or an error, never a wrong finite number, and the error names the
+two calls.
 ``--compile-cache DIR`` loads each round's fresh executable from JAX's
 persistent cache instead of compiling it again.
 
@@ -49,8 +53,8 @@ SHAPES = ((3, 5, 12, 7), (129, 1, 200, 72))
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("ops", "faults"))
-    p.add_argument("--rounds", type=int, default=3, help="faults per kind and op")
+    p.add_argument("mode", choices=("ops", "faults", "mismatch"))
+    p.add_argument("--rounds", type=int, default=3, help="faults (or mismatches) per kind and op")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--compile-cache", default=None, metavar="DIR")
@@ -144,6 +148,56 @@ def run_faults(mesh, rng, rounds, counts, seconds):
             assert_close(y, want, "float32")
 
 
+def run_mismatches(mesh, rng, rounds, counts, seconds):
+    """Each round: one exact call (which checks the previous round's
+    reset()); one call in which a rank every process draws alike runs the
+    op on other shapes (SHAPES[0] against SHAPES[1]) or in bfloat16 against
+    float32, each rank on its own fresh data; a collective reset()."""
+    n, me = mesh.size, jax.process_index()
+    timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
+    for op in OPS:
+        args, in_specs, out_specs, _ = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+        os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = "20000"  # as in run_faults
+        f = round_executable(mesh, op, in_specs, out_specs, args, None)
+        f(*global_arrays(mesh, args, in_specs))
+        os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(timeout_ms)
+        for kind in ("shape", "dtype"):
+            for _ in range(rounds):
+                tick = time.perf_counter()
+                args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+                f = round_executable(mesh, op, in_specs, out_specs, args, f)
+                for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
+                    assert_close(y, want, "float32")
+                victim = int(rng.integers(n))
+                distributed.check_same("mismatch round", {"op": op, "kind": kind,
+                                                          "victim": victim})
+                usual = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+                dtype, dims = ("float32", SHAPES[0]) if kind == "shape" else ("bfloat16", SHAPES[1])
+                other = case(op, n, rng, dtype, dims=dims, batch=False)
+                own_args, _, _, own_expected = other if me == victim else usual
+                # Each process compiles its own program: nothing in XLA compares them.
+                g = runner(mesh, op, in_specs, out_specs).lower(
+                    *global_arrays(mesh, own_args, in_specs)).compile()
+                distributed.check_same("mismatched call", {"op": op})
+                seconds["compile_and_exact_call"] += time.perf_counter() - tick
+                tick = time.perf_counter()
+                errors = []
+                tolerance = 2e-2 if own_args[0].dtype != np.float32 else 1e-4
+                outcome = call_once(g, mesh, own_args, in_specs, own_expected, errors, tolerance)
+                counts[f"{kind}_{outcome}"] += 1
+                counts[f"{kind}_named"] += any("ran different calls" in e for e in errors)
+                print(f"round {op} {kind} victim={victim}: {outcome}", flush=True)
+                seconds["mismatched_calls"] += time.perf_counter() - tick
+                tick = time.perf_counter()
+                jfo.reset()
+                seconds["reset"] += time.perf_counter() - tick
+            print(f"ok mismatches {op} {kind}", flush=True)
+        args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+        f = round_executable(mesh, op, in_specs, out_specs, args, f)  # the last reset, checked
+        for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
+            assert_close(y, want, "float32")
+
+
 def round_executable(mesh, op, in_specs, out_specs, args, previous):
     """``previous``, or a new executable where there is none or for the ops
     XLA captures into a command buffer (it does not run one again after
@@ -156,13 +210,17 @@ def round_executable(mesh, op, in_specs, out_specs, args, previous):
     return previous
 
 
-def call_once(f, mesh, args, in_specs, expected) -> str:
-    """"exact", "nan" (every inexact row holds a NaN), "error" (raised), or
-    "wrong" (a finite row off its reference: the outcome that must never be)."""
+def call_once(f, mesh, args, in_specs, expected, errors=None, tolerance=1e-4) -> str:
+    """"exact", "nan" (every inexact row holds a NaN), "error" (raised, its
+    message appended to ``errors``), or "wrong" (a finite row off its
+    reference by more than ``tolerance`` of its scale: the outcome that
+    must never be)."""
     try:
         got = shards(f(*global_arrays(mesh, args, in_specs)), expected)
         jfo.check_device_errors()
-    except (jax.errors.JaxRuntimeError, RuntimeError):
+    except (jax.errors.JaxRuntimeError, RuntimeError) as e:
+        if errors is not None:
+            errors.append(str(e))
         return "error"
     outcome = "exact"
     for y, want in got:
@@ -171,7 +229,7 @@ def call_once(f, mesh, args, in_specs, expected) -> str:
         if not finite.all():
             outcome = "nan"
         scale = max(np.abs(ref).max(), 1e-30)
-        if (np.abs(rows[finite] - ref[finite]) > 1e-4 * scale).any():
+        if (np.abs(rows[finite] - ref[finite]) > tolerance * scale).any():
             return "wrong"
     return outcome
 
@@ -189,8 +247,10 @@ def main():
     start = time.perf_counter()
     if args.mode == "ops":
         run_ops(mesh, rng, counts)
-    else:
+    elif args.mode == "faults":
         run_faults(mesh, rng, args.rounds, counts, seconds)
+    else:
+        run_mismatches(mesh, rng, args.rounds, counts, seconds)
     result = {"mode": args.mode, "ranks": n, "rank": me, "seconds": time.perf_counter() - start,
               "counts": dict(counts),
               "phase_seconds": {k: round(v, 3) for k, v in seconds.items()}}

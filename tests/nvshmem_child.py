@@ -12,6 +12,11 @@ With ``--shared-gpu`` (processes sharing one GPU, where NCCL refuses to
 run) the reference is the float64 sum of every process's data, drawn from
 one seed in each, the bits are compared through jax.distributed's store,
 and the routing of "auto" (which would run psum) is not checked.
+
+With ``--mismatch`` the last call has one PE all-reduce another size than
+the others: every PE must get NaN or an error, and the PEs that exchange
+with that one an error naming both calls (after which NVSHMEM's
+all-reduce fails for the rest of the processes' lives).
 """
 
 import hashlib
@@ -30,7 +35,8 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax_flashoverlap import nvshmem  # noqa: E402
 
 SHARED_GPU = "--shared-gpu" in sys.argv
-args = [a for a in sys.argv[1:] if a != "--shared-gpu"]
+MISMATCH = "--mismatch" in sys.argv
+args = [a for a in sys.argv[1:] if a not in ("--shared-gpu", "--mismatch")]
 HEAP_MB = int(args[0]) if args else 512
 # Single elements, odd tails, one block, many blocks, several MiB.
 SIZES = (1, 7, 8, 1000, 4099, 65_536, 300_001, (1 << 20) + 5, 4 << 20)
@@ -125,6 +131,20 @@ for dtype, size, on_nvshmem in () if SHARED_GPU else (("bfloat16", 65_536, measu
         failures += 1
         print(f"FAIL auto {dtype}: {calls} NVSHMEM calls, same={same}")
     print(f"ok auto {dtype} size={size} nvshmem={on_nvshmem}")
+
+if MISMATCH:  # the last call: a failure is for the rest of the process's life
+    size = 1000 + (me == n - 1)
+    local = shared_rng.standard_normal((n, size), np.float32)[me:me + 1]
+    x = multihost_utils.host_local_array_to_global_array(local, mesh, spec)
+    try:
+        ours = np.asarray(alone(x).addressable_data(0))
+        nvshmem.check_device_errors()
+        outcome = "nan" if np.isnan(ours).all() else "wrong"
+    except (jax.errors.JaxRuntimeError, RuntimeError) as e:
+        # A PE whose partner failed first times out instead.
+        outcome = "named" if "ran different calls" in str(e) else "error"
+    print(f"mismatch pe={me}: {outcome}", flush=True)
+    failures += outcome == "wrong"
 
 nvshmem.finalize()
 if failures:

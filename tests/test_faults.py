@@ -152,6 +152,22 @@ def test_the_copy_engine_wait_rejects_a_peer_two_calls_ahead(seen, expected, tim
     assert _extension._module().debug_wait_flag(ordinal, seen, expected, timeout_ms) == outcome
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seen, theirs, ours, outcome", [
+    (_flag(5, 3), 0x1234ABCD, 0x1234ABCD, "reached"),
+    (_flag(5, 3), 0x1234ABCD, 0x1234ABCE, "another call"),
+    (_flag(6, 1), 0x0BADF00D, 0x1234ABCD, "another call"),  # the peer a call ahead
+    (_flag(5, 2), 0x0BADF00D, 0x1234ABCD, "timed out"),     # no flag yet: no verdict
+])
+def test_the_copy_engine_wait_rejects_a_message_of_another_call(seen, theirs, ours, outcome):
+    """A flag that reached its value passes only with the peer's call
+    fingerprint equal to this call's (CallFingerprint in ffi/)."""
+    _extension.require_cuda_ops("all_gather_matmul", "jfo_all_gather_matmul")
+    ordinal = jax.devices("gpu")[0].local_hardware_id
+    got = _extension._module().debug_wait_flag(ordinal, seen, _flag(5, 3), 50, theirs, ours)
+    assert got == outcome
+
+
 def _two_gpu_op(op: str):
     """A fresh jit (a new program: its host code runs on its first call) of
     ``op`` with impl="cuda" over the first two GPUs, returning every rank's

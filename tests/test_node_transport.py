@@ -158,8 +158,13 @@ def _gpu_child(tmp_path, n, mode, *args, timeout=540):
     path = out_dir / f"node_ranks_{mode}_{n}.json"
     # A fault's peers wait out the whole bound: short under MPS, where a
     # healthy wait takes microseconds, so that hundreds of faults fit a run.
-    wait_ms = (200 if mps else 5000) if mode == "faults" else 20000
+    wait_ms = (200 if mps else 5000) if mode in ("faults", "mismatch") else 20000
     env["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(wait_ms)
+    if mode == "mismatch":
+        # XLA shares the autotuning of a program's GEMMs between the processes
+        # that compile it, and waits for the others: processes that compile
+        # different programs wait on each other until the store's deadline.
+        env["XLA_FLAGS"] = "--xla_gpu_shard_autotuning=false"
     proc, _ = _launch(tmp_path, n, str(HERE / "node_ranks_child.py"), mode, *args, extra=extra,
                       timeout=timeout, env=env)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
@@ -197,21 +202,46 @@ def test_injected_faults_across_processes_end_in_errors_or_nan(tmp_path, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [2, 4])
+def test_mismatched_calls_across_processes_end_in_errors_or_nan(tmp_path, n):
+    """One rank calls each op on other shapes, or in another dtype, than its
+    peers: the call fingerprints differ, so every rank gets an error or NaN,
+    and the error names both calls."""
+    rounds = int(os.environ.get("JFO_MISMATCH_ROUNDS", "2"))
+    proc, results = _gpu_child(tmp_path, n, "mismatch", "--rounds", str(rounds),
+                               "--compile-cache", str(tmp_path / "xla_cache"),
+                               timeout=120 + 20 * rounds)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert len(results) == n
+    for r in results:
+        counts = r["counts"]
+        for kind in ("shape", "dtype"):
+            assert counts.get(f"{kind}_error", 0) + counts.get(f"{kind}_nan", 0) == 4 * rounds, \
+                counts
+            assert counts.get(f"{kind}_named", 0) > 0, counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
 def test_nvshmem_all_reduce_with_its_pes_sharing_one_gpu(tmp_path, n):
     """NVSHMEM's hierarchical all-reduce with node size 1 (each PE its own
     node: the recursive doubling between nodes) at n PEs on one GPU, against
-    float64 (tests/nvshmem_child.py --shared-gpu)."""
+    float64, then a call of another size on one PE (tests/nvshmem_child.py
+    --shared-gpu --mismatch)."""
     from jax_flashoverlap import nvshmem
 
     if not nvshmem.is_built():
         pytest.skip("built without JFO_ENABLE_NVSHMEM=ON")
     _, extra, env = _shared_gpu()
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"  # room for the NVSHMEM heaps
-    proc, _ = _launch(tmp_path, n, str(HERE / "nvshmem_child.py"), "--shared-gpu", "256",
-                      extra=[*extra, "--node-size", "1"], timeout=300, env=env)
-    # The child exits 0 only once every all-reduce matched its reference.
+    proc, _ = _launch(tmp_path, n, str(HERE / "nvshmem_child.py"), "--shared-gpu", "--mismatch",
+                      "256", extra=[*extra, "--node-size", "1"], timeout=300, env=env)
+    # The child exits 0 only once every all-reduce matched its reference, and
+    # a last one of another size on one PE raised on every PE, naming both calls.
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "NVSHMEM_ALL_REDUCE_OK" in proc.stdout
+    outcomes = [line.rsplit(": ", 1)[1] for line in proc.stdout.splitlines()
+                if "mismatch pe=" in line]
+    assert len(outcomes) == n and "named" in outcomes, outcomes
 
 
 def test_mps_that_cannot_start_is_an_error_naming_it(monkeypatch):

@@ -13,6 +13,7 @@
 
 #include "ops_common.h"
 #include "tile_gemm.h"
+#include "transport/fingerprint.h"
 
 namespace jfo {
 namespace {
@@ -122,7 +123,15 @@ ffi::Error AllGatherMatmulImpl(cudaStream_t stream, int ordinal,
       CheckShape(kOp, "x_gathered", *x_gathered, gather ? n * m : 0, k));
 
   Channel ch;
-  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
+  const uint32_t fingerprint = CallFingerprint(OpName(kOp))
+                                  .Buffer("x", x)
+                                  .Buffer("w", w)
+                                  .Buffer("x_gathered", *x_gathered)
+                                  .Option("order", order)
+                                  .Option("chunks", chunks)
+                                  .Option("tile_signalled", tile_signalled)
+                                  .Seal();
+  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream, fingerprint));
   // Every wait here precedes the XLA-stream GEMM that reads its chunk.
   ch.set_waits_on_xla_stream(waits_on_xla_stream != 0);
   const size_t es = DataTypeBytes(dtype);

@@ -29,6 +29,7 @@
 
 #include "all_reduce.h"
 #include "handlers.h"
+#include "transport/fingerprint.h"
 
 namespace jfo {
 namespace {
@@ -94,10 +95,10 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   // The split depends on nothing rank-specific (see the top of the file).
   const size_t es = DataTypeBytes(dtype);
   const size_t pack = 16 / es;
-  if (algorithm == kLamport && elements * es > region->lamport_parity_bytes) {
+  if (algorithm == kLamport && elements * es > region->lamport_data_bytes) {
     return ffi::Error::InvalidArgument(
         "jax_flashoverlap all_reduce: the Lamport one-shot takes messages up "
-        "to " + std::to_string(region->lamport_parity_bytes >> 10) +
+        "to " + std::to_string(region->lamport_data_bytes >> 10) +
         " KiB per rank in a process with this many CUDA devices, got " +
         std::to_string(elements * es) + " bytes; use algorithm='one_shot'");
   }
@@ -137,6 +138,11 @@ ffi::Error AllReduceImpl(cudaStream_t stream, int ordinal, Buffer_Type x,
   a.info.ordinal = group->ids[group->rank];
   a.info.timeout_ms = timeout_ms;
   a.region = *region;
+  a.fingerprint = CallFingerprint(OpName(kOp))
+                      .Option("dtype", static_cast<int>(dtype))
+                      .Option("elements", static_cast<int64_t>(elements))
+                      .Option("algorithm", algorithm)
+                      .Seal();
   // The peers' vector stores into y need it 16-byte aligned, whatever their
   // own buffers are.
   a.gather_to = algorithm == kTwoShot &&

@@ -51,6 +51,9 @@ struct Args {
   // Two-shot: what this rank's mailboxes on its peers say (see Mailbox).
   unsigned long long gather_to;
   uint64_t timeout_ns;
+  // CallFingerprint of this call: a peer's must match before its data is
+  // read (after the mailbox in each stripe; in the Lamport block headers).
+  uint32_t fingerprint;
   TimeoutRecord info;  // op, rank, ordinal, timeout_ms of a timeout report
   PeerRegion region;
 };

@@ -20,6 +20,7 @@
 
 #include "handlers.h"
 #include "ops_common.h"
+#include "transport/fingerprint.h"
 
 namespace jfo {
 namespace {
@@ -131,7 +132,12 @@ ffi::Error AllReduceCopyEngineImpl(cudaStream_t stream, int ordinal,
   if (elements == 0) return ffi::Error::Success();
 
   Channel ch;
-  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
+  const uint32_t fingerprint = CallFingerprint(OpName(kOp))
+                                  .Option("dtype", static_cast<int>(dtype))
+                                  .Option("elements", elements)
+                                  .Option("chunks", chunks)
+                                  .Seal();
+  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream, fingerprint));
   // Each peer's parts land at their own offsets: a slot holds the message.
   JFO_RETURN_IF_ERROR(ch.CheckCapacity(elements * DataTypeBytes(dtype), 0));
   CopyEngineSchedule schedule(ch, dtype, static_cast<const char*>(x.untyped_data()),

@@ -50,38 +50,60 @@ __device__ void Signal(const Args& a, int kind, const uint32_t* seq) {
       seq[q]);
 }
 
-// Lane q waits for peer q's flag of `kind` to reach seq[q] until `deadline`;
-// then the barrier hands the acquired data to the whole block. Sets *failed
-// (shared) on a timeout and reports it.
+__device__ __forceinline__ unsigned long long* Mailbox(const char* stripe,
+                                                       const Args& a) {
+  return reinterpret_cast<unsigned long long*>(
+      const_cast<char*>(stripe) + a.region.stripe_bytes - kMailboxBytes);
+}
+
+// The sender's CallFingerprint, in the mailbox's last 8 bytes.
+__device__ __forceinline__ uint32_t* FingerprintWord(const char* stripe, const Args& a) {
+  return reinterpret_cast<uint32_t*>(const_cast<char*>(stripe) + a.region.stripe_bytes -
+                                     sizeof(uint64_t));
+}
+
+// Stripe b of the parity of call seq of a slot (this block's).
+__device__ __forceinline__ const char* Stripe(const char* slot, uint32_t seq, const Args& a) {
+  return slot + (seq & 1) * a.region.parity_bytes + blockIdx.x * a.region.stripe_bytes;
+}
+
+// Lane q waits for peer q's flag of `kind` to reach seq[q] until `deadline`,
+// and for kArData checks that the message is of this call (the peer's
+// fingerprint); then the barrier hands the acquired data to the whole block.
+// Sets *failed (shared) on a timeout or another call, and reports it.
 __device__ void Wait(const Args& a, int kind, const uint32_t* seq,
                      uint64_t deadline, int* failed) {
   const int q = threadIdx.x;
   if (IsPeer(a, q)) {
     const uint32_t* flag =
         a.region.recv_flag[q] + kind * a.region.flag_kind_stride + blockIdx.x;
+    TimeoutRecord info = a.info;
+    uint32_t expected = seq[q], seen;
     for (;;) {
-      const uint32_t seen = signal::LoadAcquire(flag);
+      seen = signal::LoadAcquire(flag);
       // A peer leads by at most one call (see the top): two is out of step.
       const bool ahead = signal::Reached(seen, seq[q] + 2);
-      if (signal::Reached(seen, seq[q]) && !ahead) break;
-      if (ahead || signal::GlobalTimerNs() > deadline) {
-        *failed = 1;
-        signal::FailRegion(a.region, a.n, a.rank);
-        TimeoutRecord info = a.info;
-        info.out_of_step = ahead;
-        signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
-                              a.region.ids[q], seq[q], seen);
-        break;
+      if (signal::Reached(seen, seq[q]) && !ahead) {
+        if (kind != kArData) break;
+        const uint32_t theirs =
+            signal::LoadAcquire(FingerprintWord(Stripe(a.region.recv[q], seq[q], a), a));
+        if (theirs == a.fingerprint) break;
+        info.cause = kCallMismatch;
+        expected = a.fingerprint;
+        seen = theirs;
+      } else if (ahead) {
+        info.cause = kOutOfStep;
+      } else if (signal::GlobalTimerNs() <= deadline) {
+        continue;
       }
+      *failed = 1;
+      signal::FailRegion(a.region, a.n, a.rank);
+      signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
+                            a.region.ids[q], expected, seen);
+      break;
     }
   }
   __syncthreads();
-}
-
-__device__ __forceinline__ unsigned long long* Mailbox(const char* stripe,
-                                                       const Args& a) {
-  return reinterpret_cast<unsigned long long*>(
-      const_cast<char*>(stripe) + a.region.stripe_bytes - kMailboxBytes);
 }
 
 template <typename T, bool kVector, int kAlgorithm>
@@ -109,10 +131,13 @@ __global__ void __launch_bounds__(kFlagThreads) AllReduceKernel(Args a) {
   }
   // Stripe b of the current parity of rank q's slot here / ours on q.
   auto stripe = [&](const char* slot, int q) {
-    return reinterpret_cast<T*>(const_cast<char*>(slot) +
-                                (seq[q] & 1) * a.region.parity_bytes +
-                                b * a.region.stripe_bytes);
+    return reinterpret_cast<T*>(const_cast<char*>(Stripe(slot, seq[q], a)));
   };
+  // Before the data signal (Signal's fence orders it before the flag).
+  if (IsPeer(a, threadIdx.x)) {
+    *FingerprintWord(Stripe(a.region.send[threadIdx.x], seq[threadIdx.x], a), a) =
+        a.fingerprint;
+  }
   auto in = [&](int q) -> const T* {
     return q == a.rank ? x : stripe(a.region.recv[q], q);
   };

@@ -20,6 +20,12 @@
 // times out marks the region failed on its device and on its peers, and
 // every later all-reduce kernel there writes NaN instead of reading its
 // slots (PeerRegion::region_failed), until reset.
+//
+// Each block also sends its call's fingerprint in its header (a 16-byte pack
+// after the slot's data, emptied like the data), and the receiving block
+// fails the call when the peer's differs: counters alone would pair two
+// different calls (another size or dtype on one rank) and sum unrelated
+// bytes. Header and data are polled alike, so both are of the same call.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -170,6 +176,17 @@ __global__ void __launch_bounds__(kLamportThreads) LamportAllReduceKernel(Args a
   const size_t packs = kVector ? count / kN : 0;
   const uint4 empty = {kLamportEmpty, kLamportEmpty, kLamportEmpty,
                        kLamportEmpty};
+  // This block's header in the current parity of a slot.
+  auto header = [&](const char* base, int q) {
+    return reinterpret_cast<uint4*>(const_cast<char*>(base) +
+                                    (seq[q] & 1) * a.region.lamport_parity_bytes +
+                                    a.region.lamport_data_bytes) + b;
+  };
+  if (IsPeer(a, threadIdx.x)) {  // never empty: see CallFingerprint::Seal
+    const int q = threadIdx.x;
+    StoreVolatile(header(a.region.lamport_send[q], q),
+                  {a.fingerprint, a.fingerprint, a.fingerprint, a.fingerprint});
+  }
 
   // 1. Our canonical data into every peer's slot.
   if constexpr (kVector) {
@@ -191,7 +208,25 @@ __global__ void __launch_bounds__(kLamportThreads) LamportAllReduceKernel(Args a
     }
   }
 
-  // 2. Every rank's data in rank order, each peer's slot emptied after.
+  // 2. Peer q's header (lane q), then every rank's data in rank order, each
+  // peer's slot emptied after.
+  if (IsPeer(a, threadIdx.x)) {
+    const int q = threadIdx.x;
+    uint4* src = header(a.region.lamport_recv[q], q);
+    const uint4 theirs = Poll<uint4>([&] { return LoadVolatile(src); },
+                                     [](uint4 u) { return !HasEmptyLane<T>(u); }, a, q,
+                                     seq[q], deadline, &failed);
+    StoreVolatile(src, empty);
+    if (!HasEmptyLane<T>(theirs) && theirs.x != a.fingerprint) {
+      *reinterpret_cast<volatile int*>(&failed) = 1;
+      signal::FailRegion(a.region, a.n, a.rank);
+      TimeoutRecord info = a.info;
+      info.op = static_cast<int32_t>(OpId::kAllReduceLamport);
+      info.cause = kCallMismatch;
+      signal::RecordTimeout(a.region.record, a.region.record_lock, info, q,
+                            a.region.ids[q], a.fingerprint, theirs.x);
+    }
+  }
   if constexpr (kVector) {
     for (size_t p = threadIdx.x; p < packs; p += blockDim.x) {
       float acc[kN];

@@ -68,7 +68,10 @@ ffi::ErrorOr<TimingEvents> TimingEventsFor(int ordinal) {
   DeviceGuard guard(ordinal);
   TimingEvents ev;
   JFO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.start));
-  JFO_CUDA_RETURN_IF_ERROR(cudaEventCreate(&ev.stop));
+  if (const cudaError_t err = cudaEventCreate(&ev.stop); err != cudaSuccess) {
+    cudaEventDestroy(ev.start);
+    JFO_CUDA_RETURN_IF_ERROR(err);
+  }
   g_timing_events[ordinal] = ev;
   return ev;
 }

@@ -21,6 +21,7 @@
 
 #include "ops_common.h"
 #include "tile_gemm.h"
+#include "transport/fingerprint.h"
 
 namespace jfo {
 namespace {
@@ -358,7 +359,13 @@ ffi::Error MatmulAllReduceImpl(cudaStream_t stream, int ordinal,
   }
 
   Channel ch;
-  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
+  const uint32_t fingerprint = CallFingerprint(OpName(kOp))
+                                  .Buffer("x", x)
+                                  .Buffer("w", w)
+                                  .Option("chunk_rows", chunk_rows)
+                                  .Option("tile_signalled", tile_signalled)
+                                  .Seal();
+  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream, fingerprint));
   const size_t bytes = m * cols * DataTypeBytes(dtype);
   if (tile_signalled) {
 #ifndef JFO_WITH_CUTLASS

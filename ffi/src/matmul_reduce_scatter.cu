@@ -18,6 +18,7 @@
 
 #include "ops_common.h"
 #include "tile_gemm.h"
+#include "transport/fingerprint.h"
 
 namespace jfo {
 namespace {
@@ -126,7 +127,15 @@ ffi::Error MatmulReduceScatterImpl(cudaStream_t stream, int ordinal,
   JFO_RETURN_IF_ERROR(CheckShape(kOp, "y", *y, m, cols));
 
   Channel ch;
-  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream));
+  const uint32_t fingerprint = CallFingerprint(OpName(kOp))
+                                  .Buffer("x", x)
+                                  .Buffer("w", w)
+                                  .Option("order", order)
+                                  .Option("chunks", chunks)
+                                  .Option("add_after", add_after)
+                                  .Option("tile_signalled", tile_signalled)
+                                  .Seal();
+  JFO_RETURN_IF_ERROR(ch.Begin(kOp, *group, timeout_ms, stream, fingerprint));
   // Every wait here precedes the XLA-stream GEMM or add that reads it.
   ch.set_waits_on_xla_stream(waits_on_xla_stream != 0);
   if (tile_signalled) {

@@ -203,11 +203,14 @@ void InjectFault(const std::string& kind, int ordinal, int call, int stall_ms) {
 }
 
 std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
-                          int timeout_ms) {
+                          int timeout_ms, uint32_t their_fingerprint,
+                          uint32_t own_fingerprint) {
 #ifdef JFO_WITH_CUBLASLT
-  return jfo::DebugWaitFlag(ordinal, flag, expected, timeout_ms);
+  return jfo::DebugWaitFlag(ordinal, flag, expected, timeout_ms, their_fingerprint,
+                            own_fingerprint);
 #else
   (void)ordinal, (void)flag, (void)expected, (void)timeout_ms;
+  (void)their_fingerprint, (void)own_fingerprint;
   throw std::runtime_error("debug_wait_flag: this build has no CUDA ops");
 #endif
 }
@@ -302,9 +305,11 @@ NB_MODULE(_ffi, m) {
         "('error': after its first send; 'skip': at its start) or starts "
         "stall_ms late ('stall'); 'none' clears it.");
   m.def("debug_wait_flag", &DebugWaitFlag, nb::arg("ordinal"), nb::arg("flag"),
-        nb::arg("expected"), nb::arg("timeout_ms"),
-        "Test hook: the copy-engine wait kernel against a flag holding `flag`: "
-        "'reached', 'timed out' or 'out of step'.");
+        nb::arg("expected"), nb::arg("timeout_ms"), nb::arg("their_fingerprint") = 0,
+        nb::arg("own_fingerprint") = 0,
+        "Test hook: the copy-engine wait kernel against a flag holding `flag` "
+        "(and, when own_fingerprint is not 0, a peer call's fingerprint): "
+        "'reached', 'timed out', 'out of step' or 'another call'.");
   m.def("configure_node", &ConfigureNode, nb::arg("node_size"), nb::arg("local"),
         nb::arg("labels"),
         "Gives the devices of a node shared by several processes their transport ids "

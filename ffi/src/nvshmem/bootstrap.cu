@@ -30,6 +30,7 @@
 #include <string>
 
 #include "nvshmem/state.h"
+#include "transport/fingerprint.h"
 
 namespace jfo {
 namespace nv {
@@ -99,10 +100,17 @@ int CeilLog2(int n) {
 }
 
 // The heap size is ours; NVLS must stay off on the shared machines whatever
-// the environment says.
+// the environment says. setenv races with getenv in JAX's threads, so it
+// runs only where the value differs: nvshmem.initialize() (and the
+// launcher, for NVLS) set both already.
+void SetEnvIfDifferent(const char* name, const std::string& value) {
+  const char* now = std::getenv(name);
+  if (now == nullptr || value != now) setenv(name, value.c_str(), 1);
+}
+
 void SetEnv(size_t heap_bytes) {
-  setenv("NVSHMEM_DISABLE_NVLS", "1", 1);
-  setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes).c_str(), 1);
+  SetEnvIfDifferent("NVSHMEM_DISABLE_NVLS", "1");
+  SetEnvIfDifferent("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes));
 }
 
 // Shuts NVSHMEM down the way it was started.
@@ -235,6 +243,16 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
     Check(cudaMemset(st.seq, 0, sizeof(uint64_t) * kNvMaxBlocks), "cudaMemset(seq)");
     Check(cudaMalloc(&st.record_lock, sizeof(uint32_t)), "cudaMalloc(lock)");
     Check(cudaMemset(st.record_lock, 0, sizeof(uint32_t)), "cudaMemset(lock)");
+    static uint32_t* lifetime = nullptr;  // never freed: see NvState::lifetime
+    static uint32_t generation = 0;
+    if (lifetime == nullptr) {
+      Check(cudaMalloc(&lifetime, 2 * sizeof(uint32_t)), "cudaMalloc(lifetime)");
+      Check(cudaMemset(lifetime, 0, 2 * sizeof(uint32_t)), "cudaMemset(lifetime)");
+    }
+    st.lifetime = lifetime;
+    st.generation = ++generation;
+    Check(cudaMemcpy(lifetime, &st.generation, sizeof(uint32_t), cudaMemcpyHostToDevice),
+          "cudaMemcpy(generation)");
     Check(cudaHostAlloc(reinterpret_cast<void**>(&st.record), sizeof(NvTimeoutRecord),
                         cudaHostAllocMapped),
           "cudaHostAlloc(record)");
@@ -275,6 +293,8 @@ void Finalize() {
   if (!st.initialized) return;
   cudaSetDevice(st.device);
   cudaDeviceSynchronize();
+  const uint32_t ended = 0;  // later replays of this generation's kernels do nothing
+  cudaMemcpy(st.lifetime, &ended, sizeof(ended), cudaMemcpyHostToDevice);
   nvshmem_barrier_all();  // no peer still writes into our buffers
   nvshmem_free(st.data);
   nvshmem_free(st.signals);
@@ -293,6 +313,11 @@ std::string Failure() {
   return g_failure;
 }
 
+void SetFailure(const std::string& why) {
+  std::lock_guard<std::mutex> lock(g_failure_mu);
+  if (g_failure.empty()) g_failure = why;
+}
+
 std::optional<std::string> TakePendingError() {
   std::lock_guard<std::mutex> lock(g_failure_mu);
   NvState& st = g_state;
@@ -306,20 +331,27 @@ std::optional<std::string> TakePendingError() {
                                  "intra-node all-gather"};
   std::string phase = kPhase[(r.phase >= 1 && r.phase <= 3) ? r.phase : 0];
   if (r.phase == 2) phase += " " + std::to_string(r.step);
-  // A word two or more calls past the expected one: that PE gave up on
-  // calls of its own and ran ahead (see BoundedWait).
-  const bool ahead = r.seen >= r.expected + 2;
+  // Signal words: the fingerprint over the call number (BoundedWait). A
+  // word two or more calls past the expected one: that PE gave up on calls
+  // of its own and ran ahead; the expected call with another fingerprint:
+  // that PE ran another all-reduce (size or dtype).
+  const uint32_t call = static_cast<uint32_t>(r.expected), seen = static_cast<uint32_t>(r.seen);
+  const uint32_t ours = static_cast<uint32_t>(r.expected >> 32);
+  const uint32_t theirs = static_cast<uint32_t>(r.seen >> 32);
+  const bool ahead = static_cast<int32_t>(seen - call) >= 2;
+  const bool other_call = seen == call && theirs != ours;
+  const std::string peer = "PE " + std::to_string(r.peer_pe);
   std::string msg = "jax_flashoverlap nvshmem all_reduce: PE " + std::to_string(r.pe) +
-         (ahead ? " found PE " + std::to_string(r.peer_pe) + " two or more calls ahead, out of "
-                  "step"
-                : " waited " + std::to_string(r.timeout_ms) + " ms for PE " +
-                      std::to_string(r.peer_pe)) +
-         " (" + phase + ", block " +
-         std::to_string(r.block) + ", call " + std::to_string(r.expected) +
-         ", last seen " + std::to_string(r.seen) +
-         "); the output was filled with NaN. Is process " +
-         std::to_string(r.peer_pe) +
-         " alive and running the same all-reduces in the same order?";
+         (other_call ? " and " + peer + " ran different calls: this PE ran " +
+                           DescribeFingerprint(ours) + ", the peer ran " +
+                           DescribeFingerprint(theirs)
+          : ahead ? " found " + peer + " two or more calls ahead, out of step"
+                  : " waited " + std::to_string(r.timeout_ms) + " ms for " + peer) +
+         " (" + phase + ", block " + std::to_string(r.block) + ", call " +
+         std::to_string(call) + ", last seen " + std::to_string(seen) +
+         "); the output was filled with NaN. Is process " + std::to_string(r.peer_pe) +
+         " alive and running the same all-reduces, in the same order, on the same sizes "
+         "and dtypes?";
   if (g_failure.empty()) g_failure = msg;
   return msg;
 }

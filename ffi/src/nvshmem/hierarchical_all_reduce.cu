@@ -1,6 +1,6 @@
 // NVRAR: hierarchical all-reduce over every NVSHMEM PE (one process per GPU),
 // in ONE kernel, no host state per call (command-buffer compatible).
-// EXPERIMENTAL: compiled, not yet run on GPUs.
+// Tested with 2 and 4 PEs sharing one GPU; not yet run across GPUs.
 //
 // PEs form nodes of `node_size` consecutive PEs (G); the node count N must be
 // a power of two. PE = node * G + l. Like ../all_reduce.cu, element range
@@ -38,9 +38,18 @@
 // run the same all-reduces in the same order, one at a time per GPU (XLA's
 // stream order does that).
 //
-// Every wait is bounded by %globaltimer; a timeout, or a peer found two
-// calls ahead, records which PE (pending_error()), fills the block's output
-// chunk with NaN and returns.
+// Calls are matched by more than counters: a signal word holds the call's
+// fingerprint (CallFingerprint: size and dtype) over its sequence number, and
+// a wait that finds its call's number with another fingerprint fails. A word
+// one call ahead passes: that PE finished this call, so its own waits found
+// this PE's fingerprint equal to its own.
+//
+// Every wait is bounded by %globaltimer; a timeout, a peer found two calls
+// ahead, or one in another call, records which PE (pending_error()), fills
+// the block's output chunk with NaN and returns. It also sets the process's
+// failed word (NvState::failed): every later kernel writes NaN and sends
+// nothing, so that no partner still in the failed call is satisfied by this
+// PE's next one, also in CUDA graph replays.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <nvshmem.h>
@@ -52,6 +61,7 @@
 #include "common.h"
 #include "nvshmem/state.h"
 #include "transport/reduce.cuh"
+#include "transport/fingerprint.h"
 #include "transport/signal.cuh"
 
 namespace jfo {
@@ -82,7 +92,17 @@ struct Args {
   int units;
   NvTimeoutRecord* record;
   uint32_t* record_lock;
+  // NvState::lifetime: [0] the running generation, [1] the failed word.
+  const uint32_t* lifetime;
+  uint32_t* failed;
+  uint32_t generation;   // this call's
+  uint32_t fingerprint;  // CallFingerprint of this call
 };
+
+// The value of the signal words of call s.
+__device__ __forceinline__ uint64_t SignalWord(const Args& a, uint64_t s) {
+  return (static_cast<uint64_t>(a.fingerprint) << 32) | static_cast<uint32_t>(s);
+}
 
 // The clock, the 64-bit signal accesses and the fixed-order sums are the
 // single-process all-reduce's (../transport/signal.cuh, reduce.cuh).
@@ -94,6 +114,7 @@ using signal::StoreRelease;
 
 __device__ void RecordTimeout(const Args& a, int phase, int step, int peer_pe,
                               uint64_t expected, uint64_t seen) {
+  atomicExch(a.failed, 1u);
   if (atomicCAS(a.record_lock, 0u, 1u) != 0u) return;
   NvTimeoutRecord* r = a.record;
   if (!r->set) {
@@ -112,23 +133,28 @@ __device__ void RecordTimeout(const Args& a, int phase, int step, int peer_pe,
   atomicExch(a.record_lock, 0u);
 }
 
-// Waits until *flag >= expected or the deadline; true on success. A word
-// at expected + 2 or beyond fails at once: no healthy run lets a peer lead by
-// two calls (see Flow control above), so that peer has given up on calls it
-// timed out in and wrote call expected + 2's data into the unit this call
-// would read.
-__device__ bool BoundedWait(const Args& a, const uint64_t* flag, uint64_t expected,
-                            uint64_t deadline, int phase, int step, int peer_pe) {
+// Waits until the word `flag` shows call s (SignalWord) or a later one, or
+// the deadline; returns the word seen, or 0 on a failure. A word at call
+// s + 2 or beyond fails at once: no healthy run lets a peer lead by two calls
+// (see Flow control above), so that peer has given up on calls it timed out
+// in and wrote call s + 2's data into the unit this call would read. Call s
+// with another fingerprint fails too: the peer runs another all-reduce.
+__device__ uint64_t BoundedWait(const Args& a, const uint64_t* flag, uint64_t s,
+                                uint64_t deadline, int phase, int step, int peer_pe) {
+  const uint32_t call = static_cast<uint32_t>(s);
   for (;;) {
     const uint64_t seen = LoadAcquire(flag);
-    if (Reached(seen, expected + 2)) {
-      RecordTimeout(a, phase, step, peer_pe, expected, seen);
-      return false;
+    const uint32_t seen_call = static_cast<uint32_t>(seen);
+    const bool ahead = Reached(seen_call, call + 2);
+    const bool other_call = seen_call == call && (seen >> 32) != a.fingerprint;
+    if (ahead || other_call) {
+      RecordTimeout(a, phase, step, peer_pe, SignalWord(a, s), seen);
+      return 0;
     }
-    if (Reached(seen, expected)) return true;
+    if (Reached(seen_call, call)) return seen;
     if (GlobalTimerNs() > deadline) {
-      RecordTimeout(a, phase, step, peer_pe, expected, seen);
-      return false;
+      RecordTimeout(a, phase, step, peer_pe, SignalWord(a, s), seen);
+      return 0;
     }
   }
 }
@@ -140,7 +166,7 @@ __device__ void SignalLocal(const Args& a, int base, uint64_t s) {
   const int q = threadIdx.x;
   if (q >= a.G || q == a.l) return;
   __threadfence_system();
-  StoreRelease(a.peer_sig[q] + blockIdx.x * kSigPerBlock + base + a.l, s);
+  StoreRelease(a.peer_sig[q] + blockIdx.x * kSigPerBlock + base + a.l, SignalWord(a, s));
 }
 
 // Lane q waits for local peer q's word `base + q` here to reach s; the
@@ -150,7 +176,7 @@ __device__ void WaitLocal(const Args& a, int base, uint64_t s, uint64_t deadline
   const int q = threadIdx.x;
   if (q < a.G && q != a.l) {
     const uint64_t* flag = a.sig + blockIdx.x * kSigPerBlock + base + q;
-    if (!BoundedWait(a, flag, s, deadline, phase, 0, a.node * a.G + q)) *failed = 1;
+    if (BoundedWait(a, flag, s, deadline, phase, 0, a.node * a.G + q) == 0) *failed = 1;
   }
   __syncthreads();
 }
@@ -162,9 +188,14 @@ __global__ void __launch_bounds__(kThreads) HierarchicalAllReduceKernel(Args a) 
   const int b = blockIdx.x;
   const uint64_t deadline = GlobalTimerNs() + a.timeout_ns;
   if (threadIdx.x == 0) {
-    s_seq = a.seq[b] + 1;
-    a.seq[b] = s_seq;
-    failed = 0;
+    // After finalize (a graph replay) NVSHMEM's buffers and the counters
+    // may be freed: the generation check comes before anything else is read.
+    const bool live = *reinterpret_cast<const volatile uint32_t*>(a.lifetime) == a.generation;
+    failed = !live || *reinterpret_cast<volatile uint32_t*>(a.failed) != 0;
+    if (live) {
+      s_seq = a.seq[b] + 1;
+      a.seq[b] = s_seq;
+    }
   }
   __syncthreads();
   const uint64_t s = s_seq;
@@ -174,6 +205,11 @@ __global__ void __launch_bounds__(kThreads) HierarchicalAllReduceKernel(Args a) 
   const size_t count = min(a.elements, lo + a.chunk) - lo;
   const T* x = static_cast<const T*>(a.x) + lo;
   T* y = static_cast<T*>(a.y) + lo;
+  const T nan = static_cast<T>(__int_as_float(0x7fc00000));
+  if (failed) {  // an earlier call failed: send nothing
+    for (size_t i = threadIdx.x; i < count; i += blockDim.x) y[i] = nan;
+    return;
+  }
   auto begin = [&](int q) { return min(q * a.slice, count); };
   const size_t own = begin(a.l);
   const size_t own_n = begin(a.l + 1) - own;
@@ -230,16 +266,17 @@ __global__ void __launch_bounds__(kThreads) HierarchicalAllReduceKernel(Args a) 
     // The partner has the same l and chunk, hence the same own_n.
     if (own_n > 0) {
       nvshmemx_putmem_signal_nbi_block(step_recv(k), step_send(k), own_n * sizeof(T), sig,
-                                       s, NVSHMEM_SIGNAL_SET, partner);
+                                       SignalWord(a, s), NVSHMEM_SIGNAL_SET, partner);
     } else if (threadIdx.x == 0) {
-      nvshmemx_signal_op(sig, s, NVSHMEM_SIGNAL_SET, partner);
+      nvshmemx_signal_op(sig, SignalWord(a, s), NVSHMEM_SIGNAL_SET, partner);
     }
     if (threadIdx.x == 0) {
-      if (BoundedWait(a, sig, s, deadline, 2, k, partner)) {
+      if (const uint64_t seen = BoundedWait(a, sig, s, deadline, 2, k, partner)) {
         // Already satisfied: returns at once, after the transport's memory
         // update that makes the put's data visible (nvshmem's own wait has no
-        // timeout, so it only ever runs once the signal is there).
-        nvshmem_signal_wait_until(sig, NVSHMEM_CMP_GE, s);
+        // timeout, so it only ever runs once the signal is there). The word
+        // stays `seen` until this PE's next call lets the partner go on.
+        nvshmem_signal_wait_until(sig, NVSHMEM_CMP_EQ, seen);
       } else {
         failed = 1;
       }
@@ -273,7 +310,6 @@ __global__ void __launch_bounds__(kThreads) HierarchicalAllReduceKernel(Args a) 
     }
   }
   if (failed) {  // a peer is missing: make the wrong result visible
-    const T nan = static_cast<T>(__int_as_float(0x7fc00000));
     for (size_t i = threadIdx.x; i < count; i += blockDim.x) y[i] = nan;
   }
   __syncthreads();
@@ -386,10 +422,24 @@ ffi::Error AllReduceImpl(cudaStream_t stream, Buffer_Type x, Result_Type y,
   a.units = st.units_per_block;
   a.record = st.record_dev;
   a.record_lock = st.record_lock;
+  a.lifetime = st.lifetime;
+  a.failed = st.lifetime + 1;
+  a.generation = st.generation;
+  a.fingerprint = CallFingerprint("nvshmem all_reduce")
+                      .Option("dtype", static_cast<int>(dtype))
+                      .Option("elements", static_cast<int64_t>(elements))
+                      .Option("node_size", G)
+                      .Seal();
   const bool vector = reinterpret_cast<uintptr_t>(a.x) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(a.y) % 16 == 0;
   PickKernel(dtype, vector)<<<blocks, kThreads, 0, stream>>>(a);
-  JFO_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (const cudaError_t launched = cudaGetLastError(); launched != cudaSuccess) {
+    // The peers' kernels run and wait for this one: its counters fell behind.
+    const std::string why = std::string("jax_flashoverlap nvshmem all_reduce: the launch "
+                                        "failed: ") + cudaGetErrorString(launched);
+    SetFailure(why);
+    return ffi::Error::Internal(why);
+  }
   return ffi::Error::Success();
 }
 

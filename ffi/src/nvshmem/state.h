@@ -40,6 +40,8 @@ constexpr int kSigPerBlock = 2 * kNvMaxNode + kNvMaxSteps;
 
 // What a wait that timed out leaves for the host (host-mapped, written under
 // `record_lock` by the first block that times out).
+// `expected` and `seen` are signal words: the call's fingerprint
+// (CallFingerprint) in the high 32 bits, its sequence number in the low.
 struct NvTimeoutRecord {
   volatile int32_t set;
   int32_t phase;  // 1: reduce-scatter, 2: inter-node step, 3: all-gather
@@ -59,6 +61,16 @@ struct NvState {
   NvTimeoutRecord* record = nullptr;  // host-mapped
   NvTimeoutRecord* record_dev = nullptr;  // its device address
   uint32_t* record_lock = nullptr;    // device word
+  // Device words that live as long as the process (a CUDA graph may replay a
+  // kernel after finalize): [0] the generation of the running NVSHMEM
+  // (0 after finalize; a kernel of another generation writes NaN and
+  // touches no buffer of NVSHMEM's, which may be freed); [1] failed, set by
+  // every wait that fails: each later kernel of the process writes NaN and
+  // sends nothing, also when replayed from a graph (where no host check
+  // runs), so that no peer waiting for this PE's call is satisfied by its
+  // next one.
+  uint32_t* lifetime = nullptr;
+  uint32_t generation = 0;
   CUmodule module = nullptr;  // set when started through the host library
 };
 
@@ -79,6 +91,8 @@ std::optional<std::string> TakePendingError();
 // The first timeout seen, or "": every later all-reduce of the process fails
 // with it (the PEs' call counters may no longer agree), until it restarts.
 std::string Failure();
+// Records `why` as the process's failure unless one is recorded already.
+void SetFailure(const std::string& why);
 // Loads the all-reduce kernels eagerly (hierarchical_all_reduce.cu).
 cudaError_t LoadKernels();
 // One of this module's kernels: finds the CUDA module whose copy of the

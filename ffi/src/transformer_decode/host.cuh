@@ -350,11 +350,22 @@ inline ffi::ErrorOr<RankStreams> RankStreamsOf(int device) {
   std::lock_guard<std::mutex> lock(mu);
   auto found = all.find(device);
   if (found != all.end()) return found->second;
-  RankStreams s;  // kept only once whole
-  JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.start, cudaEventDisableTiming));
-  for (int r = 1; r < kMaxTensorRanks; ++r) {
-    JFO_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s.streams[r], cudaStreamNonBlocking));
-    JFO_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s.done[r], cudaEventDisableTiming));
+  RankStreams s;  // kept only once whole; what was made is released otherwise
+  auto release = [&s] {
+    if (s.start) cudaEventDestroy(s.start);
+    for (int r = 1; r < kMaxTensorRanks; ++r) {
+      if (s.streams[r]) cudaStreamDestroy(s.streams[r]);
+      if (s.done[r]) cudaEventDestroy(s.done[r]);
+    }
+  };
+  cudaError_t err = cudaEventCreateWithFlags(&s.start, cudaEventDisableTiming);
+  for (int r = 1; r < kMaxTensorRanks && err == cudaSuccess; ++r) {
+    err = cudaStreamCreateWithFlags(&s.streams[r], cudaStreamNonBlocking);
+    if (err == cudaSuccess) err = cudaEventCreateWithFlags(&s.done[r], cudaEventDisableTiming);
+  }
+  if (err != cudaSuccess) {
+    release();
+    JFO_CUDA_RETURN_IF_ERROR(err);
   }
   all[device] = s;
   return s;

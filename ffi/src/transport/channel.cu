@@ -5,6 +5,7 @@
 // owns the devices' state.
 #include <cuda.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 
@@ -73,24 +74,6 @@ ffi::Error LoadChannelKernels() {
   return ffi::Error::Success();
 }
 
-std::string ModuleLoadingMode() {
-  using GetLoadingModeFn = CUresult (*)(CUmoduleLoadingMode*);
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult query;
-  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 11070,
-                                       cudaEnableDefault,
-                                       &query) != cudaSuccess ||
-      query != cudaDriverEntryPointSuccess || fn == nullptr) {
-    cudaGetLastError();  // no driver here: not an error of a later call
-    return "unknown";
-  }
-  CUmoduleLoadingMode mode;
-  if (reinterpret_cast<GetLoadingModeFn>(fn)(&mode) != CUDA_SUCCESS) {
-    return "unknown";  // e.g. CUDA not initialised in this process
-  }
-  return mode == CU_MODULE_LAZY_LOADING ? "lazy" : "eager";
-}
-
 void LaunchFillWords(uint32_t* words, size_t count, uint32_t value,
                      cudaStream_t stream) {
   FillWordsKernel<<<256, 256, 0, stream>>>(words, count, value);
@@ -120,18 +103,24 @@ void Channel::JoinSideStreams() {
   }
   for (cudaStream_t s : side) {
     cudaEvent_t done;
-    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) continue;
-    if (cudaEventRecord(done, s) == cudaSuccess) cudaStreamWaitEvent(stream_, done, 0);
-    cudaEventDestroy(done);  // released once it completes
+    bool joined = false;
+    if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) == cudaSuccess) {
+      joined = cudaEventRecord(done, s) == cudaSuccess &&
+               cudaStreamWaitEvent(stream_, done, 0) == cudaSuccess;
+      cudaEventDestroy(done);  // released once it completes
+    }
+    // Without the join the host waits instead (each wait is bounded).
+    if (!joined) cudaStreamSynchronize(s);
   }
   cudaEventRecord(dev_->last_end, stream_);
   cudaGetLastError();  // the error being reported is the call's own
 }
 
 std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
-                          int timeout_ms) {
+                          int timeout_ms, uint32_t their_fingerprint,
+                          uint32_t own_fingerprint) {
   DeviceGuard guard(ordinal);
-  uint32_t* words = nullptr;  // [flag, fail_call, record_lock]
+  uint32_t* words = nullptr;  // [flag, fail_call, record_lock, fingerprint]
   TimeoutRecord* record = nullptr;
   std::string result;
   auto check = [&](cudaError_t err) {
@@ -140,21 +129,24 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
     }
     return err == cudaSuccess;
   };
-  if (check(cudaMalloc(&words, 3 * sizeof(uint32_t))) &&
+  if (check(cudaMalloc(&words, 4 * sizeof(uint32_t))) &&
       check(cudaHostAlloc(&record, sizeof(TimeoutRecord),
                           cudaHostAllocMapped | cudaHostAllocPortable))) {
     *record = TimeoutRecord{};
-    const uint32_t init[3] = {flag, 0, 0};
-    TimeoutRecord info{};
+    const uint32_t init[4] = {flag, 0, 0, their_fingerprint};
+    WaitReport report{static_cast<uint64_t>(timeout_ms) * 1000000ull, words + 1, 1, record,
+                      words + 2, TimeoutRecord{}};
+    if (own_fingerprint != 0) {
+      report.fingerprint = words + 3;
+      report.own_fingerprint = own_fingerprint;
+    }
     if (check(cudaMemcpy(words, init, sizeof(init), cudaMemcpyHostToDevice))) {
-      WaitFlagKernel<<<1, 1>>>(
-          words, expected,
-          {static_cast<uint64_t>(timeout_ms) * 1000000ull, words + 1, 1, record, words + 2, info},
-          nullptr, 0);
+      WaitFlagKernel<<<1, 1>>>(words, expected, report, nullptr, 0);
       if (check(cudaGetLastError()) && check(cudaDeviceSynchronize())) {
-        result = !record->set ? "reached"
-                 : record->out_of_step ? "out of step"
-                                       : "timed out";
+        result = !record->set                        ? "reached"
+                 : record->cause == kOutOfStep       ? "out of step"
+                 : record->cause == kCallMismatch    ? "another call"
+                                                     : "timed out";
       }
     }
   }
@@ -163,22 +155,8 @@ std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
   return result;
 }
 
-ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream) {
-  int stall_ms = 0;
-  const FaultKind kind = TakeFault(group.ids[group.rank], &stall_ms);
-  if (kind == FaultKind::kStall) return Stall(stream, stall_ms);
-  if (kind != FaultKind::kNone) {
-    const std::string why = std::string("jax_flashoverlap ") + OpName(op) +
-                            ": injected fault: rank " +
-                            std::to_string(group.rank) + " did not run a call";
-    MarkFailed(group.ids, why);
-    return ffi::Error::Internal(why);
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, uint32_t fingerprint) {
   JFO_RETURN_IF_ERROR(EnsureGroupReady(op, group, timeout_ms));
   dev_ = LookupDevice(group.ids[group.rank]);
   lock_ = std::unique_lock<std::mutex>(dev_->mu);
@@ -206,6 +184,7 @@ ffi::Error Channel::Begin(OpId op, const GroupSpec& group, int timeout_ms,
   events_used_ = 0;
   sent_.assign(group.n, 0);
   parity_.assign(group.n, 0);
+  fingerprint_ = fingerprint;
   for (int r = 0; r < group.n; ++r) {
     parity_[r] = static_cast<int>(dev_->pair_calls[group.ids[r]] & 1);
   }
@@ -235,15 +214,13 @@ ffi::Error Channel::Run(const std::function<ffi::Error()>& schedule) {
   // takes one event per side stream: the copy stream and two per peer.
   const int needed = events_used_ + events_rehearsed_ + 1 + 2 * (group_->n - 1);
   if (needed > kEventsPerCall) {
-    // The same on every rank (a function of the schedule), and nothing has
-    // moved: the group stays sound. The rehearsal's GEMMs are still queued on
-    // the stream, so the device's next call waits for them.
-    committed_ = false;
+    // Nothing has moved yet. The rehearsal's GEMMs are still queued on the
+    // stream, so the device's next call waits for them.
     JFO_CUDA_RETURN_IF_ERROR(cudaEventRecord(dev_->last_end, stream_));
-    return ffi::Error::InvalidArgument(
+    return Refuse(ffi::Error::InvalidArgument(
         std::string("jax_flashoverlap ") + OpName(op_) + ": the schedule needs " +
         std::to_string(needed) + " events per call, more than " +
-        std::to_string(kEventsPerCall) + "; use fewer chunks");
+        std::to_string(kEventsPerCall) + "; use fewer chunks"));
   }
   ffi::Error done = schedule();
   // An injected error after the schedule: it sent nothing (a group of one).
@@ -260,21 +237,52 @@ ffi::Error Channel::InjectedError() {
 }
 
 ffi::Error Channel::CheckCapacity(size_t slot_bytes, size_t staging_bytes) {
-  if (slot_bytes <= dev_->slot_bytes && staging_bytes <= dev_->staging_bytes) {
+  // Messages land in the peers' slots: the group's smallest decides, the
+  // same on every rank.
+  size_t slot = dev_->slot_bytes;
+  for (int id : group_->ids) slot = std::min(slot, LookupDevice(id)->slot_bytes);
+  if (slot_bytes <= slot && staging_bytes <= dev_->staging_bytes) {
     return ffi::Error::Success();
   }
   return Refuse(ffi::Error::InvalidArgument(
       std::string("jax_flashoverlap ") + OpName(op_) + ": needs " +
       std::to_string(slot_bytes >> 20) + " MiB per receive slot and " +
       std::to_string(staging_bytes >> 20) +
-      " MiB of staging, the workspace has " +
-      std::to_string(dev_->slot_bytes >> 20) + " and " +
+      " MiB of staging, the workspaces have " +
+      std::to_string(slot >> 20) + " and " +
       std::to_string(dev_->staging_bytes >> 20) +
       " MiB; raise JAX_FLASHOVERLAP_WORKSPACE_MB (before the first call)"));
 }
 
 ffi::Error Channel::Refuse(ffi::Error why) {
   committed_ = false;
+  failure_ = why.message();
+  const int self = id();
+  for (int r = 0; r < group_->n; ++r) {
+    if (r == group_->rank) continue;
+    const int peer = group_->ids[r];
+    DeviceState* dst = LookupDevice(peer);
+    cudaStream_t s = dev_->send_streams[peer];
+    // On the pair's flag stream, after this call's start: after every flag
+    // of the previous call. The flag passes every wait of the call.
+    ffi::Error marked = ffi::Error::Success();
+    if (cudaStreamWaitEvent(s, start_, 0) != cudaSuccess) {
+      marked = ffi::Error::Internal("cudaStreamWaitEvent failed");
+    }
+    if (marked.success()) {
+      marked = WriteFlag(s, dst->fingerprints + 2 * self + parity_[r], kRefusedFingerprint);
+    }
+    if (marked.success()) {
+      marked = WriteFlag(s, dst->flags + self,
+                         ChannelFlag(dev_->pair_calls[peer] + 1, kMaxMessagesPerCall));
+    }
+    if (marked.failure()) {  // the peers may wait for this call: a fault
+      committed_ = true;
+      return why;
+    }
+    dev_->pair_calls[peer] += 1;
+  }
+  cudaEventRecord(dev_->last_end, stream_);
   return why;
 }
 
@@ -345,6 +353,13 @@ ffi::ErrorOr<int> Channel::SendWhen(int peer_rank, size_t offset, const void* sr
                                   "with CUresult " + std::to_string(waited));
     }
   }
+  if (sent_[peer_rank] == 0) {
+    // On the stream of the pair's flags, before the first: a peer that sees
+    // a flag of this call sees the fingerprint too. It reads the word of
+    // this parity only after such a flag.
+    JFO_RETURN_IF_ERROR(
+        WriteFlag(s, dst->fingerprints + 2 * self + parity_[peer_rank], fingerprint_));
+  }
   if (bytes > 0) {
     char* remote = dst->Slot(self, parity_[peer_rank]) + offset;
     JFO_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(remote, src, bytes,
@@ -390,8 +405,15 @@ Channel::FlagWait Channel::ArrivalFlag(int peer_rank, int index) const {
   info.timeout_ms = static_cast<int32_t>(timeout_ns_ / 1000000ull);
   // The own id's pair count stays 0 (End counts peers only), so the
   // own flag's values are (1, copy) in every call, after its zeroing.
-  return {dev_->flags + peer, ChannelFlag(dev_->pair_calls[peer] + 1, index + 1),
-          {timeout_ns_, dev_->fail_call, call_id_, dev_->record, dev_->record_lock, info}};
+  WaitReport report{timeout_ns_, dev_->fail_call, call_id_, dev_->record, dev_->record_lock,
+                    info};
+  report.waits_failed = dev_->waits_failed;
+  if (peer_rank != group_->rank) {
+    report.fingerprint = dev_->fingerprints + 2 * peer + parity_[peer_rank];
+    report.own_fingerprint = fingerprint_;
+    report.peer_waits_failed = LookupDevice(peer)->waits_failed;
+  }
+  return {dev_->flags + peer, ChannelFlag(dev_->pair_calls[peer] + 1, index + 1), report};
 }
 
 ffi::ErrorOr<Channel::FlagWait> Channel::CopyLocalFlagged(void* dst, const void* src,

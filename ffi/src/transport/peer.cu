@@ -11,6 +11,8 @@
 // satisfy a future wait early, and a flag two calls ahead means the ranks are
 // out of step (the wait fails). Both sides count the pair's calls on the host:
 // the handlers run their host code every call (not command-buffer compatible).
+// Before its first flag of a call a sender writes the call's fingerprint
+// (fingerprint.h), which the waiter compares with its own.
 //
 // Slot reuse. The receive slot of a pair is double-buffered by call parity,
 // and a call's sends are ordered after that call's start on the sender's XLA
@@ -21,6 +23,8 @@
 //
 // The symmetric all-reduce region inside the same workspace is laid out and
 // handed out by peer_region.cu; the Channel's calls are in channel.cu.
+#include <cuda.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -201,8 +205,10 @@ ffi::Error EnablePeerAccess(int ordinal, const std::vector<int>& ids) {
 ffi::Error LayOutWorkspace(DeviceState* st) {
   char* control = st->workspace + kGemmWorkspaceBytes;
   st->flags = reinterpret_cast<uint32_t*>(control);
+  st->fingerprints = reinterpret_cast<uint32_t*>(control + kFingerprintOffset);
   st->fail_call = reinterpret_cast<uint32_t*>(control + kFailWordOffset);
   st->record_lock = reinterpret_cast<uint32_t*>(control + kRecordLockOffset);
+  st->waits_failed = reinterpret_cast<uint32_t*>(control + kWaitsFailedOffset);
   const size_t data = st->workspace_bytes - kGemmWorkspaceBytes - kControlBytes;
   // A quarter for the all-reduce region. Of the rest, a peer needs one staged
   // message per peer and receives two (parities): staging one third, receive
@@ -216,33 +222,6 @@ ffi::Error LayOutWorkspace(DeviceState* st) {
   st->slot_bytes = (data - ar_bytes - st->staging_bytes) /
                    (2 * SenderCount(st->num_devices)) / 256 * 256;
   return ffi::Error::Success();
-}
-
-std::string FormatTimeout(const TimeoutRecord& r) {
-  const OpId op = static_cast<OpId>(r.op);
-  const std::string self = std::string("jax_flashoverlap ") + OpName(op) + ": rank " +
-                           std::to_string(r.rank) + " (" + DeviceLabel(r.ordinal) + ")";
-  const std::string peer =
-      "rank " + std::to_string(r.peer_rank) + " (" + DeviceLabel(r.peer_ordinal) + ")";
-  if (op == OpId::kAllReduceAbandoned) {
-    return self + " found that " + peer + " had given up on epoch " +
-           std::to_string(r.expected) + " after its " + std::to_string(r.timeout_ms) +
-           " ms timeout";
-  }
-  if (r.out_of_step) {
-    return self + " found " + peer + " at least two calls ahead (flag " +
-           std::to_string(r.seen) + ", expected " + std::to_string(r.expected) +
-           "): the ranks are out of step (a call ran on some ranks only)";
-  }
-  const std::string what =
-      op == OpId::kAllReduceLamport
-          ? "its data of call " + std::to_string(r.expected) +
-                " of the pair (Lamport calls on this device return NaN until "
-                "jax_flashoverlap.reset())"
-          : "flag value " + std::to_string(r.expected) + " (flag holds " +
-                std::to_string(r.seen) + ")";
-  return self + " timed out after " + std::to_string(r.timeout_ms) + " ms waiting for " +
-         peer + ", " + what;
 }
 
 DeviceState* LookupDevice(int id) {
@@ -492,6 +471,24 @@ FaultKind TakeFault(int id, int* stall_ms) {
   g_fault = InjectedFault{};
   g_fault_armed.store(false);
   return kind;
+}
+
+std::string ModuleLoadingMode() {
+  using GetLoadingModeFn = CUresult (*)(CUmoduleLoadingMode*);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult query;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 11070,
+                                       cudaEnableDefault,
+                                       &query) != cudaSuccess ||
+      query != cudaDriverEntryPointSuccess || fn == nullptr) {
+    cudaGetLastError();  // no driver here: not an error of a later call
+    return "unknown";
+  }
+  CUmoduleLoadingMode mode;
+  if (reinterpret_cast<GetLoadingModeFn>(fn)(&mode) != CUDA_SUCCESS) {
+    return "unknown";  // e.g. CUDA not initialised in this process
+  }
+  return mode == CU_MODULE_LAZY_LOADING ? "lazy" : "eager";
 }
 
 }  // namespace jfo

@@ -9,8 +9,8 @@
 //     lamport_seq[num_devices][kLamportBlocks]      calls of the Lamport kernel
 //     region_failed                                 one word, see PeerRegion
 //   data: Lamport slots [num_devices - 1 senders][2 parities] of
-//     LamportSlotBytes(num_devices) (kept at kLamportEmpty, filled at
-//     allocation), then
+//     LamportParityBytes(num_devices), data then block headers (kept at
+//     kLamportEmpty, filled at allocation), then
 //     [num_devices - 1 senders][2 parities] slots of ar_slot_bytes, each
 //     cut into kArMaxBlocks stripes of ar_slot_bytes / kArMaxBlocks.
 // Everything is device memory that lives as long as the process, so a
@@ -37,7 +37,7 @@ ffi::Error LayOutAllReduceRegion(DeviceState* st, char* control, char* base,
   st->lamport_seq = st->ar_flags + kArFlagKinds * words;
   st->region_failed = st->lamport_seq + lamport_words;
   const size_t senders = SenderCount(st->num_devices);
-  const size_t lamport_bytes = senders * 2 * LamportSlotBytes(st->num_devices);
+  const size_t lamport_bytes = senders * 2 * LamportParityBytes(st->num_devices);
   if (lamport_bytes >= bytes) {
     return ffi::Error::Internal(
         "jax_flashoverlap: the all-reduce region (" + std::to_string(bytes >> 20) +
@@ -66,7 +66,7 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
   JFO_RETURN_IF_ERROR(CheckGroupHealthy(op, group));
 
   PeerRegion r{};
-  const size_t lamport_slot = LamportSlotBytes(me->num_devices);
+  const size_t lamport_slot = LamportParityBytes(me->num_devices);
   const size_t kind_stride =
       static_cast<size_t>(me->num_devices) * kArMaxBlocks;
   for (int q = 0; q < group.n; ++q) {
@@ -97,6 +97,7 @@ ffi::ErrorOr<PeerRegion> AllReduceRegion(OpId op, const GroupSpec& group,
     r.region_failed_peer[q] = peer->region_failed;
   }
   r.lamport_parity_bytes = lamport_slot;
+  r.lamport_data_bytes = LamportSlotBytes(me->num_devices);
   r.region_failed = me->region_failed;
   r.parity_bytes = me->ar_slot_bytes;
   r.stripe_bytes = me->ar_slot_bytes / kArMaxBlocks;

@@ -33,6 +33,9 @@ constexpr size_t kLamportMaxBytes = 2u << 20;       // per sender, one peer
 // all-reduce region of the smallest workspace (about 8 MiB, peer.cu).
 constexpr size_t kLamportParityBudget = 3u << 20;   // one parity, all senders
 constexpr uint32_t kLamportEmpty = 0x80008000u;
+// After the data of each slot parity: one 16-byte header per block, where
+// the sender's block puts its CallFingerprint (kept at kLamportEmpty too).
+constexpr size_t kLamportHeaderBytes = kLamportBlocks * 16;
 // Bytes per all-reduce block before another block joins (all_reduce.cu).
 constexpr size_t kAllReduceMinBlockBytes = 16u << 10;
 
@@ -51,6 +54,10 @@ constexpr size_t LamportSlotBytes(int num_devices) {
   const size_t senders = SenderCount(num_devices);
   const size_t fit = kLamportParityBudget / senders / (64u << 10) * (64u << 10);
   return fit < kLamportMaxBytes ? fit : kLamportMaxBytes;
+}
+// One parity of a sender's Lamport slot: its data, then its headers.
+constexpr size_t LamportParityBytes(int num_devices) {
+  return LamportSlotBytes(num_devices) + kLamportHeaderBytes;
 }
 
 // One device's view of the region for one group, indexed by group rank
@@ -72,7 +79,8 @@ struct PeerRegion {
   char* lamport_send[kArMaxRanks];
   const char* lamport_recv[kArMaxRanks];
   uint32_t* lamport_seq[kArMaxRanks];
-  size_t lamport_parity_bytes;
+  size_t lamport_parity_bytes;  // LamportParityBytes
+  size_t lamport_data_bytes;    // LamportSlotBytes: the headers start here
   // Sticky "this region failed" words: this device's, and each peer's (in
   // its memory). Any all-reduce wait that times out sets its own and its
   // peers' (a late message may still land in a slot after that, and the

@@ -19,9 +19,12 @@ namespace jfo {
 // 128 KiB: the all-reduce counters from kArControlOffset take
 // (4 * 128 * num_devices + 1) words, so this fits 45 devices.
 constexpr size_t kControlBytes = 128u << 10;
-// Channel flags use the bytes below kFailWordOffset.
+// Channel flags use the bytes below kFingerprintOffset, the senders'
+// fingerprints ([sender id][parity]) those from there to kFailWordOffset.
+constexpr size_t kFingerprintOffset = 16u << 10;
 constexpr size_t kFailWordOffset = 32u << 10;
 constexpr size_t kRecordLockOffset = kFailWordOffset + 4;
+constexpr size_t kWaitsFailedOffset = kFailWordOffset + 8;
 constexpr size_t kArControlOffset = 36u << 10;  // all-reduce counters and flags
 
 // Everything below is indexed by transport id (transport.h), and
@@ -37,7 +40,14 @@ struct DeviceState {
   char* workspace = nullptr;
   size_t workspace_bytes = 0;
   uint32_t* flags = nullptr;      // flags[sender id], in device memory
+  // fingerprints[2 * sender id + parity]: the CallFingerprint of the
+  // sender's call of that parity, written before its first flag.
+  uint32_t* fingerprints = nullptr;
   uint32_t* fail_call = nullptr;  // id of the last call whose wait timed out
+  // Set by a failed Channel wait here, or by a peer's: every later wait on
+  // this device fails at once (NaN), also in calls the host had queued
+  // before it learned of the failure, until reset.
+  uint32_t* waits_failed = nullptr;
   uint32_t* record_lock = nullptr;
   char* staging = nullptr;
   size_t staging_bytes = 0;
@@ -50,7 +60,7 @@ struct DeviceState {
   size_t ar_slot_bytes = 0;
   uint32_t* lamport_seq = nullptr;     // [peer id][kLamportBlocks]
   uint32_t* region_failed = nullptr;  // one word, see PeerRegion
-  char* lamport_slots = nullptr;       // [sender index][parity], LamportSlotBytes
+  char* lamport_slots = nullptr;       // [sender index][parity], LamportParityBytes
   size_t lamport_slots_bytes = 0;      // all of them
   TimeoutRecord* record = nullptr;  // host-mapped pinned memory
   std::vector<cudaStream_t> send_streams, wait_streams;  // per peer id

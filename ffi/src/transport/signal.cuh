@@ -72,7 +72,7 @@ __device__ __forceinline__ void RecordTimeout(TimeoutRecord* record,
     record->timeout_ms = info.timeout_ms;
     record->expected = expected;
     record->seen = seen;
-    record->out_of_step = info.out_of_step;
+    record->cause = info.cause;
     __threadfence_system();  // the fields before `set`
     record->set = 1;
   }
@@ -82,14 +82,30 @@ __device__ __forceinline__ void RecordTimeout(TimeoutRecord* record,
 
 // One thread waits for a copy-engine flag (ChannelFlag) to reach `expected`.
 // It gives up after the timeout, at once when the flag shows the peer two
-// calls ahead (the ranks are out of step), or when another wait of the call
-// has failed; the call's first failure is recorded for the host. Returns
-// whether the message is there.
+// calls ahead (the ranks are out of step) or the peer's fingerprint differs
+// from this call's, or when another wait of the call has failed; the call's
+// first failure is recorded for the host. Returns whether the message is
+// there and belongs to this call.
 __device__ __forceinline__ bool WaitChannelFlag(const uint32_t* flag,
                                                 uint32_t expected,
                                                 WaitReport report) {
+  // The device (id + 1) whose failed wait marked this one, or 0.
+  auto failed_by = [&]() -> uint32_t {
+    return report.waits_failed == nullptr
+               ? 0u
+               : *reinterpret_cast<volatile uint32_t*>(report.waits_failed);
+  };
+  // An earlier failure here or on a peer: no message is trusted.
+  auto fail_as_marked = [&](uint32_t by) {
+    if (atomicExch(report.fail_call, report.call_id) == report.call_id) return false;
+    report.info.cause = kPeerFailed;
+    RecordTimeout(report.record, report.record_lock, report.info, -1,
+                  static_cast<int>(by) - 1, 0, 0);
+    return false;
+  };
   const uint64_t start = GlobalTimerNs();
   uint32_t seen;
+  if (const uint32_t by = failed_by()) return fail_as_marked(by);
   for (;;) {
     seen = LoadAcquire(flag);
     if (Reached(seen, expected)) {
@@ -97,12 +113,27 @@ __device__ __forceinline__ bool WaitChannelFlag(const uint32_t* flag,
       const uint32_t calls_ahead =
           ((seen >> kFlagMessageBits) - (expected >> kFlagMessageBits)) &
           ((1u << (32 - kFlagMessageBits)) - 1);
-      if (calls_ahead < 2) return true;
-      report.info.out_of_step = 1;
+      if (calls_ahead >= 2) {
+        report.info.cause = kOutOfStep;
+        break;
+      }
+      if (report.fingerprint == nullptr) return true;
+      // Written before the flag (Channel::Begin), so the acquire above sees it.
+      const uint32_t theirs = LoadAcquire(report.fingerprint);
+      if (theirs == report.own_fingerprint) return true;
+      report.info.cause = kCallMismatch;
+      expected = report.own_fingerprint;
+      seen = theirs;
       break;
     }
     if (*reinterpret_cast<volatile uint32_t*>(report.fail_call) == report.call_id) return false;
+    if (const uint32_t by = failed_by()) return fail_as_marked(by);
     if (GlobalTimerNs() - start > report.timeout_ns) break;
+  }
+  if (report.waits_failed != nullptr) {
+    const uint32_t self = static_cast<uint32_t>(report.info.ordinal) + 1;
+    atomicCAS_system(report.waits_failed, 0u, self);
+    if (report.peer_waits_failed != nullptr) atomicCAS_system(report.peer_waits_failed, 0u, self);
   }
   if (atomicExch(report.fail_call, report.call_id) == report.call_id) return false;
   RecordTimeout(report.record, report.record_lock, report.info, report.info.peer_rank,

@@ -111,9 +111,12 @@ ffi::Error ApplyFault(OpId op, const GroupSpec& group, cudaStream_t stream);
 // The injected "stall": `stream` idles `ms` before the work enqueued after.
 ffi::Error Stall(cudaStream_t stream, int ms);
 // Test hook: runs the Channel's wait kernel on CUDA device `ordinal` against
-// a flag holding `flag` and returns "reached", "timed out" or "out of step".
+// a flag holding `flag` (and, unless `own_fingerprint` is 0, a fingerprint
+// word holding `their_fingerprint`) and returns "reached", "timed out",
+// "out of step" or "another call".
 std::string DebugWaitFlag(int ordinal, uint32_t flag, uint32_t expected,
-                          int timeout_ms);
+                          int timeout_ms, uint32_t their_fingerprint,
+                          uint32_t own_fingerprint);
 
 // The CUDA driver's module loading mode in this process: "lazy", "eager",
 // or "unknown" (no driver, or CUDA not initialised yet).
@@ -125,26 +128,44 @@ std::string ModuleLoadingMode();
 // and when a member is in another process (only workspaces are mapped there).
 bool PeerStoresAllowed(const void* ptr, const GroupSpec& group);
 
+// Why a wait failed. kOutOfStep: it saw its peer at least two calls ahead,
+// which no schedule allows (a peer leads by at most one call).
+// kCallMismatch: the peer's message came from another call (its
+// CallFingerprint differs); `expected` and `seen` then hold the two
+// fingerprints. kPeerFailed: a wait of another device of the group failed
+// first (peer_ordinal names it) and marked this one (WaitReport).
+enum WaitFailure : int32_t {
+  kTimedOut = 0,
+  kOutOfStep = 1,
+  kCallMismatch = 2,
+  kPeerFailed = 3
+};
+
 // What a wait that failed leaves for the host (host-mapped memory, written
-// by the device under PeerRegion::record_lock, read by TakePendingError):
-// it timed out, or it saw its peer at least two calls ahead, which no
-// schedule allows (a peer leads by at most one call), so the ranks are out of
-// step. Devices are named by transport id.
+// by the device under PeerRegion::record_lock, read by TakePendingError).
+// Devices are named by transport id.
 struct TimeoutRecord {
   volatile int32_t set;
   int32_t op, rank, ordinal, peer_rank, peer_ordinal, timeout_ms;
   uint32_t expected, seen;
-  int32_t out_of_step;  // 0: timed out; 1: the peer was two calls ahead
+  int32_t cause;  // WaitFailure
 };
 
 // The host's message for a failed wait: the op, this rank and the peer it
-// waited for, and whether it timed out or found the peer out of step.
+// waited for, and whether it timed out, found the peer out of step, or found
+// it in another call (naming both).
 std::string FormatTimeout(const TimeoutRecord& record);
 
 // Where a failed wait of a call reports (signal::WaitChannelFlag): `fail_call`
 // holds the call's id once any of its waits failed (the others then stop at
 // once, and its outputs become NaN); `record` (under `record_lock`) tells the
 // host which wait, with `info` naming the op, this rank and the peer.
+// `fingerprint` (null: no check) is the word where the peer's call left its
+// CallFingerprint, compared with `own_fingerprint` once the flag is there.
+// `waits_failed` (null: none) is this device's sticky failure word and
+// `peer_waits_failed` the peer's: a failed wait sets both (to its device's
+// transport id + 1, unless set already), and a wait that finds its own set
+// fails at once, reporting the device that set it.
 struct WaitReport {
   uint64_t timeout_ns;
   uint32_t* fail_call;
@@ -152,7 +173,16 @@ struct WaitReport {
   TimeoutRecord* record;
   uint32_t* record_lock;
   TimeoutRecord info;
+  const uint32_t* fingerprint = nullptr;
+  uint32_t own_fingerprint = 0;
+  uint32_t* waits_failed = nullptr;
+  uint32_t* peer_waits_failed = nullptr;
 };
+
+// What a sender writes in place of its fingerprint when it refuses a call
+// that its peers may run (Channel::Refuse): their waits fail at once.
+// CallFingerprint::Seal never makes it.
+constexpr uint32_t kRefusedFingerprint = 0xFFFFFFFFu;
 
 // A copy-engine flag (Channel): the pair's call number, wrapping, in the high
 // bits and the message's index in the call, from 1, in the low ones. A later
@@ -196,9 +226,11 @@ class Channel {
   // Fails at once when a device of the group failed earlier
   // (CheckGroupHealthy); orders the call after this device's previous one,
   // and records the call start on `stream` (every copy into an output or a
-  // peer is ordered after it).
+  // peer is ordered after it). `fingerprint` (CallFingerprint::Seal) goes
+  // to each peer before the call's first flag there, and every wait of the
+  // call compares the peer's with it before the data is read.
   ffi::Error Begin(OpId op, const GroupSpec& group, int timeout_ms,
-                   cudaStream_t stream);
+                   cudaStream_t stream, uint32_t fingerprint);
   // Runs the op's `schedule` (the calls below) twice. The first pass is a
   // rehearsal: nothing moves, only GEMMs with a new cuBLASLt plan run (into
   // the call's own outputs/staging, overwritten later). CUDA lazy loading
@@ -209,12 +241,16 @@ class Channel {
   // call's waits, whose peers' sends are then already enqueued.
   ffi::Error Run(const std::function<ffi::Error()>& schedule);
   bool rehearsal() const { return rehearsal_; }
-  // Fails, naming the fix, when one message or the local scratch exceed the
-  // workspace (JAX_FLASHOVERLAP_WORKSPACE_MB).
+  // Fails, naming the fix, when one message exceeds the receive slot of any
+  // rank of the group or the local scratch exceeds this device's
+  // (JAX_FLASHOVERLAP_WORKSPACE_MB), through Refuse.
   ffi::Error CheckCapacity(size_t slot_bytes, size_t staging_bytes);
-  // Returns `why` for a call refused after Begin but before anything moved,
-  // for a reason the same on every rank (a shape or build the schedule
-  // cannot take): the group stays sound, as for CheckCapacity.
+  // Returns `why` for a call refused after Begin but before anything moved
+  // (a shape or build the schedule cannot take). The call still counts, and
+  // each peer gets a flag of it with kRefusedFingerprint: where every rank
+  // refused alike nobody waits and the group stays sound; a peer that ran
+  // the call fails at its first wait, instead of this rank falling a call
+  // behind it and later reading that call's messages as its own.
   ffi::Error Refuse(ffi::Error why);
 
   int rank() const { return group_->rank; }
@@ -302,6 +338,7 @@ class Channel {
   int events_used_ = 0;
   int events_rehearsed_ = 0;  // events the real pass of the schedule will take
   uint32_t call_id_ = 0;
+  uint32_t fingerprint_ = 0;
   bool rehearsal_ = false;
   bool committed_ = false;  // past the checks: peers may see this call
   bool ended_ = false;
