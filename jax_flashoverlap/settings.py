@@ -130,8 +130,12 @@ def raw(name: str) -> str | None:
 
 def export(name: str, value: str) -> None:
     """Sets a declared variable ``name`` in this process's environment, for a
-    library that reads it later (CUDA, XLA, NVSHMEM) and for child processes."""
-    os.environ[_declared(name)] = value
+    library that reads it later (CUDA, XLA, NVSHMEM) and for child processes.
+
+    Writes only a value that differs: a write races with reads in JAX's
+    threads, and the launcher has usually set it before JAX started."""
+    if os.environ.get(_declared(name)) != value:
+        os.environ[name] = value
 
 
 def snapshot(prefixes: tuple[str, ...]) -> dict[str, str]:

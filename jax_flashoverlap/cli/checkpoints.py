@@ -36,7 +36,8 @@ def restore_model_state(directory: Path, model: nnx.Module, step: int | None = N
       ValueError: the checkpoint's parameters are not ``model``'s (another
         model or size), naming what does not fit.
     """
-    with ocp.CheckpointManager(Path(directory).absolute()) as manager:
+    with ocp.CheckpointManager(Path(directory).absolute(),
+                               item_handlers=ocp.PyTreeCheckpointHandler()) as manager:
         step = manager.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {directory} (written by "
@@ -45,6 +46,11 @@ def restore_model_state(directory: Path, model: nnx.Module, step: int | None = N
         target = {"0": jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                                    sharding=x.sharding), state)}
         mismatch = does_not_fit(directory, step, type(model).__name__)
+        # Before any read: a restore that fails on one array leaves the reads of
+        # the others running into orbax's closed event loop, which prints a
+        # traceback for each at exit.
+        if other := shape_difference(manager.item_metadata(step), target):
+            raise ValueError(f"{mismatch} ({other})")
         try:
             # Partial: the optimizer's state, saved beside the model's, is not read.
             restored = manager.restore(step, args=ocp.args.PyTreeRestore(
@@ -62,6 +68,28 @@ def restore_model_state(directory: Path, model: nnx.Module, step: int | None = N
                          f"{', '.join(missing[:3])}.")
     nnx.update(model, restored["0"])
     return step
+
+
+def shape_difference(metadata, target: dict) -> str:
+    """The first parameter of ``target`` whose shape the checkpoint's
+    ``metadata`` (orbax's tree of array metadata) holds otherwise, as
+    "path: checkpoint (a, b), model (c, d)", or "" (missing parameters are
+    the partial restore's to report)."""
+    saved = {_path_name(path): getattr(leaf, "shape", None)
+             for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(metadata, "tree",
+                                                                           metadata))}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(target):
+        key = _path_name(path)
+        if saved.get(key) is not None and tuple(saved[key]) != leaf.shape:
+            return f"{key}: checkpoint {tuple(saved[key])}, model {leaf.shape}"
+    return ""
+
+
+def _path_name(path) -> str:
+    """"0/blocks/0/attn/out/kernel/value" whether the keys are dict keys,
+    sequence indices or attributes (nnx's state and orbax's metadata differ)."""
+    parts = (getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in path)
+    return "/".join(str(p) for p in parts)
 
 
 def does_not_fit(directory: Path, step: int, model: str) -> str:
@@ -86,7 +114,7 @@ def checkpoint_manager(directory: Path | None, *,
     if not directory:
         return None
     manager = ocp.CheckpointManager(
-        Path(directory).absolute(),
+        Path(directory).absolute(), item_handlers=ocp.StandardCheckpointHandler(),
         options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
     latest = manager.latest_step()
     if latest is not None and not resuming:

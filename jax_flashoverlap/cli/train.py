@@ -52,7 +52,13 @@ from ..models import (
 )
 from ..models.mamba import resolve_scan_layers as resolve_mamba_scan_layers
 from . import tokens
-from .checkpoints import checkpoint_manager, does_not_fit, first_line, restore_model_state
+from .checkpoints import (
+    checkpoint_manager,
+    does_not_fit,
+    first_line,
+    restore_model_state,
+    shape_difference,
+)
 from .data import batch_at, load_corpus
 from .devices import ensure_cpu_devices
 from .flags import HelpFormatter, parse_mesh_shape
@@ -390,6 +396,10 @@ def _train(args: argparse.Namespace, manager: ocp.CheckpointManager | None) -> T
         abstract = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
             trainer.state)
+        # Before any read (see checkpoints.restore_model_state).
+        if other := shape_difference(manager.item_metadata(start), abstract):
+            raise ValueError(f"--restore: {does_not_fit(args.checkpoint_dir, start, args.model)}"
+                             f" ({other})")
         trainer.state = None  # Frees it before the restored copy arrives.
         try:
             trainer.state = manager.restore(start, args=ocp.args.StandardRestore(abstract))
