@@ -89,7 +89,7 @@ class CallFingerprint {
   static void Register(uint32_t value, const std::string& text) {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     auto& table = Registry();
-    if (table.size() < 4096) table.emplace(value, text);
+    if (table.size() < 4096 && table.find(value) == table.end()) table.emplace(value, text);
   }
 
   friend std::string DescribeFingerprint(uint32_t value);
