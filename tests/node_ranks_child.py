@@ -2,7 +2,7 @@
 (``--share-gpu``: several ranks on one GPU) by tests/test_node_transport.py.
 
     python -m jax_flashoverlap.cli.launch -n N --share-gpu [--mps] \\
-        tests/node_ranks_child.py ops|faults|mismatch [--rounds R] [--json PATH]
+        tests/node_ranks_child.py ops|faults|mismatch|killed [--rounds R] [--json PATH]
 
 ``ops``: the four ops with impl="cuda" over an axis of all N processes, in
 three dtypes and odd shapes, on data drawn from one seed in every process,
@@ -13,7 +13,9 @@ never a wrong finite number; then a collective reset() and an exact call.
 ``mismatch``: R rounds per kind (shape, dtype) and op in which one rank
 calls the op with other shapes or another dtype than its peers: every rank
 gets NaN or an error, never a wrong finite number, and the error names the
-two calls.
+two calls. ``killed``: the last rank is killed (SIGKILL) with a call
+dispatched; every other rank's call ends in NaN or an error, and the
+launcher stops the job, naming the killed rank.
 ``--compile-cache DIR`` loads each round's fresh executable from JAX's
 persistent cache instead of compiling it again.
 
@@ -27,6 +29,7 @@ import collections
 import functools
 import json
 import os
+import signal
 import sys
 import time
 
@@ -53,7 +56,7 @@ SHAPES = ((3, 5, 12, 7), (129, 1, 200, 72))
 
 def parse_args():
     p = argparse.ArgumentParser()
-    p.add_argument("mode", choices=("ops", "faults", "mismatch"))
+    p.add_argument("mode", choices=("ops", "faults", "mismatch", "killed"))
     p.add_argument("--rounds", type=int, default=3, help="faults (or mismatches) per kind and op")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
@@ -198,6 +201,29 @@ def run_mismatches(mesh, rng, rounds, counts, seconds):
             assert_close(y, want, "float32")
 
 
+def run_killed(mesh, rng, counts):
+    """One exact call, then the last rank dies with its next call dispatched;
+    the others report that call's outcome and wait to be stopped."""
+    n, me = mesh.size, jax.process_index()
+    op = "all_gather_matmul"
+    timeout_ms = settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")
+    args, in_specs, out_specs, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+    os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = "20000"  # as in run_faults
+    f = round_executable(mesh, op, in_specs, out_specs, args, None)
+    for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
+        assert_close(y, want, "float32")
+    os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(timeout_ms)
+    args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+    distributed.check_same("killed round", {"op": op})
+    if me == n - 1:
+        f(*global_arrays(mesh, args, in_specs))  # dispatched, not waited for
+        os.kill(os.getpid(), signal.SIGKILL)
+    outcome = call_once(f, mesh, args, in_specs, expected)
+    counts[f"killed_{outcome}"] += 1
+    print(f"killed outcome={outcome}", flush=True)
+    time.sleep(120)  # the launcher stops this rank once it sees the killed one
+
+
 def round_executable(mesh, op, in_specs, out_specs, args, previous):
     """``previous``, or a new executable where there is none or for the ops
     XLA captures into a command buffer (it does not run one again after
@@ -249,8 +275,10 @@ def main():
         run_ops(mesh, rng, counts)
     elif args.mode == "faults":
         run_faults(mesh, rng, args.rounds, counts, seconds)
-    else:
+    elif args.mode == "mismatch":
         run_mismatches(mesh, rng, args.rounds, counts, seconds)
+    else:
+        run_killed(mesh, rng, counts)
     result = {"mode": args.mode, "ranks": n, "rank": me, "seconds": time.perf_counter() - start,
               "counts": dict(counts),
               "phase_seconds": {k: round(v, 3) for k, v in seconds.items()}}

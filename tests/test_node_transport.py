@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,7 +159,7 @@ def _gpu_child(tmp_path, n, mode, *args, timeout=540):
     path = out_dir / f"node_ranks_{mode}_{n}.json"
     # A fault's peers wait out the whole bound: short under MPS, where a
     # healthy wait takes microseconds, so that hundreds of faults fit a run.
-    wait_ms = (200 if mps else 5000) if mode in ("faults", "mismatch") else 20000
+    wait_ms = (200 if mps else 5000) if mode in ("faults", "mismatch", "killed") else 20000
     env["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(wait_ms)
     if mode == "mismatch":
         # XLA shares the autotuning of a program's GEMMs between the processes
@@ -218,6 +219,22 @@ def test_mismatched_calls_across_processes_end_in_errors_or_nan(tmp_path, n):
             assert counts.get(f"{kind}_error", 0) + counts.get(f"{kind}_nan", 0) == 4 * rounds, \
                 counts
             assert counts.get(f"{kind}_named", 0) > 0, counts
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_rank_killed_mid_call_ends_the_others_calls_and_the_job(tmp_path, n):
+    """The last rank dies (SIGKILL) with a call dispatched: the others' calls
+    end in NaN or an error within the bound, and the launcher ends the job
+    with that rank's status, naming it."""
+    start = time.monotonic()
+    proc, out = _gpu_child(tmp_path, n, "killed", timeout=180)
+    assert proc.returncode == 128 + 9, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"rank {n - 1} was killed by signal SIGKILL" in proc.stderr + proc.stdout
+    outcomes = [line.rsplit("=", 1)[1] for line in proc.stdout.splitlines()
+                if "killed outcome=" in line]
+    assert len(outcomes) == n - 1 and set(outcomes) <= {"error", "nan"}, outcomes
+    assert time.monotonic() - start < 120  # stopped, not waited out
 
 
 @pytest.mark.gpu

@@ -99,20 +99,6 @@ int CeilLog2(int n) {
   return k;
 }
 
-// The heap size is ours; NVLS must stay off on the shared machines whatever
-// the environment says. setenv races with getenv in JAX's threads, so it
-// runs only where the value differs: nvshmem.initialize() (and the
-// launcher, for NVLS) set both already.
-void SetEnvIfDifferent(const char* name, const std::string& value) {
-  const char* now = std::getenv(name);
-  if (now == nullptr || value != now) setenv(name, value.c_str(), 1);
-}
-
-void SetEnv(size_t heap_bytes) {
-  SetEnvIfDifferent("NVSHMEM_DISABLE_NVLS", "1");
-  SetEnvIfDifferent("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes));
-}
-
 // Shuts NVSHMEM down the way it was started.
 void Stop(NvState& st) {
   if (st.module != nullptr) {
@@ -170,7 +156,9 @@ void Init(const std::string& uid, int rank, int nranks, size_t heap_bytes,
   }
   Step(rank, "cudaSetDevice");
   Check(cudaSetDevice(device), "cudaSetDevice");
-  SetEnv(heap_bytes);
+  // NVSHMEM reads its heap size and NVSHMEM_DISABLE_NVLS from the
+  // environment: nvshmem.initialize() exported both (settings.export) before
+  // this call; nothing here writes the environment while JAX's threads run.
 
   nvshmemx_uniqueid_t id;
   std::memcpy(&id, uid.data(), sizeof(id));
