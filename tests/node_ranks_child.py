@@ -102,6 +102,37 @@ def run_ops(mesh, rng, counts):
                 print(f"ok {op} {dtype} dims={dims}", flush=True)
 
 
+def first_executable(mesh, op, rng):
+    """(in_specs, out_specs, f): op's float32 executable after one call under
+    a wide bound: the node's set-up, cuBLASLt's choice of GEMM algorithm and
+    the first launches take a while on some ranks, which a short bound would
+    count as a fault."""
+    n = mesh.size
+    args, in_specs, out_specs, _ = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+    timeout_ms = settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")
+    os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = "20000"
+    f = round_executable(mesh, op, in_specs, out_specs, args, None)
+    f(*global_arrays(mesh, args, in_specs))
+    os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(timeout_ms)
+    return in_specs, out_specs, f
+
+
+def exact_call(mesh, op, rng, in_specs, out_specs, f):
+    """One call on fresh data, checked against float64 (after a reset(): that
+    it left the transport sound); returns the executable it ran."""
+    args, _, _, expected = case(op, mesh.size, rng, "float32", dims=SHAPES[1], batch=False)
+    f = round_executable(mesh, op, in_specs, out_specs, args, f)
+    for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
+        assert_close(y, want, "float32")
+    return f
+
+
+def timed_reset(seconds):
+    tick = time.perf_counter()
+    jfo.reset()
+    seconds["reset"] += time.perf_counter() - tick
+
+
 def run_faults(mesh, rng, rounds, counts, seconds):
     """Each round: one exact call (which checks the previous round's
     reset()); one fault on a rank every process draws alike; three calls on
@@ -109,22 +140,11 @@ def run_faults(mesh, rng, rounds, counts, seconds):
     n, me = mesh.size, jax.process_index()
     timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
     for op in OPS:
-        args, in_specs, out_specs, _ = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-        # A first call under a wide bound: the node's set-up, cuBLASLt's
-        # choice of GEMM algorithm and the first launches take a while on
-        # some ranks, which a short bound would count as a fault.
-        os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = "20000"
-        f = round_executable(mesh, op, in_specs, out_specs, args, None)
-        f(*global_arrays(mesh, args, in_specs))
-        os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(timeout_ms)
-        f = None
+        in_specs, out_specs, f = first_executable(mesh, op, rng)
         for kind in ("error", "skip", "stall"):
             for _ in range(rounds):
                 tick = time.perf_counter()
-                args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-                f = round_executable(mesh, op, in_specs, out_specs, args, f)
-                for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
-                    assert_close(y, want, "float32")
+                f = exact_call(mesh, op, rng, in_specs, out_specs, f)
                 victim = int(rng.integers(n))
                 distributed.check_same("fault round", {"op": op, "kind": kind, "victim": victim})
                 if me == victim:
@@ -141,14 +161,9 @@ def run_faults(mesh, rng, rounds, counts, seconds):
                     counts[f"{kind}_{outcomes[-1]}"] += 1
                 print(f"round {op} {kind} victim={victim}: {' '.join(outcomes)}", flush=True)
                 seconds["faulted_calls"] += time.perf_counter() - tick
-                tick = time.perf_counter()
-                jfo.reset()
-                seconds["reset"] += time.perf_counter() - tick
+                timed_reset(seconds)
             print(f"ok faults {op} {kind}", flush=True)
-        args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-        f = round_executable(mesh, op, in_specs, out_specs, args, f)  # the last reset, checked
-        for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
-            assert_close(y, want, "float32")
+        exact_call(mesh, op, rng, in_specs, out_specs, f)  # the last reset, checked
 
 
 def run_mismatches(mesh, rng, rounds, counts, seconds):
@@ -157,20 +172,12 @@ def run_mismatches(mesh, rng, rounds, counts, seconds):
     op on other shapes (SHAPES[0] against SHAPES[1]) or in bfloat16 against
     float32, each rank on its own fresh data; a collective reset()."""
     n, me = mesh.size, jax.process_index()
-    timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
     for op in OPS:
-        args, in_specs, out_specs, _ = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-        os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = "20000"  # as in run_faults
-        f = round_executable(mesh, op, in_specs, out_specs, args, None)
-        f(*global_arrays(mesh, args, in_specs))
-        os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(timeout_ms)
+        in_specs, out_specs, f = first_executable(mesh, op, rng)
         for kind in ("shape", "dtype"):
             for _ in range(rounds):
                 tick = time.perf_counter()
-                args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-                f = round_executable(mesh, op, in_specs, out_specs, args, f)
-                for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
-                    assert_close(y, want, "float32")
+                f = exact_call(mesh, op, rng, in_specs, out_specs, f)
                 victim = int(rng.integers(n))
                 distributed.check_same("mismatch round", {"op": op, "kind": kind,
                                                           "victim": victim})
@@ -191,14 +198,9 @@ def run_mismatches(mesh, rng, rounds, counts, seconds):
                 counts[f"{kind}_named"] += any("ran different calls" in e for e in errors)
                 print(f"round {op} {kind} victim={victim}: {outcome}", flush=True)
                 seconds["mismatched_calls"] += time.perf_counter() - tick
-                tick = time.perf_counter()
-                jfo.reset()
-                seconds["reset"] += time.perf_counter() - tick
+                timed_reset(seconds)
             print(f"ok mismatches {op} {kind}", flush=True)
-        args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-        f = round_executable(mesh, op, in_specs, out_specs, args, f)  # the last reset, checked
-        for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
-            assert_close(y, want, "float32")
+        exact_call(mesh, op, rng, in_specs, out_specs, f)  # the last reset, checked
 
 
 def run_killed(mesh, rng, counts):
@@ -206,13 +208,8 @@ def run_killed(mesh, rng, counts):
     the others report that call's outcome and wait to be stopped."""
     n, me = mesh.size, jax.process_index()
     op = "all_gather_matmul"
-    timeout_ms = settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")
-    args, in_specs, out_specs, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
-    os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = "20000"  # as in run_faults
-    f = round_executable(mesh, op, in_specs, out_specs, args, None)
-    for y, want in shards(f(*global_arrays(mesh, args, in_specs)), expected):
-        assert_close(y, want, "float32")
-    os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(timeout_ms)
+    in_specs, out_specs, f = first_executable(mesh, op, rng)
+    f = exact_call(mesh, op, rng, in_specs, out_specs, f)
     args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
     distributed.check_same("killed round", {"op": op})
     if me == n - 1:
