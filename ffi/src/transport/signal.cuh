@@ -118,7 +118,7 @@ __device__ __forceinline__ bool WaitChannelFlag(const uint32_t* flag,
         break;
       }
       if (report.fingerprint == nullptr) return true;
-      // Written before the flag (Channel::Begin), so the acquire above sees it.
+      // Written before the flag (Channel::SendWhen), so the acquire above sees it.
       const uint32_t theirs = LoadAcquire(report.fingerprint);
       if (theirs == report.own_fingerprint) return true;
       report.info.cause = kCallMismatch;
