@@ -1,4 +1,5 @@
-"""Test setup: 8 CPU devices, the ``gpu`` marker, a fresh random generator."""
+"""Test setup: 8 CPU devices, the ``gpu`` marker, quicker CPU compilation (JAX's
+persistent compilation cache, LLVM unoptimized), a fresh random generator."""
 
 import os
 
@@ -25,10 +26,31 @@ def _gpu_count() -> int:
 
 
 GPU_COUNT = _gpu_count()
+if not GPU_COUNT:
+    # LLVM at -O0 for the CPU backend: the tests' programs are small and run
+    # once or twice, so compiling dominates; this compiles them about a
+    # third faster (XLA's HLO passes run as before; only the machine code is
+    # less optimized).
+    jax.config.update("jax_disable_most_optimizations", True)
 # Set by scripts/gpu_run.sh: on the GPU machine, a run in which the GPU tests
 # could not run, or none passed, is a failure, not a quiet pass.
 REQUIRE_GPU = os.environ.get("JFO_REQUIRE_GPU") == "1"
 _gpu_tests_passed = 0
+
+
+def pytest_configure(config):
+    """Without GPUs, JAX's persistent compilation cache in pytest's cache
+    (.pytest_cache/d/jax_compilation_cache; --cache-clear empties it): a
+    second run reads back what the first compiled, several times faster.
+    Not with -p no:cacheprovider (scripts/gpu_run.sh), nor where
+    JAX_COMPILATION_CACHE_DIR already names one. Child processes compile
+    without it."""
+    cache = getattr(config, "cache", None)
+    if GPU_COUNT or cache is None or jax.config.jax_compilation_cache_dir:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(cache.mkdir("jax_compilation_cache")))
+    # Every executable: on CPUs most compile in well under the 1 s default.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -61,6 +83,22 @@ def pytest_sessionfinish(session, exitstatus):
     if REQUIRE_GPU and exitstatus == 0 and _gpu_tests_passed == 0:
         print("\nJFO_REQUIRE_GPU=1 but no GPU test passed (all skipped or deselected)")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def fresh_compiles():
+    """The test's compilations bypass the persistent compilation cache. An
+    executable read back from it prints its HLO without the source-location
+    tables of a fresh one, which benchmarking.comparable_hlo leaves as blank
+    lines: two programs compare equal only if both were compiled afresh."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture

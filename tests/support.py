@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding
 
 from jax_flashoverlap.cli.devices import without_cpu_device_count
@@ -29,6 +30,18 @@ def gpu_layout_mesh(layout: str) -> tuple[jax.sharding.Mesh, int, int]:
     t = 2
     d = len(devices) // t
     return jax.sharding.Mesh(devices[:d * t].reshape(d, t), ("data", "tp")), t, d
+
+
+def slow_unless(keep, cases) -> list:
+    """``cases`` for ``pytest.mark.parametrize``, each not in ``keep`` marked
+    ``slow``: the default run keeps one representative of each behaviour,
+    ``-m "slow or not slow"`` runs them all. A case is a value, or a tuple of
+    values where the parametrization names several arguments."""
+    keep = list(keep)
+    assert all(k in cases for k in keep), keep
+    return [c if c in keep else
+            pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
+            for c in cases]
 
 
 def child_env(**extra: str) -> dict[str, str]:

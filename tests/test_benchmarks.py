@@ -4,6 +4,7 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +31,7 @@ def _load(name, folder=BENCHMARKS):
         sys.path.remove(str(folder))
 
 
+@pytest.mark.slow  # two processes through the launcher
 def test_hierarchical_benchmark_runs_in_two_processes(tmp_path):
     """psum only (no NVSHMEM build on CPUs), each process its own node."""
     out = tmp_path / "h.json"
@@ -239,6 +241,7 @@ def test_all_reduce_benchmark_rejects_a_wrong_transfer(monkeypatch):
         bench.run([4096], ["transfer"], ["loop"], reps=1, devices=4)
 
 
+@pytest.mark.slow  # a benchmark run
 def test_train_step_benchmark_records_host_dispatch(tmp_path, capsys):
     """A tiny model on the CPUs: every row has a dispatch time within its step time."""
     bench = _load("train_step")
@@ -283,6 +286,7 @@ def test_train_step_measures_each_mamba_variant_against_the_first(monkeypatch, c
     assert table.rstrip().endswith("| 1.250x |")
 
 
+@pytest.mark.slow  # a benchmark run
 def test_train_step_passes_a_variants_flags_to_the_trainer(tmp_path, monkeypatch):
     """A variant's flags reach the trainer's config (a tiny Mamba-2 on the CPUs).
     Two-step runs on busy CPUs can time T(4) < T(2): the timing is another
@@ -317,6 +321,7 @@ def test_train_step_times_are_the_difference_of_two_run_lengths():
     assert dispatch == pytest.approx((0.006 + 0.008) / 2)
 
 
+@pytest.mark.slow  # a benchmark run
 def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
     """Tiny models on the CPUs: each row is checked against the forward pass,
     timed by the difference of two loop lengths, and the JSON says where it
@@ -346,6 +351,7 @@ def test_decode_benchmark_checks_times_and_records_provenance(tmp_path, capsys):
     assert "| mamba | decomposed | xla | model | xla | 2 | 32 |" in out
 
 
+@pytest.mark.slow  # a benchmark run
 def test_decode_benchmark_measures_a_resolved_step_once(tmp_path, capsys):
     """--decode-blocks auto layers where "auto" runs the layers (the CPUs):
     one row, and the second choice says which row it would repeat."""
@@ -374,6 +380,7 @@ def test_decode_benchmark_sets_and_restores_the_one_row_padding():
     assert bench._matmul_label({"decode_matmul": "cuda"}) == "cuda"
 
 
+@pytest.mark.slow  # a benchmark run
 def test_decode_benchmark_sweeps_xla_options_in_one_process(tmp_path, capsys):
     """--xla-option-sets: one row per set, each compiled with its options
     (on the CPUs, an option of the CPU compiler), labelled in the table."""
@@ -410,6 +417,7 @@ def test_decode_benchmark_sets_and_restores_the_attention_kernel_settings():
                                    "packed_inputs": True}) == "pallas, splits of 64+, packed"
 
 
+@pytest.mark.slow  # a benchmark run
 def test_decode_benchmark_traces_each_case_afresh(monkeypatch):
     """Two cases of one model and shape: the second traces the decode step
     again, so that what a case sets while tracing (the all-reduce algorithm
@@ -487,6 +495,7 @@ def test_decode_benchmark_refuses_contexts_it_cannot_check(contexts, capsys):
         capsys.readouterr().err
 
 
+@pytest.mark.slow  # two processes through the launcher
 def test_generate_command_runs_in_two_processes(tmp_path):
     """The launcher's 2 CPU processes, the tensor axis across them."""
     out = tmp_path / "g.json"
@@ -609,13 +618,15 @@ def test_decode_ab_summary_notes_the_processes_that_wrote_no_rows(tmp_path):
     assert result["meta"]["note"].endswith("; no rows from cap in round 2")
 
 
-def test_decode_ab_run_names_the_missing_build():
+def test_decode_ab_run_names_the_missing_build(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPTS / "decode_ab.sh"), "run", "no_such_build"],
+                          env=dict(os.environ, OUT=str(tmp_path)),  # not /tmp/jfo_out
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "build/pkg_no_such_build is missing: bash scripts/decode_ab.sh build" in proc.stderr
 
 
+@pytest.mark.slow  # a benchmark run
 def test_decode_benchmark_takes_a_checkpoints_shape(tmp_path, capsys):
     """--config DIR: the checkpoint's shape (its vocabulary, heads) on random
     weights, its rows named after it."""

@@ -1,6 +1,7 @@
 """Generation: decode logits equal the forward pass, tokens equal at every mesh, clear errors."""
 
 import dataclasses
+import itertools
 import json
 
 import jax
@@ -9,7 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 from model_support import build
-from support import assert_as_accurate, assert_close, cpu_mesh, f64, missing_path_in, random
+from support import (
+    assert_as_accurate,
+    assert_close,
+    cpu_mesh,
+    f64,
+    missing_path_in,
+    random,
+    slow_unless,
+)
 
 import jax_flashoverlap as jfo
 from jax_flashoverlap import models
@@ -40,9 +49,11 @@ def _forward_logits(model, mesh, tokens, prompt_len: int = PROMPT_LEN):
     return np.asarray(logits, np.float64)[:, prompt_len - 1:]
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("impl", ["xla", "decomposed"])
-@pytest.mark.parametrize("name", list(MODELS))
+# By default each model at one tensor-parallel size with the library's own
+# collectives; the other sizes and impl="xla" are slow.
+@pytest.mark.parametrize("name, impl, tp", slow_unless(
+    [("transformer", "decomposed", 2), ("mamba", "decomposed", 2)],
+    list(itertools.product(MODELS, ["xla", "decomposed"], [1, 2, 4]))))
 def test_logits_equal_the_forward_pass(name, impl, tp, rng):
     """Teacher forcing: each new token's logits are those of the model's own
     forward pass over the generated sequence, at that position."""
@@ -51,7 +62,7 @@ def test_logits_equal_the_forward_pass(name, impl, tp, rng):
                           cpu_mesh(tp=tp, dp=2), PROMPT_LEN, rng)
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", slow_unless(["mamba"], list(MODELS)))
 def test_logits_equal_the_forward_pass_without_sequence_parallelism(name, rng):
     """The same with a prefill that is not sequence-parallel, from a prompt
     of 37 tokens: several of Mamba-2's chunks (16), the state carried."""
@@ -119,7 +130,7 @@ def _decoding_through(kernel_module, kernel: str, contract, record, name, tp, rn
     return config, set(calls)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", slow_unless([2], [1, 2]))
 def test_decoding_through_the_attention_kernel_gives_the_forward_pass_logits(tp, rng,
                                                                            monkeypatch):
     """decode_attention="pallas": every layer hands the kernel its query
@@ -155,7 +166,7 @@ def test_decode_attention_setting():
         dataclasses.replace(config, decode_attention="cudnn")
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", slow_unless([2], [1, 2]))
 def test_decoding_through_the_mixer_kernel_gives_the_forward_pass_logits(tp, rng,
                                                                        monkeypatch):
     """decode_mixer="pallas": every layer hands the kernel in_proj's output
@@ -196,7 +207,7 @@ def _random_model(model_cls, config, rng):
         return nnx.jit(lambda: model_cls(config, rngs=nnx.Rngs(seed)))()
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", slow_unless(["transformer"], list(MODELS)))
 def test_tokens_are_the_same_on_every_mesh(name, rng):
     """Greedy tokens at TP = 1, 2 and 4, and sampled ones (temperature, top-k)
     with the data axis split or not: the draws do not depend on the mesh."""
@@ -269,6 +280,7 @@ def test_mamba_prefill_state_is_the_recurrence(rng):
     assert_close(after, h, "float32")
 
 
+@pytest.mark.slow  # the training command, then the generation command
 def test_a_checkpoint_of_the_training_command_restores(tmp_path):
     """jax-flashoverlap-train --checkpoint-dir, then generate from it: the
     parameters are the trained ones, and the generation command runs on them."""
@@ -444,6 +456,7 @@ def test_on_token_sees_every_decode_step_in_order(tiny):
                                   np.asarray(tokens)[:, 9:])
 
 
+@pytest.mark.slow  # the command twice; test_generate_command_samples_with_top_k runs it
 def test_generate_command_streams_what_it_prints_at_the_end(capsys):
     """--stream prints the text as it decodes: the same text the command
     prints at the end without it."""
@@ -547,6 +560,7 @@ def test_generate_command_samples_with_top_k(tmp_path):
     assert texts[0] == texts[1]
 
 
+@pytest.mark.slow  # the command twice
 def test_generate_command_passes_the_decode_matmul_to_the_layers(tmp_path, monkeypatch):
     """--decode-matmul cuda reaches every decode matmul (on CPU the kernel's
     platform branch is XLA's dot, so the text is greedy's as with xla)."""
@@ -582,6 +596,7 @@ def _generated_texts(tmp_path, flag: str, values, after_each, model="transformer
     return texts
 
 
+@pytest.mark.slow  # the command twice
 def test_generate_command_passes_the_decode_attention_to_the_layers(tmp_path, monkeypatch):
     """--decode-attention pallas reaches every attention layer (the kernel
     replaced by its contract in jnp ops, which runs on CPU): greedy's text,
@@ -600,6 +615,7 @@ def test_generate_command_passes_the_decode_attention_to_the_layers(tmp_path, mo
     assert texts[0] == texts[1]
 
 
+@pytest.mark.slow  # the command twice
 def test_generate_command_passes_the_decode_mixer_to_the_layers(tmp_path, monkeypatch):
     """--decode-mixer pallas reaches every Mamba-2 mixer (the kernel replaced
     by its contract in jnp ops): greedy's text, as with XLA's ops."""
@@ -753,7 +769,7 @@ def test_the_decode_loop_updates_the_kv_cache_in_place():
                               f"{config.head_dim}]")
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", slow_unless(["transformer"], list(MODELS)))
 def test_meshes_with_explicit_axes(name, rng):
     """jax.make_mesh's default (Explicit axes) gives the tokens and logits of
     an Auto mesh."""

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import slow_unless
 
 import jax_flashoverlap
 from jax_flashoverlap import distributed
@@ -172,12 +173,17 @@ def test_exit_if_stuck_needs_a_positive_bound():
 FAILING = Path(__file__).with_name("failing_rank_child.py")
 
 
-@pytest.mark.parametrize("how, wait, status, said", [
+# By default a rank that raises while the other waits in Python; exiting,
+# being killed and waiting in a native call are slow (the default's
+# test_a_stuck_native_call_ends_the_process_with_a_message ends a native wait).
+@pytest.mark.parametrize("how, wait, status, said", slow_unless([
+    ("raise", "sleep", 1, "rank 1 exited with code 1"),
+], [
     ("raise", "sleep", 1, "rank 1 exited with code 1"),
     ("exit", "sleep", 3, "rank 1 exited with code 3"),
     ("kill", "sleep", 137, "rank 1 was killed by signal SIGKILL"),
     ("raise", "native", 1, "rank 1 exited with code 1"),
-])
+]))
 def test_a_failing_rank_ends_the_job_within_10_s(tmp_path, how, wait, status, said):
     """With real jax.distributed children: the failing rank exits at once
     (not after the 300 s shutdown barrier), the launcher exits with its

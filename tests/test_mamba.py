@@ -16,7 +16,7 @@ from model_support import (
     reference,
     tokens,
 )
-from support import assert_close, cpu_mesh, f64, random
+from support import assert_close, cpu_mesh, f64, random, slow_unless
 
 from jax_flashoverlap import models
 
@@ -179,8 +179,8 @@ def ref():
     return reference(Mamba2, CONFIG, seed=7)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("impl", ["xla", "decomposed"])
+@pytest.mark.parametrize("impl, tp", slow_unless(
+    [("decomposed", 2)], [("xla", 2), ("xla", 4), ("decomposed", 2), ("decomposed", 4)]))
 def test_loss_and_gradients_match_one_device(ref, tp, impl):
     check_matches_reference(Mamba2, CONFIG, ref, tp=tp, impl=impl)
 
@@ -190,14 +190,16 @@ def test_without_sequence_parallelism_matches_one_device(ref):
                             sharding=models.ShardingConfig(sequence_parallel=False))
 
 
-@pytest.mark.parametrize("layers", [dict(scan_layers=False), dict(remat=True),
-                                    dict(scan_layers=False, remat=True),
-                                    dict(residuals="all"),
-                                    dict(scan_layers=False, norm_backward="recompute"),
-                                    dict(residuals="all", norm_backward="recompute"),
-                                    dict(fuse_skip=False),
-                                    dict(ssd_keeps_chunk_states=True),
-                                    dict(scan_layers=False, ssd_keeps_chunk_states=True)])
+_LAYERS = [dict(scan_layers=False), dict(remat=True), dict(scan_layers=False, remat=True),
+           dict(residuals="all"), dict(scan_layers=False, norm_backward="recompute"),
+           dict(residuals="all", norm_backward="recompute"), dict(fuse_skip=False),
+           dict(ssd_keeps_chunk_states=True),
+           dict(scan_layers=False, ssd_keeps_chunk_states=True)]
+
+
+# By default four cases that between them set every option; the other five are slow.
+@pytest.mark.parametrize("layers", slow_unless(
+    [_LAYERS[2], _LAYERS[5], _LAYERS[6], _LAYERS[8]], _LAYERS))
 def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
     check_matches_reference(Mamba2, CONFIG, ref, tp=2, impl="decomposed", **layers)
 

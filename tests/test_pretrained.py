@@ -16,7 +16,7 @@ from jax_flashoverlap.models.config import RopeScaling
 from jax_flashoverlap.models.layers import rope_frequencies
 from jax_flashoverlap.models.pretrained import from_pretrained, llama_config, save_pretrained
 from model_support import check_matches_transformers, fine_tune_checkpoint, logits_of, params_of
-from support import cpu_mesh, with_word_tokenizer
+from support import cpu_mesh, slow_unless, with_word_tokenizer
 
 # Odd sizes; GQA with 2 query heads per key/value head.
 CONFIG = TransformerConfig(vocab_size=97, num_layers=2, embed_dim=48, num_heads=8,
@@ -29,8 +29,10 @@ def tokens(rng):
     return jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 16)), jnp.int32)
 
 
+# Untied is slow: the default reads an untied head in
+# test_logits_and_greedy_tokens_match_transformers[gqa_untied-2].
 @pytest.mark.parametrize("config", [
-    CONFIG,
+    pytest.param(CONFIG, marks=pytest.mark.slow),
     dataclasses.replace(CONFIG, tie_embeddings=True, rope_scaling=RopeScaling(8.0, 1.0, 4.0, 32)),
 ], ids=["untied", "tied-llama3-rope"])
 def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens, config):
@@ -149,7 +151,9 @@ PARITY = [("gqa_untied", 1), ("gqa_untied", 2), ("gqa_untied", 4),
           ("mha_wide_heads", 1), ("mha_wide_heads", 4)]
 
 
-@pytest.mark.parametrize("name, tp", PARITY)
+# By default each checkpoint at one tensor-parallel size above 1.
+@pytest.mark.parametrize("name, tp", slow_unless(
+    [("gqa_untied", 2), ("gqa_tied_llama3_rope", 2), ("mha_wide_heads", 4)], PARITY))
 def test_logits_and_greedy_tokens_match_transformers(name, tp):
     """float32 on CPU: the prompt's logits within 1e-4 relative of
     transformers', and 32 greedy tokens (prefill, then the decode loop)
@@ -191,6 +195,7 @@ def test_a_checkpoint_without_a_tokenizer_needs_a_byte_vocabulary(tmp_path):
     assert isinstance(tokens.for_checkpoint(None, 256), tokens.ByteTokens)
 
 
+@pytest.mark.slow  # the training command
 def test_training_from_a_checkpoint_and_saving_it_back(tmp_path):
     """jax-flashoverlap-train --init-from DIR --save-pretrained OUT: the
     checkpoint's tokenizer reads the data, the first loss is the loaded

@@ -18,7 +18,7 @@ from jax_flashoverlap.models.pretrained import (
     save_pretrained,
 )
 from model_support import check_matches_transformers, fine_tune_checkpoint, logits_of, params_of
-from support import cpu_mesh, with_word_tokenizer
+from support import cpu_mesh, slow_unless, with_word_tokenizer
 
 # Two B/C groups of two heads each, a chunk that does not divide the sequence.
 CONFIG = MambaConfig(vocab_size=97, num_layers=2, embed_dim=24, state_dim=8, head_dim=12,
@@ -31,7 +31,10 @@ def tokens(rng):
     return jnp.asarray(rng.integers(0, CONFIG.vocab_size, (2, 10)), jnp.int32)
 
 
-@pytest.mark.parametrize("config", [CONFIG, dataclasses.replace(CONFIG, tie_embeddings=True)],
+# Untied is slow: the default reads an untied head in
+# test_logits_and_greedy_tokens_match_transformers[groups2_untied-2].
+@pytest.mark.parametrize("config", [pytest.param(CONFIG, marks=pytest.mark.slow),
+                                    dataclasses.replace(CONFIG, tie_embeddings=True)],
                          ids=["untied", "tied"])
 def test_a_saved_model_loads_back_exactly_at_every_tensor_size(tmp_path, tokens, config):
     with jax.set_mesh(cpu_mesh(tp=1)):
@@ -113,7 +116,11 @@ PARITY = [("groups2_untied", 1), ("groups2_untied", 2), ("groups1_tied", 1),
           ("groups4_odd_chunk", 1), ("groups4_odd_chunk", 4)]
 
 
-@pytest.mark.parametrize("name, tp", PARITY)
+# By default two checkpoints, each at a tensor-parallel size above 1 (the
+# default's test_a_saved_model_loads_back_exactly_at_every_tensor_size[tied]
+# reads a tied head).
+@pytest.mark.parametrize("name, tp", slow_unless(
+    [("groups2_untied", 2), ("groups4_odd_chunk", 4)], PARITY))
 def test_logits_and_greedy_tokens_match_transformers(name, tp):
     """float32 on CPU: the prompt's logits within 1e-4 relative of
     transformers', and 32 greedy tokens (prefill, then the recurrent decode
@@ -157,6 +164,7 @@ def test_another_model_than_the_checkpoints_is_an_error_naming_both(capsys):
     assert "no config.json there" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the training command
 def test_training_a_mamba2_checkpoint_and_saving_it_back(tmp_path):
     """jax-flashoverlap-train --init-from DIR --save-pretrained OUT on a
     Mamba-2 checkpoint: the first loss is the loaded model's, and OUT loads

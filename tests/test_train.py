@@ -42,6 +42,7 @@ def test_transformer_loss_decreases(transformer_run):
     assert _decreases(result.losses), result.losses
 
 
+@pytest.mark.slow  # a second training run; transformer_run is the default's
 def test_mamba_loss_decreases():
     args = train.parse_args([*RUN, "--model", "mamba", "--mesh", "1x4", "--impl", "decomposed",
                              "--steps", str(STEPS)])
@@ -139,6 +140,7 @@ def test_bad_flags_name_the_fix():
         train.train(train.parse_args([*RUN, "--mesh", "1x4", "--seq-len", "30"]))
 
 
+@pytest.mark.slow  # the command in a fresh process
 def test_command_runs_on_cpu_devices(tmp_path):
     """``python -m jax_flashoverlap.cli.train`` gives itself 8 CPU devices and says so."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
@@ -259,6 +261,7 @@ def test_restore_takes_the_directory_as_generate_does(tmp_path):
     assert train.parse_args(RUN).restore is None
 
 
+@pytest.mark.slow  # three training runs
 def test_checkpoint_every_saves_on_schedule(tmp_path, capsys):
     args = train.parse_args([*RUN, "--mesh", "1x2", "--steps", "3", "--checkpoint-dir",
                              str(tmp_path), "--checkpoint-every", "2"])

@@ -17,7 +17,7 @@ from model_support import (
     reference,
     tokens,
 )
-from support import assert_as_accurate, assert_close, cpu_mesh, f64, random
+from support import assert_as_accurate, assert_close, cpu_mesh, f64, random, slow_unless
 
 from jax_flashoverlap import models
 from jax_flashoverlap.nn import shard_map_apply
@@ -32,8 +32,8 @@ def ref():
     return reference(Transformer, CONFIG, seed=5)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("impl", ["xla", "decomposed"])
+@pytest.mark.parametrize("impl, tp", slow_unless(
+    [("decomposed", 2)], [("xla", 2), ("xla", 4), ("decomposed", 2), ("decomposed", 4)]))
 def test_loss_and_gradients_match_one_device(ref, tp, impl):
     check_matches_reference(Transformer, CONFIG, ref, tp=tp, impl=impl)
 
@@ -43,8 +43,10 @@ def test_without_sequence_parallelism_matches_one_device(ref):
                             sharding=models.ShardingConfig(sequence_parallel=False))
 
 
-@pytest.mark.parametrize("layers", [dict(scan_layers=False), dict(remat=True),
-                                    dict(scan_layers=False, remat=True)])
+# By default both options at once; each alone is slow.
+@pytest.mark.parametrize("layers", slow_unless(
+    [dict(scan_layers=False, remat=True)],
+    [dict(scan_layers=False), dict(remat=True), dict(scan_layers=False, remat=True)]))
 def test_unrolled_and_rematerialised_layers_match_one_device(ref, layers):
     check_matches_reference(Transformer, CONFIG, ref, tp=2, impl="decomposed", **layers)
 

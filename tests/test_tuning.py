@@ -172,6 +172,7 @@ def test_auto_follows_the_cache_on_cpu(cache, rng):
     assert _compiled_collectives("all_gather_matmul", mesh, args, *specs, "auto") == decomposed
 
 
+@pytest.mark.slow  # the whole command; test_tune_budget_output_and_verify runs a shape of it
 def test_tune_command_end_to_end_on_cpu(cache, capsys):
     """jax-flashoverlap-tune measures xla against decomposed, checks them,
     writes the cache, and "auto" then resolves to each shape's fastest."""
@@ -234,7 +235,7 @@ def test_tune_measures_at_the_mesh_tensor_size(tmp_path, capsys):
     assert [e.axis_size for e in tuning.read(out).entries] == [2]
 
 
-def test_verify_times_auto_as_the_program_it_compiles_to(monkeypatch):
+def test_verify_times_auto_as_the_program_it_compiles_to(monkeypatch, fresh_compiles):
     """Where auto's optimized HLO is an impl's, verify times that impl in its
     place (the ratio is exactly 1 when it is also the fastest); where it is
     no impl's, auto itself is timed."""
