@@ -14,8 +14,8 @@ never a wrong finite number; then a collective reset() and an exact call.
 calls the op with other shapes or another dtype than its peers: every rank
 gets NaN or an error, never a wrong finite number, and the error names the
 two calls. ``killed``: the last rank is killed (SIGKILL) with a call
-dispatched; every other rank's call ends in NaN or an error, and the
-launcher stops the job, naming the killed rank.
+dispatched and held on its GPU; every other rank's call ends in NaN or an
+error, and the launcher stops the job, naming the killed rank.
 ``--compile-cache DIR`` loads each round's fresh executable from JAX's
 persistent cache instead of compiling it again.
 
@@ -102,19 +102,20 @@ def run_ops(mesh, rng, counts):
                 print(f"ok {op} {dtype} dims={dims}", flush=True)
 
 
-def first_executable(mesh, op, rng):
-    """(in_specs, out_specs, f): op's float32 executable after one call under
-    a wide bound: the node's set-up, cuBLASLt's choice of GEMM algorithm and
+def warm_up(mesh, op, rng):
+    """(in_specs, out_specs) of op in float32, after one call of it under a
+    wide bound: the node's set-up, cuBLASLt's choice of GEMM algorithm and
     the first launches take a while on some ranks, which a short bound would
-    count as a fault."""
+    count as a fault. The executable is dropped: its waits keep the wide
+    bound, so the rounds compile their own under the configured one."""
     n = mesh.size
     args, in_specs, out_specs, _ = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
     timeout_ms = settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")
     os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = "20000"
     f = round_executable(mesh, op, in_specs, out_specs, args, None)
-    f(*global_arrays(mesh, args, in_specs))
+    jax.block_until_ready(f(*global_arrays(mesh, args, in_specs)))
     os.environ["JAX_FLASHOVERLAP_TIMEOUT_MS"] = str(timeout_ms)
-    return in_specs, out_specs, f
+    return in_specs, out_specs
 
 
 def exact_call(mesh, op, rng, in_specs, out_specs, f):
@@ -140,7 +141,7 @@ def run_faults(mesh, rng, rounds, counts, seconds):
     n, me = mesh.size, jax.process_index()
     timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
     for op in OPS:
-        in_specs, out_specs, f = first_executable(mesh, op, rng)
+        (in_specs, out_specs), f = warm_up(mesh, op, rng), None
         for kind in ("error", "skip", "stall"):
             for _ in range(rounds):
                 tick = time.perf_counter()
@@ -159,8 +160,11 @@ def run_faults(mesh, rng, rounds, counts, seconds):
                                                 batch=False)
                     outcomes.append(call_once(f, mesh, args, in_specs, expected))
                     counts[f"{kind}_{outcomes[-1]}"] += 1
-                print(f"round {op} {kind} victim={victim}: {' '.join(outcomes)}", flush=True)
-                seconds["faulted_calls"] += time.perf_counter() - tick
+                took = time.perf_counter() - tick
+                print(f"round {op} {kind} victim={victim}: {' '.join(outcomes)} in {took:.2f} s",
+                      flush=True)
+                seconds["faulted_calls"] += took
+                seconds[f"faulted_calls {op} {kind}"] += took
                 timed_reset(seconds)
             print(f"ok faults {op} {kind}", flush=True)
         exact_call(mesh, op, rng, in_specs, out_specs, f)  # the last reset, checked
@@ -173,7 +177,7 @@ def run_mismatches(mesh, rng, rounds, counts, seconds):
     float32, each rank on its own fresh data; a collective reset()."""
     n, me = mesh.size, jax.process_index()
     for op in OPS:
-        in_specs, out_specs, f = first_executable(mesh, op, rng)
+        (in_specs, out_specs), f = warm_up(mesh, op, rng), None
         for kind in ("shape", "dtype"):
             for _ in range(rounds):
                 tick = time.perf_counter()
@@ -204,20 +208,31 @@ def run_mismatches(mesh, rng, rounds, counts, seconds):
 
 
 def run_killed(mesh, rng, counts):
-    """One exact call, then the last rank dies with its next call dispatched;
-    the others report that call's outcome and wait to be stopped."""
+    """One exact call, then the last rank dies with its next call dispatched
+    and held on its GPU (an injected stall far beyond the timeout: without
+    it the call can finish before the kill lands, and the others' results are
+    exact); the others report that call's outcome and wait to be stopped.
+    The launcher's SIGTERM, which comes as soon as it sees the killed rank,
+    is held off until the outcome is printed."""
     n, me = mesh.size, jax.process_index()
     op = "all_gather_matmul"
-    in_specs, out_specs, f = first_executable(mesh, op, rng)
+    (in_specs, out_specs), f = warm_up(mesh, op, rng), None
     f = exact_call(mesh, op, rng, in_specs, out_specs, f)
     args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
     distributed.check_same("killed round", {"op": op})
     if me == n - 1:
+        timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
+        faults.inject_fault("stall", device=jax.local_devices()[0], stall_ms=20 * timeout_ms)
         f(*global_arrays(mesh, args, in_specs))  # dispatched, not waited for
         os.kill(os.getpid(), signal.SIGKILL)
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
     outcome = call_once(f, mesh, args, in_specs, expected)
     counts[f"killed_{outcome}"] += 1
     print(f"killed outcome={outcome}", flush=True)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if stopped:
+        os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(120)  # the launcher stops this rank once it sees the killed one
 
 
