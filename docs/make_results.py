@@ -28,7 +28,7 @@ COLLECTIVE_MATMULS = ["collective_matmul_xla_waits_2xh200.json",
                       "collective_matmul_mar_auto_2xh200.json"]
 ALL_REDUCE = "all_reduce_lamport_auto_2xh200.json"
 NVSHMEM = "hierarchical_all_reduce_2xh200.json"
-TRAINING = [("train_step_impls_session14_2xh200.json", "transformer"),
+TRAINING = [("train_step_impls_2xh200.json", "transformer"),
             ("train_step_mamba_auto_xla_ops_2xh200.json", "mamba")]
 DECODE = "decode_1xh200.json"
 # The attention kernel's inputs packed (its default) against apart.

@@ -186,12 +186,15 @@ def median_ratio(estimates: Sequence[float], baseline: Sequence[float]) -> float
 def comparable_hlo(compiled) -> str:
     """The optimized HLO text of ``compiled`` (a ``jax.stages.Compiled``)
     without what only names it or says where it came from: the module's
-    name, each instruction's metadata and the source-location tables. Two
-    programs whose texts are equal run the same kernels."""
+    name, each instruction's metadata, the source-location tables and blank
+    lines. Two programs whose texts are equal run the same kernels; an
+    executable read back from JAX's persistent compilation cache prints no
+    source-location tables, and compares equal to a fresh one."""
     text = re.sub(r", metadata=\{[^}]*\}", "", compiled.as_text())
     text = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*", "",
                   text, flags=re.M)
-    return re.sub(r"^HloModule \S+", "HloModule", text, flags=re.M)
+    text = re.sub(r"^HloModule \S+", "HloModule", text, flags=re.M)
+    return "\n".join(line for line in text.splitlines() if line.strip()) + "\n"
 
 
 def gemm_autotune_setting() -> str:

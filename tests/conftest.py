@@ -38,6 +38,21 @@ REQUIRE_GPU = os.environ.get("JFO_REQUIRE_GPU") == "1"
 _gpu_tests_passed = 0
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """A plain ``pytest`` (the whole suite, no ``-n``) on a machine without
+    GPUs runs in two pytest-xdist workers where xdist is installed: most of
+    a test is XLA compiling on one core. ``-n 0`` runs in one process; GPU
+    runs keep one process, which owns the GPU."""
+    if (GPU_COUNT or REQUIRE_GPU or not config.pluginmanager.hasplugin("xdist")
+            or "PYTEST_XDIST_WORKER" in os.environ  # a worker starts none of its own
+            or config.option.numprocesses is not None or (os.cpu_count() or 1) < 2
+            or config.args_source != pytest.Config.ArgsSource.TESTPATHS
+            or config.option.usepdb):
+        return
+    config.option.numprocesses = 2
+
+
 def pytest_configure(config):
     """Without GPUs, JAX's persistent compilation cache in pytest's cache
     (.pytest_cache/d/jax_compilation_cache; --cache-clear empties it): a
@@ -83,22 +98,6 @@ def pytest_sessionfinish(session, exitstatus):
     if REQUIRE_GPU and exitstatus == 0 and _gpu_tests_passed == 0:
         print("\nJFO_REQUIRE_GPU=1 but no GPU test passed (all skipped or deselected)")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-
-@pytest.fixture
-def fresh_compiles():
-    """The test's compilations bypass the persistent compilation cache. An
-    executable read back from it prints its HLO without the source-location
-    tables of a fresh one, which benchmarking.comparable_hlo leaves as blank
-    lines: two programs compare equal only if both were compiled afresh."""
-    from jax.experimental.compilation_cache import compilation_cache
-
-    enabled = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    compilation_cache.reset_cache()
-    yield
-    jax.config.update("jax_enable_compilation_cache", enabled)
-    compilation_cache.reset_cache()
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The timing protocol: differences of loop lengths, checked arguments."""
 
+import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -7,6 +8,7 @@ from support import cpu_mesh, put, random
 
 from jax_flashoverlap.benchmarking import (
     Timing,
+    comparable_hlo,
     first_devices_mesh,
     time_interleaved,
     time_per_op,
@@ -116,3 +118,45 @@ def test_first_devices_mesh_takes_what_there_is():
     assert first_devices_mesh(2).devices.tolist() == jax.devices()[:2]
     with pytest.raises(ValueError, match=rf"--devices {count + 1}: only {count} devices here"):
         first_devices_mesh(count + 1)
+
+
+def test_an_executable_from_the_persistent_cache_compares_equal_to_a_fresh_one(tmp_path, rng):
+    """JAX's persistent compilation cache gives back an executable whose HLO
+    text has no source-location tables: comparable_hlo must not see them."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    x = jnp.asarray(random(rng, (64, 32), "float32"))
+    saved = {name: getattr(jax.config, name) for name in (
+        "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+        "jax_enable_compilation_cache")}
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
+        program = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(axis=0))
+        fresh = program.lower(x).compile()
+        assert any(tmp_path.iterdir()), "nothing was written to the cache"
+        jax.clear_caches()
+        cached = program.lower(x).compile()
+        assert comparable_hlo(cached) == comparable_hlo(fresh)
+    finally:
+        for name, value in saved.items():
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
+
+
+def test_hlo_without_source_location_tables_compares_equal(rng):
+    """An executable read back from the cache in another process may print
+    no source-location tables at all (nor the blank lines around them)."""
+    import re
+    import types
+
+    x = jnp.asarray(random(rng, (16, 8), "float32"))
+    text = jax.jit(lambda x: jnp.tanh(x @ x.T)).lower(x).compile().as_text()
+    assert "\nStackFrames\n" in text
+    bare = re.sub(r"^(FileNames|FunctionNames|FileLocations|StackFrames)\n(?:.+\n)*\n*", "",
+                  text, flags=re.M)
+    assert "StackFrames" not in bare and bare != text
+    as_compiled = lambda t: types.SimpleNamespace(as_text=lambda: t)  # noqa: E731
+    assert comparable_hlo(as_compiled(bare)) == comparable_hlo(as_compiled(text))

@@ -210,13 +210,13 @@ def _random_model(model_cls, config, rng):
 @pytest.mark.parametrize("name", slow_unless(["transformer"], list(MODELS)))
 def test_tokens_are_the_same_on_every_mesh(name, rng):
     """Greedy tokens at TP = 1, 2 and 4, and sampled ones (temperature, top-k)
-    with the data axis split or not: the draws do not depend on the mesh."""
+    with the data axis split in two or four: the draws do not depend on the mesh."""
     model_cls, config = MODELS[name]
     state = nnx.state(_random_model(model_cls, config, rng))
     prompt = _prompt(int(rng.integers(1 << 30)), batch=4)
     key = jax.random.key(int(rng.integers(1 << 30)))
     runs = {}
-    for tp, dp in ((1, 1), (2, 2), (4, 2), (2, 4)):
+    for tp, dp in ((1, 1), (4, 2), (2, 4)):
         mesh = cpu_mesh(tp=tp, dp=dp)
         model = build(model_cls, config, mesh, state)
         with jax.set_mesh(mesh):

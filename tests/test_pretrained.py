@@ -151,9 +151,9 @@ PARITY = [("gqa_untied", 1), ("gqa_untied", 2), ("gqa_untied", 4),
           ("mha_wide_heads", 1), ("mha_wide_heads", 4)]
 
 
-# By default each checkpoint at one tensor-parallel size above 1.
+# By default the grouped-query checkpoints at a tensor-parallel size of 2.
 @pytest.mark.parametrize("name, tp", slow_unless(
-    [("gqa_untied", 2), ("gqa_tied_llama3_rope", 2), ("mha_wide_heads", 4)], PARITY))
+    [("gqa_untied", 2), ("gqa_tied_llama3_rope", 2)], PARITY))
 def test_logits_and_greedy_tokens_match_transformers(name, tp):
     """float32 on CPU: the prompt's logits within 1e-4 relative of
     transformers', and 32 greedy tokens (prefill, then the decode loop)

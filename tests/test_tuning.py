@@ -235,7 +235,7 @@ def test_tune_measures_at_the_mesh_tensor_size(tmp_path, capsys):
     assert [e.axis_size for e in tuning.read(out).entries] == [2]
 
 
-def test_verify_times_auto_as_the_program_it_compiles_to(monkeypatch, fresh_compiles):
+def test_verify_times_auto_as_the_program_it_compiles_to(monkeypatch):
     """Where auto's optimized HLO is an impl's, verify times that impl in its
     place (the ratio is exactly 1 when it is also the fastest); where it is
     no impl's, auto itself is timed."""

@@ -212,7 +212,7 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permut
 @pytest.mark.parametrize("impl", ["xla", "decomposed", "cuda", "auto"])
 @pytest.mark.parametrize("op", ["all_gather_matmul", "matmul_reduce_scatter",
                                 "matmul_all_reduce", "all_reduce"])
-def test_axis_of_one_rank_is_the_plain_dot(op, impl, rng, fresh_compiles):
+def test_axis_of_one_rank_is_the_plain_dot(op, impl, rng):
     """With one device on the tensor axis every impl (also "cuda", on any
     platform) compiles to the local dot, or nothing for all_reduce: no
     collective, no kernel call; its gradient too. The program is impl="xla"'s
