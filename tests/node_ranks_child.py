@@ -219,14 +219,14 @@ def run_killed(mesh, rng, counts):
     (in_specs, out_specs), f = warm_up(mesh, op, rng), None
     f = exact_call(mesh, op, rng, in_specs, out_specs, f)
     args, _, _, expected = case(op, n, rng, "float32", dims=SHAPES[1], batch=False)
+    stopped = []
+    signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
     distributed.check_same("killed round", {"op": op})
     if me == n - 1:
         timeout_ms = int(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS"))
         faults.inject_fault("stall", device=jax.local_devices()[0], stall_ms=20 * timeout_ms)
         f(*global_arrays(mesh, args, in_specs))  # dispatched, not waited for
         os.kill(os.getpid(), signal.SIGKILL)
-    stopped = []
-    signal.signal(signal.SIGTERM, lambda *_: stopped.append(True))
     outcome = call_once(f, mesh, args, in_specs, expected)
     counts[f"killed_{outcome}"] += 1
     print(f"killed outcome={outcome}", flush=True)
