@@ -463,6 +463,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="let --decode-blocks cuda run the one-kernel step above tensor "
                              "size 1 (models.transformer_decode_cuda.TENSOR_PARALLEL, "
                              "experimental; recorded in the JSON's settings)")
+    parser.add_argument("--rope-scaling-kernel", action="store_true",
+                        help="let the one-kernel step run rope-scaled models (Llama 3.x; "
+                             "models.transformer_decode_cuda.ROPE_SCALING, not yet run on a "
+                             "GPU; recorded in the JSON's settings)")
     parser.add_argument("--decode-mixers", nargs="+", default=["xla"],
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "
@@ -504,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
                              "trace summarises one)")
     args = parser.parse_args(argv)
     models.transformer_decode_cuda.TENSOR_PARALLEL = args.tensor_parallel_kernel
+    models.transformer_decode_cuda.ROPE_SCALING = args.rope_scaling_kernel
     args.xla_options = dict(args.xla_options)
     try:
         option_sets = [tuple(_xla_option_set(text).items()) for text in args.xla_option_sets]

@@ -46,7 +46,7 @@ from jax_flashoverlap.group_call import group_ffi_call
 from jax_flashoverlap.nn import same_variance
 
 from .config import TransformerConfig
-from .layers import KVCache, rope
+from .layers import KVCache, rope, rope_frequencies
 from .pallas_gpu import on_cuda
 from .transformer_decode_weights import (
     GATE_UP_COLUMNS,
@@ -109,6 +109,9 @@ OPTIONS = ALL_OPTIONS
 # "auto" never picks it.
 TENSOR_PARALLEL = False
 MAX_TENSOR_SIZE = 8
+# Rope-scaled models (Llama 3.1's stretch): the kernel reads the model's
+# frequency table, scaled or not, but a scaled one has not run on a GPU yet.
+ROPE_SCALING = False
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 # A trace's rows: per layer, kMaxTraceCtas CTAs of TRACE_EVENTS clocks.
@@ -142,10 +145,11 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
                 f"(models.transformer_decode_cuda.TENSOR_PARALLEL)")
     if why_not := _split_reason(config, tensor_size):
         return why_not
+    if config.rope_scaling is not None and not ROPE_SCALING:
+        return ("its rope-scaled form has not run on a GPU yet "
+                "(models.transformer_decode_cuda.ROPE_SCALING)")
     if jnp.dtype(config.dtype) != jnp.dtype(jnp.bfloat16):
         return f"it computes in bfloat16 (the config's dtype is {config.dtype})"
-    if config.rope_scaling is not None:
-        return "it computes plain rotary frequencies (the config has rope_scaling)"
     if not 1 <= batch <= MAX_BATCH:
         return f"it takes 1 to {MAX_BATCH} rows per device (got {batch})"
     if h not in HEAD_DIMS:
@@ -222,7 +226,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
                 stage_times: int = 0):
     ranks = config.num_kv_heads // caches[0].k.shape[1]  # the tensor ranks
     flat = [t for cache in caches for t in cache]
-    operands, varying = same_variance(x, pos, *weights, *flat)
+    operands, varying = same_variance(x, pos, _rope_frequencies(config), *weights, *flat)
     # Per device (inside shard_map, or on one device): whole on x's mesh.
     sharding = jax.typeof(x).sharding.update(spec=P())
 
@@ -238,7 +242,7 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
     results = (like(x.shape, x.dtype, same_on_tensor_ranks),
                like((workspace_bytes + trace_bytes,), jnp.uint8),
                *(like(t.shape, t.dtype) for t in flat))
-    first_cache = 2 + len(weights)
+    first_cache = 3 + len(weights)
     aliases = {first_cache + i: 2 + i for i in range(len(flat))}
     attributes = _attributes(config, ranks, stage_times)
     if ranks == 1:
@@ -268,6 +272,12 @@ def _ffi_decode(x, pos, weights, caches, *, config: TransformerConfig,
                                              len(TRACE_EVENTS), 2)
 
 
+def _rope_frequencies(config: TransformerConfig) -> jax.Array:
+    """The kernel's rotary frequencies, float32 [head_dim / 2]: the model's,
+    rope scaling included."""
+    return rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+
+
 # What a call that is not group_ffi_call's passes for its group: none.
 _NO_GROUP = dict(group_ordinals=np.zeros(0, np.int32), n=np.int32(1))
 
@@ -279,7 +289,6 @@ def _attributes(config: TransformerConfig, ranks: int, stage_times: int,
     return dict(heads=np.int32(config.num_heads // ranks),
                 kv_heads=np.int32(config.num_kv_heads // ranks),
                 max_splits=np.int32(MAX_SPLITS), eps=np.float32(config.norm_eps),
-                rope_theta=np.float32(config.rope_theta),
                 timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
                 stage_times=np.int32(stage_times), chunk_bytes=np.int32(CHUNK_BYTES),
                 ring_slots=np.int32(RING_SLOTS), options=np.int32(OPTIONS),
@@ -339,12 +348,12 @@ def emulate_tensor_ranks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
                jax.ShapeDtypeStruct((ranks, _workspace_bytes(x.shape[0], config, ranks)),
                                     jnp.uint8),
                *(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in flat))
-    first_cache = 2 + len(shards)
+    first_cache = 3 + len(shards)
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases={first_cache + i: 2 + i
                                                   for i in range(len(flat))})
-    out, _, *updated = call(x, jnp.asarray(pos, jnp.int32), *shards, *flat, **_NO_GROUP,
-                            **_attributes(config, ranks, 0, emulated=True))
+    out, _, *updated = call(x, jnp.asarray(pos, jnp.int32), _rope_frequencies(config), *shards,
+                            *flat, **_NO_GROUP, **_attributes(config, ranks, 0, emulated=True))
 
     def whole(t):  # [ranks, b, KV / ranks, L, h] -> [b, KV, L, h]
         return jnp.moveaxis(t, 0, 1).reshape(t.shape[1], -1, *t.shape[3:])
@@ -418,8 +427,10 @@ def reference(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
                              weights.qkv[layer])
         qkv = qkv.reshape(b, kv, qpk + 2, h // 2 // pairs, 2, pairs)
         qkv = qkv.transpose(0, 1, 2, 4, 3, 5).reshape(b, kv, qpk + 2, h)
-        q = rope(qkv[:, :, :qpk].reshape(1, b * kv * qpk, 1, h), config.rope_theta, pos[None])
-        k = rope(qkv[:, :, qpk].reshape(1, b * kv, 1, h), config.rope_theta, pos[None])
+        q = rope(qkv[:, :, :qpk].reshape(1, b * kv * qpk, 1, h), config.rope_theta, pos[None],
+                 config.rope_scaling)
+        k = rope(qkv[:, :, qpk].reshape(1, b * kv, 1, h), config.rope_theta, pos[None],
+                 config.rope_scaling)
         k = k.reshape(b, kv, 1, h)
         v = qkv[:, :, qpk + 1].reshape(b, kv, 1, h)
         cache = KVCache(*(lax.dynamic_update_slice(c, t, (0, 0, pos, 0))

@@ -20,6 +20,10 @@ from jax_flashoverlap.nn import shard_map_apply
 
 fused = models.transformer_decode_cuda
 layout = models.transformer_decode_weights
+# Llama 3.1's frequency stretch, at a short original context so that the
+# tests' positions reach past it.
+SCALED = models.RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                            original_max_position=32)
 
 
 def _config(dtype, head_dim=64, heads=4, kv_heads=2, layers=2, **overrides):
@@ -78,11 +82,13 @@ def _bf16_bound(want, exact):
     return max(2 * _relative(want, exact), TOLERANCE["bfloat16"])
 
 
-@pytest.mark.parametrize("head_dim, heads, kv_heads", slow_unless(
-    [(128, 4, 1)], [(64, 4, 2), (128, 4, 1), (64, 2, 2)]))
-def test_reference_matches_the_models_decode_in_float32(rng, head_dim, heads, kv_heads):
+@pytest.mark.parametrize("head_dim, heads, kv_heads, rope_scaling", slow_unless(
+    [(128, 4, 1, None), (64, 4, 2, SCALED)],
+    [(64, 4, 2, None), (128, 4, 1, None), (64, 2, 2, None), (64, 4, 2, SCALED)]))
+def test_reference_matches_the_models_decode_in_float32(rng, head_dim, heads, kv_heads,
+                                                        rope_scaling):
     """The kernel's layout and stages, in JAX, against each block's own decode."""
-    config = _config("float32", head_dim, heads, kv_heads)
+    config = _config("float32", head_dim, heads, kv_heads, rope_scaling=rope_scaling)
     mesh = cpu_mesh(1)
     model = _model(config, mesh)
     batch, length, pos = 3, 24, 17
@@ -177,7 +183,9 @@ def test_items_are_stored_as_the_tensor_cores_fragments(rng):
     ({"dtype": "float32"}, 2, 1, "it computes in bfloat16"),
     ({}, 8, 1, r"it takes 1 to 4 rows per device \(got 8\)"),
     ({"head_dim": 32}, 2, 1, r"it takes head_dim in \(64, 128\) \(got 32\)"),
-], ids=["tensor-2", "float32", "batch-8", "head-dim-32"])
+    ({"rope_scaling": SCALED}, 1, 1,
+     r"its rope-scaled form has not run on a GPU yet \(models.transformer_decode_cuda.ROPE_"),
+], ids=["tensor-2", "float32", "batch-8", "head-dim-32", "rope-scaling"])
 def test_unsupported_steps_get_a_clear_error(overrides, batch, tp, message):
     config = _config(overrides.pop("dtype", "bfloat16"), decode_blocks="cuda", **overrides)
     mesh = cpu_mesh(tp)
@@ -337,15 +345,18 @@ def test_tensor_ranks_lower_with_their_groups(rng, tp, dp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [0, fused.ALL_OPTIONS])
 @pytest.mark.parametrize("batch", [1, 2, 4])
-@pytest.mark.parametrize("head_dim, heads, kv_heads", [(128, 4, 2), (64, 8, 2), (128, 2, 2)])
+@pytest.mark.parametrize("head_dim, heads, kv_heads, rope_scaling", [
+    (128, 4, 2, None), (64, 8, 2, None), (128, 2, 2, None), (64, 8, 2, SCALED)])
 def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim, heads,
-                                      kv_heads):
+                                      kv_heads, rope_scaling):
     """One step of the kernel against the reference in float32 and in bf16, at
     positions 0, mid-cache and the cache's last; the cache past the position
     is NaN (never read) and stays so, the new position is written. With and
-    without the kernel's optional paths (fused.OPTIONS)."""
+    without the kernel's optional paths (fused.OPTIONS), and with Llama 3.1's
+    rope scaling."""
     monkeypatch.setattr(fused, "OPTIONS", options)
-    config = _config("bfloat16", head_dim, heads, kv_heads, layers=3)
+    monkeypatch.setattr(fused, "ROPE_SCALING", True)
+    config = _config("bfloat16", head_dim, heads, kv_heads, layers=3, rope_scaling=rope_scaling)
     mesh, weights, whole = _prepared_on_one_device(config)
     length = 300
     for pos in (0, 137, length - 1):

@@ -75,7 +75,7 @@ struct RankLaunch {
 
 struct Attrs {
   int32_t heads, kv_heads, max_splits;
-  float eps, rope_theta;
+  float eps;
   int32_t timeout_ms, stage_times, chunk_bytes, ring_slots, options, emulated_ranks;
 };
 
@@ -85,6 +85,7 @@ struct Attrs {
 ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorGroup& group,
                                   const Attrs& a,
                                   const ffi::AnyBuffer& x, const ffi::AnyBuffer& pos,
+                                  const ffi::AnyBuffer& rope_frequencies,
                                   const ffi::AnyBuffer& attn_norm, const ffi::AnyBuffer& mlp_norm,
                                   const ffi::AnyBuffer* weights, ffi::RemainingArgs& caches_in,
                                   ffi::AnyBuffer& x_out, ffi::AnyBuffer& workspace,
@@ -130,6 +131,11 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   if (head_dim != 64 && head_dim != 128) {
     return ffi::Error::InvalidArgument(op + "head_dim must be 64 or 128, got " +
                                        std::to_string(head_dim));
+  }
+  if (rope_frequencies.element_type() != ffi::DataType::F32 ||
+      rope_frequencies.element_count() != static_cast<size_t>(head_dim / 2)) {
+    return ffi::Error::InvalidArgument(op + "rope_frequencies must be float32 [head_dim / 2], "
+                                            "got " + DimsToString(rope_frequencies));
   }
   const int64_t qpk = heads / kv_heads;
   Part w[kStages];
@@ -178,13 +184,13 @@ ffi::ErrorOr<RankLaunch> PlanRank(cudaStream_t stream, int device, const TensorG
   }
   p.options = a.options;
   p.eps = a.eps;
-  p.rope_theta = a.rope_theta;
   // A wait inside the GPU may be behind one for a peer's partials, which
   // may take its whole bound before it gives up: twice the bound there.
   p.exchange.timeout_ns = static_cast<uint64_t>(a.timeout_ms) * 1000000ull;
   p.timeout_ns = p.exchange.timeout_ns * (group.ranks > 1 ? 2 : 1);
   p.x_in = static_cast<const __nv_bfloat16*>(x.untyped_data());
   p.pos = static_cast<const int32_t*>(pos.untyped_data());
+  p.rope_frequencies = static_cast<const float*>(rope_frequencies.untyped_data());
   p.attn_norm = static_cast<const float*>(attn_norm.untyped_data());
   p.mlp_norm = static_cast<const float*>(mlp_norm.untyped_data());
   const int columns[kStages] = {kQkvColumns, kOutColumns, kGateUpColumns, kDownColumns};
@@ -342,17 +348,18 @@ ffi::Error SkippedRank(int rank) {
 }
 
 ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer pos,
-                                 ffi::AnyBuffer attn_norm, ffi::AnyBuffer mlp_norm,
-                                 ffi::AnyBuffer w_qkv, ffi::AnyBuffer w_out,
-                                 ffi::AnyBuffer w_gate_up, ffi::AnyBuffer w_down,
+                                 ffi::AnyBuffer rope_frequencies, ffi::AnyBuffer attn_norm,
+                                 ffi::AnyBuffer mlp_norm, ffi::AnyBuffer w_qkv,
+                                 ffi::AnyBuffer w_out, ffi::AnyBuffer w_gate_up,
+                                 ffi::AnyBuffer w_down,
                                  ffi::RemainingArgs caches_in, ffi::Result<ffi::AnyBuffer> x_out,
                                  ffi::Result<ffi::AnyBuffer> workspace,
                                  ffi::RemainingRets caches_out, int32_t heads, int32_t kv_heads,
-                                 int32_t max_splits, float eps, float rope_theta,
-                                 int32_t timeout_ms, int32_t stage_times,
-                                 int32_t chunk_bytes, int32_t ring_slots, int32_t options,
-                                 int32_t emulated_ranks, I32Span group_ordinals, int32_t n) {
-  const Attrs attrs{heads,      kv_heads,     max_splits,  eps,        rope_theta,    timeout_ms,
+                                 int32_t max_splits, float eps, int32_t timeout_ms,
+                                 int32_t stage_times, int32_t chunk_bytes, int32_t ring_slots,
+                                 int32_t options, int32_t emulated_ranks,
+                                 I32Span group_ordinals, int32_t n) {
+  const Attrs attrs{heads,       kv_heads,    max_splits, eps,     timeout_ms,
                     stage_times, chunk_bytes, ring_slots, options, emulated_ranks};
   if (emulated_ranks < 1 || emulated_ranks > kMaxTensorRanks || (emulated_ranks > 1 && n > 1)) {
     return ffi::Error::InvalidArgument(
@@ -378,8 +385,9 @@ ffi::Error TransformerDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Any
   for (int rank = 0; rank < emulated_ranks; ++rank) {
     if (emulated_ranks > 1) group = EmulatedGroup(rank, emulated_ranks, device);
     JFO_ASSIGN_OR_RETURN(launches[rank],
-                         PlanRank(stream, device, group, attrs, x, pos, attn_norm, mlp_norm,
-                                  weights, caches_in, *x_out, *workspace, caches_out));
+                         PlanRank(stream, device, group, attrs, x, pos, rope_frequencies,
+                                  attn_norm, mlp_norm, weights, caches_in, *x_out, *workspace,
+                                  caches_out));
   }
   if (emulated_ranks == 1) {
     if (group.ranks > 1) {
@@ -432,6 +440,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<FFI_Stream_Type>()
         .Arg<ffi::AnyBuffer>()  // x [batch, d] bf16: the blocks' input
         .Arg<ffi::AnyBuffer>()  // pos: int32 scalar, this token's position
+        .Arg<ffi::AnyBuffer>()  // rotary frequencies [head_dim / 2] float32
         .Arg<ffi::AnyBuffer>()  // attention norms' weights [layers, d] float32
         .Arg<ffi::AnyBuffer>()  // MLP norms' weights [layers, d] float32
         .Arg<ffi::AnyBuffer>()  // w_qkv [layers, items, d, 32]
@@ -446,7 +455,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("kv_heads")
         .Attr<int32_t>("max_splits")
         .Attr<float>("eps")
-        .Attr<float>("rope_theta")
         .Attr<int32_t>("timeout_ms")
         .Attr<int32_t>("stage_times")  // 1: the barriers' times in the workspace; 2: and a trace
         .Attr<int32_t>("chunk_bytes")  // a shared-memory slot of the weights' stream

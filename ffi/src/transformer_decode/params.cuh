@@ -127,10 +127,11 @@ struct Params {
   int q_per_kv, max_splits, ring_slots;
   int chunk_bytes;  // a slot's bytes: a multiple of kMinChunkBytes
   int options;  // kEvictFirstWeights | ...
-  float eps, rope_theta;
+  float eps;
   uint64_t timeout_ns;
   const __nv_bfloat16* x_in;  // [batch, d]
   const int32_t* pos;         // scalar
+  const float* rope_frequencies;  // [head_dim / 2], the model's (models.layers.rope_frequencies)
   const float* attn_norm;     // [layers, d]
   const float* mlp_norm;      // [layers, d]
   WeightStage stages[kStages];

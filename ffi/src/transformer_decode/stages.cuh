@@ -225,8 +225,10 @@ __device__ void QkvEpilogue(const Params& p, int layer, int item, int pos, const
       }
       continue;
     }
-    // models.transformer.rope: theta ** (-2i / h), angle = pos * frequency.
-    const float frequency = powf(p.rope_theta, -static_cast<float>(2 * dim1) / h);
+    // models.layers.rope: angle = pos * frequency. The host's table, not
+    // theta ** (-2i / h) here: any rope scaling comes with it, and the
+    // frequencies are the model's own float32 values.
+    const float frequency = p.rope_frequencies[dim1];
     float sine, cosine;
     sincosf(static_cast<float>(pos) * frequency, &sine, &cosine);
     const float r1 = Bf16Round(x1 * cosine - x2 * sine);
