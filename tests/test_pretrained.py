@@ -16,7 +16,7 @@ from jax_flashoverlap.models.config import RopeScaling
 from jax_flashoverlap.models.layers import rope_frequencies
 from jax_flashoverlap.models.pretrained import from_pretrained, llama_config, save_pretrained
 from model_support import check_matches_transformers, fine_tune_checkpoint, logits_of, params_of
-from support import cpu_mesh, slow_unless, with_word_tokenizer
+from support import TOLERANCE, cpu_mesh, slow_unless, with_word_tokenizer
 
 # Odd sizes; GQA with 2 query heads per key/value head.
 CONFIG = TransformerConfig(vocab_size=97, num_layers=2, embed_dim=48, num_heads=8,
@@ -148,7 +148,8 @@ def test_a_checkpoint_that_does_not_match_its_config_is_named(tmp_path):
 FIXTURES = Path(__file__).with_name("data") / "llama"
 PARITY = [("gqa_untied", 1), ("gqa_untied", 2), ("gqa_untied", 4),
           ("gqa_tied_llama3_rope", 1), ("gqa_tied_llama3_rope", 2),
-          ("mha_wide_heads", 1), ("mha_wide_heads", 4)]
+          ("mha_wide_heads", 1), ("mha_wide_heads", 4),
+          ("kernel_llama3_rope", 1), ("kernel_llama3_rope", 2)]
 
 
 # By default the grouped-query checkpoints at a tensor-parallel size of 2.
@@ -159,6 +160,44 @@ def test_logits_and_greedy_tokens_match_transformers(name, tp):
     transformers', and 32 greedy tokens (prefill, then the decode loop)
     identical."""
     check_matches_transformers(FIXTURES / name, tp, attention_impl="xla")
+
+
+@pytest.mark.gpu
+def test_the_one_kernel_step_follows_transformers_in_bfloat16(monkeypatch):
+    """kernel_llama3_rope (head width 64, Llama 3.1's rope scaling, a tied
+    head) on one GPU. In float32 its prompts' logits are within 1e-4 of
+    transformers'. In bfloat16, every block of each decode step in one CUDA
+    kernel (decode_blocks="cuda"), the logits of each generated token are
+    within twice the error of the model's own bfloat16 forward pass over the
+    same tokens, both against the float32 forward pass."""
+    from jax_flashoverlap.models import transformer_decode_cuda
+
+    monkeypatch.setattr(transformer_decode_cuda, "ROPE_SCALING", True)
+    fixture = FIXTURES / "kernel_llama3_rope"
+    expected = np.load(fixture / "expected.npz")
+    prompts = jnp.asarray(expected["prompts"], jnp.int32)
+    new = expected["greedy"].shape[1] - prompts.shape[1]
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        exact = from_pretrained(fixture, dtype="float32", impl="xla")
+        want = expected["logits"].astype(np.float64)
+        got = logits_of(exact, prompts)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+        kernel = from_pretrained(fixture, dtype="bfloat16", impl="xla", decode_blocks="cuda")
+        tokens, logits = generate(kernel, prompts, max_new_tokens=new, return_logits=True)
+        tokens, logits = np.asarray(tokens), np.asarray(logits, np.float64)
+        np.testing.assert_array_equal(tokens[:, prompts.shape[1]:], logits.argmax(-1))
+        # The logits that chose token i come from position prompt_len - 1 + i.
+        chosen = slice(prompts.shape[1] - 1, tokens.shape[1] - 1)
+        reference = logits_of(exact, jnp.asarray(tokens))[:, chosen]
+        layers = from_pretrained(fixture, dtype="bfloat16", impl="xla", decode_blocks="layers")
+        forward = logits_of(layers, jnp.asarray(tokens))[:, chosen]
+
+    def relative(a):
+        return np.linalg.norm(a - reference) / np.linalg.norm(reference)
+
+    bound = max(2 * relative(forward), TOLERANCE["bfloat16"])
+    assert relative(logits) <= bound, (relative(logits), relative(forward))
 
 
 def test_the_generate_command_reads_a_checkpoint_and_its_tokenizer(tmp_path):

@@ -4,7 +4,8 @@
 
 For each small random Llama (several configs: grouped-query attention,
 tied and untied embeddings, Llama 3.1's rope scaling, a head width other
-than hidden / heads), ``transformers`` initialises the model from a fixed
+than hidden / heads, and one that the one-kernel decode step takes: head
+width 64, widths in its blocks of 16 and 32), ``transformers`` initialises the model from a fixed
 seed, saves it (``config.json``, ``model.safetensors``), and records in
 ``expected.npz`` its float32 logits on fixed prompts and 32 greedy tokens
 after each prompt. Needs torch and transformers (the GPU machine has both);
@@ -25,6 +26,11 @@ CONFIGS = {
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
     "mha_wide_heads": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=24,
                            tie_word_embeddings=False, rope_theta=500000.0),
+    "kernel_llama3_rope": dict(
+        hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, tie_word_embeddings=True, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
 }
 BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=88, num_hidden_layers=2,
             rms_norm_eps=1e-5, max_position_embeddings=128, attention_bias=False,
@@ -34,7 +40,7 @@ BASE = dict(vocab_size=211, hidden_size=64, intermediate_size=88, num_hidden_lay
 
 def make(name: str, fields: dict, out: str) -> None:
     torch.manual_seed(sum(map(ord, name)))
-    config = transformers.LlamaConfig(**BASE, **fields)
+    config = transformers.LlamaConfig(**{**BASE, **fields})
     model = transformers.LlamaForCausalLM(config).float().eval()
     with torch.no_grad():  # weights well away from zero, as a trained model's
         for p in model.parameters():
