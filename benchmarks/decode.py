@@ -173,12 +173,14 @@ def build_model(name: str, size, impl: str, mesh, dtype: str | None, attention: 
 
 
 def floor_bytes(generator: models.Generator, steps: tuple[int, int]) -> tuple[int, int]:
-    """(weight bytes, cache bytes) one GPU reads per decode step."""
+    """(weight bytes, cache bytes) one GPU reads per decode step. A step
+    reads one row of an untied embedding, but the whole of a tied one: it is
+    the LM head."""
     model, shape = generator.model, generator.shape
+    config = model.config
     weights = sum(leaf.addressable_shards[0].data.nbytes
                   for path, leaf in jax.tree_util.tree_leaves_with_path(generator.params)
-                  if "embedding" not in jax.tree_util.keystr(path))
-    config = model.config
+                  if config.tie_embeddings or "embedding" not in jax.tree_util.keystr(path))
     mesh = jax.sharding.get_mesh()
     dp, tp = mesh.shape[config.sharding.data], mesh.shape[config.sharding.tensor]
     rows = shape.batch // dp

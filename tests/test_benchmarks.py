@@ -459,19 +459,22 @@ def test_decode_benchmark_rejects_a_wrong_decode(monkeypatch):
                     "--batches", "1", "--contexts", "16", "--steps", "1", "2", "--reps", "1"])
 
 
-def test_decode_floor_counts_weights_and_the_cache():
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_floor_counts_weights_and_the_cache(tied):
     """One GPU's bytes per step: the decoding weights (bf16 matrices, f32
-    vectors, the embedding table left out) and the keys and values read."""
+    vectors, the embedding table left out unless it is the LM head, which
+    has its size) and the keys and values read."""
     import jax
+    from flax import nnx
     from support import cpu_mesh
 
     from jax_flashoverlap import models
 
     bench = _load("decode")
-    config = models.TransformerConfig.preset("tiny", dtype="bfloat16")
+    config = models.TransformerConfig.preset("tiny", dtype="bfloat16", tie_embeddings=tied)
     mesh = cpu_mesh(tp=2)
     with jax.set_mesh(mesh):
-        model = bench.build_model("transformer", "tiny", "xla", mesh, "bfloat16", "auto")
+        model = nnx.jit(lambda: models.Transformer(config, rngs=nnx.Rngs(0)))()
         generator = models.Generator(model, batch=1, prompt_len=16, max_new_tokens=9)
         weights, cache = bench.floor_bytes(generator, (4, 8))
     d, f, h, kv, layers = (config.embed_dim, config.mlp_dim, config.head_dim,
