@@ -202,11 +202,12 @@ def floor_bytes(generator: models.Generator, steps: tuple[int, int]) -> tuple[in
 def float32_copy(model):
     """The model with float32 compute, XLA's collectives and the same
     parameters (float32 in both), to check a low-precision model against;
-    None for a float32 model."""
+    None for a float32 model. Built abstract, so that no second set of
+    parameters is ever allocated (at Llama-3.1-8B's shape one is 32 GB)."""
     if model.config.dtype == "float32":
         return None
     config = dataclasses.replace(model.config, dtype="float32", impl="xla")
-    exact = nnx.jit(lambda: type(model)(config, rngs=nnx.Rngs(0)))()
+    exact = nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0)))
     nnx.update(exact, nnx.state(model))
     return exact
 
@@ -465,10 +466,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="let --decode-blocks cuda run the one-kernel step above tensor "
                              "size 1 (models.transformer_decode_cuda.TENSOR_PARALLEL, "
                              "experimental; recorded in the JSON's settings)")
-    parser.add_argument("--rope-scaling-kernel", action="store_true",
-                        help="let the one-kernel step run rope-scaled models (Llama 3.x; "
-                             "models.transformer_decode_cuda.ROPE_SCALING, not yet run on a "
-                             "GPU; recorded in the JSON's settings)")
     parser.add_argument("--decode-mixers", nargs="+", default=["xla"],
                         choices=models.DECODE_MIXER_IMPLS,
                         help="Mamba-2's decode mixers to compare (each with every impl and "
@@ -510,7 +507,6 @@ def main(argv: list[str] | None = None) -> int:
                              "trace summarises one)")
     args = parser.parse_args(argv)
     models.transformer_decode_cuda.TENSOR_PARALLEL = args.tensor_parallel_kernel
-    models.transformer_decode_cuda.ROPE_SCALING = args.rope_scaling_kernel
     args.xla_options = dict(args.xla_options)
     try:
         option_sets = [tuple(_xla_option_set(text).items()) for text in args.xla_option_sets]

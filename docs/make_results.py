@@ -36,6 +36,8 @@ DECODE_PACKED = "decode_attention_packed_inputs_contexts_1xh200.json"
 # decode_blocks "layers" against "cuda" (what "auto" runs up to 2 rows per
 # device), in one process.
 DECODE_BLOCKS = "decode_blocks_cuda_batches_1xh200.json"
+# Published models' shapes (benchmarks/decode.py --config) on random weights.
+DECODE_SHAPES = "decode_real_shapes_1xh200.json"
 SSD = "ssd_decay_outer_1xh200.json"
 # The Mamba-2 1.4B step at the defaults against the Transformer 1B step of
 # the same process.
@@ -218,6 +220,30 @@ def decode_blocks_table() -> tuple[str, dict]:
             + "\n".join(lines) + f"\n\nFrom {source}"), gains
 
 
+def decode_shapes_table() -> str:
+    """Decoding at published models' shapes, LM head and all, and the time
+    to the first token after the prompt."""
+    doc = _load(DECODE_SHAPES)
+    lines = ["| shape | decode step | per token ms, median [min, max] | HBM floor ms | "
+             "× floor | time to first token ms |", "|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        step = ("every block in one kernel" if r.get("decode_blocks") == "cuda"
+                else "layers" if r["model"] == "mamba"
+                else f"layers, {r['decode_attention']} attention")
+        lines.append(f"| {r['size']} | {step} | {r['per_token_ms']:.3f} "
+                     f"[{r['per_token_ms_min']:.3f}, {r['per_token_ms_max']:.3f}] | "
+                     f"{r['hbm_floor_ms']:.3f} | {r['per_token_ms'] / r['hbm_floor_ms']:.2f} | "
+                     f"{r['prefill_ms']:.2f} |")
+    missing = [f"{run['decode_args'].split()[1]}: {run['outcome']}"
+               for run in doc["meta"].get("runs", []) if "outcome" in run]
+    return ("One H200, bf16, batch 1, context 512, random weights at each model's real "
+            "shape (`benchmarks/decode.py --config`): the floor counts every weight a token "
+            "reads, the tied 128,256- and 50,288-token LM heads included, and the cache. The "
+            "time to first token is the 512-token prompt's prefill.\n\n"
+            + "\n".join(lines) + f"\n\nFrom {_source(DECODE_SHAPES, doc)}"
+            + "".join(f" Not measured: {m}." for m in missing))
+
+
 def mamba_tables() -> tuple[str, dict]:
     """The SSD per layer (XLA, Pallas, cuDNN attention for scale) and the
     one-GPU training step of Mamba-2 next to the Transformer's."""
@@ -299,6 +325,10 @@ values.
 ### The one-kernel decode step
 
 {decode_blocks_table()[0]}
+
+### Published models' shapes
+
+{decode_shapes_table()}
 
 What was tried instead, and why not: [design.md](design.md); the models'
 options: [models.md](models.md). The earlier runs those pages quote are in

@@ -109,9 +109,6 @@ OPTIONS = ALL_OPTIONS
 # "auto" never picks it.
 TENSOR_PARALLEL = False
 MAX_TENSOR_SIZE = 8
-# Rope-scaled models (Llama 3.1's stretch): the kernel reads the model's
-# frequency table, scaled or not, but a scaled one has not run on a GPU yet.
-ROPE_SCALING = False
 _CONTROL_BYTES = 4096
 _TIMES_BYTES = 8192
 # A trace's rows: per layer, kMaxTraceCtas CTAs of TRACE_EVENTS clocks.
@@ -145,9 +142,6 @@ def unsupported_reason(config: TransformerConfig, *, tensor_size: int,
                 f"(models.transformer_decode_cuda.TENSOR_PARALLEL)")
     if why_not := _split_reason(config, tensor_size):
         return why_not
-    if config.rope_scaling is not None and not ROPE_SCALING:
-        return ("its rope-scaled form has not run on a GPU yet "
-                "(models.transformer_decode_cuda.ROPE_SCALING)")
     if jnp.dtype(config.dtype) != jnp.dtype(jnp.bfloat16):
         return f"it computes in bfloat16 (the config's dtype is {config.dtype})"
     if not 1 <= batch <= MAX_BATCH:

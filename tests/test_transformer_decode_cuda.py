@@ -183,9 +183,7 @@ def test_items_are_stored_as_the_tensor_cores_fragments(rng):
     ({"dtype": "float32"}, 2, 1, "it computes in bfloat16"),
     ({}, 8, 1, r"it takes 1 to 4 rows per device \(got 8\)"),
     ({"head_dim": 32}, 2, 1, r"it takes head_dim in \(64, 128\) \(got 32\)"),
-    ({"rope_scaling": SCALED}, 1, 1,
-     r"its rope-scaled form has not run on a GPU yet \(models.transformer_decode_cuda.ROPE_"),
-], ids=["tensor-2", "float32", "batch-8", "head-dim-32", "rope-scaling"])
+], ids=["tensor-2", "float32", "batch-8", "head-dim-32"])
 def test_unsupported_steps_get_a_clear_error(overrides, batch, tp, message):
     config = _config(overrides.pop("dtype", "bfloat16"), decode_blocks="cuda", **overrides)
     mesh = cpu_mesh(tp)
@@ -355,7 +353,6 @@ def test_kernel_matches_the_reference(rng, monkeypatch, options, batch, head_dim
     without the kernel's optional paths (fused.OPTIONS), and with Llama 3.1's
     rope scaling."""
     monkeypatch.setattr(fused, "OPTIONS", options)
-    monkeypatch.setattr(fused, "ROPE_SCALING", True)
     config = _config("bfloat16", head_dim, heads, kv_heads, layers=3, rope_scaling=rope_scaling)
     mesh, weights, whole = _prepared_on_one_device(config)
     length = 300
