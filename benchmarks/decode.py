@@ -162,8 +162,10 @@ def split_positions_set(positions: int | None):
 
 def build_model(name: str, size, impl: str, mesh, dtype: str | None, attention: str,
                 decode_matmul: str = "xla", decode_attention: str = "model",
-                decode_mixer: str = "xla", decode_blocks: str = "auto"):
-    config = train.model_config(name, size, impl=impl, dtype=dtype, decode_matmul=decode_matmul,
+                decode_mixer: str = "xla", decode_blocks: str = "auto",
+                param_dtype: str = "float32"):
+    config = train.model_config(name, size, impl=impl, dtype=dtype, param_dtype=param_dtype,
+                                decode_matmul=decode_matmul,
                                 **({"attention": attention, "decode_attention": decode_attention,
                                     "decode_blocks": decode_blocks}
                                    if name == "transformer" else {"decode_mixer": decode_mixer}))
@@ -330,6 +332,7 @@ def measure(model, exact, case: Case, args: argparse.Namespace,
         "batch": case.batch,
         "context": case.context, "mesh": "x".join(str(v) for v in mesh.devices.shape),
         "processes": jax.process_count(), "dtype": model.config.dtype,
+        "param_dtype": model.config.param_dtype,
         "attention": getattr(model.blocks[0], "attn", None) and model.blocks[0].attn.implementation,
         "device": jax.devices()[0].device_kind,
         "prefill_ms": statistics.median(prefill_s) * 1e3,
@@ -488,6 +491,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode loop lengths whose difference is timed")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU")
+    parser.add_argument("--param-dtype", default="float32", choices=models.PARAM_DTYPES,
+                        help="how the model keeps its weights: bfloat16 halves their memory "
+                             "(Llama-3.1-8B's shape: 16 GB against 32); the decode step reads "
+                             "bfloat16 weights either way")
     parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
                         help="the Transformer's attention (auto: cuDNN where supported)")
     parser.add_argument("--hbm-tb-s", type=float, default=HBM_TB_S,
@@ -559,7 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                 itertools.product(impls, args.decode_matmuls, variants)):
             model = build_model(model_name, shape or args.size, impl, mesh, args.dtype,
                                 args.attention,
-                                decode_matmul, decode_attention, decode_mixer, decode_blocks)
+                                decode_matmul, decode_attention, decode_mixer, decode_blocks,
+                                args.param_dtype)
             mixer_ran = None if transformer else decode_mixer
             if exact is None:
                 with jax.set_mesh(mesh):

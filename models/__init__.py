@@ -31,6 +31,7 @@ from .config import (
     DECODE_MATMUL_IMPLS,
     IMPLS,
     NORM_BACKWARDS,
+    PARAM_DTYPES,
     SIZES,
     RopeScaling,
     ShardingConfig,
@@ -67,7 +68,7 @@ __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "Shardin
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",
-           "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS", "DECODE_BLOCKS",
+           "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS", "DECODE_BLOCKS", "PARAM_DTYPES",
            "attention_implementation", "decode_blocks_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

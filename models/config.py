@@ -36,6 +36,10 @@ DECODE_ATTENTION_IMPLS = ("model", "pallas", "auto")
 # size 1, bfloat16, a few rows per device); "auto" the kernel where it runs
 # and was measured faster (models.transformer.decode_blocks_implementation).
 DECODE_BLOCKS = ("auto", "layers", "cuda")
+# The models' param_dtype: how the weight matrices and the embedding are
+# stored. bfloat16 halves the memory of a model that only decodes; its
+# values are what a bfloat16 compute dtype reads of float32 ones.
+PARAM_DTYPES = ("float32", "bfloat16")
 # How RMSNorm's backward gets what it needs: "autodiff" keeps (or, under a
 # checkpoint policy, recomputes) the float32 intermediates of the forward;
 # "recompute" is a custom_vjp that keeps only the norm's inputs and recomputes
@@ -178,7 +182,11 @@ class TransformerConfig(_Presets):
       max_seq_len: the longest sequence the model takes: training's sequence
         length, and prompt plus generated tokens in
         :func:`~jax_flashoverlap.models.generate`.
-      dtype: compute dtype ("float32", "bfloat16"); parameters stay float32.
+      dtype: compute dtype ("float32", "bfloat16").
+      param_dtype: storage dtype of the weight matrices and the embedding,
+        one of :data:`PARAM_DTYPES`: "float32" (default, for training) or
+        "bfloat16" (half the memory, for a model that decodes); the norms'
+        weights stay float32.
       impl: implementation of the overlap ops.
       attention_impl: "auto", "xla" or "cudnn" (see :data:`ATTENTION_IMPLS`
         and :func:`models.transformer.attention_implementation`).
@@ -234,6 +242,7 @@ class TransformerConfig(_Presets):
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
     dtype: str = "float32"
+    param_dtype: str = "float32"
     impl: str = "auto"
     attention_impl: str = "auto"
     decode_matmul: str = "xla"
@@ -246,7 +255,8 @@ class TransformerConfig(_Presets):
 
     def __post_init__(self):
         _check_impl("TransformerConfig", self.impl, self.auto_xla_ops)
-        _check_choices(self, {"attention_impl": ATTENTION_IMPLS,
+        _check_choices(self, {"param_dtype": PARAM_DTYPES,
+                              "attention_impl": ATTENTION_IMPLS,
                               "decode_matmul": DECODE_MATMUL_IMPLS,
                               "decode_attention": DECODE_ATTENTION_IMPLS,
                               "decode_blocks": DECODE_BLOCKS})

@@ -118,14 +118,15 @@ def decoding_params(model: CausalLM) -> nnx.State:
     once per token, that would read 4 bytes a weight and write 2 before the
     GEMM reads 2. Cast once, decoding reads only the 2: the same numbers, as
     the layers cast the same way (vectors, used in float32, stay float32).
+    A matrix already in the compute dtype (``param_dtype``) is the model's
+    own array, not a copy.
     """
     dtype = jnp.dtype(model.config.dtype)
-    state = nnx.state(model)
 
     def cast(a):
         return a.astype(dtype) if a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating) else a
 
-    return jax.jit(lambda s: jax.tree.map(cast, s))(state)
+    return jax.tree.map(cast, nnx.state(model))
 
 
 class Generator:

@@ -23,7 +23,8 @@ def linear_options(config, rngs: nnx.Rngs) -> dict:
     sharding = config.sharding
     return dict(axis_name=sharding.tensor, sequence_parallel=sharding.sequence_parallel,
                 impl=config.impl, decode_impl=config.decode_matmul,
-                dtype=jnp.dtype(config.dtype), rngs=rngs)
+                dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
+                rngs=rngs)
 
 
 def make_layers(make: Callable[..., nnx.Module], count: int, *,
@@ -217,13 +218,14 @@ class CausalLM(nnx.Module):
         if not mesh.empty:  # the parameters are placed by these axes' names
             config.sharding.check_axes(dict(mesh.shape), model=type(self).__name__)
         self.config = config
-        self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (v, d)),
+        stored = jnp.dtype(config.param_dtype)
+        self.embedding = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (v, d), stored),
                                    out_sharding=(None, None))
         self.blocks = nnx.List(make_layers(block, config.num_layers, rngs=rngs))
         self.final_norm = RMSNorm(d, eps=config.norm_eps)
         # Tied: the logits read the embedding, transposed, and there is no head.
         if not getattr(config, "tie_embeddings", False):
-            self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, v)),
+            self.head = nnx.Param(nnx.initializers.lecun_normal()(rngs.params(), (d, v), stored),
                                   out_sharding=(None, None))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:

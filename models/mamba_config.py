@@ -9,6 +9,7 @@ from jax_flashoverlap.decode_matmul import DECODE_MATMUL_IMPLS
 
 from .config import (
     NORM_BACKWARDS,
+    PARAM_DTYPES,
     ShardingConfig,
     _check_choices,
     _check_impl,
@@ -119,7 +120,11 @@ class MambaConfig(_Presets):
       max_seq_len: the longest sequence the model takes: training's sequence
         length, and prompt plus generated tokens in
         :func:`~jax_flashoverlap.models.generate`.
-      dtype: compute dtype; parameters stay float32.
+      dtype: compute dtype.
+      param_dtype: storage dtype of in_proj, out_proj and the embedding,
+        one of :data:`~models.config.PARAM_DTYPES` ("float32", default, or
+        "bfloat16" for a model that decodes); the convolution, the SSM's
+        vectors and the norms stay float32.
       impl: implementation of the overlap ops.
       remat: recompute each block in the backward pass.
       scan_layers: run the blocks as one ``lax.scan``; False unrolls them.
@@ -190,6 +195,7 @@ class MambaConfig(_Presets):
     tie_embeddings: bool = False
     max_seq_len: int = 8192
     dtype: str = "float32"
+    param_dtype: str = "float32"
     impl: str = "auto"
     remat: bool = False
     scan_layers: bool | None = None
@@ -207,7 +213,8 @@ class MambaConfig(_Presets):
 
     def __post_init__(self):
         _check_impl("MambaConfig", self.impl, self.auto_xla_ops)
-        _check_choices(self, {"ssd_impl": SSD_IMPLS, "conv_impl": CONV_IMPLS,
+        _check_choices(self, {"param_dtype": PARAM_DTYPES,
+                              "ssd_impl": SSD_IMPLS, "conv_impl": CONV_IMPLS,
                               "residuals": RESIDUALS, "norm_backward": NORM_BACKWARDS,
                               "decode_matmul": DECODE_MATMUL_IMPLS,
                               "decode_mixer": DECODE_MIXER_IMPLS})

@@ -10,9 +10,12 @@ columns of its own shard of every weight, straight from the files
 need. How each architecture's weights map onto the model's fused layouts:
 :mod:`.pretrained_llama`, :mod:`.pretrained_mamba2`.
 
-Memory: :func:`from_pretrained` builds the model (random parameters) and
-then replaces every parameter with the loaded one, so each device briefly
-holds its shard of the parameters twice.
+Memory: :func:`from_pretrained` builds the model abstract (shapes and
+shardings, no parameters) and places each loaded shard straight into it, so
+a device holds its shard of the parameters once, in the config's
+``param_dtype``: at Llama-3.1-8B's shape and tensor size 1, 32 GB in
+float32 or 16 GB in bfloat16, and each process reads one weight's rows at a
+time besides.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from . import pretrained_llama, pretrained_mamba2
 from ._checkpoint import Checkpoint
@@ -79,7 +83,7 @@ def _layout(config: TransformerConfig | MambaConfig) -> tuple[type, ModuleType]:
 
 def from_pretrained(path: str | os.PathLike, *,
                     config: TransformerConfig | MambaConfig | None = None,
-                    rngs: nnx.Rngs | None = None, **overrides: Any) -> Transformer | Mamba2:
+                    **overrides: Any) -> Transformer | Mamba2:
     """A checkpoint in the Hugging Face layout as a :class:`Transformer`
     (Llama) or :class:`Mamba2` (Mamba-2).
 
@@ -91,11 +95,11 @@ def from_pretrained(path: str | os.PathLike, *,
       config: the model's config, where the caller built it already with
         :func:`pretrained_config` from the same ``config.json`` (then
         ``overrides`` must be empty); default: that, with ``overrides``.
-      rngs: for the parameters that are then overwritten (default
-        ``nnx.Rngs(0)``).
-      **overrides: config fields, e.g. ``dtype="bfloat16"``
-        (the compute dtype; parameters are float32, as the checkpoint's
-        values widened exactly), ``impl``, ``max_seq_len``.
+      **overrides: config fields, e.g. ``dtype="bfloat16"`` (the compute
+        dtype), ``param_dtype`` (how the weights are kept: "float32", the
+        default, widens the checkpoint's values exactly; "bfloat16" halves
+        the memory and keeps a bfloat16 checkpoint's values as they are),
+        ``impl``, ``max_seq_len``.
 
     Returns:
       The model, its ``config`` built by :func:`pretrained_config`.
@@ -112,28 +116,30 @@ def from_pretrained(path: str | os.PathLike, *,
                         f"({sorted(overrides)}), not both")
     model_class, layout = _layout(config)
     ckpt = Checkpoint(path)
-    model = model_class(config, rngs=rngs or nnx.Rngs(0))
+    model = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
     builders = layout.builders(config, ckpt)
-    flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+    flat = dict(nnx.to_flat_state(nnx.state(model)))
     missing = set(builders) - set(flat)
     if missing:
         raise ValueError(f"from_pretrained: the model has no parameters {sorted(missing)}")
+    mesh = jax.sharding.get_mesh()
     for key, param in flat.items():
         if key not in builders:
             raise ValueError(f"from_pretrained: nothing in the checkpoint fills {key}")
-        current = param[...]
+        abstract = param.get_value()  # a ShapeDtypeStruct with the parameter's sharding
         build = builders[key]
 
-        def shard(index, build=build, key=key, current=current):
-            block = build(tuple(index) + (slice(None),) * (current.ndim - len(index)))
-            want = tuple(len(range(*s.indices(n))) for s, n in zip(index, current.shape))
+        def shard(index, build=build, key=key, abstract=abstract):
+            block = build(tuple(index) + (slice(None),) * (len(abstract.shape) - len(index)))
+            want = tuple(len(range(*s.indices(n))) for s, n in zip(index, abstract.shape))
             if block.shape != want:
                 raise ValueError(f"from_pretrained: {key} needs a shard of shape {want}, the "
                                  f"checkpoint gives {block.shape}: the config does not match "
                                  f"the weights")
-            return block.astype(current.dtype)
+            return block.astype(abstract.dtype)
 
-        param[...] = jax.make_array_from_callback(current.shape, current.sharding, shard)
+        sharding = NamedSharding(mesh, abstract.sharding.spec)
+        param.set_value(jax.make_array_from_callback(abstract.shape, sharding, shard))
     return model
 
 

@@ -397,6 +397,24 @@ def test_decode_benchmark_sweeps_xla_options_in_one_process(tmp_path, capsys):
         bench.main(["--xla-option-sets", "no_value"])
 
 
+@pytest.mark.slow  # a benchmark run
+def test_decode_benchmark_keeps_bfloat16_parameters_on_request(tmp_path):
+    """--param-dtype bfloat16: the rows say so, pass the check against the
+    float32 forward pass, and read the weights of a float32-kept model."""
+    bench = _load("decode")
+    rows = {}
+    for stored in ("float32", "bfloat16"):
+        out = tmp_path / f"{stored}.json"
+        assert bench.main(["--json", str(out), "--size", "tiny", "--mesh", "1x1", "--models",
+                           "transformer", "mamba", "--impls", "xla", "--batches", "1",
+                           "--contexts", "16", "--steps", "1", "2", "--reps", "1",
+                           "--dtype", "bfloat16", "--param-dtype", stored]) == 0
+        rows[stored] = json.loads(out.read_text())["rows"]
+    for wide, narrow in zip(rows["float32"], rows["bfloat16"], strict=True):
+        assert (wide["param_dtype"], narrow["param_dtype"]) == ("float32", "bfloat16")
+        assert narrow["weight_bytes"] == wide["weight_bytes"]
+
+
 def test_decode_benchmark_sets_and_restores_the_attention_kernel_settings():
     bench = _load("decode")
     kernel = bench.models.decode_attention_pallas

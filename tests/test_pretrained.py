@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from jax_flashoverlap.models import Transformer, TransformerConfig, generate
 from jax_flashoverlap.models.config import RopeScaling
+from jax_flashoverlap.models.decoding import decoding_params
 from jax_flashoverlap.models.layers import rope_frequencies
 from jax_flashoverlap.models.pretrained import from_pretrained, llama_config, save_pretrained
 from model_support import check_matches_transformers, fine_tune_checkpoint, logits_of, params_of
@@ -71,6 +72,37 @@ def test_a_bfloat16_checkpoint_round_trips_bit_for_bit(tmp_path, tokens):
     assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
         (tmp_path / "b" / "model.safetensors").read_bytes()
     np.testing.assert_array_equal(*greedy)
+
+
+def test_bfloat16_parameters_are_what_a_bfloat16_step_reads(tmp_path, tokens):
+    """param_dtype="bfloat16": the matrices and the embedding kept in
+    bfloat16 (half their bytes), the norms in float32. A bfloat16 model reads
+    the same values from them as from float32 parameters, so its logits and
+    greedy tokens are the same; saved, it gives back the file's bytes."""
+    with jax.set_mesh(cpu_mesh(tp=2)):
+        save_pretrained(Transformer(CONFIG, rngs=nnx.Rngs(5)), tmp_path / "a")
+        wide, narrow = (from_pretrained(tmp_path / "a", dtype="bfloat16", param_dtype=stored,
+                                        attention_impl="xla", impl="xla")
+                        for stored in ("float32", "bfloat16"))
+        kept, widened = params_of(narrow), params_of(wide)
+        for key, value in kept.items():  # norms: (..., "weight"); matrices: "kernel", ...
+            norm = key[-1] == "weight"
+            assert value.dtype == (np.float32 if norm else ml_dtypes.bfloat16), key
+            assert value.nbytes * (1 if norm else 2) == widened[key].nbytes, key
+        # Decoding reads the kept matrices themselves, not a copy.
+        assert all(d is k for d, k in zip(jax.tree.leaves(decoding_params(narrow)),
+                                          jax.tree.leaves(nnx.state(narrow)), strict=True))
+        np.testing.assert_array_equal(logits_of(narrow, tokens), logits_of(wide, tokens))
+        greedy = [np.asarray(generate(m, tokens[:, :5], max_new_tokens=8)) for m in (wide, narrow)]
+        save_pretrained(narrow, tmp_path / "b")
+    np.testing.assert_array_equal(*greedy)
+    assert (tmp_path / "a" / "model.safetensors").read_bytes() == \
+        (tmp_path / "b" / "model.safetensors").read_bytes()
+
+
+def test_a_parameter_dtype_the_models_do_not_keep_is_named():
+    with pytest.raises(ValueError, match=r"param_dtype must be one of \('float32', 'bfloat16'\)"):
+        dataclasses.replace(CONFIG, param_dtype="float16")
 
 
 def test_llama3_frequencies_follow_the_published_rule():
@@ -213,6 +245,27 @@ def test_the_generate_command_reads_a_checkpoint_and_its_tokenizer(tmp_path):
     result = json.loads(out.read_text())
     assert result["prompt_tokens"] == prompt.size
     assert result["texts"] == [" ".join(f"w{i}" for i in greedy[prompt.size:])]
+
+
+@pytest.mark.slow  # two runs of the command
+def test_the_generate_command_keeps_bfloat16_parameters_on_request(tmp_path):
+    """--param-dtype bfloat16 under --dtype bfloat16: the same text as with
+    float32 parameters, which the bfloat16 steps read as the same values."""
+    from jax_flashoverlap.cli import generate as generate_cli
+
+    _with_word_tokenizer(tmp_path / "ckpt")
+    prompt = np.load(FIXTURES / "gqa_untied" / "expected.npz")["prompts"][0]
+    results = []
+    for stored in ("float32", "bfloat16"):
+        out = tmp_path / f"{stored}.json"
+        assert generate_cli.main([
+            "--model", "transformer", "--pretrained", str(tmp_path / "ckpt"), "--mesh", "1x2",
+            "--prompt", " ".join(f"w{i}" for i in prompt), "--max-new-tokens", "12",
+            "--dtype", "bfloat16", "--param-dtype", stored, "--warmup", "0",
+            "--json", str(out)]) == 0
+        results.append(json.loads(out.read_text()))
+    assert [r["param_dtype"] for r in results] == ["float32", "bfloat16"]
+    assert results[0]["texts"] == results[1]["texts"]
 
 
 CONFIG_VOCAB = 211  # the fixtures' vocabulary (tests/data/make_llama_fixtures.py)

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
-from jax_flashoverlap.models import Mamba2, MambaConfig
+from jax_flashoverlap.models import Mamba2, MambaConfig, generate
 from jax_flashoverlap.models.pretrained import (
     from_pretrained,
     mamba2_config,
@@ -126,6 +126,24 @@ def test_logits_and_greedy_tokens_match_transformers(name, tp):
     transformers', and 32 greedy tokens (prefill, then the recurrent decode
     loop) identical."""
     check_matches_transformers(FIXTURES / name, tp, max_seq_len=64)
+
+
+def test_bfloat16_parameters_are_what_a_bfloat16_step_reads(tokens):
+    """param_dtype="bfloat16": in_proj, out_proj and the embedding kept in
+    bfloat16, the convolution, the SSM's vectors and the norms in float32;
+    a bfloat16 model's logits and greedy tokens are those it computes from
+    float32 parameters."""
+    with jax.set_mesh(cpu_mesh(tp=2)):
+        wide, narrow = (from_pretrained(FIXTURES / "groups2_untied", dtype="bfloat16",
+                                        param_dtype=stored, max_seq_len=64)
+                        for stored in ("float32", "bfloat16"))
+        kept_narrow = {key[-2] if key[-1] == "kernel" else key[-1]
+                       for key, value in params_of(narrow).items()
+                       if value.dtype == ml_dtypes.bfloat16}
+        assert kept_narrow == {"in_proj", "out_proj", "embedding", "head"}
+        np.testing.assert_array_equal(logits_of(narrow, tokens), logits_of(wide, tokens))
+        greedy = [np.asarray(generate(m, tokens[:, :5], max_new_tokens=8)) for m in (wide, narrow)]
+    np.testing.assert_array_equal(*greedy)
 
 
 VOCAB = 211  # the fixtures' (tests/data/make_mamba2_fixtures.py)

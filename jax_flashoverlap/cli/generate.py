@@ -48,6 +48,7 @@ from ..models import (
     DECODE_MIXER_IMPLS,
     IMPLS,
     MODELS,
+    PARAM_DTYPES,
     Generator,
     ShardingConfig,
     from_pretrained,
@@ -94,6 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="implementation of the overlap ops and the all-reduce")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                         help="compute dtype (default bfloat16 on GPU, float32 on CPU)")
+    parser.add_argument("--param-dtype", choices=PARAM_DTYPES, default="float32",
+                        help="how the weights are kept: bfloat16 halves their memory, and a "
+                             "bfloat16 model reads the same values from them")
     parser.add_argument("--decode-matmul", choices=DECODE_MATMUL_IMPLS, default="xla",
                         help="the decode step's weight matmuls: XLA's, or the library's "
                              "kernel for a few bf16 rows (cuda)")
@@ -188,7 +192,8 @@ def run(args: argparse.Namespace) -> dict:
     if args.pretrained is not None:
         base = pretrained_config(args.pretrained)
     config = model_config(args.model, base, impl=args.impl, dtype=args.dtype,
-                          sharding=sharding, decode_matmul=args.decode_matmul,
+                          param_dtype=args.param_dtype, sharding=sharding,
+                          decode_matmul=args.decode_matmul,
                           decode_attention=args.decode_attention,
                           decode_mixer=args.decode_mixer, decode_blocks=args.decode_blocks)
     codes = token_codes.for_checkpoint(args.pretrained, config.vocab_size)
@@ -241,7 +246,8 @@ def run(args: argparse.Namespace) -> dict:
     steps = args.max_new_tokens - 1
     result = {
         "model": args.model, "size": args.size, "mesh": f"{data}x{tensor}", "impl": args.impl,
-        "dtype": config.dtype, "decode_matmul": args.decode_matmul,
+        "dtype": config.dtype, "param_dtype": config.param_dtype,
+        "decode_matmul": args.decode_matmul,
         # What ran, as for decode_blocks below (None: Mamba-2, or the blocks' kernel).
         "decode_attention": (model.blocks[0].attn.decode_implementation(args.batch // data)
                              if args.model == "transformer" and generator.decode_weights is None

@@ -243,7 +243,7 @@ def make_mesh(shape: tuple[int, int] | None, sharding: ShardingConfig) -> jax.sh
 
 def model_config(model: str, size: str | TransformerConfig | MambaConfig, *,
                  impl: str = "auto",
-                 dtype: str | None = None,
+                 dtype: str | None = None, param_dtype: str = "float32",
                  sharding: ShardingConfig | None = None, remat: bool = False,
                  scan_layers: bool | None = None, attention: str = "auto", ssd: str = "auto",
                  conv: str = "xla", norm_backward: str = "auto",
@@ -254,7 +254,8 @@ def model_config(model: str, size: str | TransformerConfig | MambaConfig, *,
                  decode_blocks: str = "auto"):
     """The config ``--model``/``--size`` and the other flags make, as training uses it.
 
-    ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``sharding`` None:
+    ``dtype`` None: bfloat16 on GPUs, float32 elsewhere; ``param_dtype``:
+    how the weights are kept (the configs' field); ``sharding`` None:
     the default ``ShardingConfig()``. ``scan_layers`` None is resolved for
     this platform and, for the Transformer, the attention that runs here.
     ``chunk_size`` None: the size's (Mamba-2 only); ``decode_attention``:
@@ -271,7 +272,8 @@ def model_config(model: str, size: str | TransformerConfig | MambaConfig, *,
     make = (functools.partial(dataclasses.replace, size) if isinstance(size, config_cls)
             else functools.partial(config_cls.preset, size))
     config = make(
-        dtype=dtype or ("bfloat16" if on_gpu else "float32"), impl=impl, remat=remat,
+        dtype=dtype or ("bfloat16" if on_gpu else "float32"), param_dtype=param_dtype,
+        impl=impl, remat=remat,
         sharding=sharding or ShardingConfig(), decode_matmul=decode_matmul,
         **({} if scan_layers is None else {"scan_layers": scan_layers}),
         **({"attention_impl": attention, "decode_attention": decode_attention,
@@ -322,7 +324,7 @@ def build(args: argparse.Namespace) -> Trainer:
         if args.init_from is None:
             graphdef, state = nnx.split(create())
         else:  # each device reads its shards from the files: no jit around it
-            model = from_pretrained(args.init_from, config=config, rngs=nnx.Rngs(args.seed))
+            model = from_pretrained(args.init_from, config=config)
             graphdef, state = nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))
     shardings = nnx.get_named_sharding(state, mesh)
 
