@@ -5,7 +5,7 @@ import dataclasses
 import jax
 import numpy as np
 from flax import nnx
-from support import assert_close, cpu_mesh
+from support import TOLERANCE, assert_close, cpu_mesh
 
 from jax_flashoverlap.cli.train import loss_fn
 
@@ -102,6 +102,45 @@ def check_matches_transformers(fixture, tp: int, **overrides) -> None:
     err = np.linalg.norm(logits - want) / np.linalg.norm(want)
     assert err < 1e-4, err
     np.testing.assert_array_equal(tokens, expected["greedy"])
+
+
+def check_bfloat16_decode(fixture, mesh, load: dict, **decode) -> tuple[float, float]:
+    """A checkpoint that ``transformers`` made, on ``mesh``: in float32 its
+    prompts' logits within 1e-4 relative of its own; in bfloat16 (``decode``:
+    the config fields of the decode path, such as ``decode_blocks``), the
+    logits of each generated token within twice the error of the same
+    model's bfloat16 forward pass over the same tokens (at least the
+    bfloat16 tolerance), both against the float32 forward pass. ``load``:
+    from_pretrained's overrides for both models.
+
+    Returns (the decode loop's error, the bfloat16 forward pass's).
+    """
+    import jax.numpy as jnp
+    from jax_flashoverlap.models import from_pretrained, generate
+
+    expected = np.load(fixture / "expected.npz")
+    prompts = jnp.asarray(expected["prompts"], jnp.int32)
+    new = expected["greedy"].shape[1] - prompts.shape[1]
+    with jax.set_mesh(mesh):
+        exact = from_pretrained(fixture, dtype="float32", impl="xla", **load)
+        want = expected["logits"].astype(np.float64)
+        got = logits_of(exact, prompts)
+        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+        model = from_pretrained(fixture, dtype="bfloat16", impl="xla", **load, **decode)
+        tokens, logits = generate(model, prompts, max_new_tokens=new, return_logits=True)
+        tokens, logits = np.asarray(tokens), np.asarray(logits, np.float64)
+        np.testing.assert_array_equal(tokens[:, prompts.shape[1]:], logits.argmax(-1))
+        # The logits that chose token i come from position prompt_len - 1 + i.
+        chosen = slice(prompts.shape[1] - 1, tokens.shape[1] - 1)
+        reference = logits_of(exact, jnp.asarray(tokens))[:, chosen]
+        forward = logits_of(model, jnp.asarray(tokens))[:, chosen]
+
+    def relative(a):
+        return float(np.linalg.norm(a - reference) / np.linalg.norm(reference))
+
+    bound = max(2 * relative(forward), TOLERANCE["bfloat16"])
+    assert relative(logits) <= bound, (relative(logits), relative(forward))
+    return relative(logits), relative(forward)
 
 
 def fine_tune_checkpoint(checkpoint, tmp_path, *, steps: int, **load):

@@ -16,8 +16,14 @@ from jax_flashoverlap.models.config import RopeScaling
 from jax_flashoverlap.models.decoding import decoding_params
 from jax_flashoverlap.models.layers import rope_frequencies
 from jax_flashoverlap.models.pretrained import from_pretrained, llama_config, save_pretrained
-from model_support import check_matches_transformers, fine_tune_checkpoint, logits_of, params_of
-from support import TOLERANCE, cpu_mesh, slow_unless, with_word_tokenizer
+from model_support import (
+    check_bfloat16_decode,
+    check_matches_transformers,
+    fine_tune_checkpoint,
+    logits_of,
+    params_of,
+)
+from support import cpu_mesh, slow_unless, with_word_tokenizer
 
 # Odd sizes; GQA with 2 query heads per key/value head.
 CONFIG = TransformerConfig(vocab_size=97, num_layers=2, embed_dim=48, num_heads=8,
@@ -195,38 +201,20 @@ def test_logits_and_greedy_tokens_match_transformers(name, tp):
 
 
 @pytest.mark.gpu
-def test_the_one_kernel_step_follows_transformers_in_bfloat16():
-    """kernel_llama3_rope (head width 64, Llama 3.1's rope scaling, a tied
-    head) on one GPU. In float32 its prompts' logits are within 1e-4 of
-    transformers'. In bfloat16, every block of each decode step in one CUDA
-    kernel (decode_blocks="cuda"), the logits of each generated token are
-    within twice the error of the model's own bfloat16 forward pass over the
-    same tokens, both against the float32 forward pass."""
-    fixture = FIXTURES / "kernel_llama3_rope"
-    expected = np.load(fixture / "expected.npz")
-    prompts = jnp.asarray(expected["prompts"], jnp.int32)
-    new = expected["greedy"].shape[1] - prompts.shape[1]
+@pytest.mark.parametrize("name, decode", [
+    *((name, {}) for name in ("gqa_untied", "gqa_tied_llama3_rope", "mha_wide_heads")),
+    ("kernel_llama3_rope", {"decode_blocks": "cuda"}),
+    ("kernel_llama3_rope", {"decode_blocks": "cuda", "param_dtype": "bfloat16"}),
+    ("kernel_llama3_rope", {"decode_blocks": "layers"}),
+], ids=["gqa_untied", "gqa_tied_llama3_rope", "mha_wide_heads", "one-kernel",
+        "one-kernel-bf16-params", "layers"])
+def test_bfloat16_decoding_follows_transformers_on_a_gpu(name, decode):
+    """Each checkpoint on one GPU in bfloat16, through the default decode
+    path or the one named (kernel_llama3_rope: head width 64, Llama 3.1's
+    rope scaling and a tied head, so that every block of each step can run
+    in one CUDA kernel); see model_support.check_bfloat16_decode."""
     mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
-    with jax.set_mesh(mesh):
-        exact = from_pretrained(fixture, dtype="float32", impl="xla")
-        want = expected["logits"].astype(np.float64)
-        got = logits_of(exact, prompts)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
-        kernel = from_pretrained(fixture, dtype="bfloat16", impl="xla", decode_blocks="cuda")
-        tokens, logits = generate(kernel, prompts, max_new_tokens=new, return_logits=True)
-        tokens, logits = np.asarray(tokens), np.asarray(logits, np.float64)
-        np.testing.assert_array_equal(tokens[:, prompts.shape[1]:], logits.argmax(-1))
-        # The logits that chose token i come from position prompt_len - 1 + i.
-        chosen = slice(prompts.shape[1] - 1, tokens.shape[1] - 1)
-        reference = logits_of(exact, jnp.asarray(tokens))[:, chosen]
-        layers = from_pretrained(fixture, dtype="bfloat16", impl="xla", decode_blocks="layers")
-        forward = logits_of(layers, jnp.asarray(tokens))[:, chosen]
-
-    def relative(a):
-        return np.linalg.norm(a - reference) / np.linalg.norm(reference)
-
-    bound = max(2 * relative(forward), TOLERANCE["bfloat16"])
-    assert relative(logits) <= bound, (relative(logits), relative(forward))
+    check_bfloat16_decode(FIXTURES / name, mesh, {}, **decode)
 
 
 def test_the_generate_command_reads_a_checkpoint_and_its_tokenizer(tmp_path):

@@ -17,7 +17,13 @@ from jax_flashoverlap.models.pretrained import (
     pretrained_config,
     save_pretrained,
 )
-from model_support import check_matches_transformers, fine_tune_checkpoint, logits_of, params_of
+from model_support import (
+    check_bfloat16_decode,
+    check_matches_transformers,
+    fine_tune_checkpoint,
+    logits_of,
+    params_of,
+)
 from support import cpu_mesh, slow_unless, with_word_tokenizer
 
 # Two B/C groups of two heads each, a chunk that does not divide the sequence.
@@ -144,6 +150,18 @@ def test_bfloat16_parameters_are_what_a_bfloat16_step_reads(tokens):
         np.testing.assert_array_equal(logits_of(narrow, tokens), logits_of(wide, tokens))
         greedy = [np.asarray(generate(m, tokens[:, :5], max_new_tokens=8)) for m in (wide, narrow)]
     np.testing.assert_array_equal(*greedy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, decode", [
+    ("groups1_tied", {}), ("groups2_untied", {}), ("groups4_odd_chunk", {}),
+    ("groups2_untied", {"param_dtype": "bfloat16"}),
+], ids=["groups1_tied", "groups2_untied", "groups4_odd_chunk", "bf16-params"])
+def test_bfloat16_decoding_follows_transformers_on_a_gpu(name, decode):
+    """Each checkpoint on one GPU in bfloat16, through the default decode
+    path or the one named; see model_support.check_bfloat16_decode."""
+    mesh = jax.make_mesh((1, 1), ("data", "tensor"), devices=jax.devices()[:1])
+    check_bfloat16_decode(FIXTURES / name, mesh, {"max_seq_len": 64}, **decode)
 
 
 VOCAB = 211  # the fixtures' (tests/data/make_mamba2_fixtures.py)
