@@ -109,6 +109,10 @@ def from_pretrained(path: str | os.PathLike, *,
         of another shape than the config implies, named.
     """
     path = os.fspath(path)
+    if jax.sharding.get_abstract_mesh().empty:
+        raise ValueError("from_pretrained: call it under the mesh the model runs on, "
+                         "`with jax.set_mesh(mesh):`, a mesh with the config's data and "
+                         "tensor axes (each device reads its own shards)")
     if config is None:
         config = pretrained_config(path, **overrides)
     elif overrides:

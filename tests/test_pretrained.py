@@ -174,9 +174,13 @@ def test_a_checkpoint_that_does_not_match_its_config_is_named(tmp_path):
         with pytest.raises(ValueError, match=r"needs a shard of shape .* the config does not "
                                              r"match the weights"):
             from_pretrained(tmp_path, attention_impl="xla")
-    with pytest.raises(TypeError, match=r"pass either config or overrides \(\['dtype'\]\)"):
-        from_pretrained(tmp_path, config=CONFIG, dtype="float32")
-    with pytest.raises(FileNotFoundError, match="has neither model.safetensors"):
+        with pytest.raises(TypeError, match=r"pass either config or overrides \(\['dtype'\]\)"):
+            from_pretrained(tmp_path, config=CONFIG, dtype="float32")
+    with pytest.raises(ValueError, match=r"call it under the mesh the model runs on, "
+                                         r"`with jax.set_mesh\(mesh\):`"):
+        from_pretrained(tmp_path)
+    with jax.set_mesh(cpu_mesh(tp=1)), pytest.raises(FileNotFoundError,
+                                                     match="has neither model.safetensors"):
         (tmp_path / "model.safetensors").unlink()
         from_pretrained(tmp_path)
 
