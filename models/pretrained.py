@@ -109,16 +109,16 @@ def from_pretrained(path: str | os.PathLike, *,
         of another shape than the config implies, named.
     """
     path = os.fspath(path)
-    if jax.sharding.get_abstract_mesh().empty:
-        raise ValueError("from_pretrained: call it under the mesh the model runs on, "
-                         "`with jax.set_mesh(mesh):`, a mesh with the config's data and "
-                         "tensor axes (each device reads its own shards)")
     if config is None:
         config = pretrained_config(path, **overrides)
     elif overrides:
         raise TypeError(f"from_pretrained: pass either config or overrides "
                         f"({sorted(overrides)}), not both")
     model_class, layout = _layout(config)
+    if jax.sharding.get_abstract_mesh().empty:
+        raise ValueError("from_pretrained: call it under the mesh the model runs on, "
+                         "`with jax.set_mesh(mesh):`, a mesh with the config's data and "
+                         "tensor axes (each device reads its own shards)")
     ckpt = Checkpoint(path)
     model = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0)))
     builders = layout.builders(config, ckpt)
