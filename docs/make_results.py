@@ -151,16 +151,21 @@ def training_table() -> tuple[str, dict]:
         f"From {s}" for s in sources), gains
 
 
+def _decode_step(r: dict) -> str:
+    """What a decode row's step ran, as the tables name it."""
+    return ("every block in one kernel" if r.get("decode_blocks") == "cuda"
+            else f"layers, {r['decode_attention']} attention" if r["model"] == "transformer"
+            else "layers")
+
+
 def decode_table() -> tuple[str, list]:
     doc = _load(DECODE)
     lines = ["| model | batch | context | decode step | per token ms | HBM floor ms | × floor | "
              "prefill ms |", "|---|---|---|---|---|---|---|---|"]
     rows = doc["rows"]
     for r in rows:
-        step = ("every block in one kernel" if r.get("decode_blocks") == "cuda"
-                else f"layers, {r['decode_attention']} attention" if r["model"] == "transformer"
-                else "layers")
-        lines.append(f"| {r['model']} {r['size']} | {r['batch']} | {r['context']} | {step} | "
+        lines.append(f"| {r['model']} {r['size']} | {r['batch']} | {r['context']} | "
+                     f"{_decode_step(r)} | "
                      f"{r['per_token_ms']:.3f} | {r['hbm_floor_ms']:.3f} | "
                      f"{r['per_token_ms'] / r['hbm_floor_ms']:.2f} | {r['prefill_ms']:.2f} |")
     return ("One H200 (TP=1), impl \"xla\" (one GPU: no communication), bf16, the models' "
@@ -227,10 +232,7 @@ def decode_shapes_table() -> str:
     lines = ["| shape | decode step | per token ms, median [min, max] | HBM floor ms | "
              "× floor | time to first token ms |", "|---|---|---|---|---|---|"]
     for r in doc["rows"]:
-        step = ("every block in one kernel" if r.get("decode_blocks") == "cuda"
-                else "layers" if r["model"] == "mamba"
-                else f"layers, {r['decode_attention']} attention")
-        lines.append(f"| {r['size']} | {step} | {r['per_token_ms']:.3f} "
+        lines.append(f"| {r['size']} | {_decode_step(r)} | {r['per_token_ms']:.3f} "
                      f"[{r['per_token_ms_min']:.3f}, {r['per_token_ms_max']:.3f}] | "
                      f"{r['hbm_floor_ms']:.3f} | {r['per_token_ms'] / r['hbm_floor_ms']:.2f} | "
                      f"{r['prefill_ms']:.2f} |")

@@ -84,6 +84,11 @@ def params_of(model) -> dict:
     return {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
+def relative_error(got, want) -> float:
+    """||got - want|| / ||want||."""
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
 def check_matches_transformers(fixture, tp: int, **overrides) -> None:
     """A checkpoint that ``transformers`` made (tests/data/make_*_fixtures.py),
     loaded at tensor size ``tp``: the prompts' float32 logits within 1e-4
@@ -98,8 +103,7 @@ def check_matches_transformers(fixture, tp: int, **overrides) -> None:
         model = from_pretrained(fixture, impl="xla", **overrides)
         logits = logits_of(model, prompts)
         tokens = np.asarray(generate(model, prompts, max_new_tokens=32))
-    want = expected["logits"].astype(np.float64)
-    err = np.linalg.norm(logits - want) / np.linalg.norm(want)
+    err = relative_error(logits, expected["logits"].astype(np.float64))
     assert err < 1e-4, err
     np.testing.assert_array_equal(tokens, expected["greedy"])
 
@@ -123,9 +127,8 @@ def check_bfloat16_decode(fixture, mesh, load: dict, **decode) -> tuple[float, f
     new = expected["greedy"].shape[1] - prompts.shape[1]
     with jax.set_mesh(mesh):
         exact = from_pretrained(fixture, dtype="float32", impl="xla", **load)
-        want = expected["logits"].astype(np.float64)
-        got = logits_of(exact, prompts)
-        assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-4
+        assert relative_error(logits_of(exact, prompts),
+                              expected["logits"].astype(np.float64)) < 1e-4
         model = from_pretrained(fixture, dtype="bfloat16", impl="xla", **load, **decode)
         tokens, logits = generate(model, prompts, max_new_tokens=new, return_logits=True)
         tokens, logits = np.asarray(tokens), np.asarray(logits, np.float64)
@@ -134,13 +137,9 @@ def check_bfloat16_decode(fixture, mesh, load: dict, **decode) -> tuple[float, f
         chosen = slice(prompts.shape[1] - 1, tokens.shape[1] - 1)
         reference = logits_of(exact, jnp.asarray(tokens))[:, chosen]
         forward = logits_of(model, jnp.asarray(tokens))[:, chosen]
-
-    def relative(a):
-        return float(np.linalg.norm(a - reference) / np.linalg.norm(reference))
-
-    bound = max(2 * relative(forward), TOLERANCE["bfloat16"])
-    assert relative(logits) <= bound, (relative(logits), relative(forward))
-    return relative(logits), relative(forward)
+    errors = relative_error(logits, reference), relative_error(forward, reference)
+    assert errors[0] <= max(2 * errors[1], TOLERANCE["bfloat16"]), errors
+    return errors
 
 
 def fine_tune_checkpoint(checkpoint, tmp_path, *, steps: int, **load):
