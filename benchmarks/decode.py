@@ -235,6 +235,9 @@ def check(model, exact, generator_args: dict, prompt: np.ndarray) -> tuple[float
                                  max_new_tokens=CHECK_TOKENS + 1, return_logits=True,
                                  **generator_args)
     tokens, logits = generator(short)
+    # The generator's weights in the decode step's layout are a second copy
+    # of the blocks (16 GB at Llama-3.1-8B's shape): freed before the forwards.
+    del generator
     got = np.asarray(logits, np.float64)
     if not np.all(np.isfinite(got)):
         raise FloatingPointError("non-finite logits in the decode loop")
