@@ -37,7 +37,8 @@ DECODE_PACKED = "decode_attention_packed_inputs_contexts_1xh200.json"
 # device), in one process.
 DECODE_BLOCKS = "decode_blocks_cuda_batches_1xh200.json"
 # Published models' shapes (benchmarks/decode.py --config) on random weights.
-DECODE_SHAPES = "decode_real_shapes_1xh200.json"
+# One table per GPU: each floor is that GPU's own datasheet bandwidth.
+DECODE_SHAPES = ("decode_real_shapes_1xh200.json", "decode_real_shapes_1xh100.json")
 SSD = "ssd_decay_outer_1xh200.json"
 # The Mamba-2 1.4B step at the defaults against the Transformer 1B step of
 # the same process.
@@ -227,23 +228,30 @@ def decode_blocks_table() -> tuple[str, dict]:
 
 def decode_shapes_table() -> str:
     """Decoding at published models' shapes, LM head and all, and the time
-    to the first token after the prompt."""
-    doc = _load(DECODE_SHAPES)
-    lines = ["| shape | decode step | per token ms, median [min, max] | HBM floor ms | "
-             "× floor | time to first token ms |", "|---|---|---|---|---|---|"]
-    for r in doc["rows"]:
-        lines.append(f"| {r['size']} | {_decode_step(r)} | {r['per_token_ms']:.3f} "
-                     f"[{r['per_token_ms_min']:.3f}, {r['per_token_ms_max']:.3f}] | "
-                     f"{r['hbm_floor_ms']:.3f} | {r['per_token_ms'] / r['hbm_floor_ms']:.2f} | "
-                     f"{r['prefill_ms']:.2f} |")
-    missing = [f"{run['decode_args'].split()[1]}: {run['outcome']}"
-               for run in doc["meta"].get("runs", []) if "outcome" in run]
-    return ("One H200, bf16, batch 1, context 512, random weights at each model's real "
-            "shape (`benchmarks/decode.py --config`): the floor counts every weight a token "
-            "reads, the tied 128,256- and 50,288-token LM heads included, and the cache. The "
-            "time to first token is the 512-token prompt's prefill.\n\n"
-            + "\n".join(lines) + f"\n\nFrom {_source(DECODE_SHAPES, doc)}"
-            + "".join(f" Not measured: {m}." for m in missing))
+    to the first token after the prompt: a table per GPU."""
+    tables = []
+    for name in DECODE_SHAPES:
+        doc = _load(name)
+        lines = ["| shape | parameters | decode step | per token ms, median [min, max] | "
+                 "HBM floor ms | × floor | time to first token ms |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in doc["rows"]:
+            lines.append(f"| {r['size']} | {r.get('param_dtype', 'float32')} | {_decode_step(r)} | "
+                         f"{r['per_token_ms']:.3f} [{r['per_token_ms_min']:.3f}, "
+                         f"{r['per_token_ms_max']:.3f}] | {r['hbm_floor_ms']:.3f} | "
+                         f"{r['per_token_ms'] / r['hbm_floor_ms']:.2f} | {r['prefill_ms']:.2f} |")
+        missing = [f"{run['decode_args'].split()[1]}: {run['outcome']}"
+                   for run in doc["meta"].get("runs", []) if "outcome" in run]
+        tables.append(f"One {doc['meta']['device_kind']}, floor at "
+                      f"{doc['meta']['settings']['hbm_tb_s']} TB/s:\n\n" + "\n".join(lines)
+                      + f"\n\nFrom {_source(name, doc)}"
+                      + "".join(f" Not measured: {m}." for m in missing))
+    return ("bf16 compute, batch 1, context 512, random weights at each model's real shape "
+            "(`benchmarks/decode.py --config`): the floor counts every weight a token reads, "
+            "the LM heads (tied 128,256- and 50,288-token ones included) and the cache, over "
+            "the GPU's datasheet bandwidth. \"parameters\" is the dtype the weights are kept "
+            "in (`param_dtype`); the time to first token is the 512-token prompt's prefill."
+            "\n\n" + "\n\n".join(tables))
 
 
 def mamba_tables() -> tuple[str, dict]:

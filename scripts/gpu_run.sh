@@ -130,7 +130,9 @@ fi
 # tests/test_node_transport.py), at 2 to 8 ranks: correctness only, never a speed. Under a private CUDA MPS
 # daemon where the machine has nvidia-cuda-mps-control; JFO_FAULT_ROUNDS:
 # faults per kind and op (default 2); JFO_RANKS_SELECT: a pytest -k
-# expression (e.g. "faults and 4"). Each rank count's JSON lands in $OUT.
+# expression (e.g. "faults and 4"); JFO_RANKS_SEED: the children's draws
+# (default 0), so that a repeated run adds new cases. Each rank count's JSON
+# lands in $OUT.
 if [[ " ${stages[*]} " == *" ranks "* ]]; then
   OUT="$OUT" JFO_REQUIRE_GPU=1 step ranks$tag $PY -P -m pytest -q -m gpu -p no:cacheprovider -rA \
     -k "${JFO_RANKS_SELECT:-}" tests/test_node_transport.py

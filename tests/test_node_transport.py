@@ -166,7 +166,11 @@ def _gpu_child(tmp_path, n, mode, *args, timeout=540):
         # that compile it, and waits for the others: processes that compile
         # different programs wait on each other until the store's deadline.
         env["XLA_FLAGS"] = "--xla_gpu_shard_autotuning=false"
-    proc, _ = _launch(tmp_path, n, str(HERE / "node_ranks_child.py"), mode, *args, extra=extra,
+    # JFO_RANKS_SEED: other draws (data, victims, mismatched ranks) than
+    # the default seed's, so that repeated runs add new cases.
+    seed = ("--seed", os.environ["JFO_RANKS_SEED"]) if os.environ.get("JFO_RANKS_SEED") else ()
+    proc, _ = _launch(tmp_path, n, str(HERE / "node_ranks_child.py"), mode, *args, *seed,
+                      extra=extra,
                       timeout=timeout, env=env)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if "RESULT " in line]
