@@ -24,7 +24,7 @@ token is the bytes one GPU must read per step, its weights (as decoding
 holds them, in the compute dtype; the embedding table aside, of which a
 step reads b rows) plus its cache (the keys and values up to the average
 position of the timed steps; Mamba-2's convolution and SSM states), over
-``--hbm-tb-s`` (4.8 TB/s, the H200's datasheet bandwidth). Results go to
+the GPU's datasheet bandwidth (``--hbm-tb-s`` another). Results go to
 ``--json`` after each row; a table is printed last. Settings read while
 tracing (``--split-positions``, ``--one-row-pad-below``, a forced
 all-reduce algorithm) and XLA's options (``--xla-option-sets``) are swept
@@ -199,6 +199,25 @@ def floor_bytes(generator: models.Generator, steps: tuple[int, int]) -> tuple[in
         cache = config.num_layers * rows * (conv * itemsize
                                             + heads * config.head_dim * config.state_dim * 4)
     return int(weights), int(cache)
+
+
+def floor_bandwidth(requested: float | None,
+                    parser: argparse.ArgumentParser) -> tuple[float, str]:
+    """(HBM TB/s for the floor, where the figure comes from): ``requested``
+    (``--hbm-tb-s``), else the first device's datasheet bandwidth. A GPU
+    the table does not know is an error asking for ``--hbm-tb-s``: a floor
+    divided by another GPU's bandwidth would be a wrong ratio. CPU runs
+    (smoke tests) take the H200's figure, their floor nominal."""
+    if requested is not None:
+        return requested, "--hbm-tb-s"
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return HBM_TB_S, f"the H200's datasheet; nominal on {device.platform}"
+    tb_s = benchmarking.hbm_tb_s(device.device_kind)
+    if tb_s is None:
+        parser.error(f"no datasheet HBM bandwidth known for {device.device_kind!r}: pass "
+                     "--hbm-tb-s TB/s for the floor")
+    return tb_s, f"the {device.device_kind} datasheet"
 
 
 def float32_copy(model):
@@ -500,8 +519,9 @@ def main(argv: list[str] | None = None) -> int:
                              "bfloat16 weights either way")
     parser.add_argument("--attention", default="auto", choices=models.ATTENTION_IMPLS,
                         help="the Transformer's attention (auto: cuDNN where supported)")
-    parser.add_argument("--hbm-tb-s", type=float, default=HBM_TB_S,
-                        help="HBM bandwidth per GPU for the floor, TB/s")
+    parser.add_argument("--hbm-tb-s", type=float, default=None,
+                        help="HBM bandwidth per GPU for the floor, TB/s (default: the GPU's "
+                             "datasheet figure, e.g. 4.8 on an H200 and 3.35 on an H100 SXM)")
     parser.add_argument("--heap-mb", type=int, default=1024,
                         help="NVSHMEM heap per GPU, when started by the launcher")
     parser.add_argument("--xla-option", dest="xla_options", action="append", default=[],
@@ -542,10 +562,12 @@ def main(argv: list[str] | None = None) -> int:
     else:
         ensure_cpu_devices(train.CPU_DEVICES)  # CPU smoke runs; GPUs are unaffected.
     lead = jax.process_index() == 0
+    args.hbm_tb_s, bandwidth_source = floor_bandwidth(args.hbm_tb_s, parser)
     mesh = train.make_mesh(args.mesh, models.ShardingConfig())
     settings = {k: v for k, v in vars(args).items() if k not in ("json", "plot", "profile")}
     meta = benchmarking.provenance(settings)
-    meta["hbm_floor"] = f"(weight + cache bytes per GPU) / {args.hbm_tb_s} TB/s"
+    meta["hbm_floor"] = (f"(weight + cache bytes per GPU) / {args.hbm_tb_s} TB/s "
+                         f"({bandwidth_source})")
     rows = []
     # Cases as they ran: "auto" and an explicit choice can resolve to the same step.
     measured = set()

@@ -28,14 +28,34 @@ from jax.sharding import PartitionSpec as P
 from . import settings as environment
 
 __all__ = ["Timing", "time_per_op", "time_interleaved", "first_devices_mesh", "looped",
-           "median_ratio", "comparable_hlo", "gemm_autotune_setting", "provenance"]
+           "median_ratio", "comparable_hlo", "gemm_autotune_setting", "provenance", "hbm_tb_s"]
 
 # Where the protocol above is written down, for the results' metadata.
 PROTOCOL = "jax_flashoverlap/benchmarking.py (module docstring)"
 # The HBM bandwidth the decode floors divide by, TB/s: the H200's datasheet
-# HBM3e (an H100 SXM's HBM3 is 3.35; the decode benchmark and probes take
-# another with --hbm-tb-s or say which they assumed).
+# HBM3e, and the default of the probes that run on it.
 H200_HBM_TB_S = 4.8
+# Datasheet HBM bandwidths, TB/s, by a pattern of jax's device_kind: first
+# match wins (the H100's PCIe and NVL forms before the SXM's plain name).
+HBM_TB_S_BY_DEVICE = (
+    (re.compile(r"H200"), 4.8),
+    (re.compile(r"H100.*PCIe"), 2.0),
+    (re.compile(r"H100.*NVL"), 3.9),
+    (re.compile(r"H100"), 3.35),
+    (re.compile(r"A100.*80GB"), 2.039),
+    (re.compile(r"A100"), 1.555),
+    (re.compile(r"B200"), 8.0),
+)
+
+
+def hbm_tb_s(device_kind: str) -> float | None:
+    """The datasheet HBM bandwidth (TB/s) of a GPU named by jax's
+    ``device_kind`` (e.g. "NVIDIA H100 80GB HBM3"), or None for a GPU this
+    table does not know."""
+    for pattern, tb_s in HBM_TB_S_BY_DEVICE:
+        if pattern.search(device_kind):
+            return tb_s
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

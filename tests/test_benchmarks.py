@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jax_flashoverlap
+from jax_flashoverlap import benchmarking
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
@@ -514,6 +515,37 @@ def test_decode_benchmark_refuses_contexts_it_cannot_check(contexts, capsys):
         bench.main(["--mesh", "1x2", "--contexts", *contexts])
     assert "--contexts: each must exceed 8 and divide by the tensor axis (2)" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind, tb_s", [("NVIDIA H200", 4.8), ("NVIDIA H100 80GB HBM3", 3.35),
+                                         ("NVIDIA H100 PCIe", 2.0), ("NVIDIA H100 NVL", 3.9),
+                                         ("NVIDIA A100-SXM4-80GB", 2.039),
+                                         ("NVIDIA GeForce RTX 4090", None)])
+def test_hbm_bandwidth_by_device_kind(kind, tb_s):
+    assert benchmarking.hbm_tb_s(kind) == tb_s
+
+
+class _Device:
+    platform = "gpu"
+
+    def __init__(self, kind):
+        self.device_kind = kind
+
+
+def test_decode_floor_takes_the_gpus_own_bandwidth(monkeypatch, capsys):
+    """The floor divides by the GPU's datasheet bandwidth, or by
+    --hbm-tb-s; a GPU without a known figure is an error naming the flag."""
+    bench = _load("decode")
+    parser = argparse.ArgumentParser()
+    assert bench.floor_bandwidth(2.5, parser) == (2.5, "--hbm-tb-s")
+    tb_s, source = bench.floor_bandwidth(None, parser)  # the CPUs
+    assert tb_s == 4.8 and "nominal on cpu" in source
+    monkeypatch.setattr(bench.jax, "devices", lambda: [_Device("NVIDIA H100 80GB HBM3")])
+    assert bench.floor_bandwidth(None, parser) == (3.35, "the NVIDIA H100 80GB HBM3 datasheet")
+    monkeypatch.setattr(bench.jax, "devices", lambda: [_Device("NVIDIA L4")])
+    with pytest.raises(SystemExit):
+        bench.floor_bandwidth(None, parser)
+    assert "'NVIDIA L4': pass --hbm-tb-s" in capsys.readouterr().err
 
 
 @pytest.mark.slow  # two processes through the launcher
