@@ -170,8 +170,7 @@ def _gpu_child(tmp_path, n, mode, *args, timeout=540):
     # the default seed's, so that repeated runs add new cases.
     seed = ("--seed", os.environ["JFO_RANKS_SEED"]) if os.environ.get("JFO_RANKS_SEED") else ()
     proc, _ = _launch(tmp_path, n, str(HERE / "node_ranks_child.py"), mode, *args, *seed,
-                      extra=extra,
-                      timeout=timeout, env=env)
+                      extra=extra, timeout=timeout, env=env)
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
                if "RESULT " in line]
     path.write_text(json.dumps({"timeout_ms": wait_ms, "mps": mps, "ranks": results}, indent=1))
