@@ -24,7 +24,7 @@ token is the bytes one GPU must read per step, its weights (as decoding
 holds them, in the compute dtype; the embedding table aside, of which a
 step reads b rows) plus its cache (the keys and values up to the average
 position of the timed steps; Mamba-2's convolution and SSM states), over
-the GPU's datasheet bandwidth (``--hbm-tb-s`` another). Results go to
+the GPU's datasheet HBM bandwidth (or ``--hbm-tb-s``). Results go to
 ``--json`` after each row; a table is printed last. Settings read while
 tracing (``--split-positions``, ``--one-row-pad-below``, a forced
 all-reduce algorithm) and XLA's options (``--xla-option-sets``) are swept

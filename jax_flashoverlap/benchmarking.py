@@ -38,7 +38,7 @@ H200_HBM_TB_S = 4.8
 # Datasheet HBM bandwidths, TB/s, by a pattern of jax's device_kind: first
 # match wins (the H100's PCIe and NVL forms before the SXM's plain name).
 HBM_TB_S_BY_DEVICE = (
-    (re.compile(r"H200"), 4.8),
+    (re.compile(r"H200"), H200_HBM_TB_S),
     (re.compile(r"H100.*PCIe"), 2.0),
     (re.compile(r"H100.*NVL"), 3.9),
     (re.compile(r"H100"), 3.35),
