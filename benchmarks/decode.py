@@ -166,8 +166,8 @@ def build_model(name: str, size, impl: str, mesh, dtype: str | None, attention: 
                 param_dtype: str = "float32"):
     config = train.model_config(name, size, impl=impl, dtype=dtype, param_dtype=param_dtype,
                                 decode_matmul=decode_matmul,
-                                **({"attention": attention, "decode_attention": decode_attention,
-                                    "decode_blocks": decode_blocks}
+                                decode_blocks=decode_blocks,
+                                **({"attention": attention, "decode_attention": decode_attention}
                                    if name == "transformer" else {"decode_mixer": decode_mixer}))
     _, model_cls = models.MODELS[name]
     with jax.set_mesh(mesh):
@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         transformer = model_name == "transformer"
         attentions = args.decode_attentions if transformer else ["model"]
         mixers = ["xla"] if transformer else args.decode_mixers
-        blocks = args.decode_blocks if transformer else ["layers"]
+        blocks = args.decode_blocks
         variants = [(attention, mixer, block) for block in dict.fromkeys(blocks)
                     for attention in (dict.fromkeys(attentions) if block != "cuda"
                                       else attentions[:1])
@@ -602,7 +602,7 @@ def main(argv: list[str] | None = None) -> int:
                 # record it.
                 blocks_ran = (model.decode_blocks_implementation(
                     batch=batch // args.mesh[0], tensor_size=args.mesh[1]) if transformer
-                    else "layers")
+                    else model.config.decode_blocks)
                 attention_ran = (model.blocks[0].attn.decode_implementation(
                     batch // args.mesh[0]) if transformer and blocks_ran == "layers"
                     else "model")

@@ -17,6 +17,7 @@ residual stream, and data parallelism over a ``data`` axis. Installed as
 # As models.norm_pallas etc., like conv_pallas and ssd_pallas:
 from . import (  # noqa: F401
     decode_attention_pallas,
+    mamba_decode_cuda,
     mamba_decode_pallas,
     norm_pallas,
     shapes,
@@ -43,6 +44,7 @@ from .mamba import Mamba2
 from .mamba_config import (
     CONV_IMPLS,
     DECODE_MIXER_IMPLS,
+    MAMBA_DECODE_BLOCKS,
     RESIDUALS,
     SSD_IMPLS,
     MambaConfig,
@@ -68,7 +70,8 @@ __all__ = ["Transformer", "TransformerConfig", "Mamba2", "MambaConfig", "Shardin
            "generate", "Generator",
            "CausalLM", "RMSNorm", "IMPLS", "SIZES", "MODELS", "ATTENTION_IMPLS", "SSD_IMPLS",
            "CONV_IMPLS", "NORM_BACKWARDS", "RESIDUALS", "DECODE_MATMUL_IMPLS",
-           "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS", "DECODE_BLOCKS", "PARAM_DTYPES",
+           "DECODE_ATTENTION_IMPLS", "DECODE_MIXER_IMPLS", "DECODE_BLOCKS",
+           "MAMBA_DECODE_BLOCKS", "PARAM_DTYPES",
            "attention_implementation", "decode_blocks_implementation", "resolve_scan_layers"]
 
 # --model name -> (config class, model class).

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_flashoverlap.nn import ColumnParallelLinear, RowParallelLinear
 
-from . import conv_pallas, mamba_decode_pallas
+from . import conv_pallas, mamba_decode_cuda, mamba_decode_pallas
 from .conv_pallas import causal_conv1d
 from .layers import CausalLM, RMSNorm, linear_options
 from .mamba_config import SSD_IMPLS, MambaConfig
@@ -64,9 +64,10 @@ class SSMCache(NamedTuple):
     Attributes:
       conv: the convolution's last inputs (this rank's [x, B, C] channels),
         in the compute dtype: with XLA's decode step the last k-1, [k-1, b,
-        c], oldest first; with the decode kernel
-        (:mod:`models.mamba_decode_pallas`) a ring [k, b, c] holding
-        position t's in row t mod k, which the kernel updates in place.
+        c], oldest first; with the decode kernels
+        (:mod:`models.mamba_decode_pallas`, :mod:`models.mamba_decode_cuda`)
+        a ring [k, b, c] holding position t's in row t mod k, which the
+        kernel updates in place.
       ssm: [b, g, heads/g, p, n] float32, the SSM state of this rank's heads.
     """
 
@@ -98,6 +99,8 @@ class Mamba2Mixer(nnx.Module):
         self.conv_impl = config.conv_impl
         self.decode_layout = _decode_layout(config)
         self.decode_implementation = decode_mixer_implementation(config)
+        # The convolution's state as a ring where a kernel updates it in place.
+        self.conv_ring = self.decode_implementation == "pallas" or config.decode_blocks == "cuda"
         self.dtype = jnp.dtype(config.dtype)
         group_x = self.heads_per_group * p
         self.conv_layout = conv_pallas.Layout(self.heads_per_group, p, n)
@@ -145,7 +148,7 @@ class Mamba2Mixer(nnx.Module):
         k = self.conv_weight.shape[0]
         # The convolution's inputs, zeros before the sequence's start.
         padded = jnp.pad(conv_in, ((k - 1, 0), (0, 0), (0, 0)))   # row i: position i-k+1
-        if self.decode_implementation == "pallas":
+        if self.conv_ring:
             # Positions length-k .. length-1, rotated so position t is in row t mod k.
             ring = padded[length - 1:length + k - 1]
             return out, SSMCache(jnp.roll(ring, length % k, axis=0), state)
@@ -304,6 +307,30 @@ class Mamba2(CausalLM):
         if self.config.residuals == "all":
             return False
         return super()._recompute_policy()
+
+    def decode_weights(self, *, batch: int, tensor_size: int):
+        """With ``decode_blocks="cuda"``, the blocks' weights in the decode
+        kernel's layout (:func:`models.mamba_decode_cuda.prepare_weights`); else None.
+
+        Raises:
+          ValueError: ``decode_blocks="cuda"`` where the kernel cannot run, naming why.
+        """
+        if self.config.decode_blocks == "layers":
+            return None
+        why_not = mamba_decode_cuda.unsupported_reason(self.config, tensor_size=tensor_size,
+                                                       batch=batch)
+        if why_not:
+            raise ValueError(f"MambaConfig(decode_blocks='cuda'): the decode kernel cannot run "
+                             f"this step: {why_not}. Use decode_blocks='layers'.")
+        return mamba_decode_cuda.prepare_weights(self.blocks, self.config)
+
+    def decode_weights_specs(self):
+        """:meth:`decode_weights`' ``PartitionSpec`` s (global view): whole on every device."""
+        return mamba_decode_cuda.MambaDecodeWeights(*(P(),) * 9)
+
+    def _decode_layers_with(self, weights, x, caches, pos):
+        y, caches = mamba_decode_cuda.decode_blocks(x[0], pos, weights, caches, self.config)
+        return y[None], caches
 
     def layer_cache_spec(self) -> SSMCache:
         """The ``PartitionSpec`` of each of a layer's cache arrays (global view)."""

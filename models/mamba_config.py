@@ -18,13 +18,16 @@ from .config import (
 )
 
 __all__ = ["MambaConfig", "SSDTiling", "SSD_IMPLS", "CONV_IMPLS", "RESIDUALS",
-           "DECODE_MIXER_IMPLS"]
+           "DECODE_MIXER_IMPLS", "MAMBA_DECODE_BLOCKS"]
 
 # MambaConfig.decode_mixer, a decode step's work between in_proj and the
 # gated norm (convolution, SSM state update, skip): "xla" is XLA's ops,
 # "pallas" one kernel a layer (models.mamba_decode_pallas; opt-in: slower
 # than XLA's fusions on one H200).
 DECODE_MIXER_IMPLS = ("xla", "pallas")
+# MambaConfig.decode_blocks: each layer's own decode step, or every block of
+# a step as one CUDA kernel (models.mamba_decode_cuda; opt-in).
+MAMBA_DECODE_BLOCKS = ("layers", "cuda")
 # The SSD's intra-chunk step: einsums, fused Pallas GPU kernels, or the
 # kernels where they can run (models.mamba.ssd).
 SSD_IMPLS = ("auto", "xla", "pallas")
@@ -164,6 +167,13 @@ class MambaConfig(_Presets):
         or "pallas", one Pallas GPU kernel a layer
         (:mod:`models.mamba_decode_pallas`; on one H200 3.79 µs a layer for
         XLA's ops against 4.10 for the kernel at batch 1).
+      decode_blocks: how a decode step runs the blocks, one of
+        :data:`MAMBA_DECODE_BLOCKS`: "layers" (default), each layer's own
+        step through XLA's kernels (and ``decode_mixer``); or "cuda", every
+        block of the step as one CUDA kernel (:mod:`models.mamba_decode_cuda`:
+        bfloat16, tensor-parallel size 1, at most 4 rows per device; a
+        ValueError names what else it cannot run). Elsewhere than on a CUDA
+        GPU "cuda" runs the kernel's arithmetic in JAX.
       residuals: what a block keeps for the backward, one of
         :data:`RESIDUALS`: "named" (default) recomputes the block's
         elementwise work from the values ``Mamba2.saved_in_backward`` names;
@@ -208,6 +218,7 @@ class MambaConfig(_Presets):
     ssd_tiling: SSDTiling = SSDTiling()
     decode_matmul: str = "xla"
     decode_mixer: str = "xla"
+    decode_blocks: str = "layers"
     sharding: ShardingConfig = ShardingConfig()
     auto_xla_ops: tuple[str, ...] = ("matmul_reduce_scatter",)
 
@@ -217,7 +228,8 @@ class MambaConfig(_Presets):
                               "ssd_impl": SSD_IMPLS, "conv_impl": CONV_IMPLS,
                               "residuals": RESIDUALS, "norm_backward": NORM_BACKWARDS,
                               "decode_matmul": DECODE_MATMUL_IMPLS,
-                              "decode_mixer": DECODE_MIXER_IMPLS})
+                              "decode_mixer": DECODE_MIXER_IMPLS,
+                              "decode_blocks": MAMBA_DECODE_BLOCKS})
         if self.remat and self.residuals != "named":
             raise ValueError(f"MambaConfig: remat (recompute every block) and "
                              f"residuals={self.residuals!r} exclude each other; set one")

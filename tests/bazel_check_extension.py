@@ -16,7 +16,8 @@ from jax_flashoverlap import _ffi, models
 
 EXPECTED_TARGETS = {"jfo_all_gather_matmul", "jfo_all_reduce", "jfo_all_reduce_copy_engine",
                     "jfo_matmul_all_reduce", "jfo_matmul_reduce_scatter", "jfo_scale",
-                    "jfo_decode_matmul", "jfo_transformer_decode"}
+                    "jfo_decode_matmul", "jfo_transformer_decode",
+                    "jfo_mamba_decode"}
 
 
 def main() -> int:

@@ -497,8 +497,6 @@ def test_generate_needs_the_mesh(tiny):
      "--top-k samples among the k most likely bytes: it needs --temperature > 0"),
     (["--model", "mamba", "--prompt", "x", "--max-new-tokens", "2", "--decode-attention",
       "pallas"], "--decode-attention applies to --model transformer, not mamba"),
-    (["--model", "mamba", "--prompt", "x", "--max-new-tokens", "2", "--decode-blocks", "cuda"],
-     "--decode-blocks applies to --model transformer, not mamba"),
     (["--prompt", "x", "--max-new-tokens", "2", "--decode-mixer", "pallas"],
      "--decode-mixer applies to --model mamba, not transformer"),
 ])
@@ -524,10 +522,12 @@ def test_generate_command_without_cuda_kernels_refuses_decode_matmul_cuda(monkey
             "use --decode-matmul xla") in err
 
 
-def test_generate_command_names_why_the_decode_kernel_cannot_run(capsys):
+@pytest.mark.parametrize("model", ["transformer", "mamba"])
+def test_generate_command_names_why_the_decode_kernel_cannot_run(capsys, model):
     """--decode-blocks cuda on a float32 model: one line naming the fix."""
-    assert generate_cli.main(["--prompt", "xyz", "--max-new-tokens", "2", "--mesh", "1x1",
-                              "--dtype", "float32", "--decode-blocks", "cuda"]) == 2
+    assert generate_cli.main(["--model", model, "--prompt", "xyz", "--max-new-tokens", "2",
+                              "--mesh", "1x1", "--dtype", "float32",
+                              "--decode-blocks", "cuda"]) == 2
     err = capsys.readouterr().err
     assert "the decode kernel cannot run this step: it computes in bfloat16" in err
     assert "Use decode_blocks='layers'" in err and "Traceback" not in err

@@ -10,6 +10,7 @@ namespace jfo {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoScale);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoDecodeMatmul);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoTransformerDecode);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JfoMambaDecode);
 // The decode kernel's tensor groups: the timeouts their ranks reported, one
 // line each, or "" (until ResetTransformerDecode); and their receive areas
 // as made, once each device is idle: "" or why not.

@@ -51,6 +51,7 @@ nb::dict Registrations() {
   d["jfo_scale"] = Capsule(jfo::JfoScale);
   d["jfo_decode_matmul"] = Capsule(jfo::JfoDecodeMatmul);
   d["jfo_transformer_decode"] = Capsule(jfo::JfoTransformerDecode);
+  d["jfo_mamba_decode"] = Capsule(jfo::JfoMambaDecode);
 #endif
 #ifdef JFO_WITH_CUBLASLT
   d["jfo_all_gather_matmul"] =

@@ -107,10 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "cache (pallas), or the kernel on CUDA GPUs at batch 1 per device "
                              "(auto)")
     parser.add_argument("--decode-blocks", choices=DECODE_BLOCKS, default="auto",
-                        help="the Transformer's decode step: each layer's own ops (layers), "
-                             "all blocks in one CUDA kernel (cuda: tensor-parallel size 1, "
-                             "bfloat16, at most 4 rows per device), or the kernel on Hopper "
-                             "GPUs at up to 2 rows per device where it runs (auto)")
+                        help="the decode step: each layer's own ops (layers), all blocks in "
+                             "one CUDA kernel (cuda: tensor-parallel size 1, bfloat16, at most "
+                             "4 rows per device), or for the Transformer the kernel on Hopper "
+                             "GPUs at up to 2 rows per device where it runs (auto; Mamba-2's "
+                             "auto is layers)")
     parser.add_argument("--decode-mixer", choices=DECODE_MIXER_IMPLS, default="xla",
                         help="Mamba-2's decode step between its projections (convolution, "
                              "state update, skip): XLA's ops, or one Pallas GPU kernel a "
@@ -165,8 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # The flags that tune one model's decode step.
-_MODEL_OF_FLAG = {"decode_attention": "transformer", "decode_blocks": "transformer",
-                  "decode_mixer": "mamba"}
+_MODEL_OF_FLAG = {"decode_attention": "transformer", "decode_mixer": "mamba"}
 
 
 def encode(text: str) -> np.ndarray:

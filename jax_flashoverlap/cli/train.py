@@ -259,8 +259,8 @@ def model_config(model: str, size: str | TransformerConfig | MambaConfig, *,
     the default ``ShardingConfig()``. ``scan_layers`` None is resolved for
     this platform and, for the Transformer, the attention that runs here.
     ``chunk_size`` None: the size's (Mamba-2 only); ``decode_attention``:
-    the Transformer's (``TransformerConfig.decode_attention``), likewise
-    ``decode_blocks``;
+    the Transformer's (``TransformerConfig.decode_attention``);
+    ``decode_blocks``: either model's ("auto" is Mamba-2's "layers");
     ``decode_mixer``: Mamba-2's (``MambaConfig.decode_mixer``); ``ssd_tiling``
     None: the SSD kernels' defaults (``MambaConfig.ssd_tiling``). ``size``
     may be a config (a checkpoint's, or a published shape's) in place of a
@@ -281,6 +281,8 @@ def model_config(model: str, size: str | TransformerConfig | MambaConfig, *,
            else {"ssd_impl": ssd, "conv_impl": conv, "norm_backward": norm_backward,
                  "residuals": residuals, "fuse_skip": fuse_skip,
                  "ssd_keeps_chunk_states": ssd_keeps_chunk_states, "decode_mixer": decode_mixer,
+                 # Mamba-2's kernel is opt-in: its "auto" is its layers.
+                 "decode_blocks": "layers" if decode_blocks == "auto" else decode_blocks,
                  "ssd_tiling": ssd_tiling or SSDTiling(),
                  **({} if chunk_size is None else {"chunk_size": chunk_size})}))
     if has_attention:

@@ -1,0 +1,324 @@
+// The Mamba-2 decode kernel: every block of a decode step (stages in
+// ../mamba_decode.cu). Its weight stream, GEMVs, norms and handoffs are the
+// Transformer decode kernel's (../transformer_decode/), driven through that
+// kernel's Params (MambaParams::core) with two weight stages of its four.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "../transformer_decode/handoff.cuh"
+#include "../transformer_decode/params.cuh"
+#include "../transformer_decode/stages.cuh"
+#include "../transformer_decode/sync.cuh"
+
+namespace jfo {
+namespace mamba_decode {
+
+using transformer_decode::kMaxBatch;
+using transformer_decode::kMaxLayers;
+using transformer_decode::kOperandPad;
+using transformer_decode::kThreads;
+using transformer_decode::kWarps;
+using transformer_decode::Params;
+
+// Columns of one work item of in_proj and of out_proj: 16, the MMA tile, so
+// that 1.3B's 532 in_proj items spread over 132 SMs 4 or 5 a CTA (items of
+// 64 would leave one CTA two of 133).
+constexpr int kItemColumns = 16;
+constexpr int kMaxGroups = 8;
+constexpr int kMaxConvWidth = 8;
+// A mixer item's state: head_dim x state floats over the CTA's threads, at
+// most kMaxStatePerThread a thread (held in registers across the polls).
+constexpr int kMaxStatePerThread = 64;
+
+// One layer's recurrent state, updated in place.
+struct LayerState {
+  __nv_bfloat16* conv;  // [conv_width, batch, channels]: position t's inputs in row t mod width
+  float* ssm;           // [batch, heads, head_dim, state]
+};
+
+struct MambaParams {
+  // d, layers, batch, eps, the input and output, the norms' weights
+  // (attn_norm), the weight stages (0: in_proj, 1: out_proj; 2 and 3 empty),
+  // the ring and the handoffs' workspace, as the Transformer kernel has them.
+  Params core;
+  int inner, heads, head_dim, state, groups, conv_width;
+  int state_per_thread;  // head_dim * state / threads with state (a power of two)
+  // in_proj's outputs as the kernel orders them ([x, B, C, dt, z], each part
+  // padded to kItemColumns): where each part starts, and a row's columns.
+  int x_at, b_at, c_at, dt_at, z_at, in_columns;
+  const float* conv_weight;  // [layers, conv_width, channels]
+  const float* conv_bias;    // [layers, channels]
+  const float* dt_bias;      // [layers, heads]
+  const float* a_log;        // [layers, heads]
+  const float* d_skip;       // [layers, heads]
+  const float* gate_norm;    // [layers, inner], the gated norm's weight
+  int mixer_offset;          // shared memory of a mixer item: floats [head_dim + 2 state + 2]
+  LayerState states[kMaxLayers];
+};
+
+// A layer's handoffs (bf16): in_proj's outputs [batch, in_columns], the
+// gated SSD output [batch, inner], the block's output [batch, d].
+__device__ __forceinline__ size_t HandoffsPerLayer(const MambaParams& m) {
+  return static_cast<size_t>(m.core.batch) * (m.in_columns + m.inner + m.core.d);
+}
+
+__device__ __forceinline__ __nv_bfloat16* InProjOf(const MambaParams& m, int layer) {
+  return m.core.handoffs + layer * HandoffsPerLayer(m);
+}
+
+__device__ __forceinline__ __nv_bfloat16* GatedOf(const MambaParams& m, int layer) {
+  return InProjOf(m, layer) + static_cast<size_t>(m.core.batch) * m.in_columns;
+}
+
+// The last layer's goes to the kernel's output.
+__device__ __forceinline__ __nv_bfloat16* BlockOutputOf(const MambaParams& m, int layer) {
+  return layer + 1 < m.core.layers
+             ? GatedOf(m, layer) + static_cast<size_t>(m.core.batch) * m.inner
+             : m.core.x_out;
+}
+
+__device__ __forceinline__ const __nv_bfloat16* BlockInputOf(const MambaParams& m, int layer) {
+  return layer == 0 ? m.core.x_in : BlockOutputOf(m, layer - 1);
+}
+
+// An in_proj item's 16 columns for the mixer, rounded to bf16 as XLA's GEMM
+// output is.
+template <int B>
+__device__ void InProjEpilogue(const MambaParams& m, int layer, int item, const float* result) {
+  __nv_bfloat16* out = InProjOf(m, layer) + item * kItemColumns;
+  if (threadIdx.x < B * kItemColumns) {
+    const int b = threadIdx.x / kItemColumns, c = threadIdx.x % kItemColumns;
+    out[static_cast<size_t>(b) * m.in_columns + c] =
+        transformer_decode::HandoffValue(result[threadIdx.x]);
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ float Silu(float v) { return v / (1.f + __expf(-v)); }
+
+// jax.nn.softplus: log(1 + e^v), without overflow.
+__device__ __forceinline__ float Softplus(float v) {
+  return fmaxf(v, 0.f) + log1pf(__expf(-fabsf(v)));
+}
+
+// One mixer item: batch row b's head h, from in_proj's outputs to the gated
+// SSD output (models.mamba_decode_pallas.mixer_step_xla's arithmetic, then
+// y * silu(z)). Thread t holds channel t / (state / S) of the head and S
+// consecutive state entries of it; the state and the convolution's older
+// rows are read before the polls.
+template <int S>
+__device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, float* mix) {
+  const Params& p = m.core;
+  const int hd = m.head_dim, n = m.state, heads = m.heads;
+  const int b = item / heads, h = item % heads;
+  const int hpg = heads / m.groups, g = h / hpg, in_group = h % hpg;
+  const int per_group = hpg * hd + 2 * n, channels = m.groups * per_group;
+  const int width = m.conv_width;
+  const int sharers = n / S;  // threads of one channel, consecutive lanes
+  const int t = threadIdx.x, ch = t / sharers, part = t % sharers;
+  const bool holds_state = t < hd * sharers;
+  float* act = mix;                   // [hd + 2n]: x, B, C of the item
+  float* step = mix + hd + 2 * n;     // dt, decay
+
+  float s[S];
+  float* state = m.states[layer].ssm +
+                 ((static_cast<size_t>(b) * heads + h) * hd + ch) * n + part * S;
+  if (holds_state) {
+    if constexpr (S % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < S; i += 4) {
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(state + i));
+        s[i] = v.x, s[i + 1] = v.y, s[i + 2] = v.z, s[i + 3] = v.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < S; ++i) s[i] = __ldcg(state + i);
+    }
+  }
+  // Item channel j: x (j < hd), B, C; its convolution channel and in_proj column.
+  auto conv_channel = [&](int j) {
+    return g * per_group + (j < hd ? in_group * hd + j : hpg * hd + (j - hd));
+  };
+  auto in_column = [&](int j) {
+    return j < hd ? m.x_at + h * hd + j
+                  : (j < hd + n ? m.b_at + g * n + (j - hd) : m.c_at + g * n + (j - hd - n));
+  };
+  const float* w = m.conv_weight + static_cast<size_t>(layer) * width * channels;
+  __nv_bfloat16* ring = m.states[layer].conv;
+  const int items = hd + 2 * n;
+  for (int j = t; j < items; j += kThreads) {
+    const int c = conv_channel(j);
+    float v = m.conv_bias[static_cast<size_t>(layer) * channels + c];
+    for (int i = 0; i < width - 1; ++i) {  // positions pos-width+1 .. pos-1
+      const int row = (pos + 1 + i) % width;
+      v = fmaf(w[i * channels + c],
+               __bfloat162float(ring[(static_cast<size_t>(row) * p.batch + b) * channels + c]), v);
+    }
+    act[j] = v;
+  }
+  const __nv_bfloat16* in = InProjOf(m, layer) + static_cast<size_t>(b) * m.in_columns;
+  for (int j = t; j < items; j += kThreads) {
+    const int c = conv_channel(j);
+    const float now = transformer_decode::ReadyValue(p, in + in_column(j), layer);
+    act[j] = Silu(fmaf(w[(width - 1) * channels + c], now, act[j]));
+    // This position's input into its ring row, which no item reads this
+    // step; B and C by the group's first head.
+    if (j < hd || in_group == 0) {
+      ring[(static_cast<size_t>(pos % width) * p.batch + b) * channels + c] = __float2bfloat16(now);
+    }
+  }
+  if (t == 0) {
+    const float dt = Softplus(transformer_decode::ReadyValue(p, in + m.dt_at + h, layer) +
+                              m.dt_bias[layer * heads + h]);
+    step[0] = dt;
+    step[1] = __expf(-dt * __expf(m.a_log[layer * heads + h]));
+  }
+  const float z = holds_state && part == 0
+                      ? transformer_decode::ReadyValue(p, in + m.z_at + h * hd + ch, layer)
+                      : 0.f;
+  __syncthreads();
+  if (holds_state) {
+    const float x = act[ch], dx = step[0] * x, decay = step[1];
+    float y = 0.f;
+#pragma unroll
+    for (int i = 0; i < S; ++i) {
+      const int k = part * S + i;
+      s[i] = fmaf(decay, s[i], dx * act[hd + k]);
+      y = fmaf(s[i], act[hd + n + k], y);
+    }
+    if constexpr (S % 4 == 0) {
+#pragma unroll
+      for (int i = 0; i < S; i += 4) {
+        __stcg(reinterpret_cast<float4*>(state + i), make_float4(s[i], s[i + 1], s[i + 2], s[i + 3]));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < S; ++i) __stcg(state + i, s[i]);
+    }
+    for (int offset = sharers / 2; offset > 0; offset /= 2) {
+      y += __shfl_xor_sync(0xffffffffu, y, offset);
+    }
+    if (part == 0) {
+      const float out = transformer_decode::Bf16Round(fmaf(m.d_skip[layer * heads + h], x, y));
+      GatedOf(m, layer)[static_cast<size_t>(b) * m.inner + h * hd + ch] =
+          transformer_decode::HandoffValue(out * Silu(z));
+    }
+  }
+  __syncthreads();  // act and step are the next item's
+}
+
+// operand[b][k] = bf16(gated[b][k] / rms(gated[b] over k's group) * weight[k])
+// (models.layers.rms_norm with the gate already applied), the gated values
+// handed over by the mixer items.
+template <int B>
+__device__ void GatedNormInto(const MambaParams& m, int layer, __nv_bfloat16* operand,
+                              float* scalars) {
+  const Params& p = m.core;
+  const int inner = m.inner, width = inner / m.groups, combos = B * m.groups;
+  transformer_decode::GatherInto<B>(p, GatedOf(m, layer), inner, operand, layer);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int c = 0; c < combos; ++c) {  // in a fixed order: the same sums every run
+    const int b = c / m.groups, g = c % m.groups;
+    const __nv_bfloat16* row = operand + transformer_decode::OperandAt(inner, b, g * width);
+    float sum = 0.f;
+    for (int k = threadIdx.x; k < width; k += kThreads) {
+      const float v = __bfloat162float(row[k]);
+      sum = fmaf(v, v, sum);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+    if (lane == 0) scalars[warp * combos + c] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x < combos) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += scalars[w * combos + threadIdx.x];
+    scalars[kWarps * combos + threadIdx.x] = rsqrtf(total / width + p.eps);
+  }
+  __syncthreads();
+  const float* weight = m.gate_norm + static_cast<size_t>(layer) * inner;
+  for (int k = threadIdx.x; k < inner; k += kThreads) {
+    const float wk = __ldg(weight + k);
+#pragma unroll
+    for (int b = 0; b < B; ++b) {
+      __nv_bfloat16* at = operand + transformer_decode::OperandAt(inner, b, k);
+      const float scale = scalars[kWarps * combos + b * m.groups + k / width];
+      *at = __float2bfloat16(__bfloat162float(*at) * scale * wk);
+    }
+  }
+  __syncthreads();
+}
+
+template <int B, int S>
+__global__ void __launch_bounds__(kThreads, 1) MambaDecodeKernel(const __grid_constant__ MambaParams m) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  using namespace transformer_decode;  // NOLINT: the Transformer kernel's parts
+  const Params& p = m.core;
+  extern __shared__ __align__(128) unsigned char shared[];
+  Ring ring;
+  ring.slots = shared;
+  ring.bars = reinterpret_cast<uint64_t*>(shared + p.mbar_offset);
+  ring.count = p.ring_slots;
+  ring.cursor.Start(p);
+  auto* operand = reinterpret_cast<__nv_bfloat16*>(shared + p.operand_offset);
+  auto* reduce = reinterpret_cast<float*>(shared + p.reduce_offset);
+  auto* result = reinterpret_cast<float*>(shared + p.result_offset);
+  auto* scalars = reinterpret_cast<float*>(shared + p.scalar_offset);
+  auto* mix = reinterpret_cast<float*>(shared + m.mixer_offset);
+
+  if (threadIdx.x == 0) {
+    ring.InitBarriers();
+    ring.evict_first = p.options & kEvictFirstWeights;
+  }
+  __syncthreads();
+  ring.Fill(p);
+  ClearHandoffs(p);
+  CountCleared(p);
+
+  const int pos = *p.pos;
+  if (pos < 0) {
+    if (threadIdx.x == 0 && blockIdx.x == 0) {
+      printf("jax_flashoverlap mamba_decode: negative position %d\n", pos);
+    }
+    __trap();
+  }
+  const WeightStage &in_proj = p.stages[0], &out_proj = p.stages[1];
+  const int mixer_items = p.batch * m.heads;
+  for (int layer = 0; layer < p.layers; ++layer) {
+    const __nv_bfloat16* x = BlockInputOf(m, layer);
+    // A: the norm and in_proj.
+    if (ItemsOfCta(in_proj.items)) {
+      NormInto<B>(p, x, p.attn_norm + layer * p.d, operand, scalars, layer);
+    }
+    for (int item = blockIdx.x; item < in_proj.items; item += gridDim.x) {
+      ItemProduct<kItemColumns, B>(p, ring, in_proj, layer, operand, reduce, result);
+      if (layer == 0) {  // a late CTA's clearing must not erase what this writes
+        WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
+      }
+      InProjEpilogue<B>(m, layer, item, result);
+    }
+    if (layer == 0) {  // every handoff cleared before any is polled
+      WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
+    }
+    // B: the convolution, the SSM state's update, the skip and the gate.
+    for (int item = blockIdx.x; item < mixer_items; item += gridDim.x) {
+      MixerItem<S>(m, layer, item, pos, mix);
+    }
+    // C: the gated norm, out_proj and the residual add.
+    if (ItemsOfCta(out_proj.items)) GatedNormInto<B>(m, layer, operand, scalars);
+    for (int item = blockIdx.x; item < out_proj.items; item += gridDim.x) {
+      const int n0 = item * kItemColumns;
+      const float input = ResidualInput<B, kItemColumns>(p, x, n0, layer);
+      ItemProduct<kItemColumns, B>(p, ring, out_proj, layer, operand, reduce, result);
+      ResidualEpilogue<B, kItemColumns>(p, x, BlockOutputOf(m, layer), n0, result,
+                                        /*ahead=*/true, input, layer, kOutExchange, 0u);
+    }
+  }
+#endif
+}
+
+}  // namespace mamba_decode
+}  // namespace jfo
