@@ -38,7 +38,8 @@ DECODE_PACKED = "decode_attention_packed_inputs_contexts_1xh200.json"
 DECODE_BLOCKS = "decode_blocks_cuda_batches_1xh200.json"
 # Published models' shapes (benchmarks/decode.py --config) on random weights.
 # One table per GPU: each floor is that GPU's own datasheet bandwidth.
-DECODE_SHAPES = ("decode_real_shapes_1xh200.json", "decode_real_shapes_1xh100.json")
+DECODE_SHAPES = ("decode_real_shapes_1xh200.json", "decode_real_shapes_1xh100.json",
+                 "decode_mamba_kernel_1xh100.json")
 SSD = "ssd_decay_outer_1xh200.json"
 # The Mamba-2 1.4B step at the defaults against the Transformer 1B step of
 # the same process.
