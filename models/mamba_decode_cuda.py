@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashoverlap import build_info, settings
+from jax_flashoverlap import settings
 from jax_flashoverlap.nn import same_variance
 
 from .mamba_config import MambaConfig
-from .pallas_gpu import on_cuda
+from .pallas_gpu import kernel_or_reference
 from .transformer_decode_weights import _column_items, _fragment_order, _whole, item_order
 
 __all__ = ["MAX_BATCH", "MambaDecodeWeights", "decode_blocks", "in_proj_layout",
@@ -193,19 +193,10 @@ def decode_blocks(x: jax.Array, pos: jax.Array, weights: MambaDecodeWeights, sta
     Returns:
       (the blocks' output [b, d], the states after position ``pos``).
     """
-    pos = jnp.asarray(pos, jnp.int32)
-    run_reference = functools.partial(reference, config=config)
-    info = build_info()  # registers the kernel with XLA where it is built
-    if TARGET not in info["ffi_targets"]:
-        if on_cuda():
-            raise RuntimeError(
-                f"MambaConfig(decode_blocks='cuda'): the installed jax_flashoverlap has no "
-                f"{TARGET!r} kernel (build_info()={info}); build it with CUDA or use "
-                f"decode_blocks='layers'.")
-        return run_reference(x, pos, weights, states)
-    return lax.platform_dependent(x, pos, weights, states,
-                                  cuda=functools.partial(_ffi_decode, config=config),
-                                  default=run_reference)
+    return kernel_or_reference(TARGET, "MambaConfig(decode_blocks='cuda')",
+                               functools.partial(_ffi_decode, config=config),
+                               functools.partial(reference, config=config),
+                               x, jnp.asarray(pos, jnp.int32), weights, states)
 
 
 def _workspace_bytes(batch: int, config: MambaConfig) -> int:

@@ -41,13 +41,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jax_flashoverlap import build_info, settings
+from jax_flashoverlap import settings
 from jax_flashoverlap.group_call import group_ffi_call
 from jax_flashoverlap.nn import same_variance
 
 from .config import TransformerConfig
 from .layers import KVCache, rope, rope_frequencies
-from .pallas_gpu import on_cuda
+from .pallas_gpu import kernel_or_reference
 from .transformer_decode_weights import (
     GATE_UP_COLUMNS,
     OUT_COLUMNS,
@@ -186,19 +186,10 @@ def decode_blocks(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
       (the blocks' output [b, d], the same on every tensor rank, the caches
       with position ``pos`` written).
     """
-    pos = jnp.asarray(pos, jnp.int32)
-    run_reference = functools.partial(reference, config=config)
-    info = build_info()  # registers the kernel with XLA where it is built
-    if TARGET not in info["ffi_targets"]:
-        if on_cuda():
-            raise RuntimeError(
-                f"TransformerConfig(decode_blocks='cuda'): the installed jax_flashoverlap has "
-                f"no {TARGET!r} kernel (build_info()={info}); build it with CUDA or use "
-                f"decode_blocks='layers'.")
-        return run_reference(x, pos, weights, caches)
-    return lax.platform_dependent(x, pos, weights, caches,
-                                  cuda=functools.partial(_ffi_decode, config=config),
-                                  default=run_reference)
+    return kernel_or_reference(TARGET, "TransformerConfig(decode_blocks='cuda')",
+                               functools.partial(_ffi_decode, config=config),
+                               functools.partial(reference, config=config),
+                               x, jnp.asarray(pos, jnp.int32), weights, caches)
 
 
 def _workspace_bytes(batch: int, config: TransformerConfig, ranks: int = 1) -> int:

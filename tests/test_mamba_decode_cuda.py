@@ -109,6 +109,18 @@ def test_cuda_blocks_where_the_kernel_cannot_run_raise_naming_why():
             models.generate(model, np.zeros((1, 4), np.int32), 2)
 
 
+def test_a_build_without_the_kernel_is_an_error_on_cuda_gpus(monkeypatch):
+    """On a CUDA GPU, a build without the kernel fails naming the fix (off
+    GPUs the reference runs)."""
+    monkeypatch.setattr(models.pallas_gpu, "build_info", lambda: {"ffi_targets": []})
+    monkeypatch.setattr(models.pallas_gpu, "on_cuda", lambda: True)
+    config = _config("bfloat16", num_layers=1)
+    x = jnp.zeros((1, config.embed_dim), jnp.bfloat16)
+    with pytest.raises(RuntimeError, match=r"MambaConfig\(decode_blocks='cuda'\): the installed "
+                                           r"jax_flashoverlap has no 'jfo_mamba_decode' kernel"):
+        fused.decode_blocks(x, 0, None, (), config)
+
+
 def _gpu_or_skip():
     if jax.default_backend() != "gpu":
         if os.environ.get("JFO_REQUIRE_GPU"):

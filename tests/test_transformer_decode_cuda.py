@@ -245,21 +245,13 @@ def test_auto_decodes_layer_by_layer_off_gpus(rng):
 def test_a_build_without_the_kernel_is_an_error_on_cuda_gpus(monkeypatch):
     """On a CUDA GPU, a build without the kernel fails naming the fix (off
     GPUs the reference runs)."""
-    monkeypatch.setattr(fused, "build_info", lambda: {"ffi_targets": []})
-    monkeypatch.setattr(fused, "on_cuda", lambda: True)
+    monkeypatch.setattr(models.pallas_gpu, "build_info", lambda: {"ffi_targets": []})
+    monkeypatch.setattr(models.pallas_gpu, "on_cuda", lambda: True)
     config = _config("bfloat16", layers=1)
     x = jnp.zeros((1, config.embed_dim), jnp.bfloat16)
     with pytest.raises(RuntimeError, match=r"the installed jax_flashoverlap has no "
                                            r"'jfo_transformer_decode' kernel"):
         fused.decode_blocks(x, 0, None, (), config)
-
-
-def test_only_a_model_with_decode_weights_takes_them(rng):
-    """Mamba-2 decodes layer by layer: weights given to its step are an error."""
-    config = models.MambaConfig.preset("tiny")
-    model = _model_of(models.Mamba2, config, cpu_mesh(1))
-    with pytest.raises(NotImplementedError, match="Mamba2 has no decode_weights"):
-        model.decode_step(jnp.zeros((1,), jnp.int32), (), jnp.int32(0), weights=object())
 
 
 def test_generate_with_the_kernels_blocks_follows_the_layers(rng):
