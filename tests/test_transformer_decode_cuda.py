@@ -242,6 +242,23 @@ def test_auto_decodes_layer_by_layer_off_gpus(rng):
     assert generator.decode_weights is None
 
 
+class _LayersOnly(models.Mamba2):
+    """A model whose layers decode on their own: CausalLM's defaults."""
+
+    decode_weights_specs = models.CausalLM.decode_weights_specs
+    _decode_layers_with = models.CausalLM._decode_layers_with
+
+
+def test_only_a_model_with_decode_weights_takes_them():
+    """A model without a decode kernel (CausalLM's defaults): weights given
+    to its step, or their specs asked for, are an error naming the model."""
+    model = _model_of(_LayersOnly, models.MambaConfig.preset("tiny"), cpu_mesh(1))
+    with pytest.raises(NotImplementedError, match="_LayersOnly has no decode_weights"):
+        model.decode_step(jnp.zeros((1,), jnp.int32), (), jnp.int32(0), weights=object())
+    with pytest.raises(NotImplementedError, match="_LayersOnly has no decode_weights"):
+        model.decode_weights_specs()
+
+
 def test_a_build_without_the_kernel_is_an_error_on_cuda_gpus(monkeypatch):
     """On a CUDA GPU, a build without the kernel fails naming the fix (off
     GPUs the reference runs)."""
