@@ -266,7 +266,9 @@ def run(args: argparse.Namespace) -> dict:
         for i, continuation in enumerate(result["texts"]):
             print(f"--- row {i}:\n{text}{continuation}")
     if lead:
-        kernel = " (the blocks in one CUDA kernel)" if result["decode_blocks"] == "cuda" else ""
+        kernel = ("" if result["decode_blocks"] != "cuda"
+                  else " (the blocks in one CUDA kernel)" if jax.default_backend() == "gpu"
+                  else " (the one-kernel step's JAX reference: no GPU)")
         kernel += " (streamed: a host callback each step)" if args.stream else ""
         per_token = (f"{result['per_token_ms']:.3f} ms per token{kernel} over {steps} decode "
                      f"steps, {result['tokens_per_s']:,.0f} tokens/s" if steps
