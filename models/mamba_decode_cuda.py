@@ -34,9 +34,10 @@ from jax import lax
 from jax_flashoverlap import settings
 from jax_flashoverlap.nn import same_variance
 
+from .layers import rms_norm
 from .mamba_config import MambaConfig
 from .pallas_gpu import kernel_or_reference
-from .transformer_decode_weights import _column_items, _fragment_order, _whole, item_order
+from .transformer_decode_weights import _column_items, _fragment_order, _whole, items_product
 
 __all__ = ["MAX_BATCH", "MambaDecodeWeights", "decode_blocks", "in_proj_layout",
            "prepare_weights", "reference", "unsupported_reason"]
@@ -231,19 +232,6 @@ def _ffi_decode(x, pos, weights, states, *, config: MambaConfig):
     return out, tuple(type(states[0])(*updated[i:i + 2]) for i in range(0, len(updated), 2))
 
 
-def _norm(x: jax.Array, weight: jax.Array, eps: float, groups: int = 1) -> jax.Array:
-    y = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, -1)
-    inv_rms = lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + eps)
-    return ((y * inv_rms).reshape(x.shape) * weight).astype(x.dtype)
-
-
-def _items_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """[b, k] times each item [items, k, c] (in MMA tiles) -> [b, items * c]
-    in x's dtype."""
-    y = jnp.einsum("bk,ikc->bic", x, item_order(w), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype).reshape(x.shape[0], -1)
-
-
 def reference(x: jax.Array, pos: jax.Array, weights: MambaDecodeWeights, states: tuple, *,
               config: MambaConfig) -> tuple[jax.Array, tuple]:
     """:func:`decode_blocks` in JAX: the kernel's stages on the same layout,
@@ -256,7 +244,7 @@ def reference(x: jax.Array, pos: jax.Array, weights: MambaDecodeWeights, states:
     updated = []
     for layer, state in enumerate(states):
         w = jax.tree.map(lambda a, i=layer: a[i], weights)
-        zx = _items_product(_norm(x, w.norm, config.norm_eps), w.in_proj)   # [b, columns]
+        zx = items_product(rms_norm(x, w.norm, eps=config.norm_eps), w.in_proj)   # [b, columns]
         xs = zx[:, at["x"]:at["x"] + inner].reshape(b, g, hpg * p)
         bs = zx[:, at["b"]:at["b"] + g * n].reshape(b, g, n)
         cs = zx[:, at["c"]:at["c"] + g * n].reshape(b, g, n)
@@ -276,8 +264,8 @@ def reference(x: jax.Array, pos: jax.Array, weights: MambaDecodeWeights, states:
         y = jnp.einsum("bghpn,bgn->bghp", ssm, ca) + w.d_skip.reshape(g, hpg, 1) * xa
         z = zx[:, at["z"]:at["z"] + inner].astype(f32)
         gated = (y.astype(x.dtype).astype(f32).reshape(b, inner) * jax.nn.silu(z)).astype(x.dtype)
-        normed = _norm(gated, w.gate_norm, config.norm_eps, g)
-        x = x + _items_product(normed, w.out_proj)
+        normed = rms_norm(gated, w.gate_norm, eps=config.norm_eps, group_size=inner // g)
+        x = x + items_product(normed, w.out_proj)
         conv = lax.dynamic_update_slice(state.conv, now[None].astype(state.conv.dtype),
                                         (pos % width, 0, 0))
         updated.append(type(state)(conv, ssm))

@@ -46,14 +46,14 @@ from jax_flashoverlap.group_call import group_ffi_call
 from jax_flashoverlap.nn import same_variance
 
 from .config import TransformerConfig
-from .layers import KVCache, rope, rope_frequencies
+from .layers import KVCache, rms_norm, rope, rope_frequencies
 from .pallas_gpu import kernel_or_reference
 from .transformer_decode_weights import (
     GATE_UP_COLUMNS,
     OUT_COLUMNS,
     QKV_COLUMNS,
     DecodeWeights,
-    item_order,
+    items_product,
     prepare_weights,
     weight_specs,
 )
@@ -369,19 +369,6 @@ def stage_times(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
                        stage_times=2 if trace else 1)
 
 
-def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    y = x.astype(jnp.float32)
-    inv_rms = lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + eps)
-    return (y * inv_rms * weight).astype(x.dtype)
-
-
-def _items_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """[b, k] times each item [items, k, c] (in MMA tiles) -> [b, items * c]
-    in x's dtype."""
-    y = jnp.einsum("bk,ikc->bic", x, item_order(w), preferred_element_type=jnp.float32)
-    return y.astype(x.dtype).reshape(x.shape[0], -1)
-
-
 def reference(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
               caches: tuple[KVCache, ...], *, config: TransformerConfig
               ) -> tuple[jax.Array, tuple[KVCache, ...]]:
@@ -408,7 +395,7 @@ def reference(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
     updated = []
     for layer, cache in enumerate(caches):
         # A: items -> [b, kv, role, half, block, 16] -> the model's [b, kv, role, h].
-        qkv = _items_product(_norm(x, weights.attn_norm[layer], config.norm_eps),
+        qkv = items_product(rms_norm(x, weights.attn_norm[layer], eps=config.norm_eps),
                              weights.qkv[layer])
         qkv = qkv.reshape(b, kv, qpk + 2, h // 2 // pairs, 2, pairs)
         qkv = qkv.transpose(0, 1, 2, 4, 3, 5).reshape(b, kv, qpk + 2, h)
@@ -431,10 +418,10 @@ def reference(x: jax.Array, pos: jax.Array, weights: DecodeWeights,
         attended = jnp.einsum("bgql,bglh->bgqh", jax.nn.softmax(scores, axis=-1), values)
         attended = attended.reshape(b, -1).astype(x.dtype)
         # C, D, E.
-        x = x + summed(_items_product(attended, weights.out[layer]))
-        gate_up = _items_product(_norm(x, weights.mlp_norm[layer], config.norm_eps),
+        x = x + summed(items_product(attended, weights.out[layer]))
+        gate_up = items_product(rms_norm(x, weights.mlp_norm[layer], eps=config.norm_eps),
                                  weights.gate_up[layer]).reshape(b, -1, 2)
         gate, up = (gate_up[..., i].astype(jnp.float32) for i in (0, 1))
-        x = x + summed(_items_product((jax.nn.silu(gate) * up).astype(x.dtype),
+        x = x + summed(items_product((jax.nn.silu(gate) * up).astype(x.dtype),
                                       weights.down[layer]))
     return x, tuple(updated)

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from .config import TransformerConfig
 
 __all__ = ["DecodeWeights", "prepare_weights", "weight_specs", "QKV_COLUMNS", "OUT_COLUMNS",
-           "GATE_UP_COLUMNS", "DOWN_COLUMNS", "item_order"]
+           "GATE_UP_COLUMNS", "DOWN_COLUMNS", "item_order", "items_product"]
 
 # Columns of a work item per weight (ffi/src/transformer_decode.cu).
 QKV_COLUMNS = 32      # 16 rotary pairs: 16 columns of a head's first half, then its second
@@ -109,6 +109,14 @@ def item_order(items: jax.Array) -> jax.Array:
     split = _tile_split(k, c)
     tiles = items.reshape(n, *(split[a] for a in _TO_FRAGMENTS))
     return tiles.transpose(0, *(1 + a for a in _FROM_FRAGMENTS)).reshape(n, k, c)
+
+
+def items_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """[b, k] times each item [items, k, c] (in MMA tiles) -> [b, items * c]
+    in x's dtype, summed in float32: a decode kernel's GEMV, as its JAX
+    references compute it."""
+    y = jnp.einsum("bk,ikc->bic", x, item_order(w), preferred_element_type=jnp.float32)
+    return y.astype(x.dtype).reshape(x.shape[0], -1)
 
 
 def prepare_weights(blocks, config: TransformerConfig) -> DecodeWeights:
