@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec as P
 from . import settings as environment
 
 __all__ = ["Timing", "time_per_op", "time_interleaved", "first_devices_mesh", "looped",
-           "median_ratio", "comparable_hlo", "gemm_autotune_setting", "provenance", "hbm_tb_s"]
+           "loop_step_us", "median_ratio", "comparable_hlo", "gemm_autotune_setting",
+           "provenance", "hbm_tb_s"]
 
 # Where the protocol above is written down, for the results' metadata.
 PROTOCOL = "jax_flashoverlap/benchmarking.py (module docstring)"
@@ -195,6 +196,32 @@ def time_interleaved(ops: dict[str, Callable[..., jax.Array]], args: Sequence[ja
             by_k = loops[name]
             estimates[name].append((wall(by_k[k2]) - wall(by_k[k1])) / (k2 - k1))
     return estimates
+
+
+def loop_step_us(loop: Callable[[int], Callable], fresh_args: Callable[[], tuple],
+                 steps: tuple[int, int] = (8, 24), reps: int = 5) -> list[float]:
+    """A step's time in a compiled loop of steps (a decode loop), in µs:
+    (T(k2) - T(k1)) / (k2 - k1) for each of ``reps`` repetitions, sorted.
+
+    Args:
+      loop: ``loop(k)`` is a jitted function running k steps.
+      fresh_args: the loop's arguments, made anew (outside the timing)
+        before each run: a loop may donate them.
+      steps: (k1, k2).
+      reps: repetitions.
+    """
+    loops = {k: loop(k) for k in steps}
+
+    def run(k):
+        args = jax.block_until_ready(fresh_args())
+        start = time.perf_counter()
+        jax.block_until_ready(loops[k](*args))
+        return time.perf_counter() - start
+
+    for k in steps:
+        run(k)  # compile, warm up
+    k1, k2 = steps
+    return sorted((run(k2) - run(k1)) / (k2 - k1) * 1e6 for _ in range(reps))
 
 
 def median_ratio(estimates: Sequence[float], baseline: Sequence[float]) -> float:

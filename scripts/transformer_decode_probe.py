@@ -31,7 +31,6 @@ import itertools
 import json
 import os
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -108,18 +107,9 @@ def decode_loop(config, steps: int, context: int):
 
 
 def per_step_us(config, x, weights, caches, context: int) -> list[float]:
-    loops = {k: decode_loop(config, k, context) for k in STEPS}
-
-    def run(k):
-        fresh = jax.block_until_ready(jax.tree.map(jnp.copy, caches))
-        start = time.perf_counter()
-        jax.block_until_ready(loops[k](x, weights, fresh))
-        return time.perf_counter() - start
-
-    for k in STEPS:
-        run(k)
-    k1, k2 = STEPS
-    return sorted((run(k2) - run(k1)) / (k2 - k1) * 1e6 for _ in range(REPS))
+    return benchmarking.loop_step_us(
+        lambda k: decode_loop(config, k, context),
+        lambda: (x, weights, jax.tree.map(jnp.copy, caches)), STEPS, REPS)
 
 
 def stage_breakdown(config, x, weights, caches, context: int) -> dict:

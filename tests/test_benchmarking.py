@@ -10,6 +10,7 @@ from jax_flashoverlap.benchmarking import (
     Timing,
     comparable_hlo,
     first_devices_mesh,
+    loop_step_us,
     time_interleaved,
     time_per_op,
 )
@@ -81,6 +82,29 @@ def _check_known_costs(timer):
 
 def test_a_known_cost_is_measured_as_such():
     _check_known_costs(time_per_op)
+
+
+def test_a_loops_fixed_cost_cancels_and_its_arguments_are_fresh():
+    """loop_step_us of a loop that sleeps 20 ms once and 5 ms a step is 5
+    ms a step, and every run gets arguments made for it alone."""
+    import time
+
+    made, used = [], []
+
+    def loop(k):
+        def run(token):
+            used.append(token)
+            time.sleep(0.020 + 0.005 * k)
+        return run
+
+    def fresh_args():
+        made.append(object())
+        return (made[-1],)
+
+    steps = loop_step_us(loop, fresh_args, steps=(2, 6), reps=3)
+    assert len(steps) == 3 and steps == sorted(steps)
+    assert 4500 <= steps[1] <= 7000, steps
+    assert used == made and len(set(map(id, used))) == len(used) == 2 + 2 * 3
 
 
 def test_a_timer_that_skips_the_op_fails_the_check(monkeypatch):
