@@ -31,16 +31,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jax_flashoverlap import settings
+from jax_flashoverlap import build_info, settings
 from jax_flashoverlap.nn import same_variance
 
 from .layers import rms_norm
 from .mamba_config import MambaConfig
-from .pallas_gpu import kernel_or_reference
+from .pallas_gpu import kernel_or_reference, on_cuda
 from .transformer_decode_weights import _column_items, _fragment_order, _whole, items_product
 
-__all__ = ["MAX_BATCH", "MambaDecodeWeights", "decode_blocks", "in_proj_layout",
-           "prepare_weights", "reference", "unsupported_reason"]
+__all__ = ["MAX_BATCH", "MambaDecodeWeights", "TRACE_EVENTS", "decode_blocks", "in_proj_layout",
+           "prepare_weights", "reference", "traced", "unsupported_reason"]
 
 TARGET = "jfo_mamba_decode"
 MAX_BATCH = 4
@@ -56,7 +56,26 @@ _THREADS, _MAX_STATE_PER_THREAD = 256, 64
 CHUNK_BYTES = 32768
 RING_SLOTS = 0
 OPTIONS = 1 | 4 | 16 | 64  # evict-first weights, residual ahead, ordered atomics, polled
+# The kernel's schedule (bit flags, ffi/src/mamba_decode/kernel.cuh):
+# BALANCED_ITEMS gives the CTAs with one more in_proj item than the rest no
+# out_proj or mixer item; LOADS_TOGETHER has a mixer item issue all its
+# loads of in_proj's outputs before polling any. PREFETCH_CHUNKS: weight
+# chunks past the ring that each CTA fetches into L2 after in_proj and
+# after out_proj, so that HBM streams on while the CTA waits on others
+# (the ring holds 192 KB an SM, a 1.3B layer's weights 392 KB). Off until
+# measured; read where the kernel is traced; scripts/mamba_decode_probe.py
+# compares them.
+BALANCED_ITEMS, LOADS_TOGETHER = 1, 2
+SCHEDULE = 0
+PREFETCH_CHUNKS = 0
 _CONTROL_BYTES = 4096
+# A trace's rows: per layer, 256 CTAs of 25 clocks (the Transformer
+# kernel's rows), the first TRACE_EVENTS of them named; the last two are
+# thread 0's time issuing copies and thread 32's waits for them, in ns.
+_TRACE_CTAS, _TRACE_ROW = 256, 25
+TRACE_EVENTS = ("layer_start", "normed", "in_proj_done", "mixer_ready", "mixer_done",
+                "gated_normed", "out_proj_done", "in_proj_copy_wait_ns",
+                "out_proj_copy_wait_ns")
 
 
 class MambaDecodeWeights(NamedTuple):
@@ -206,7 +225,30 @@ def _workspace_bytes(batch: int, config: MambaConfig) -> int:
     return _CONTROL_BYTES + -(-config.num_layers * per_layer * 2 // 256) * 256
 
 
-def _ffi_decode(x, pos, weights, states, *, config: MambaConfig):
+def traced(x: jax.Array, pos: jax.Array, weights: MambaDecodeWeights, states: tuple,
+           config: MambaConfig):
+    """:func:`decode_blocks` on a CUDA GPU, with each CTA's clocks.
+
+    For probing the kernel (``scripts/mamba_decode_probe.py``).
+
+    Returns:
+      (x, states, uint32 [L, 256, 25, 2]): per layer and CTA, %globaltimer
+      in ns (low and high words) at each of TRACE_EVENTS (0 where the CTA
+      did not pass there; rows past the grid are 0), except the entries
+      named *_ns and the last two, which are durations (see TRACE_EVENTS).
+
+    Raises:
+      RuntimeError: off CUDA GPUs, or in a build without the kernel.
+    """
+    if not on_cuda() or TARGET not in build_info()["ffi_targets"]:
+        raise RuntimeError("mamba_decode_cuda.traced runs the kernel itself: it needs a CUDA "
+                           "GPU and a build with jfo_mamba_decode (decode_blocks runs the JAX "
+                           "reference elsewhere)")
+    return _ffi_decode(x, jnp.asarray(pos, jnp.int32), weights, states, config=config,
+                       trace=True)
+
+
+def _ffi_decode(x, pos, weights, states, *, config: MambaConfig, trace: bool = False):
     flat = [t for state in states for t in state]
     operands, varying = same_variance(x, pos, *weights, *flat)
     sharding = jax.typeof(x).sharding.update(spec=jax.sharding.PartitionSpec())
@@ -216,20 +258,28 @@ def _ffi_decode(x, pos, weights, states, *, config: MambaConfig):
 
     # At tensor size 1 the blocks' output is the one rank's, typed as a psum's.
     whole = varying.update(varying=varying.varying - {config.sharding.tensor})
+    trace_bytes = config.num_layers * _TRACE_CTAS * _TRACE_ROW * 8 if trace else 0
+    workspace_bytes = _workspace_bytes(x.shape[0], config)
     results = (like(x.shape, x.dtype, whole),
-               like((_workspace_bytes(x.shape[0], config),), jnp.uint8),
+               like((workspace_bytes + trace_bytes,), jnp.uint8),
                *(like(t.shape, t.dtype) for t in flat))
     first_state = 2 + len(weights)
     call = jax.ffi.ffi_call(TARGET, results,
                             input_output_aliases={first_state + i: 2 + i
                                                   for i in range(len(flat))})
-    out, _, *updated = call(
+    out, workspace, *updated = call(
         *operands, heads=np.int32(config.num_heads), groups=np.int32(config.num_groups),
         eps=np.float32(config.norm_eps),
         timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
         chunk_bytes=np.int32(CHUNK_BYTES), ring_slots=np.int32(RING_SLOTS),
-        options=np.int32(OPTIONS))
-    return out, tuple(type(states[0])(*updated[i:i + 2]) for i in range(0, len(updated), 2))
+        options=np.int32(OPTIONS), schedule=np.int32(SCHEDULE),
+        prefetch_chunks=np.int32(PREFETCH_CHUNKS), trace=np.int32(trace))
+    updated = tuple(type(states[0])(*updated[i:i + 2]) for i in range(0, len(updated), 2))
+    if not trace:
+        return out, updated
+    words = lax.bitcast_convert_type(
+        workspace[workspace_bytes:].reshape(-1, 4), jnp.uint32)
+    return out, updated, words.reshape(config.num_layers, _TRACE_CTAS, _TRACE_ROW, 2)
 
 
 def reference(x: jax.Array, pos: jax.Array, weights: MambaDecodeWeights, states: tuple, *,

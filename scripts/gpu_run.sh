@@ -7,7 +7,7 @@
 #                                               multi-rank tests of one GPU, and
 #                                               the IPC/MPS probe)
 #                                               profile, stall, nvshmem, nvlink, cutlass, mixer,
-#                                               ssd_tiling, tune, stream
+#                                               mamba_probe, ssd_tiling, tune, stream
 #                                               (only when named)
 #
 # JFO_GPU_TESTS picks test files; JFO_CM_ARGS, JFO_AR_ARGS, JFO_KT_ARGS, JFO_SSD_ARGS,
@@ -248,6 +248,13 @@ fi
 if [[ " ${stages[*]} " == *" mixer "* ]]; then
   # shellcheck disable=SC2086
   step mixer$tag $PY -P scripts/mamba_decode_mixer_probe.py ${JFO_MIXER_BATCHES:-}
+fi
+# Opt-in: the one-kernel Mamba-2 decode step's variants, checked, timed and
+# traced (scripts/mamba_decode_probe.py; JFO_MAMBA_PROBE_ARGS adds flags).
+if [[ " ${stages[*]} " == *" mamba_probe "* ]]; then
+  # shellcheck disable=SC2086
+  step mamba_probe$tag $PY -P scripts/mamba_decode_probe.py \
+    --json "$OUT/mamba_decode_probe$tag.json" ${JFO_MAMBA_PROBE_ARGS:-}
 fi
 # Opt-in: the NVLink ceilings between GPUs 0 and 1 (copy engine, SM push and
 # pull, the two-shot's pattern without flags; scripts/nvlink_probe.cu).

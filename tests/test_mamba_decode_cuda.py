@@ -121,6 +121,13 @@ def test_a_build_without_the_kernel_is_an_error_on_cuda_gpus(monkeypatch):
         fused.decode_blocks(x, 0, None, (), config)
 
 
+def test_the_trace_needs_the_kernel_on_a_cuda_gpu(monkeypatch):
+    monkeypatch.setattr(fused, "on_cuda", lambda: False)
+    with pytest.raises(RuntimeError,
+                       match="mamba_decode_cuda.traced runs the kernel itself: it needs a CUDA"):
+        fused.traced(None, 0, None, (), _config())
+
+
 def _gpu_or_skip():
     if jax.default_backend() != "gpu":
         if os.environ.get("JFO_REQUIRE_GPU"):
@@ -151,12 +158,17 @@ def _states(rng, config, batch, pos):
     dict(num_groups=2), dict(num_groups=1, head_dim=64, state_dim=128, embed_dim=256),
     dict(num_groups=4, conv_width=3)])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_kernel_matches_its_reference(rng, overrides, batch):
+@pytest.mark.parametrize("schedule, prefetch", [(0, 0), (fused.BALANCED_ITEMS
+                                                         | fused.LOADS_TOGETHER, 6)])
+def test_kernel_matches_its_reference(rng, monkeypatch, overrides, batch, schedule, prefetch):
     """One step of the kernel against the reference on the same bf16
     inputs, its output within twice the reference's own error against
     float32 and its states within bf16's tolerance; the ring's own row
-    written, the others untouched."""
+    written, the others untouched. With the default schedule and with every
+    choice of it on."""
     _gpu_or_skip()
+    monkeypatch.setattr(fused, "SCHEDULE", schedule)
+    monkeypatch.setattr(fused, "PREFETCH_CHUNKS", prefetch)
     config = _config("bfloat16", **overrides)
     model = _model(config, jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1),
                                              ("data", "tensor")))
@@ -181,6 +193,41 @@ def test_kernel_matches_its_reference(rng, overrides, batch):
         np.testing.assert_allclose(ring[pos % config.conv_width],
                                    np.asarray(w.conv, np.float32)[pos % config.conv_width],
                                    rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_trace_times_every_stage_in_order_and_changes_nothing(rng):
+    """A traced step's output and states are the untraced step's, bit for
+    bit, and each CTA passes its layer's points in order, layer after layer."""
+    _gpu_or_skip()
+    config = _config("bfloat16", num_groups=1, head_dim=64, state_dim=128, embed_dim=256)
+    model = _model(config, jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1),
+                                             ("data", "tensor")))
+    weights = jax.jit(lambda m: fused.prepare_weights(m.blocks, config))(model)
+    states = _states(rng, config, 2, 9)
+    x = jnp.asarray(rng.standard_normal((2, config.embed_dim)), jnp.bfloat16)
+    want, want_states = jax.jit(lambda *a: fused._ffi_decode(*a, config=config))(
+        x, jnp.int32(9), weights, states)
+    got, got_states, words = jax.jit(lambda *a: fused.traced(*a, config))(
+        x, jnp.int32(9), weights, states)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    for g, w in zip(got_states, want_states):
+        np.testing.assert_array_equal(np.asarray(g.ssm), np.asarray(w.ssm))
+        np.testing.assert_array_equal(np.asarray(g.conv, np.float32),
+                                      np.asarray(w.conv, np.float32))
+    words = np.asarray(words, np.int64)
+    clocks = words[..., 0] + (words[..., 1] << 32)            # [L, 256, row]
+    grid = int((clocks[0, :, 0] > 0).sum())                  # the CTAs come first
+    assert grid >= 2 * config.num_heads and (clocks[:, grid:] == 0).all()
+    names = fused.TRACE_EVENTS
+    order = [names.index(e) for e in ("layer_start", "normed", "in_proj_done", "mixer_done",
+                                      "gated_normed", "out_proj_done")]
+    passed = clocks[:, :grid][..., order]                      # [L, grid, points]
+    assert (passed > 0).all()
+    assert (np.diff(passed, axis=-1) >= 0).all()
+    assert (passed[1:, :, 0] >= passed[:-1, :, -1]).all()
+    ready = clocks[:, :grid, names.index("mixer_ready")]
+    assert ((ready > 0).sum(axis=1) == 2 * config.num_heads).all()  # a CTA per mixer item
 
 
 @pytest.mark.gpu

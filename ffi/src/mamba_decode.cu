@@ -27,14 +27,12 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <mutex>
-#include <set>
 #include <string>
-#include <tuple>
 
 #include "common.h"
 #include "handlers.h"
 #include "mamba_decode/kernel.cuh"
+#include "transformer_decode/launch.cuh"
 
 namespace jfo {
 namespace {
@@ -71,14 +69,8 @@ int64_t Padded(int64_t n) { return (n + kItemColumns - 1) / kItemColumns * kItem
 
 WeightStage StageOf(const ffi::AnyBuffer& w, int chunk_bytes) {
   const auto dims = w.dimensions();  // [layers, items, k, kItemColumns]
-  WeightStage st;
-  st.w = static_cast<const __nv_bfloat16*>(w.untyped_data());
-  st.items = static_cast<int>(dims[1]);
-  st.k = static_cast<int>(dims[2]);
-  st.columns = kItemColumns;
-  st.rows_per_chunk = chunk_bytes / (kItemColumns * static_cast<int>(sizeof(__nv_bfloat16)));
-  st.chunks_per_item = (st.k + st.rows_per_chunk - 1) / st.rows_per_chunk;
-  return st;
+  return transformer_decode::WeightStageOf(w.untyped_data(), dims[1], dims[2], kItemColumns,
+                                           chunk_bytes);
 }
 
 struct Launch {
@@ -90,7 +82,7 @@ struct Launch {
 struct Attrs {
   int32_t heads, groups;
   float eps;
-  int32_t timeout_ms, chunk_bytes, ring_slots, options;
+  int32_t timeout_ms, chunk_bytes, ring_slots, options, schedule, prefetch_chunks, trace;
 };
 
 ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
@@ -182,6 +174,13 @@ ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
     return Invalid("options must include polled handoffs (64) and no unknown bit, got " +
                    std::to_string(a.options));
   }
+  if (a.schedule & ~kAllSchedule || a.prefetch_chunks < 0 || a.prefetch_chunks > 1024 ||
+      a.trace < 0 || a.trace > 1) {
+    return Invalid("schedule takes bits " + std::to_string(kAllSchedule) +
+                   ", prefetch_chunks 0 to 1024 and trace 0 or 1; got " +
+                   std::to_string(a.schedule) + ", " + std::to_string(a.prefetch_chunks) +
+                   " and " + std::to_string(a.trace));
+  }
 
   Launch launch;
   MambaParams& m = launch.m;
@@ -254,15 +253,25 @@ ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
 
   const size_t handoff_bytes =
       AlignUp(static_cast<size_t>(layers) * batch * (in_columns + inner + d) * 2, 256);
-  if (workspace.size_bytes() < kControlBytes + handoff_bytes) {
+  const size_t trace_bytes = a.trace ? static_cast<size_t>(layers) *
+                                           transformer_decode::kMaxTraceCtas *
+                                           transformer_decode::kTraceEvents * 8
+                                     : 0;
+  const size_t need = kControlBytes + handoff_bytes + trace_bytes;
+  if (workspace.size_bytes() < need) {
     return Invalid("the workspace holds " + std::to_string(workspace.size_bytes()) + " bytes, " +
-                   std::to_string(kControlBytes + handoff_bytes) + " needed");
+                   std::to_string(need) + " needed");
   }
   auto* base = static_cast<unsigned char*>(workspace.untyped_data());
   p.barrier = reinterpret_cast<unsigned*>(base);
   p.cleared = p.barrier + 16;
   p.handoffs = reinterpret_cast<__nv_bfloat16*>(base + kControlBytes);
   p.handoff_bytes = handoff_bytes;
+  p.trace = trace_bytes ? reinterpret_cast<unsigned long long*>(base + kControlBytes +
+                                                                handoff_bytes)
+                        : nullptr;
+  m.prefetch_chunks = a.prefetch_chunks;
+  m.schedule = a.schedule;
 
   const DeviceInfo info = DeviceInfoOf(device);
   if (info.major < 9) return Invalid("needs a Hopper or later GPU (TMA bulk copies)");
@@ -300,46 +309,25 @@ ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
   at += static_cast<size_t>(p.ring_slots) * 8;
   launch.shared = at;
   launch.grid = info.sms;
+  if (p.trace && launch.grid > transformer_decode::kMaxTraceCtas) {
+    return Invalid("a trace holds " + std::to_string(transformer_decode::kMaxTraceCtas) +
+                   " CTAs; this GPU runs " + std::to_string(launch.grid));
+  }
+  if (a.schedule & kBalancedItems) {
+    // The CTAs that take one more in_proj item than the rest come first.
+    m.mixer_first_cta = p.stages[1].first_cta = p.stages[0].items % launch.grid;
+  }
   JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base, 0, kControlBytes, stream));
+  if (p.trace) JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.trace, 0, trace_bytes, stream));
 
   return launch;
 }
 
 template <int B, int S>
 ffi::Error LaunchAs(cudaStream_t stream, int device, const Launch& launch) {
-  auto kernel = MambaDecodeKernel<B, S>;
-  // Once per device and shared-memory size: a step's host time is time its
-  // GPU may wait for.
-  static std::mutex mu;
-  static std::set<std::tuple<int, size_t>> ready;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    if (!ready.count({device, launch.shared})) {
-      JFO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DeviceInfoOf(device).max_shared));
-      int per_sm = 0;
-      JFO_CUDA_RETURN_IF_ERROR(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, launch.shared));
-      if (per_sm < 1) {
-        return ffi::Error::Internal(kOp + "the kernel does not fit an SM with " +
-                                    std::to_string(launch.shared) + " bytes of shared memory");
-      }
-      ready.insert({device, launch.shared});
-    }
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(launch.grid, 1, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = launch.shared;
-  config.stream = stream;
-  // Every CTA resident: the polls rely on it.
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeCooperative;
-  attrs[0].val.cooperative = 1;
-  config.attrs = attrs;
-  config.numAttrs = 1;
-  JFO_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, launch.m));
-  return ffi::Error::Success();
+  return transformer_decode::LaunchPersistent(kOp, MambaDecodeKernel<B, S>, launch.m, stream,
+                                              device, launch.grid, kThreads, launch.shared,
+                                              /*cooperative=*/true);
 }
 
 template <int B>
@@ -363,8 +351,10 @@ ffi::Error MambaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            ffi::Result<ffi::AnyBuffer> x_out,
                            ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets states_out,
                            int32_t heads, int32_t groups, float eps, int32_t timeout_ms,
-                           int32_t chunk_bytes, int32_t ring_slots, int32_t options) {
-  const Attrs attrs{heads, groups, eps, timeout_ms, chunk_bytes, ring_slots, options};
+                           int32_t chunk_bytes, int32_t ring_slots, int32_t options,
+                           int32_t schedule, int32_t prefetch_chunks, int32_t trace) {
+  const Attrs attrs{heads,      groups,  eps,      timeout_ms,      chunk_bytes,
+                    ring_slots, options, schedule, prefetch_chunks, trace};
   int device = 0;
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   JFO_ASSIGN_OR_RETURN(const Launch launch,
@@ -406,6 +396,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("timeout_ms")
         .Attr<int32_t>("chunk_bytes")
         .Attr<int32_t>("ring_slots")
-        .Attr<int32_t>("options"));
+        .Attr<int32_t>("options")
+        .Attr<int32_t>("schedule")          // kBalancedItems | kLoadsTogether
+        .Attr<int32_t>("prefetch_chunks")   // weight chunks past the ring into L2 after each stage
+        .Attr<int32_t>("trace"));           // 1: each CTA's clocks after the handoffs
 
 }  // namespace jfo

@@ -39,6 +39,34 @@ struct LayerState {
   float* ssm;           // [batch, heads, head_dim, state]
 };
 
+// Schedule choices (MambaParams::schedule, bit flags;
+// models.mamba_decode_cuda.SCHEDULE).
+// The CTAs with one more in_proj item than the rest take no out_proj item
+// and no mixer item: each CTA's bytes a layer as even as the items allow.
+constexpr int kBalancedItems = 1;
+// A mixer item issues all its loads of in_proj's outputs before it polls
+// any: one round trip to L2 where there were one per value.
+constexpr int kLoadsTogether = 2;
+constexpr int kAllSchedule = kBalancedItems | kLoadsTogether;
+
+// With a trace (Params::trace): each CTA's clock at these points of each
+// layer, and the *WaitNs entries, thread 0's waits for weight copies in the
+// stage; a row of transformer_decode::kTraceEvents values, whose last two
+// (kIssueNs, kWarp1CopyWaitNs) the ring records
+// (models.mamba_decode_cuda.TRACE_EVENTS names them in this order).
+enum MambaTraceEvent {
+  kAtLayerStart,
+  kAtNormed,
+  kAtInProjDone,
+  kAtMixerReady,  // its last mixer item's inputs polled
+  kAtMixerDone,
+  kAtGatedNormed,
+  kAtOutProjDone,
+  kInProjWaitNs,
+  kOutProjWaitNs,
+};
+static_assert(kOutProjWaitNs < transformer_decode::kIssueNs, "a trace row's events");
+
 struct MambaParams {
   // d, layers, batch, eps, the input and output, the norms' weights
   // (attn_norm), the weight stages (0: in_proj, 1: out_proj; 2 and 3 empty),
@@ -56,6 +84,9 @@ struct MambaParams {
   const float* d_skip;       // [layers, heads]
   const float* gate_norm;    // [layers, inner], the gated norm's weight
   int mixer_offset;          // shared memory of a mixer item: floats [head_dim + 2 state + 2]
+  int mixer_first_cta;       // the CTA of mixer item 0: items go round the grid from it
+  int prefetch_chunks;       // weight chunks past the ring fetched into L2 after each stage
+  int schedule;              // kBalancedItems | kLoadsTogether
   LayerState states[kMaxLayers];
 };
 
@@ -149,6 +180,33 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
   const float* w = m.conv_weight + static_cast<size_t>(layer) * width * channels;
   __nv_bfloat16* ring = m.states[layer].conv;
   const int items = hd + 2 * n;
+  const __nv_bfloat16* in = InProjOf(m, layer) + static_cast<size_t>(b) * m.in_columns;
+  // With kLoadsTogether: the first loads of this thread's in_proj values
+  // (its first kLoadsAhead channels, dt, z), before the state's and the
+  // ring's loads complete; polled below.
+  using transformer_decode::ElementOf;
+  using transformer_decode::LoadHandoff;
+  using transformer_decode::Ready;
+  using transformer_decode::VectorOf;
+  constexpr int kLoadsAhead = 2;
+  const bool together = m.schedule & kLoadsTogether;
+  uint4 ahead[kLoadsAhead], dt_ahead = {}, z_ahead = {};
+  const bool reads_dt = t == 0, reads_z = holds_state && part == 0;
+  if (together) {
+#pragma unroll
+    for (int r = 0; r < kLoadsAhead; ++r) {
+      const int j = t + r * kThreads;
+      ahead[r] = j < items ? LoadHandoff(p, VectorOf(in + in_column(j))) : uint4{};
+    }
+    if (reads_dt) dt_ahead = LoadHandoff(p, VectorOf(in + m.dt_at + h));
+    if (reads_z) z_ahead = LoadHandoff(p, VectorOf(in + m.z_at + h * hd + ch));
+  }
+  // In_proj's value at `src`, from its first load `first` if issued above.
+  auto ready = [&](const __nv_bfloat16* src, const uint4& first, bool issued) {
+    if (!issued) return transformer_decode::ReadyValue(p, src, layer);
+    const __nv_bfloat16* vector = VectorOf(src);
+    return ElementOf(Ready(p, vector, first, layer), static_cast<int>(src - vector));
+  };
   for (int j = t; j < items; j += kThreads) {
     const int c = conv_channel(j);
     float v = m.conv_bias[static_cast<size_t>(layer) * channels + c];
@@ -159,27 +217,33 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
     }
     act[j] = v;
   }
-  const __nv_bfloat16* in = InProjOf(m, layer) + static_cast<size_t>(b) * m.in_columns;
-  for (int j = t; j < items; j += kThreads) {
+  // Position pos's input of channel j: the convolution's last tap, SiLU,
+  // and the input into its ring row, which no item reads this step (B and
+  // C by the group's first head).
+  auto take = [&](int j, float now) {
     const int c = conv_channel(j);
-    const float now = transformer_decode::ReadyValue(p, in + in_column(j), layer);
     act[j] = Silu(fmaf(w[(width - 1) * channels + c], now, act[j]));
-    // This position's input into its ring row, which no item reads this
-    // step; B and C by the group's first head.
     if (j < hd || in_group == 0) {
       ring[(static_cast<size_t>(pos % width) * p.batch + b) * channels + c] = __float2bfloat16(now);
     }
+  };
+#pragma unroll
+  for (int r = 0; r < kLoadsAhead; ++r) {
+    const int j = t + r * kThreads;
+    if (j < items) take(j, ready(in + in_column(j), ahead[r], together));
   }
-  if (t == 0) {
-    const float dt = Softplus(transformer_decode::ReadyValue(p, in + m.dt_at + h, layer) +
+  for (int j = t + kLoadsAhead * kThreads; j < items; j += kThreads) {
+    take(j, ready(in + in_column(j), {}, false));
+  }
+  if (reads_dt) {
+    const float dt = Softplus(ready(in + m.dt_at + h, dt_ahead, together) +
                               m.dt_bias[layer * heads + h]);
     step[0] = dt;
     step[1] = __expf(-dt * __expf(m.a_log[layer * heads + h]));
   }
-  const float z = holds_state && part == 0
-                      ? transformer_decode::ReadyValue(p, in + m.z_at + h * hd + ch, layer)
-                      : 0.f;
+  const float z = reads_z ? ready(in + m.z_at + h * hd + ch, z_ahead, together) : 0.f;
   __syncthreads();
+  transformer_decode::Mark(p, layer, kAtMixerReady);
   if (holds_state) {
     const float x = act[ch], dx = step[0] * x, decay = step[1];
     float y = 0.f;
@@ -287,12 +351,16 @@ __global__ void __launch_bounds__(kThreads, 1) MambaDecodeKernel(const __grid_co
   }
   const WeightStage &in_proj = p.stages[0], &out_proj = p.stages[1];
   const int mixer_items = p.batch * m.heads;
+  const int first_mixer = (blockIdx.x + gridDim.x - m.mixer_first_cta) % gridDim.x;
+  const int first_out = FirstItemOf(out_proj);
   for (int layer = 0; layer < p.layers; ++layer) {
+    Mark(p, layer, kAtLayerStart);
     const __nv_bfloat16* x = BlockInputOf(m, layer);
     // A: the norm and in_proj.
     if (ItemsOfCta(in_proj.items)) {
       NormInto<B>(p, x, p.attn_norm + layer * p.d, operand, scalars, layer);
     }
+    Mark(p, layer, kAtNormed);
     for (int item = blockIdx.x; item < in_proj.items; item += gridDim.x) {
       ItemProduct<kItemColumns, B>(p, ring, in_proj, layer, operand, reduce, result);
       if (layer == 0) {  // a late CTA's clearing must not erase what this writes
@@ -300,22 +368,31 @@ __global__ void __launch_bounds__(kThreads, 1) MambaDecodeKernel(const __grid_co
       }
       InProjEpilogue<B>(m, layer, item, result);
     }
+    ring.RecordWaits(p, layer, kInProjWaitNs);
+    Mark(p, layer, kAtInProjDone);
+    ring.PrefetchPast(p, m.prefetch_chunks);
     if (layer == 0) {  // every handoff cleared before any is polled
       WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
     }
     // B: the convolution, the SSM state's update, the skip and the gate.
-    for (int item = blockIdx.x; item < mixer_items; item += gridDim.x) {
+    for (int item = first_mixer; item < mixer_items; item += gridDim.x) {
       MixerItem<S>(m, layer, item, pos, mix);
     }
+    Mark(p, layer, kAtMixerDone);
     // C: the gated norm, out_proj and the residual add.
-    if (ItemsOfCta(out_proj.items)) GatedNormInto<B>(m, layer, operand, scalars);
-    for (int item = blockIdx.x; item < out_proj.items; item += gridDim.x) {
+    if (ItemsOfCta(out_proj.items, first_out)) GatedNormInto<B>(m, layer, operand, scalars);
+    Mark(p, layer, kAtGatedNormed);
+    for (int item = first_out; item < out_proj.items; item += gridDim.x) {
       const int n0 = item * kItemColumns;
       const float input = ResidualInput<B, kItemColumns>(p, x, n0, layer);
       ItemProduct<kItemColumns, B>(p, ring, out_proj, layer, operand, reduce, result);
       ResidualEpilogue<B, kItemColumns>(p, x, BlockOutputOf(m, layer), n0, result,
                                         /*ahead=*/true, input, layer, kOutExchange, 0u);
     }
+    ring.RecordWaits(p, layer, kOutProjWaitNs);
+    Mark(p, layer, kAtOutProjDone);
+    ring.PrefetchPast(p, m.prefetch_chunks);
+    ring.RecordLayer(p, layer);
   }
 #endif
 }

@@ -19,6 +19,7 @@
 
 #include "../common.h"
 #include "kernel.cuh"
+#include "launch.cuh"
 #include "params.cuh"
 
 namespace jfo {
@@ -77,15 +78,9 @@ inline ffi::ErrorOr<Part> PartOf(const ffi::AnyBuffer& b, const char* name, int 
   return part;
 }
 
+// w: [layers, items, k, columns].
 inline WeightStage StageOf(const Part& w, int columns, int chunk_bytes) {
-  WeightStage st;  // w: [layers, items, k, columns]
-  st.w = reinterpret_cast<const __nv_bfloat16*>(w.data);
-  st.items = static_cast<int>(w.dims[1]);
-  st.k = static_cast<int>(w.dims[2]);
-  st.columns = columns;
-  st.rows_per_chunk = chunk_bytes / (columns * static_cast<int>(sizeof(__nv_bfloat16)));
-  st.chunks_per_item = (st.k + st.rows_per_chunk - 1) / st.rows_per_chunk;
-  return st;
+  return WeightStageOf(w.data, w.dims[1], w.dims[2], columns, chunk_bytes);
 }
 
 inline ffi::Error CheckWeight(const Part& w, const char* name, int64_t layers, int64_t items,
@@ -378,45 +373,15 @@ inline std::mutex& EmulationLock(int device) {
   return locks[device % 64];
 }
 
-// A launch's kernel for the batch and head dim.
+// A launch's kernel for the batch and head dim. Emulated ranks run side by
+// side, each on its share of the SMs, which a cooperative launch does not
+// promise beside another: they launch without it.
 template <int B, int HD>
 ffi::Error LaunchAs(cudaStream_t stream, int device, const Params& p, int grid, size_t shared,
                     bool cooperative) {
-  auto kernel = TransformerDecodeKernel<B, HD>;
-  // Once per device, kernel and shared-memory size: a call's host time is
-  // time the GPU may wait for (one launch a decode step).
-  static std::mutex mu;
-  static std::set<std::tuple<int, size_t>> ready;
-  std::lock_guard<std::mutex> lock(mu);
-  if (!ready.count({device, shared})) {
-    // The most any launch may take, so that no later size is refused.
-    JFO_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DeviceInfoOf(device).max_shared));
-    int per_sm = 0;
-    JFO_CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, shared));
-    if (per_sm < 1) {
-      return ffi::Error::Internal("jax_flashoverlap transformer_decode: the kernel does not fit "
-                                  "an SM with " + std::to_string(shared) +
-                                  " bytes of shared memory");
-    }
-    ready.insert({device, shared});
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid, 1, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = shared;
-  config.stream = stream;
-  // Every CTA resident: the grid barriers and polls rely on it. Emulated
-  // ranks run side by side, each on its share of the SMs, which a
-  // cooperative launch does not promise beside another.
-  cudaLaunchAttribute attrs[1];
-  attrs[0].id = cudaLaunchAttributeCooperative;
-  attrs[0].val.cooperative = cooperative ? 1 : 0;
-  config.attrs = attrs;
-  config.numAttrs = 1;
-  JFO_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&config, kernel, p));
-  return ffi::Error::Success();
+  return LaunchPersistent("jax_flashoverlap transformer_decode: ",
+                          TransformerDecodeKernel<B, HD>, p, stream, device, grid, kThreads,
+                          shared, cooperative);
 }
 
 inline ffi::Error Launch(cudaStream_t stream, int device, const Params& p, int grid, size_t shared,

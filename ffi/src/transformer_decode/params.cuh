@@ -52,6 +52,8 @@ constexpr int kAllOptions = kEvictFirstWeights | kResidualAhead | kKvBeforeCount
 
 // With stage_times 2, each CTA's clock at these points of each layer
 // (thread 0's %globaltimer, ns), and the time it waited for weight copies.
+// A trace row holds kTraceEvents values; another kernel on this machinery
+// (the Mamba-2 one) names its own events below kIssueNs.
 enum TraceEvent {
   kLayerStart,
   kQkvNormed,
@@ -120,6 +122,7 @@ struct WeightStage {
   int columns;
   int rows_per_chunk;
   int chunks_per_item;
+  int first_cta = 0;  // the CTA of item 0: items go round the grid from it
 };
 
 struct Params {
@@ -160,6 +163,20 @@ struct Params {
 // Host side: the workspace's layout.
 
 inline size_t AlignUp(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// A weight stage of `items` items of [k, columns] (bf16 at w, per layer
+// [items, k, columns]) streamed in chunks of chunk_bytes.
+inline WeightStage WeightStageOf(const void* w, int64_t items, int64_t k, int columns,
+                                 int chunk_bytes) {
+  WeightStage st;
+  st.w = static_cast<const __nv_bfloat16*>(w);
+  st.items = static_cast<int>(items);
+  st.k = static_cast<int>(k);
+  st.columns = columns;
+  st.rows_per_chunk = chunk_bytes / (columns * static_cast<int>(sizeof(__nv_bfloat16)));
+  st.chunks_per_item = (st.k + st.rows_per_chunk - 1) / st.rows_per_chunk;
+  return st;
+}
 
 // The layers' handoff buffers (handoff.cuh), at the workspace's end.
 inline size_t HandoffBytes(int64_t layers, int64_t batch, int64_t d, int64_t heads,

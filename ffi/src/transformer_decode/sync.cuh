@@ -68,8 +68,7 @@ __device__ __forceinline__ void Arrive(const Params& p, unsigned* counter) {
 }
 
 // With stage_times 2: this layer's `event` of this CTA is `value`.
-__device__ __forceinline__ void Record(const Params& p, int layer, TraceEvent event,
-                                       uint64_t value) {
+__device__ __forceinline__ void Record(const Params& p, int layer, int event, uint64_t value) {
   if (p.trace) {
     p.trace[(static_cast<size_t>(layer) * kMaxTraceCtas + blockIdx.x) * kTraceEvents + event] =
         value;
@@ -77,7 +76,7 @@ __device__ __forceinline__ void Record(const Params& p, int layer, TraceEvent ev
 }
 
 // Thread 0, with stage_times 2: this layer's clock at `event`.
-__device__ __forceinline__ void Mark(const Params& p, int layer, TraceEvent event) {
+__device__ __forceinline__ void Mark(const Params& p, int layer, int event) {
   if (p.trace && threadIdx.x == 0) Record(p, layer, event, GlobalTimerNs());
 }
 
@@ -162,12 +161,16 @@ __device__ __forceinline__ void BulkLoad(void* slot, const void* src, unsigned b
 }
 
 // The weights' stream. Each CTA's chunks, in the order it consumes them:
-// layer by layer, stage by stage, its items (blockIdx.x, + gridDim.x, ...)
+// layer by layer, stage by stage, its items (FirstItemOf, + gridDim.x, ...)
 // and each item's chunks in order.
 
-__device__ __forceinline__ int ItemsOfCta(int items) {
-  const int cta = blockIdx.x;
-  return cta < items ? (items - cta + gridDim.x - 1) / gridDim.x : 0;
+__device__ __forceinline__ int ItemsOfCta(int items, int first_item = blockIdx.x) {
+  return first_item < items ? (items - first_item + gridDim.x - 1) / gridDim.x : 0;
+}
+
+// The CTA's first item of a stage whose item 0 is CTA st.first_cta's.
+__device__ __forceinline__ int FirstItemOf(const WeightStage& st) {
+  return (blockIdx.x + gridDim.x - st.first_cta) % gridDim.x;
 }
 
 // Where the CTA's next copy comes from (thread 0's). It only moves
@@ -204,7 +207,7 @@ struct ChunkCursor {
   __device__ void LocateItem(const Params& p) {
     const WeightStage& st = p.stages[stage];
     const size_t item_elements = static_cast<size_t>(st.k) * st.columns;
-    const int index = blockIdx.x + item * gridDim.x;
+    const int index = FirstItemOf(st) + item * gridDim.x;
     src = reinterpret_cast<const unsigned char*>(
         st.w + (static_cast<size_t>(layer) * st.items + index) * item_elements);
     chunks = st.chunks_per_item;
@@ -216,7 +219,8 @@ struct ChunkCursor {
 
   // Past the stages (and layers) where this CTA has no item left.
   __device__ void SkipEmpty(const Params& p) {
-    while (layer < p.layers && blockIdx.x + item * gridDim.x >= p.stages[stage].items) {
+    while (layer < p.layers &&
+           FirstItemOf(p.stages[stage]) + item * gridDim.x >= p.stages[stage].items) {
       item = 0;
       if (++stage == kStages) {
         stage = 0;
@@ -270,6 +274,19 @@ struct Ring {
 #endif
   }
 
+  // Thread 0: the `chunks` chunks past the slots' (the next it issues)
+  // fetched into L2, so that HBM streams on past the ring while the CTA
+  // waits on other CTAs; the copies then find them there.
+  __device__ void PrefetchPast(const Params& p, int chunks) const {
+    if (threadIdx.x != 0) return;
+    ChunkCursor ahead = cursor;
+    for (int c = 0; c < chunks && !ahead.Done(p); ++c) {
+      JFO_SM90_ASM("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ahead.src),
+                   "r"(ahead.bytes) : "memory");
+      ahead.Advance(p);
+    }
+  }
+
   // Waits for the next chunk; returns its slot.
   __device__ const uint4* Wait(const Params& p, int layer) {
     const int slot = next_slot;
@@ -289,7 +306,7 @@ struct Ring {
   }
 
   // Thread 0, with a trace: its waits since the last record, as `event`.
-  __device__ void RecordWaits(const Params& p, int layer, TraceEvent event) {
+  __device__ void RecordWaits(const Params& p, int layer, int event) {
     if (p.trace && threadIdx.x == 0) {
       Record(p, layer, event, waited_ns);
       waited_ns = 0;
