@@ -325,9 +325,9 @@ ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
 
 template <int B, int S>
 ffi::Error LaunchAs(cudaStream_t stream, int device, const Launch& launch) {
-  return transformer_decode::LaunchPersistent(kOp, MambaDecodeKernel<B, S>, launch.m, stream,
-                                              device, launch.grid, kThreads, launch.shared,
-                                              /*cooperative=*/true);
+  return transformer_decode::LaunchPersistent(kOp.c_str(), MambaDecodeKernel<B, S>, launch.m,
+                                              stream, device, launch.grid, kThreads,
+                                              launch.shared, /*cooperative=*/true);
 }
 
 template <int B>

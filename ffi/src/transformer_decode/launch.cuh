@@ -18,7 +18,7 @@ namespace transformer_decode {
 // dynamic shared memory; `cooperative`: every CTA resident at once, which
 // the grid barriers and polls rely on. `op` names the kernel in errors.
 template <typename Arg>
-ffi::Error LaunchPersistent(const std::string& op, void (*kernel)(Arg), const Arg& arg,
+ffi::Error LaunchPersistent(const char* op, void (*kernel)(Arg), const Arg& arg,
                             cudaStream_t stream, int device, int grid, int threads,
                             size_t shared, bool cooperative) {
   {
@@ -36,7 +36,7 @@ ffi::Error LaunchPersistent(const std::string& op, void (*kernel)(Arg), const Ar
       JFO_CUDA_RETURN_IF_ERROR(
           cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared));
       if (per_sm < 1) {
-        return ffi::Error::Internal(op + "the kernel does not fit an SM with " +
+        return ffi::Error::Internal(std::string(op) + "the kernel does not fit an SM with " +
                                     std::to_string(shared) + " bytes of shared memory");
       }
       ready.insert(key);
