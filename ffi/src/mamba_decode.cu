@@ -314,8 +314,9 @@ ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
                    " CTAs; this GPU runs " + std::to_string(launch.grid));
   }
   if (a.schedule & kBalancedItems) {
-    // The CTAs that take one more in_proj item than the rest come first.
-    m.mixer_first_cta = p.stages[1].first_cta = p.stages[0].items % launch.grid;
+    // out_proj's and the mixer's items start past the CTAs that take one
+    // more in_proj item than the rest.
+    p.stages[1].first_cta = p.stages[0].items % launch.grid;
   }
   JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(base, 0, kControlBytes, stream));
   if (p.trace) JFO_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(p.trace, 0, trace_bytes, stream));

@@ -84,7 +84,6 @@ struct MambaParams {
   const float* d_skip;       // [layers, heads]
   const float* gate_norm;    // [layers, inner], the gated norm's weight
   int mixer_offset;          // shared memory of a mixer item: floats [head_dim + 2 state + 2]
-  int mixer_first_cta;       // the CTA of mixer item 0: items go round the grid from it
   int prefetch_chunks;       // weight chunks past the ring fetched into L2 after each stage
   int schedule;              // kBalancedItems | kLoadsTogether
   LayerState states[kMaxLayers];
@@ -351,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) MambaDecodeKernel(const __grid_co
   }
   const WeightStage &in_proj = p.stages[0], &out_proj = p.stages[1];
   const int mixer_items = p.batch * m.heads;
-  const int first_mixer = (blockIdx.x + gridDim.x - m.mixer_first_cta) % gridDim.x;
+  // The mixer's items go round the grid as out_proj's do.
   const int first_out = FirstItemOf(out_proj);
   for (int layer = 0; layer < p.layers; ++layer) {
     Mark(p, layer, kAtLayerStart);
@@ -375,7 +374,7 @@ __global__ void __launch_bounds__(kThreads, 1) MambaDecodeKernel(const __grid_co
       WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
     }
     // B: the convolution, the SSM state's update, the skip and the gate.
-    for (int item = first_mixer; item < mixer_items; item += gridDim.x) {
+    for (int item = first_out; item < mixer_items; item += gridDim.x) {
       MixerItem<S>(m, layer, item, pos, mix);
     }
     Mark(p, layer, kAtMixerDone);
