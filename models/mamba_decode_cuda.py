@@ -59,15 +59,12 @@ OPTIONS = 1 | 4 | 16 | 64  # evict-first weights, residual ahead, ordered atomic
 # The kernel's schedule (bit flags, ffi/src/mamba_decode/kernel.cuh):
 # BALANCED_ITEMS gives the CTAs with one more in_proj item than the rest no
 # out_proj or mixer item; LOADS_TOGETHER has a mixer item issue all its
-# loads of in_proj's outputs before polling any. PREFETCH_CHUNKS: weight
-# chunks past the ring that each CTA fetches into L2 after in_proj and
-# after out_proj, so that HBM streams on while the CTA waits on others
-# (the ring holds 192 KB an SM, a 1.3B layer's weights 392 KB). Off until
-# measured; read where the kernel is traced; scripts/mamba_decode_probe.py
-# compares them.
-BALANCED_ITEMS, LOADS_TOGETHER = 1, 2
+# loads of in_proj's outputs before polling any; INPUTS_FIRST has it load
+# everything in_proj does not produce (the convolution's older rows and
+# weights, the biases, A, D) before its polls. Read where the kernel is
+# traced; scripts/mamba_decode_probe.py compares them.
+BALANCED_ITEMS, LOADS_TOGETHER, INPUTS_FIRST = 1, 2, 4
 SCHEDULE = 0
-PREFETCH_CHUNKS = 0
 _CONTROL_BYTES = 4096
 # A trace's rows: per layer, 256 CTAs of 25 clocks (the Transformer
 # kernel's rows), the first TRACE_EVENTS of them named; the last two are
@@ -272,8 +269,7 @@ def _ffi_decode(x, pos, weights, states, *, config: MambaConfig, trace: bool = F
         eps=np.float32(config.norm_eps),
         timeout_ms=np.int32(settings.get("JAX_FLASHOVERLAP_TIMEOUT_MS")),
         chunk_bytes=np.int32(CHUNK_BYTES), ring_slots=np.int32(RING_SLOTS),
-        options=np.int32(OPTIONS), schedule=np.int32(SCHEDULE),
-        prefetch_chunks=np.int32(PREFETCH_CHUNKS), trace=np.int32(trace))
+        options=np.int32(OPTIONS), schedule=np.int32(SCHEDULE), trace=np.int32(trace))
     updated = tuple(type(states[0])(*updated[i:i + 2]) for i in range(0, len(updated), 2))
     if not trace:
         return out, updated

@@ -1,13 +1,11 @@
 """Probe: where the one-kernel Mamba-2 decode step spends its time.
 
     python3 scripts/mamba_decode_probe.py [--shape mamba2-1.3b] [--batch B]
-                                          [--schedule MASK ...]
-                                          [--prefetch-chunks N ...] [--json FILE]
+                                          [--schedule MASK ...] [--json FILE]
 
 The blocks of a published Mamba-2 shape (``models.shapes``) with random
 weights and states in the kernel's layout (``models.mamba_decode_cuda``).
-Each variant (a row for every combination of ``--schedule`` and
-``--prefetch-chunks``) is first checked against the kernel's JAX reference
+Each variant (a row for every ``--schedule``) is first checked against the kernel's JAX reference
 in float32 (within twice the bf16 reference's own error, or
 CHECK_TOLERANCE, and the SSM states within STATE_TOLERANCE); then timed as a
 decode loop, (T(K2) - T(K1)) / (K2 - K1) with the states carried and
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import os
 import statistics
@@ -168,9 +165,6 @@ def main() -> None:
     parser.add_argument("--schedule", nargs="+", type=int, default=[fused.SCHEDULE],
                         metavar="MASK", help="bit masks of models.mamba_decode_cuda.SCHEDULE, "
                                              "a row each (default: the module's)")
-    parser.add_argument("--prefetch-chunks", nargs="+", type=int,
-                        default=[fused.PREFETCH_CHUNKS], metavar="N",
-                        help="models.mamba_decode_cuda.PREFETCH_CHUNKS values, a row each")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "mamba_decode_probe.json"))
     args = parser.parse_args()
@@ -187,17 +181,17 @@ def main() -> None:
                                     **vars(args)})
     refs = references(config, x, weights, states)
     rows = []
-    for schedule, prefetch in itertools.product(args.schedule, args.prefetch_chunks):
-        fused.SCHEDULE, fused.PREFETCH_CHUNKS = schedule, prefetch  # read while tracing
+    for schedule in args.schedule:
+        fused.SCHEDULE = schedule  # read while tracing
         jax.clear_caches()
-        rows.append({"schedule": schedule, "prefetch_chunks": prefetch, "batch": args.batch,
+        rows.append({"schedule": schedule, "batch": args.batch,
                      **measure(config, x, weights, states, refs, hbm_tb_s)})
         print(json.dumps(rows[-1]), flush=True)
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for row in rows:
         t = row["layer_timeline"]
-        print(f"\nschedule {row['schedule']}, prefetch {row['prefetch_chunks']} chunks: step "
+        print(f"\nschedule {row['schedule']}: step "
               f"{row['per_step_us']:.1f} us [{row['per_step_us_min']:.1f}, "
               f"{row['per_step_us_max']:.1f}], floor {row['floor_us']:.1f} us "
               f"({row['x_floor']:.2f}x); a layer {t['layer_us']:.2f} us")

@@ -82,7 +82,7 @@ struct Launch {
 struct Attrs {
   int32_t heads, groups;
   float eps;
-  int32_t timeout_ms, chunk_bytes, ring_slots, options, schedule, prefetch_chunks, trace;
+  int32_t timeout_ms, chunk_bytes, ring_slots, options, schedule, trace;
 };
 
 ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
@@ -174,12 +174,10 @@ ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
     return Invalid("options must include polled handoffs (64) and no unknown bit, got " +
                    std::to_string(a.options));
   }
-  if (a.schedule & ~kAllSchedule || a.prefetch_chunks < 0 || a.prefetch_chunks > 1024 ||
-      a.trace < 0 || a.trace > 1) {
+  if (a.schedule & ~kAllSchedule || a.trace < 0 || a.trace > 1) {
     return Invalid("schedule takes bits " + std::to_string(kAllSchedule) +
-                   ", prefetch_chunks 0 to 1024 and trace 0 or 1; got " +
-                   std::to_string(a.schedule) + ", " + std::to_string(a.prefetch_chunks) +
-                   " and " + std::to_string(a.trace));
+                   " and trace 0 or 1; got " + std::to_string(a.schedule) + " and " +
+                   std::to_string(a.trace));
   }
 
   Launch launch;
@@ -270,7 +268,6 @@ ffi::ErrorOr<Launch> Plan(cudaStream_t stream, int device, const Attrs& a,
   p.trace = trace_bytes ? reinterpret_cast<unsigned long long*>(base + kControlBytes +
                                                                 handoff_bytes)
                         : nullptr;
-  m.prefetch_chunks = a.prefetch_chunks;
   m.schedule = a.schedule;
 
   const DeviceInfo info = DeviceInfoOf(device);
@@ -353,9 +350,9 @@ ffi::Error MambaDecodeImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
                            ffi::Result<ffi::AnyBuffer> workspace, ffi::RemainingRets states_out,
                            int32_t heads, int32_t groups, float eps, int32_t timeout_ms,
                            int32_t chunk_bytes, int32_t ring_slots, int32_t options,
-                           int32_t schedule, int32_t prefetch_chunks, int32_t trace) {
-  const Attrs attrs{heads,      groups,  eps,      timeout_ms,      chunk_bytes,
-                    ring_slots, options, schedule, prefetch_chunks, trace};
+                           int32_t schedule, int32_t trace) {
+  const Attrs attrs{heads,      groups,  eps,      timeout_ms, chunk_bytes,
+                    ring_slots, options, schedule, trace};
   int device = 0;
   JFO_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   JFO_ASSIGN_OR_RETURN(const Launch launch,
@@ -398,8 +395,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("chunk_bytes")
         .Attr<int32_t>("ring_slots")
         .Attr<int32_t>("options")
-        .Attr<int32_t>("schedule")          // kBalancedItems | kLoadsTogether
-        .Attr<int32_t>("prefetch_chunks")   // weight chunks past the ring into L2 after each stage
-        .Attr<int32_t>("trace"));           // 1: each CTA's clocks after the handoffs
+        .Attr<int32_t>("schedule")  // kBalancedItems | kLoadsTogether | kInputsFirst
+        .Attr<int32_t>("trace"));   // 1: each CTA's clocks after the handoffs
 
 }  // namespace jfo

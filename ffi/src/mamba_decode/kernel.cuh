@@ -47,7 +47,13 @@ constexpr int kBalancedItems = 1;
 // A mixer item issues all its loads of in_proj's outputs before it polls
 // any: one round trip to L2 where there were one per value.
 constexpr int kLoadsTogether = 2;
-constexpr int kAllSchedule = kBalancedItems | kLoadsTogether;
+// A mixer item loads what in_proj does not produce (the convolution's older
+// rows, its weights and bias, dt's bias, A and D) before it polls, so that
+// one round trip to HBM overlaps the wait for the slowest in_proj item; each
+// value's loads otherwise follow its poll, a chain of round trips while the
+// weight stream keeps HBM busy.
+constexpr int kInputsFirst = 4;
+constexpr int kAllSchedule = kBalancedItems | kLoadsTogether | kInputsFirst;
 
 // With a trace (Params::trace): each CTA's clock at these points of each
 // layer, and the *WaitNs entries, thread 0's waits for weight copies in the
@@ -84,8 +90,7 @@ struct MambaParams {
   const float* d_skip;       // [layers, heads]
   const float* gate_norm;    // [layers, inner], the gated norm's weight
   int mixer_offset;          // shared memory of a mixer item: floats [head_dim + 2 state + 2]
-  int prefetch_chunks;       // weight chunks past the ring fetched into L2 after each stage
-  int schedule;              // kBalancedItems | kLoadsTogether
+  int schedule;              // kBalancedItems | kLoadsTogether | kInputsFirst
   LayerState states[kMaxLayers];
 };
 
@@ -177,20 +182,50 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
                   : (j < hd + n ? m.b_at + g * n + (j - hd) : m.c_at + g * n + (j - hd - n));
   };
   const float* w = m.conv_weight + static_cast<size_t>(layer) * width * channels;
+  const float* bias = m.conv_bias + static_cast<size_t>(layer) * channels;
   __nv_bfloat16* ring = m.states[layer].conv;
   const int items = hd + 2 * n;
   const __nv_bfloat16* in = InProjOf(m, layer) + static_cast<size_t>(b) * m.in_columns;
+  // Item channel j's convolution over positions pos-width+1 .. pos-1, and
+  // the weight of its last tap (position pos).
+  auto older = [&](int j) {
+    const int c = conv_channel(j);
+    float v = bias[c];
+#pragma unroll
+    for (int i = 0; i < kMaxConvWidth - 1; ++i) {
+      if (i < width - 1) {
+        const int row = (pos + 1 + i) % width;
+        v = fmaf(w[i * channels + c],
+                 __bfloat162float(ring[(static_cast<size_t>(row) * p.batch + b) * channels + c]),
+                 v);
+      }
+    }
+    return v;
+  };
+  auto last_tap = [&](int j) { return w[(width - 1) * channels + conv_channel(j)]; };
+  constexpr int kLoadsAhead = 2;
+  const bool reads_dt = t == 0, reads_z = holds_state && part == 0;
+  const bool first = m.schedule & kInputsFirst;
+  float older_ahead[kLoadsAhead] = {}, tap_ahead[kLoadsAhead] = {};
+  float dt_bias = 0.f, a_log = 0.f, d_skip = 0.f;
+  if (first) {
+#pragma unroll
+    for (int r = 0; r < kLoadsAhead; ++r) {
+      const int j = t + r * kThreads;
+      if (j < items) older_ahead[r] = older(j), tap_ahead[r] = last_tap(j);
+    }
+    if (reads_dt) dt_bias = m.dt_bias[layer * heads + h], a_log = m.a_log[layer * heads + h];
+    if (reads_z) d_skip = m.d_skip[layer * heads + h];
+  }
   // With kLoadsTogether: the first loads of this thread's in_proj values
-  // (its first kLoadsAhead channels, dt, z), before the state's and the
-  // ring's loads complete; polled below.
+  // (its first kLoadsAhead channels, dt, z), before the loads above
+  // complete; polled below.
   using transformer_decode::ElementOf;
   using transformer_decode::LoadHandoff;
   using transformer_decode::Ready;
   using transformer_decode::VectorOf;
-  constexpr int kLoadsAhead = 2;
   const bool together = m.schedule & kLoadsTogether;
   uint4 ahead[kLoadsAhead], dt_ahead = {}, z_ahead = {};
-  const bool reads_dt = t == 0, reads_z = holds_state && part == 0;
   if (together) {
 #pragma unroll
     for (int r = 0; r < kLoadsAhead; ++r) {
@@ -201,44 +236,40 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
     if (reads_z) z_ahead = LoadHandoff(p, VectorOf(in + m.z_at + h * hd + ch));
   }
   // In_proj's value at `src`, from its first load `first` if issued above.
-  auto ready = [&](const __nv_bfloat16* src, const uint4& first, bool issued) {
+  auto ready = [&](const __nv_bfloat16* src, const uint4& first_load, bool issued) {
     if (!issued) return transformer_decode::ReadyValue(p, src, layer);
     const __nv_bfloat16* vector = VectorOf(src);
-    return ElementOf(Ready(p, vector, first, layer), static_cast<int>(src - vector));
+    return ElementOf(Ready(p, vector, first_load, layer), static_cast<int>(src - vector));
   };
-  for (int j = t; j < items; j += kThreads) {
-    const int c = conv_channel(j);
-    float v = m.conv_bias[static_cast<size_t>(layer) * channels + c];
-    for (int i = 0; i < width - 1; ++i) {  // positions pos-width+1 .. pos-1
-      const int row = (pos + 1 + i) % width;
-      v = fmaf(w[i * channels + c],
-               __bfloat162float(ring[(static_cast<size_t>(row) * p.batch + b) * channels + c]), v);
-    }
-    act[j] = v;
+  for (int j = t + (first ? kLoadsAhead * kThreads : 0); j < items; j += kThreads) {
+    act[j] = older(j);
   }
   // Position pos's input of channel j: the convolution's last tap, SiLU,
   // and the input into its ring row, which no item reads this step (B and
   // C by the group's first head).
-  auto take = [&](int j, float now) {
-    const int c = conv_channel(j);
-    act[j] = Silu(fmaf(w[(width - 1) * channels + c], now, act[j]));
+  auto take = [&](int j, float now, float older_sum, float tap) {
+    act[j] = Silu(fmaf(tap, now, older_sum));
     if (j < hd || in_group == 0) {
+      const int c = conv_channel(j);
       ring[(static_cast<size_t>(pos % width) * p.batch + b) * channels + c] = __float2bfloat16(now);
     }
   };
 #pragma unroll
   for (int r = 0; r < kLoadsAhead; ++r) {
     const int j = t + r * kThreads;
-    if (j < items) take(j, ready(in + in_column(j), ahead[r], together));
+    if (j < items) {
+      const float now = ready(in + in_column(j), ahead[r], together);
+      take(j, now, first ? older_ahead[r] : act[j], first ? tap_ahead[r] : last_tap(j));
+    }
   }
   for (int j = t + kLoadsAhead * kThreads; j < items; j += kThreads) {
-    take(j, ready(in + in_column(j), {}, false));
+    take(j, ready(in + in_column(j), {}, false), act[j], last_tap(j));
   }
   if (reads_dt) {
-    const float dt = Softplus(ready(in + m.dt_at + h, dt_ahead, together) +
-                              m.dt_bias[layer * heads + h]);
+    const float now = ready(in + m.dt_at + h, dt_ahead, together);
+    const float dt = Softplus(now + (first ? dt_bias : m.dt_bias[layer * heads + h]));
     step[0] = dt;
-    step[1] = __expf(-dt * __expf(m.a_log[layer * heads + h]));
+    step[1] = __expf(-dt * __expf(first ? a_log : m.a_log[layer * heads + h]));
   }
   const float z = reads_z ? ready(in + m.z_at + h * hd + ch, z_ahead, together) : 0.f;
   __syncthreads();
@@ -265,7 +296,8 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
       y += __shfl_xor_sync(0xffffffffu, y, offset);
     }
     if (part == 0) {
-      const float out = transformer_decode::Bf16Round(fmaf(m.d_skip[layer * heads + h], x, y));
+      const float skip = first ? d_skip : m.d_skip[layer * heads + h];
+      const float out = transformer_decode::Bf16Round(fmaf(skip, x, y));
       GatedOf(m, layer)[static_cast<size_t>(b) * m.inner + h * hd + ch] =
           transformer_decode::HandoffValue(out * Silu(z));
     }
@@ -369,7 +401,6 @@ __global__ void __launch_bounds__(kThreads, 1) MambaDecodeKernel(const __grid_co
     }
     ring.RecordWaits(p, layer, kInProjWaitNs);
     Mark(p, layer, kAtInProjDone);
-    ring.PrefetchPast(p, m.prefetch_chunks);
     if (layer == 0) {  // every handoff cleared before any is polled
       WaitForCount(p, p.cleared, gridDim.x, "the handoffs' clearing", layer);
     }
@@ -390,7 +421,6 @@ __global__ void __launch_bounds__(kThreads, 1) MambaDecodeKernel(const __grid_co
     }
     ring.RecordWaits(p, layer, kOutProjWaitNs);
     Mark(p, layer, kAtOutProjDone);
-    ring.PrefetchPast(p, m.prefetch_chunks);
     ring.RecordLayer(p, layer);
   }
 #endif

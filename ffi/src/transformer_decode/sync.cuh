@@ -274,19 +274,6 @@ struct Ring {
 #endif
   }
 
-  // Thread 0: the `chunks` chunks past the slots' (the next it issues)
-  // fetched into L2, so that HBM streams on past the ring while the CTA
-  // waits on other CTAs; the copies then find them there.
-  __device__ void PrefetchPast(const Params& p, int chunks) const {
-    if (threadIdx.x != 0) return;
-    ChunkCursor ahead = cursor;
-    for (int c = 0; c < chunks && !ahead.Done(p); ++c) {
-      JFO_SM90_ASM("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ahead.src),
-                   "r"(ahead.bytes) : "memory");
-      ahead.Advance(p);
-    }
-  }
-
   // Waits for the next chunk; returns its slot.
   __device__ const uint4* Wait(const Params& p, int layer) {
     const int slot = next_slot;
