@@ -61,9 +61,10 @@ OPTIONS = 1 | 4 | 16 | 64  # evict-first weights, residual ahead, ordered atomic
 # out_proj or mixer item; LOADS_TOGETHER has a mixer item issue all its
 # loads of in_proj's outputs before polling any; INPUTS_FIRST has it load
 # everything in_proj does not produce (the convolution's older rows and
-# weights, the biases, A, D) before its polls. Read where the kernel is
+# weights, the biases, A, D) before its polls; OUTPUT_FIRST has it hand its
+# gated output over before it stores the SSM state. Read where the kernel is
 # traced; scripts/mamba_decode_probe.py compares them.
-BALANCED_ITEMS, LOADS_TOGETHER, INPUTS_FIRST = 1, 2, 4
+BALANCED_ITEMS, LOADS_TOGETHER, INPUTS_FIRST, OUTPUT_FIRST = 1, 2, 4, 8
 SCHEDULE = 0
 _CONTROL_BYTES = 4096
 # A trace's rows: per layer, 256 CTAs of 25 clocks (the Transformer

@@ -395,7 +395,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Attr<int32_t>("chunk_bytes")
         .Attr<int32_t>("ring_slots")
         .Attr<int32_t>("options")
-        .Attr<int32_t>("schedule")  // kBalancedItems | kLoadsTogether | kInputsFirst
+        .Attr<int32_t>("schedule")  // kAllSchedule's bits (mamba_decode/kernel.cuh)
         .Attr<int32_t>("trace"));   // 1: each CTA's clocks after the handoffs
 
 }  // namespace jfo
