@@ -11,8 +11,8 @@ CHECK_TOLERANCE, and the SSM states within STATE_TOLERANCE); then timed as a
 decode loop, (T(K2) - T(K1)) / (K2 - K1) with the states carried and
 donated, median of REPS; then one traced step gives, per point of a layer
 (``models.mamba_decode_cuda.TRACE_EVENTS``), when the last CTA and the
-median CTA passed it, from the layer's first CTA's start, the median over
-layers. The floor is the weights and the states read once over the GPU's
+median CTA passed it, from the median CTA's start of the layer, the median
+over layers. The floor is the weights and the states read once over the GPU's
 datasheet bandwidth (``--hbm-tb-s`` otherwise).
 """
 
@@ -115,21 +115,22 @@ def per_step_us(config, x, weights, states) -> list[float]:
         loop, lambda: (x, weights, jax.tree.map(jnp.copy, states)), STEPS, REPS)
 
 
-def layer_timeline(config, x, weights, states) -> dict:
-    """{event: (last CTA, median CTA) in us from the layer's first start},
-    medians over layers; "*_wait_us": the median CTA's thread 0 waiting for
-    weight copies; "layer_us": a layer's length."""
-    call = jax.jit(lambda *a: fused.traced(*a, config))
-    call(x, POSITION, weights, jax.tree.map(jnp.copy, states))
-    words = np.asarray(call(x, POSITION, weights, jax.tree.map(jnp.copy, states))[2], np.int64)
-    values = words[..., 0] + (words[..., 1] << 32)   # [layers, ctas, row]
-    values = values[:, values[0, :, 0] > 0]          # the grid's CTAs
-    starts = values[:, :, 0].min(axis=1)
+def timeline_of(values: np.ndarray, events: tuple[str, ...]) -> dict:
+    """A traced step's layer, from ``values`` [layers, ctas, row] (ns, the
+    kernel's trace rows of the grid's CTAs; ``events`` names the first
+    columns, ``layer_start`` first): {point: (last CTA, median CTA)} in us
+    from the median CTA's start of the layer, over the CTAs that pass the
+    point, the median over layers; each ``*_ns`` duration and the last two
+    columns (thread 0 issuing copies, thread 32 waiting for them) as the
+    median CTA's "*_us"; "layer_us", the median time between layers'
+    starts. The median CTA's start, not the first: CTAs with no item in a
+    layer's last stages start the next layer early and wait at its norm."""
+    starts = np.median(values[:, :, 0], axis=1)
     durations = {"issue_ns": -2, "warp1_copy_wait_ns": -1,
-                 **{name: e for e, name in enumerate(fused.TRACE_EVENTS) if name.endswith("_ns")}}
+                 **{name: e for e, name in enumerate(events) if name.endswith("_ns")}}
     timeline = {name.replace("_ns", "_us"): float(np.median(values[:, :, e])) / 1e3
                 for name, e in durations.items()}
-    for e, name in enumerate(fused.TRACE_EVENTS):
+    for e, name in enumerate(events):
         if name in durations:
             continue
         last, median = [], []
@@ -141,6 +142,15 @@ def layer_timeline(config, x, weights, states) -> dict:
         timeline[name] = (float(np.median(last)) / 1e3, float(np.median(median)) / 1e3)
     timeline["layer_us"] = float(np.median(np.diff(starts))) / 1e3
     return timeline
+
+
+def layer_timeline(config, x, weights, states) -> dict:
+    """:func:`timeline_of` one traced step."""
+    call = jax.jit(lambda *a: fused.traced(*a, config))
+    call(x, POSITION, weights, jax.tree.map(jnp.copy, states))
+    words = np.asarray(call(x, POSITION, weights, jax.tree.map(jnp.copy, states))[2], np.int64)
+    values = words[..., 0] + (words[..., 1] << 32)   # [layers, ctas, row]
+    return timeline_of(values[:, values[0, :, 0] > 0], fused.TRACE_EVENTS)
 
 
 def measure(config, x, weights, states, refs, hbm_tb_s: float) -> dict:

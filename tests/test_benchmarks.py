@@ -692,3 +692,18 @@ def test_decode_benchmark_takes_a_checkpoints_shape(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["model"], r["size"]) for r in rows] == [("transformer", str(config))]
     assert rows[0]["check_error"] < 1e-4
+
+
+def test_the_mamba_probe_times_a_layer_from_its_median_cta_start():
+    """A CTA that starts a layer early (no item in the layer before's last
+    stages) moves no point; a CTA that never passes a point is not in it."""
+    probe = _load("mamba_decode_probe", SCRIPTS)
+    events = ("layer_start", "normed", "done_ns")
+    # [layer_start, normed, done_ns, thread 0 issuing, thread 32 waiting] a CTA
+    layer = np.array([[1000, 9000, 100, 1000, 2000], [5000, 8000, 200, 1000, 2000],
+                      [5000, 0, 300, 1000, 2000], [7000, 10000, 400, 1000, 2000]], np.int64)
+    later = layer.copy()
+    later[:, :2] += np.where(layer[:, :2] > 0, 40000, 0)  # the same layer 40 us on
+    timeline = probe.timeline_of(np.stack([layer, later]), events)
+    assert timeline == {"done_us": 0.25, "issue_us": 1.0, "warp1_copy_wait_us": 2.0,
+                        "layer_start": (2.0, 0.0), "normed": (5.0, 4.0), "layer_us": 40.0}
