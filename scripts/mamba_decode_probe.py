@@ -5,15 +5,15 @@
 
 The blocks of a published Mamba-2 shape (``models.shapes``) with random
 weights and states in the kernel's layout (``models.mamba_decode_cuda``).
-Each variant (a row for every ``--schedule``) is first checked against the kernel's JAX reference
-in float32 (within twice the bf16 reference's own error, or
-CHECK_TOLERANCE, and the SSM states within STATE_TOLERANCE); then timed as a
-decode loop, (T(K2) - T(K1)) / (K2 - K1) with the states carried and
-donated, median of REPS; then one traced step gives, per point of a layer
-(``models.mamba_decode_cuda.TRACE_EVENTS``), when the last CTA and the
-median CTA passed it, from the median CTA's start of the layer, the median
-over layers. The floor is the weights and the states read once over the GPU's
-datasheet bandwidth (``--hbm-tb-s`` otherwise).
+Each variant (a row for every ``--schedule``) is first checked against the
+kernel's JAX reference in float32 (within twice the bf16 reference's own
+error, or CHECK_TOLERANCE, and the SSM states within STATE_TOLERANCE); then
+timed as a decode loop, (T(K2) - T(K1)) / (K2 - K1) with the states carried
+and donated, median of REPS; then one traced step gives, per point of a
+layer (``models.mamba_decode_cuda.TRACE_EVENTS``), when the last CTA and
+the median CTA passed it, from the median CTA's start of the layer, the
+median over layers. The floor is the weights and the states read once over
+the GPU's datasheet bandwidth (``--hbm-tb-s`` otherwise).
 """
 
 from __future__ import annotations
@@ -172,9 +172,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--hbm-tb-s", type=float, default=None,
                         help="HBM TB/s for the floor (default: the GPU's datasheet)")
-    parser.add_argument("--schedule", nargs="+", type=int, default=[fused.SCHEDULE],
-                        metavar="MASK", help="bit masks of models.mamba_decode_cuda.SCHEDULE, "
-                                             "a row each (default: the module's)")
+    bits = (fused.BALANCED_ITEMS, fused.LOADS_TOGETHER, fused.INPUTS_FIRST, fused.OUTPUT_FIRST)
+    parser.add_argument("--schedule", nargs="+", type=int,
+                        default=sorted({fused.SCHEDULE, 0, *bits, sum(bits)}), metavar="MASK",
+                        help="bit masks of models.mamba_decode_cuda.SCHEDULE, a row each "
+                             "(default: 0, the module's, each bit alone and all of them)")
     parser.add_argument("--json", default=os.path.join(os.environ.get("OUT", "/tmp"),
                                                        "mamba_decode_probe.json"))
     args = parser.parse_args()
