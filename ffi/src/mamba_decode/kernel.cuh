@@ -75,7 +75,8 @@ enum MambaTraceEvent {
   kInProjWaitNs,
   kOutProjWaitNs,
 };
-static_assert(kOutProjWaitNs < transformer_decode::kIssueNs, "a trace row's events");
+static_assert(static_cast<int>(kOutProjWaitNs) < static_cast<int>(transformer_decode::kIssueNs),
+              "a trace row's events");
 
 struct MambaParams {
   // d, layers, batch, eps, the input and output, the norms' weights
