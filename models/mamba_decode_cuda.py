@@ -65,6 +65,7 @@ OPTIONS = 1 | 4 | 16 | 64  # evict-first weights, residual ahead, ordered atomic
 # gated output over before it stores the SSM state. Read where the kernel is
 # traced; scripts/mamba_decode_probe.py compares them.
 BALANCED_ITEMS, LOADS_TOGETHER, INPUTS_FIRST, OUTPUT_FIRST = 1, 2, 4, 8
+SCHEDULE_BITS = (BALANCED_ITEMS, LOADS_TOGETHER, INPUTS_FIRST, OUTPUT_FIRST)
 SCHEDULE = 0
 _CONTROL_BYTES = 4096
 # A trace's rows: per layer, 256 CTAs of 25 clocks (the Transformer

@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--hbm-tb-s", type=float, default=None,
                         help="HBM TB/s for the floor (default: the GPU's datasheet)")
-    bits = (fused.BALANCED_ITEMS, fused.LOADS_TOGETHER, fused.INPUTS_FIRST, fused.OUTPUT_FIRST)
+    bits = fused.SCHEDULE_BITS
     parser.add_argument("--schedule", nargs="+", type=int,
                         default=sorted({fused.SCHEDULE, 0, *bits, sum(bits)}), metavar="MASK",
                         help="bit masks of models.mamba_decode_cuda.SCHEDULE, a row each "

@@ -15,8 +15,7 @@ import jax_flashoverlap
 from jax_flashoverlap import models
 
 fused = models.mamba_decode_cuda
-ALL_SCHEDULE = (fused.BALANCED_ITEMS | fused.LOADS_TOGETHER | fused.INPUTS_FIRST
-                | fused.OUTPUT_FIRST)
+ALL_SCHEDULE = sum(fused.SCHEDULE_BITS)
 
 
 def _config(dtype="bfloat16", **overrides):
@@ -193,8 +192,7 @@ def test_kernel_matches_its_reference(rng, monkeypatch, overrides, batch, schedu
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", [fused.BALANCED_ITEMS, fused.LOADS_TOGETHER,
-                                      fused.INPUTS_FIRST, fused.OUTPUT_FIRST, ALL_SCHEDULE])
+@pytest.mark.parametrize("schedule", [*fused.SCHEDULE_BITS, ALL_SCHEDULE])
 def test_a_schedule_moves_work_and_loads_but_not_a_bit(rng, monkeypatch, schedule):
     """Each schedule choice changes which CTA runs an item and when its loads
     are issued, never its arithmetic: the step's output and states are

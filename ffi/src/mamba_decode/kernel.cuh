@@ -211,6 +211,7 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
   constexpr int kLoadsAhead = 2;
   const bool reads_dt = t == 0, reads_z = holds_state && part == 0;
   const bool first = m.schedule & kInputsFirst;
+  const int head_at = layer * heads + h;  // in dt_bias, a_log and d_skip
   float older_ahead[kLoadsAhead] = {}, tap_ahead[kLoadsAhead] = {};
   float dt_bias = 0.f, a_log = 0.f, d_skip = 0.f;
   if (first) {
@@ -219,8 +220,8 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
       const int j = t + r * kThreads;
       if (j < items) older_ahead[r] = older(j), tap_ahead[r] = last_tap(j);
     }
-    if (reads_dt) dt_bias = m.dt_bias[layer * heads + h], a_log = m.a_log[layer * heads + h];
-    if (reads_z) d_skip = m.d_skip[layer * heads + h];
+    if (reads_dt) dt_bias = m.dt_bias[head_at], a_log = m.a_log[head_at];
+    if (reads_z) d_skip = m.d_skip[head_at];
   }
   // With kLoadsTogether: the first loads of this thread's in_proj values
   // (its first kLoadsAhead channels, dt, z), before the loads above
@@ -272,9 +273,9 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
   }
   if (reads_dt) {
     const float now = ready(in + m.dt_at + h, dt_ahead, together);
-    const float dt = Softplus(now + (first ? dt_bias : m.dt_bias[layer * heads + h]));
+    const float dt = Softplus(now + (first ? dt_bias : m.dt_bias[head_at]));
     step[0] = dt;
-    step[1] = __expf(-dt * __expf(first ? a_log : m.a_log[layer * heads + h]));
+    step[1] = __expf(-dt * __expf(first ? a_log : m.a_log[head_at]));
   }
   const float z = reads_z ? ready(in + m.z_at + h * hd + ch, z_ahead, together) : 0.f;
   __syncthreads();
@@ -306,7 +307,7 @@ __device__ void MixerItem(const MambaParams& m, int layer, int item, int pos, fl
       y += __shfl_xor_sync(0xffffffffu, y, offset);
     }
     if (part == 0) {
-      const float skip = first ? d_skip : m.d_skip[layer * heads + h];
+      const float skip = first ? d_skip : m.d_skip[head_at];
       const float out = transformer_decode::Bf16Round(fmaf(skip, x, y));
       GatedOf(m, layer)[static_cast<size_t>(b) * m.inner + h * hd + ch] =
           transformer_decode::HandoffValue(out * Silu(z));
